@@ -1,0 +1,1 @@
+"""pasa-diffusers: overflow-free FP16 attention (PASA) for video diffusion."""
