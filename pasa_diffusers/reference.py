@@ -1,0 +1,251 @@
+"""Exact PyTorch versions of every attention variant: the spec the kernels are tested against.
+
+All functions take ``(B, H, N, D)`` tensors, allow ``Nq != Nk`` and any ``N >= 1``, and grouped
+query attention (``Hq`` a multiple of ``Hk``: query head ``h`` reads key/value head ``h // (Hq/Hk)``).
+
+Rounding model.  A "GEMM dtype" ``g`` holds what a tensor core reads: bf16 for bf16 inputs, fp16
+otherwise.  A GEMM multiplies ``g`` operands exactly and accumulates in fp32 (as tensor cores do),
+then rounds its result to the stage's dtype.  Every elementwise step of a variant is computed in
+fp32 and rounded to the dtype of the state it produces, so a ``"half"`` pipeline rounds to fp16
+after every operation, exactly as a kernel holding fp16 registers would (and overflows to inf above
+65504 as such a kernel does).  Query rows are independent, so ``block_m`` only bounds memory; the
+key blocking (``block_n``) is what changes the result.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .beta import gamma as recovery_gamma
+from .beta import optimal_beta, shift_entries
+
+__all__ = [
+    "golden_attention",
+    "flash_reference",
+    "pasa_reference",
+    "smooth_k_reference",
+    "gemm_dtype",
+    "DEFAULT_BETA",
+]
+
+DEFAULT_BETA = optimal_beta(128, torch.float16, 1.0, start=1.0 - 2.0 ** -4)
+"""0.9375: the fp16 fixed point for 128-key blocks (every entry of M exactly representable)."""
+
+_FLASH_PRECISIONS = ("fp32", "half")
+_PASA_PRECISIONS = ("half", "hybrid", "fp64")
+
+
+def validate_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fn: str) -> None:
+    """Check ranks, shapes and GQA grouping of ``(B, H, N, D)`` inputs; raise ``ValueError`` naming the argument."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{fn}: {name} must have rank 4 (B, H, N, D), got {name}.shape={tuple(t.shape)}")
+        if t.numel() == 0:
+            raise ValueError(f"{fn}: {name} is empty ({name}.shape={tuple(t.shape)}); every dim must be >= 1")
+    if not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise ValueError(f"{fn}: batch sizes differ: q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)}, "
+                         f"v.shape={tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"{fn}: k and v must agree in (B, H, N): k.shape={tuple(k.shape)}, v.shape={tuple(v.shape)}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"{fn}: head dim of q and k differ: q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)}")
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"{fn}: q heads ({q.shape[1]}) must be a multiple of k/v heads ({k.shape[1]}) for GQA")
+    if len({q.device, k.device, v.device}) != 1:
+        raise ValueError(f"{fn}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+
+
+def _check_block(name: str, value: int, fn: str) -> None:
+    if not (isinstance(value, int) and value >= 1):
+        raise ValueError(f"{fn}: {name} must be a positive int, got {name}={value!r}")
+
+
+def _check_precision(precision: str, allowed: tuple[str, ...], fn: str) -> None:
+    if precision not in allowed:
+        raise ValueError(f"{fn}: unknown precision={precision!r}; expected one of {allowed}")
+
+
+def _default_scale(q: torch.Tensor, scale: float | None, fn: str) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(q.shape[-1])
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"{fn}: scale must be a positive finite float, got scale={scale!r}")
+    return float(scale)
+
+
+def gemm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a tensor core reads for inputs of ``dtype``: bf16 stays bf16, everything else is fp16."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float16
+
+
+def _expand_kv(t: torch.Tensor, hq: int) -> torch.Tensor:
+    return t.repeat_interleave(hq // t.shape[1], dim=1)
+
+
+def _gemm(a: torch.Tensor, b: torch.Tensor, out: torch.dtype) -> torch.Tensor:
+    """``a @ b`` with exact products, wide accumulation, one rounding to ``out``."""
+    wide = torch.float64 if out == torch.float64 else torch.float32
+    return (a.to(wide) @ b.to(wide)).to(out)
+
+
+def _rowsum(x: torch.Tensor, out: torch.dtype) -> torch.Tensor:
+    wide = torch.float64 if out == torch.float64 else torch.float32
+    return x.to(wide).sum(-1, keepdim=True).to(out)
+
+
+def golden_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Exact softmax attention ``softmax(scale q k^T) v`` in float64 (returns float64)."""
+    validate_qkv(q, k, v, "golden_attention")
+    scale = _default_scale(q, scale, "golden_attention")
+    q64, k64, v64 = q.double(), _expand_kv(k.double(), q.shape[1]), _expand_kv(v.double(), q.shape[1])
+    return torch.softmax(scale * (q64 @ k64.transpose(-1, -2)), dim=-1) @ v64
+
+
+def _row_chunks(n: int, block_m: int):
+    for start in range(0, n, block_m):
+        yield slice(start, min(start + block_m, n))
+
+
+def _key_blocks(n: int, block_n: int):
+    for start in range(0, n, block_n):
+        yield start, min(start + block_n, n)
+
+
+def flash_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, *,
+                    block_m: int = 128, block_n: int = 128, precision: str = "fp32") -> torch.Tensor:
+    """Online-softmax FlashAttention over key blocks of ``block_n``.
+
+    ``"fp32"``: scores ``fp32(q k^T) * scale``, softmax state and accumulator in fp32, ``P`` rounded to
+    the GEMM dtype for ``P V`` (as FlashAttention-2 and cuDNN do).
+    ``"half"``: raw scores ``fp16(q k^T)`` (inf above 65504), then every stage in fp16: the naive
+    fully-FP16 kernel, which returns NaN once a score overflows.
+    Output in ``q.dtype``.
+    """
+    fn = "flash_reference"
+    validate_qkv(q, k, v, fn)
+    _check_precision(precision, _FLASH_PRECISIONS, fn)
+    _check_block("block_m", block_m, fn)
+    _check_block("block_n", block_n, fn)
+    scale = _default_scale(q, scale, fn)
+    g = gemm_dtype(q.dtype)
+    if precision == "half" and g != torch.float16:
+        raise ValueError(f"{fn}: precision='half' needs fp16 GEMMs; q.dtype={q.dtype} (use precision='fp32')")
+    st = torch.float32 if precision == "fp32" else torch.float16
+    qg = q.to(g)
+    kg, vg = _expand_kv(k.to(g), q.shape[1]), _expand_kv(v.to(g), q.shape[1])
+    out = torch.empty(q.shape[:3] + (v.shape[-1],), dtype=q.dtype, device=q.device)
+    for rows in _row_chunks(q.shape[2], block_m):
+        q_blk = qg[:, :, rows]
+        m_i = torch.full(q_blk.shape[:3] + (1,), -math.inf, dtype=st, device=q.device)
+        l_i = torch.zeros_like(m_i)
+        acc = torch.zeros(q_blk.shape[:3] + (v.shape[-1],), dtype=st, device=q.device)
+        for start, stop in _key_blocks(k.shape[2], block_n):
+            s = _gemm(q_blk, kg[:, :, start:stop].transpose(-1, -2), st) * torch.tensor(scale, dtype=st)
+            m_new = torch.maximum(m_i, s.amax(-1, keepdim=True))
+            p = torch.exp(s - m_new)
+            alpha = torch.exp(m_i - m_new)
+            l_i = alpha * l_i + _rowsum(p, st)
+            acc = alpha * acc + _gemm(p.to(g), vg[:, :, start:stop], st)
+            m_i = m_new
+        out[:, :, rows] = (acc.float() / l_i.float()).to(q.dtype)
+    return out
+
+
+def pasa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, *,
+                   beta: float | None = None, block_m: int = 128, block_n: int = 128,
+                   precision: str = "half") -> torch.Tensor:
+    """PASA (Online Pseudo-Average Shifting Attention), step by step as the paper's algorithm.
+
+    Per key block ``j`` of ``n_j`` keys (the last, ragged block uses only its ``n_j`` valid keys and its
+    own ``M``; the authors' script repeats rows instead):
+
+    1. ``k_shift = fp(scale M_j) k_j`` with ``M_j = I - (beta/n_j) 11^T``, i.e. ``a k_j - c colsum(k_j)``
+       from the stored entries (``beta.shift_entries``), rounded to the GEMM dtype;
+    2. ``s = q k_shift^T`` (rounded to the GEMM dtype), ``mu_j = rowmean(s)``; the removed
+       pseudo-average is ``gamma_j mu_j`` with ``gamma_j`` computed from the stored entries
+       (``beta.gamma``); the tail's mean is rescaled, ``mu_hat_j = (gamma_j / gamma) mu_j``, so all
+       blocks share the full block's ``gamma``;
+    3. running pseudo-average ``avg_j = avg_{j-1} + (mu_hat_j - avg_{j-1}) / j``;
+    4. global recovering: ``delta_j = gamma (mu_hat_j - avg_j)`` puts the block on the reference
+       ``gamma avg_j``, ``eps_j = gamma (avg_{j-1} - avg_j)`` moves the old state there;
+    5. FlashAttention's merge on the logits ``s + delta_j`` with the old ``m`` shifted by ``eps_j``;
+    6. ``out = acc / l``.
+
+    The reference cancels in ``acc / l``: the result is ``softmax(scale q k^T) v`` exactly in real
+    arithmetic for any beta in (0, 1).  Precisions: ``"half"`` (entries, scores and every state in
+    fp16), ``"hybrid"`` (fp16 entries and scores, fp32 state and accumulator), ``"fp64"`` (no rounding
+    anywhere; returns float64).  ``beta=None`` uses ``DEFAULT_BETA``.
+    """
+    fn = "pasa_reference"
+    validate_qkv(q, k, v, fn)
+    _check_precision(precision, _PASA_PRECISIONS, fn)
+    _check_block("block_m", block_m, fn)
+    _check_block("block_n", block_n, fn)
+    scale = _default_scale(q, scale, fn)
+    beta = DEFAULT_BETA if beta is None else beta
+    if not (isinstance(beta, (int, float)) and 0.0 < float(beta) < 1.0):
+        raise ValueError(f"{fn}: beta must lie in (0, 1), got beta={beta!r}")
+    if precision == "fp64":
+        g = st = torch.float64
+    else:
+        g = gemm_dtype(q.dtype)
+        st = torch.float16 if precision == "half" else torch.float32
+        if precision == "half" and g != torch.float16:
+            raise ValueError(f"{fn}: precision='half' needs fp16 GEMMs; q.dtype={q.dtype} (use precision='hybrid')")
+    wide = torch.float64 if g == torch.float64 else torch.float32
+    n_full = min(block_n, k.shape[2])
+    gam_full = recovery_gamma(beta, n_full, g, scale)
+    gam = torch.tensor(gam_full, dtype=st)
+
+    qg = q.to(g)
+    kg, vg = _expand_kv(k.to(g), q.shape[1]), _expand_kv(v.to(g), q.shape[1])
+    out_dtype = torch.float64 if precision == "fp64" else q.dtype
+    out = torch.empty(q.shape[:3] + (v.shape[-1],), dtype=out_dtype, device=q.device)
+    for rows in _row_chunks(q.shape[2], block_m):
+        q_blk = qg[:, :, rows]
+        m_i = torch.full(q_blk.shape[:3] + (1,), -math.inf, dtype=st, device=q.device)
+        l_i = torch.zeros_like(m_i)
+        acc = torch.zeros(q_blk.shape[:3] + (v.shape[-1],), dtype=st, device=q.device)
+        avg_j = None
+        for j, (start, stop) in enumerate(_key_blocks(k.shape[2], block_n), start=1):
+            n_j = stop - start
+            diag, off = shift_entries(beta, n_j, g, scale)
+            a, c = diag - off, -off
+            k_blk = kg[:, :, start:stop].to(wide)
+            k_shift = (a * k_blk - c * k_blk.sum(-2, keepdim=True)).to(g)
+            s = _gemm(q_blk, k_shift.transpose(-1, -2), g).to(st)
+            mu_j = (_rowsum(s, wide) / n_j).to(st)
+            mu_hat = mu_j * torch.tensor(recovery_gamma(beta, n_j, g, scale) / gam_full, dtype=st)
+            if avg_j is None:
+                avg_prev = avg_j = mu_hat
+            else:
+                avg_prev, avg_j = avg_j, avg_j + (mu_hat - avg_j) / torch.tensor(j, dtype=st)
+            delta = gam * (mu_hat - avg_j)
+            eps = gam * (avg_prev - avg_j)
+            logits = s + delta
+            m_prev = m_i + eps
+            m_new = torch.maximum(m_prev, logits.amax(-1, keepdim=True))
+            p = torch.exp(logits - m_new)
+            alpha = torch.exp(m_prev - m_new)
+            l_i = alpha * l_i + _rowsum(p, st)
+            acc = alpha * acc + _gemm(p.to(g), vg[:, :, start:stop], st)
+            m_i = m_new
+        out[:, :, rows] = (acc.to(wide) / l_i.to(wide)).to(out_dtype)
+    return out
+
+
+def smooth_k_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, *,
+                       block_m: int = 128, block_n: int = 128, precision: str = "half") -> torch.Tensor:
+    """SageAttention's smooth-K, then :func:`flash_reference`.
+
+    ``k - mean_tokens(k)`` (per batch, head and channel; computed in fp32 and rounded back to the
+    input's GEMM dtype) changes every score of a row by the same ``q . k_mean``, so softmax is unchanged
+    in exact arithmetic while the sequence bias of K is gone.
+    """
+    validate_qkv(q, k, v, "smooth_k_reference")
+    k_wide = k.to(torch.float64 if k.dtype == torch.float64 else torch.float32)
+    k_smooth = (k_wide - k_wide.mean(dim=-2, keepdim=True)).to(k.dtype)
+    return flash_reference(q, k_smooth, v, scale, block_m=block_m, block_n=block_n, precision=precision)
