@@ -1,0 +1,547 @@
+"""diffusers attention processors that route attention through PASA, their comparison twins, and apply/restore.
+
+Every processor here runs the body of diffusers' ``AttnProcessor2_0`` (the default processor of the
+legacy ``Attention`` module that Stable Video Diffusion uses) and differs only in the attention call,
+made through the ``attention(query, key, value, attn)`` hook on ``(batch, tokens, heads, head_dim)``
+views of the projections:
+
+- ``PASAAttnProcessor``: ``pasa_attention`` (fully FP16 PASA by default);
+- ``NaiveHalfAttnProcessor``: plain fully-FP16 FlashAttention, the control that overflows;
+- ``FP32AttnProcessor``: SDPA on fp32 copies, the reference output everything is scored against;
+- ``BF16AttnProcessor``: SDPA on bf16 copies;
+- ``SDPAAttnProcessor``: SDPA in the model's dtype, as the stock processor.
+
+Every processor takes ``dtype``: attention then works on q, k, v cast to it (e.g. fp16 in an fp32 model).
+
+Where the PASA op cannot serve a call (attention mask, a single key, head dim or dtype out of its
+range) the processor computes the same attention another way, counts it under its reason in
+``fallbacks`` and logs the first occurrence of each reason; ``fallback_summary`` adds the counts up.
+``apply`` installs one processor per attention module, chosen by module kind, and ``restore`` puts
+back the processors it replaced.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from diffusers import DiffusionPipeline
+from diffusers.models.attention_processor import Attention
+
+from .ops import MAX_HEAD_DIM, MIN_HEAD_DIM, SUPPORTED_DTYPES, pasa_attention
+
+__all__ = [
+    "CountedAttnProcessor",
+    "PASAAttnProcessor",
+    "NaiveHalfAttnProcessor",
+    "FP32AttnProcessor",
+    "BF16AttnProcessor",
+    "SDPAAttnProcessor",
+    "BACKENDS",
+    "KINDS",
+    "PRECISION_DTYPES",
+    "module_kind",
+    "apply",
+    "restore",
+    "fallback_summary",
+]
+
+logger = logging.getLogger("pasa_diffusers")
+
+KINDS = ("spatial-self", "spatial-cross", "temporal-self", "temporal-cross", "other")
+"""Module kinds ``apply`` distinguishes, by processor key (see ``module_kind``)."""
+
+PRECISION_DTYPES: dict[str, tuple[torch.dtype, ...]] = {
+    "half": (torch.float16,),
+    "hybrid": SUPPORTED_DTYPES,
+    "fp64": (torch.float16, torch.bfloat16, torch.float32, torch.float64),
+}
+"""Input dtypes ``pasa_attention`` takes for each ``precision``; other dtypes fall back to SDPA."""
+
+_SAVED_ATTR = "_pasa_saved_processors"
+
+
+def _sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` on ``(B, N, H, D)`` tensors; returns ``(B, Nq, H, D)``."""
+    if attention_mask is not None and attention_mask.is_floating_point():
+        attention_mask = attention_mask.to(query.dtype)
+    hidden_states = F.scaled_dot_product_attention(
+        query.transpose(1, 2),
+        key.transpose(1, 2),
+        value.transpose(1, 2),
+        attn_mask=attention_mask,
+        dropout_p=0.0,
+        is_causal=False,
+        scale=scale,
+    )
+    return hidden_states.transpose(1, 2)
+
+
+class CountedAttnProcessor:
+    r"""
+    Base of the processors here: ``AttnProcessor2_0``'s body around an ``attention`` hook, with counters.
+
+    Subclasses implement ``attention(query, key, value, attn, attention_mask)`` on ``(batch, tokens,
+    heads, head_dim)`` tensors and may refuse calls by returning a reason from ``fallback_reason``;
+    a refused call is computed exactly instead (V itself for a single key, SDPA otherwise) and counted.
+
+    Args:
+        dtype: the dtype attention works on: query, key and value are cast to it before the attention
+            call (or its fallback) and the result back to the model's dtype.  ``None`` (default) keeps
+            the model's dtype; ``torch.float16`` lets an fp32 model feed the half variants fp16 tensors.
+
+    Attributes:
+        calls: attention calls served (fallbacks included).
+        fallbacks: number of fallback calls per reason.
+        name: module path, set by ``apply``; used in the fallback warning.
+    """
+
+    def __init__(self, dtype: torch.dtype | None = None) -> None:
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"{type(self).__name__}: dtype must be a floating torch.dtype or None, got {dtype!r}")
+        self.dtype = dtype
+        self.calls = 0
+        self.fallbacks: dict[str, int] = {}
+        self.name: str | None = None
+        self._warned: set[str] = set()
+
+    def __call__(
+        self,
+        attn: Attention,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        temb: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        residual = hidden_states
+        if attn.spatial_norm is not None:
+            hidden_states = attn.spatial_norm(hidden_states, temb)
+
+        input_ndim = hidden_states.ndim
+
+        if input_ndim == 4:
+            batch_size, channel, height, width = hidden_states.shape
+            hidden_states = hidden_states.view(batch_size, channel, height * width).transpose(1, 2)
+
+        batch_size, sequence_length, _ = (
+            hidden_states.shape if encoder_hidden_states is None else encoder_hidden_states.shape
+        )
+
+        if attention_mask is not None:
+            attention_mask = attn.prepare_attention_mask(attention_mask, sequence_length, batch_size)
+            # (batch, heads, source_length, target_length), as scaled_dot_product_attention expects
+            attention_mask = attention_mask.view(batch_size, attn.heads, -1, attention_mask.shape[-1])
+
+        if attn.group_norm is not None:
+            hidden_states = attn.group_norm(hidden_states.transpose(1, 2)).transpose(1, 2)
+
+        query = attn.to_q(hidden_states)
+
+        if encoder_hidden_states is None:
+            encoder_hidden_states = hidden_states
+        elif attn.norm_cross:
+            encoder_hidden_states = attn.norm_encoder_hidden_states(encoder_hidden_states)
+
+        key = attn.to_k(encoder_hidden_states)
+        value = attn.to_v(encoder_hidden_states)
+
+        inner_dim = key.shape[-1]
+        head_dim = inner_dim // attn.heads
+
+        # (batch, seq_len, heads, head_dim) views of the projections: no transposes, no copies
+        query = query.view(batch_size, -1, attn.heads, head_dim)
+        key = key.view(batch_size, -1, attn.heads, head_dim)
+        value = value.view(batch_size, -1, attn.heads, head_dim)
+
+        if attn.norm_q is not None:
+            query = attn.norm_q(query)
+        if attn.norm_k is not None:
+            key = attn.norm_k(key)
+
+        # the output = (batch, seq_len, heads, head_dim)
+        hidden_states = self._attend(query, key, value, attn, attention_mask)
+
+        hidden_states = hidden_states.reshape(batch_size, -1, attn.heads * head_dim)
+        hidden_states = hidden_states.to(query.dtype)
+
+        # linear proj
+        hidden_states = attn.to_out[0](hidden_states)
+        # dropout
+        hidden_states = attn.to_out[1](hidden_states)
+
+        if input_ndim == 4:
+            hidden_states = hidden_states.transpose(-1, -2).reshape(batch_size, channel, height, width)
+
+        if attn.residual_connection:
+            hidden_states = hidden_states + residual
+
+        hidden_states = hidden_states / attn.rescale_output_factor
+
+        return hidden_states
+
+    def attention(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn: Attention,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of ``(B, N, H, D)`` tensors with scale ``attn.scale``; returns ``(B, Nq, H, D)``."""
+        raise NotImplementedError
+
+    def fallback_reason(
+        self, query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> str | None:
+        """Why ``attention`` cannot serve this call, or ``None`` when it can (the default)."""
+        return None
+
+    def _attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn: Attention,
+        attention_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Count the call, cast to ``dtype``, then run ``attention`` or the fallback its reason calls for."""
+        self.calls += 1
+        if self.dtype is not None:
+            query, key, value = query.to(self.dtype), key.to(self.dtype), value.to(self.dtype)
+        reason = self.fallback_reason(query, key, attention_mask)
+        if reason is None:
+            return self.attention(query, key, value, attn, attention_mask)
+        self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+        if reason not in self._warned:
+            self._warned.add(reason)
+            logger.warning(
+                "%s: %s in %s; computing it without the PASA op (counted in .fallbacks, logged once)",
+                type(self).__name__,
+                reason,
+                self.name or "an attention module",
+            )
+        if reason == "single key":
+            # softmax over one key is exactly 1: every query row gets that key's value
+            return value.expand(-1, query.shape[1], -1, -1)
+        return _sdpa(query, key, value, attn.scale, attention_mask)
+
+
+class PASAAttnProcessor(CountedAttnProcessor):
+    r"""
+    Attention through ``pasa_diffusers.ops.pasa_attention`` (PASA by default).
+
+    Args:
+        precision: ``"half"`` (fully FP16), ``"hybrid"`` (fp16 GEMMs, fp32 softmax state) or
+            ``"fp64"`` (the exact reference math; slow, for tests).
+        shift: ``True`` for PASA, ``False`` for plain FlashAttention in the same precision.
+        beta: PASA's shift strength in (0, 1); ``None`` uses the op's default.
+        dtype: the dtype attention works on (see ``CountedAttnProcessor``).
+
+    Falls back (counted, logged once per reason) for an attention mask (``"attention mask"``), a
+    single key (``"single key"``), a head dim outside ``[MIN_HEAD_DIM, MAX_HEAD_DIM]``
+    (``"head dim 512"``) and an input dtype the precision does not take (``"dtype float32"``).
+    """
+
+    def __init__(
+        self, precision: str = "half", shift: bool = True, beta: float | None = None, dtype: torch.dtype | None = None
+    ) -> None:
+        super().__init__(dtype)
+        if precision not in PRECISION_DTYPES:
+            raise ValueError(
+                f"{type(self).__name__}: unknown precision={precision!r}; expected one of {tuple(PRECISION_DTYPES)}"
+            )
+        self.precision = precision
+        self.shift = shift
+        self.beta = beta
+
+    def fallback_reason(
+        self, query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> str | None:
+        # the mask comes first: the single-key shortcut below ignores it
+        if attention_mask is not None:
+            return "attention mask"
+        if key.shape[1] == 1:
+            return "single key"
+        head_dim = query.shape[-1]
+        if not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
+            return f"head dim {head_dim}"
+        if query.dtype not in PRECISION_DTYPES[self.precision]:
+            return f"dtype {str(query.dtype).removeprefix('torch.')}"
+        return None
+
+    def attention(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn: Attention,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return pasa_attention(
+            query,
+            key,
+            value,
+            scale=attn.scale,
+            precision=self.precision,
+            shift=self.shift,
+            beta=self.beta,
+            layout="bnhd",
+        )
+
+
+class NaiveHalfAttnProcessor(PASAAttnProcessor):
+    r"""
+    The control: fully-FP16 FlashAttention without PASA's shift (inf/NaN once a raw score passes 65504).
+    """
+
+    def __init__(self, dtype: torch.dtype | None = None) -> None:
+        super().__init__(precision="half", shift=False, dtype=dtype)
+
+
+class FP32AttnProcessor(CountedAttnProcessor):
+    r"""
+    SDPA on fp32 copies of query, key and value, cast back: the reference output of the comparisons.
+    """
+
+    def attention(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn: Attention,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        hidden_states = _sdpa(query.float(), key.float(), value.float(), attn.scale, attention_mask)
+        return hidden_states.to(query.dtype)
+
+
+class BF16AttnProcessor(CountedAttnProcessor):
+    r"""
+    SDPA on bf16 copies of query, key and value, cast back.
+    """
+
+    def attention(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn: Attention,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        hidden_states = _sdpa(query.bfloat16(), key.bfloat16(), value.bfloat16(), attn.scale, attention_mask)
+        return hidden_states.to(query.dtype)
+
+
+class SDPAAttnProcessor(CountedAttnProcessor):
+    r"""
+    SDPA in the model's dtype (or ``dtype``), as ``AttnProcessor2_0``, counted like the other processors.
+    """
+
+    def attention(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn: Attention,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return _sdpa(query, key, value, attn.scale, attention_mask)
+
+
+BACKENDS: dict[str, tuple[type[CountedAttnProcessor], dict[str, Any]]] = {
+    "pasa": (PASAAttnProcessor, {}),
+    "pasa-hybrid": (PASAAttnProcessor, {"precision": "hybrid"}),
+    "fp32": (FP32AttnProcessor, {}),
+    "naive-half": (NaiveHalfAttnProcessor, {}),
+    "sdpa": (SDPAAttnProcessor, {}),
+    "bf16": (BF16AttnProcessor, {}),
+}
+"""Backend name -> (processor class, the constructor arguments the name fixes)."""
+
+
+def module_kind(key: str) -> str:
+    """The kind (one of ``KINDS``) of the attention module behind an ``attn_processors`` key."""
+    path = key.removesuffix(".processor")
+    leaf = path.rsplit(".", 1)[-1]
+    if "temporal_transformer_blocks" in path:
+        place = "temporal"
+    elif "transformer_blocks" in path:
+        place = "spatial"
+    else:
+        return "other"
+    if leaf == "attn1":
+        return f"{place}-self"
+    if leaf == "attn2":
+        return f"{place}-cross"
+    return "other"
+
+
+def _components(model_or_pipeline: Any, vae: bool) -> list[tuple[str, torch.nn.Module]]:
+    """``(prefix, model)`` pairs for ``apply``: the model itself, or a pipeline's UNet (and VAE)."""
+    if isinstance(model_or_pipeline, DiffusionPipeline):
+        models = []
+        for name in ("unet", "vae") if vae else ("unet",):
+            model = getattr(model_or_pipeline, name, None)
+            if model is None:
+                raise ValueError(f"apply: pipeline {type(model_or_pipeline).__name__} has no {name}")
+            models.append((f"{name}.", model))
+    else:
+        models = [("", model_or_pipeline)]
+    for _, model in models:
+        if not (hasattr(model, "attn_processors") and hasattr(model, "set_attn_processor")):
+            raise ValueError(
+                f"apply: expected a diffusers model with attention processors or a pipeline, "
+                f"got {type(model).__name__}"
+            )
+        if not model.attn_processors:
+            raise ValueError(f"apply: {type(model).__name__} has no attention modules")
+    return models
+
+
+def _make_processor(backend: str, options: dict[str, Any]) -> CountedAttnProcessor:
+    if backend not in BACKENDS:
+        raise ValueError(f"apply: unknown backend={backend!r}; expected one of {tuple(BACKENDS)}")
+    cls, fixed = BACKENDS[backend]
+    clashing = sorted(set(fixed) & set(options))
+    if clashing:
+        raise ValueError(f"apply: backend={backend!r} fixes {fixed}; remove {clashing} from the options")
+    unknown = sorted(set(options) - set(inspect.signature(cls).parameters))
+    if unknown:
+        raise ValueError(f"apply: backend={backend!r} ({cls.__name__}) takes no options {unknown}")
+    return cls(**fixed, **options)
+
+
+def apply(
+    model_or_pipeline: Any,
+    backend: str = "pasa",
+    *,
+    spatial: bool = True,
+    temporal: bool = True,
+    cross: bool = True,
+    vae: bool = False,
+    **options: Any,
+) -> dict[str, Any]:
+    """Install a fresh ``backend`` processor on every selected attention module.
+
+    Args:
+        model_or_pipeline: a diffusers model (e.g. ``UNetSpatioTemporalConditionModel``,
+            ``UNet2DConditionModel``, a VAE) or a pipeline, which stands for ``pipe.unet`` (and
+            ``pipe.vae`` with ``vae=True``).
+        backend: one of ``BACKENDS``: ``"pasa"``, ``"pasa-hybrid"``, ``"fp32"``, ``"naive-half"``,
+            ``"sdpa"``, ``"bf16"``.
+        spatial: select the attentions of spatial transformer blocks (``transformer_blocks``).
+        temporal: select those of temporal blocks (``temporal_transformer_blocks``).
+        cross: with ``spatial``/``temporal``, also select their cross-attentions (``attn2``), not only
+            their self-attentions (``attn1``).
+        vae: for a pipeline, also act on ``pipe.vae``.  Attention outside transformer blocks (kind
+            ``"other"``, e.g. a VAE's mid-block attention) is selected in every model acted on.
+        **options: constructor arguments of the processor, e.g. ``precision="fp64"``, ``beta=0.9``,
+            ``dtype=torch.float16`` (every backend takes ``dtype``).
+
+    Modules not selected keep their processor.  The processors found before the first ``apply`` are
+    remembered on each model for ``restore``.
+
+    Returns:
+        ``{"backend", "options", "installed", "counts": {kind: modules}, "processors": {kind: class
+        name(s) now installed, or None where the kind has no module}}``.
+    """
+    models = _components(model_or_pipeline, vae)
+    _make_processor(backend, options)  # a bad backend or option fails first, whatever is selected
+    selected = {"spatial": spatial, "temporal": temporal}
+    warned: set[str] = set()
+    counts = dict.fromkeys(KINDS, 0)
+    installed = 0
+    classes: dict[str, set[str]] = {kind: set() for kind in KINDS}
+    plans = []
+    for prefix, model in models:
+        processors = dict(model.attn_processors)
+        for key in list(processors):
+            kind = module_kind(key)
+            counts[kind] += 1
+            place, _, role = kind.partition("-")
+            if kind == "other" or (selected[place] and (cross or role == "self")):
+                processor = _make_processor(backend, options)
+                processor.name = prefix + key.removesuffix(".processor")
+                processor._warned = warned
+                processors[key] = processor
+                installed += 1
+            classes[kind].add(type(processors[key]).__name__)
+        plans.append((model, processors))
+    if installed == 0:
+        raise ValueError(
+            f"apply: nothing selected (spatial={spatial}, temporal={temporal}, cross={cross}, vae={vae}); "
+            f"module counts {counts}"
+        )
+    for model, processors in plans:
+        if not hasattr(model, _SAVED_ATTR):
+            setattr(model, _SAVED_ATTR, dict(model.attn_processors))
+        model.set_attn_processor(processors)
+    return {
+        "backend": backend,
+        "options": dict(options),
+        "installed": installed,
+        "counts": counts,
+        "processors": {kind: ", ".join(sorted(names)) or None for kind, names in classes.items()},
+    }
+
+
+def restore(model_or_pipeline: Any) -> None:
+    """Put back the very processor objects that the first ``apply`` on this model or pipeline replaced."""
+    if isinstance(model_or_pipeline, DiffusionPipeline):
+        models = [getattr(model_or_pipeline, name, None) for name in ("unet", "vae")]
+    else:
+        models = [model_or_pipeline]
+    saved = [(model, getattr(model, _SAVED_ATTR)) for model in models if hasattr(model, _SAVED_ATTR)]
+    if not saved:
+        raise ValueError(f"restore: no processors saved on {type(model_or_pipeline).__name__}; call apply() first")
+    for model, processors in saved:
+        model.set_attn_processor(dict(processors))
+        delattr(model, _SAVED_ATTR)
+
+
+def fallback_summary(model_or_pipeline: Any) -> dict[str, Any]:
+    """Counters of every ``CountedAttnProcessor`` of a model (or a pipeline's UNet and VAE), added up.
+
+    Returns:
+        ``{"processors", "calls", "fallback_calls", "fallbacks": {reason: calls},
+        "modules": {reason: sorted module paths}}``; a processor shared by several modules counts once.
+    """
+    if isinstance(model_or_pipeline, DiffusionPipeline):
+        models = [
+            (f"{name}.", getattr(model_or_pipeline, name))
+            for name in ("unet", "vae")
+            if getattr(model_or_pipeline, name, None) is not None
+        ]
+    else:
+        models = [("", model_or_pipeline)]
+    seen: set[int] = set()
+    calls = 0
+    fallbacks: dict[str, int] = {}
+    modules: dict[str, list[str]] = {}
+    for prefix, model in models:
+        for key, processor in getattr(model, "attn_processors", {}).items():
+            if not isinstance(processor, CountedAttnProcessor):
+                continue
+            for reason in processor.fallbacks:
+                modules.setdefault(reason, []).append(prefix + key.removesuffix(".processor"))
+            if id(processor) in seen:
+                continue
+            seen.add(id(processor))
+            calls += processor.calls
+            for reason, count in processor.fallbacks.items():
+                fallbacks[reason] = fallbacks.get(reason, 0) + count
+    return {
+        "processors": len(seen),
+        "calls": calls,
+        "fallback_calls": sum(fallbacks.values()),
+        "fallbacks": fallbacks,
+        "modules": {reason: sorted(paths) for reason, paths in modules.items()},
+    }

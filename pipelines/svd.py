@@ -1,0 +1,280 @@
+"""Stable Video Diffusion: loading (hub id, local folder, tiny random) and generation from explicit latents.
+
+Every backend comparison starts from the same initial noise: ``make_latents`` draws it on the CPU from
+a seed, ``generate`` hands it to the pipeline (which only scales it by ``init_noise_sigma``) together
+with a CPU generator seeded alike for the noise augmentation of the conditioning image.  Frames come
+back as float32 arrays in ``[0, 1]`` with non-finite values left in place, so an overflow stays
+visible to the caller.
+"""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import PIL.Image
+import PIL.ImageOps
+import skimage.data
+import torch
+from diffusers import (
+    AutoencoderKLTemporalDecoder,
+    EulerDiscreteScheduler,
+    StableVideoDiffusionPipeline,
+    UNetSpatioTemporalConditionModel,
+)
+from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
+
+__all__ = ["load_svd", "load_image", "make_latents", "generate", "BUILTIN_IMAGES", "TINY_DEFAULTS"]
+
+BUILTIN_IMAGES = ("astronaut", "coffee", "rocket")
+"""Names accepted as ``builtin:<name>`` by ``load_image`` (images bundled with scikit-image)."""
+
+TINY_DEFAULTS: dict[str, int] = {"height": 32, "width": 32, "num_frames": 2, "num_inference_steps": 2}
+"""Generation settings that run the tiny pipeline in about a second on two CPU cores."""
+
+
+def _tiny_pipeline() -> StableVideoDiffusionPipeline:
+    """diffusers' SVD test components, seeded like the test, in eval mode, with two changes.
+
+    The UNet has 2 heads per attention (head dims 16 and 32, within the kernel's range), and the CLIP
+    encoder reads 224 x 224 images in 14 x 14 patches: the pipeline resizes a PIL image to 224 x 224
+    before CLIP, which the test's 32 x 32 encoder (fed tensors only) cannot take.  Eval mode is how
+    ``from_pretrained`` leaves a model; built from configs they would be in training mode.
+    """
+    torch.manual_seed(0)
+    unet = UNetSpatioTemporalConditionModel(
+        block_out_channels=(32, 64),
+        layers_per_block=2,
+        sample_size=32,
+        in_channels=8,
+        out_channels=4,
+        down_block_types=("CrossAttnDownBlockSpatioTemporal", "DownBlockSpatioTemporal"),
+        up_block_types=("UpBlockSpatioTemporal", "CrossAttnUpBlockSpatioTemporal"),
+        cross_attention_dim=32,
+        num_attention_heads=2,
+        projection_class_embeddings_input_dim=96,
+        addition_time_embed_dim=32,
+    )
+    scheduler = EulerDiscreteScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        interpolation_type="linear",
+        num_train_timesteps=1000,
+        prediction_type="v_prediction",
+        sigma_max=700.0,
+        sigma_min=0.002,
+        steps_offset=1,
+        timestep_spacing="leading",
+        timestep_type="continuous",
+        trained_betas=None,
+        use_karras_sigmas=True,
+    )
+    torch.manual_seed(0)
+    vae = AutoencoderKLTemporalDecoder(
+        block_out_channels=[32, 64],
+        in_channels=3,
+        out_channels=3,
+        down_block_types=["DownEncoderBlock2D", "DownEncoderBlock2D"],
+        latent_channels=4,
+    )
+    torch.manual_seed(0)
+    image_encoder = CLIPVisionModelWithProjection(
+        CLIPVisionConfig(
+            hidden_size=32,
+            projection_dim=32,
+            num_hidden_layers=5,
+            num_attention_heads=4,
+            image_size=224,
+            intermediate_size=37,
+            patch_size=14,
+        )
+    )
+    torch.manual_seed(0)
+    feature_extractor = CLIPImageProcessor(crop_size=224, size=224)
+    return StableVideoDiffusionPipeline(
+        vae=vae.eval(),
+        image_encoder=image_encoder.eval(),
+        unet=unet.eval(),
+        scheduler=scheduler,
+        feature_extractor=feature_extractor,
+    )
+
+
+def _check_local_folder(model: str) -> None:
+    """Raise a clear error for a local path that is not a saved pipeline; hub ids pass through."""
+    path = Path(model).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise NotADirectoryError(f"load_svd: model={model!r} is a file; expected a pipeline folder or a hub id")
+        if not (path / "model_index.json").is_file():
+            raise FileNotFoundError(
+                f"load_svd: folder model={model!r} has no model_index.json; "
+                "expected a folder written by StableVideoDiffusionPipeline.save_pretrained()"
+            )
+    elif model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise FileNotFoundError(f"load_svd: no such folder model={model!r} (and it is not a hub id 'org/name')")
+
+
+def load_svd(
+    model: str = "tiny",
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    variant: str | None = None,
+    local_files_only: bool = False,
+) -> StableVideoDiffusionPipeline:
+    """Load a Stable Video Diffusion pipeline onto ``device`` in ``dtype``.
+
+    Args:
+        model: ``"tiny"`` (a small random pipeline built in code, reproducible, no download), a hub id
+            such as ``"stabilityai/stable-video-diffusion-img2vid-xt"``, or a folder written by
+            ``save_pretrained``.  Weights are read from safetensors only.
+        device: where the pipeline runs.
+        dtype: dtype of every component (e.g. ``torch.float16`` for the fully-FP16 study).
+        variant: weight file variant of a hub id or folder (e.g. ``"fp16"``); not valid with ``"tiny"``.
+        local_files_only: never contact the hub (the cache or the folder must hold the files).
+    """
+    if model == "tiny":
+        if variant is not None:
+            raise ValueError(f"load_svd: variant={variant!r} applies to a hub id or a folder, not to model='tiny'")
+        with torch.random.fork_rng(devices=[]):
+            pipe = _tiny_pipeline().to(device)
+        return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
+    _check_local_folder(model)
+    pipe = StableVideoDiffusionPipeline.from_pretrained(
+        model, dtype=dtype, variant=variant, use_safetensors=True, local_files_only=local_files_only
+    )
+    return pipe.to(device)
+
+
+def load_image(spec: str | os.PathLike, size: int | tuple[int, int] | None = None) -> PIL.Image.Image:
+    """Load an RGB conditioning image.
+
+    Args:
+        spec: an image file path, or ``builtin:<name>`` with a name from ``BUILTIN_IMAGES``
+            (scikit-image's bundled data, no download).
+        size: ``(width, height)`` or one int for a square; the image is centre-cropped to that aspect
+            ratio and resized (bicubic).  ``None`` keeps the original size.
+    """
+    text = os.fspath(spec)
+    if text.startswith("builtin:"):
+        name = text.removeprefix("builtin:")
+        if name not in BUILTIN_IMAGES:
+            choices = ", ".join(f"builtin:{n}" for n in BUILTIN_IMAGES)
+            raise ValueError(f"load_image: unknown builtin image spec={text!r}; expected one of {choices}")
+        image = PIL.Image.fromarray(getattr(skimage.data, name)())
+    else:
+        path = Path(text).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"load_image: no such image file spec={text!r}")
+        with PIL.Image.open(path) as opened:
+            image = opened.convert("RGB")
+    image = image.convert("RGB")
+    if size is not None:
+        width, height = (size, size) if isinstance(size, int) else size
+        image = PIL.ImageOps.fit(image, (width, height), method=PIL.Image.Resampling.BICUBIC)
+    return image
+
+
+def make_latents(
+    pipe: StableVideoDiffusionPipeline,
+    *,
+    num_frames: int,
+    height: int,
+    width: int,
+    seed: int,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The initial noise of one video, ``(1, F, C, height / s, width / s)`` with ``s = pipe.vae_scale_factor``.
+
+    ``C = unet.config.in_channels // 2`` (the other half of the UNet input is the image latents).  The
+    noise is a unit Gaussian drawn in float32 on the CPU from ``torch.Generator().manual_seed(seed)``,
+    so it is the same on every device, then moved to ``device`` and cast to ``dtype`` (default: the
+    UNet's).  It is *not* scaled: ``StableVideoDiffusionPipeline.prepare_latents`` multiplies given
+    latents by ``scheduler.init_noise_sigma`` itself (and moves them, but does not cast them, hence
+    the dtype here must be the pipeline's).
+    """
+    factor = pipe.vae_scale_factor
+    multiple = math.lcm(8, factor)  # the pipeline's check_inputs asks for multiples of 8
+    if height % multiple or width % multiple:
+        raise ValueError(f"make_latents: height={height} and width={width} must be multiples of {multiple}")
+    shape = (1, num_frames, pipe.unet.config.in_channels // 2, height // factor, width // factor)
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    latents = torch.randn(shape, generator=generator, dtype=torch.float32)
+    return latents.to(device=device or pipe.device, dtype=dtype or pipe.unet.dtype)
+
+
+def _to_frames(video: torch.Tensor) -> np.ndarray:
+    """``(1, 3, F, H, W)`` decoder output in ``[-1, 1]`` -> ``(F, H, W, 3)`` float32 in ``[0, 1]``.
+
+    The same map as the pipeline's ``output_type="np"`` (``(x / 2 + 0.5).clamp(0, 1)``) for finite
+    values; non-finite values are kept as they are (the pipeline's clamp would turn +-inf into 1 or 0).
+    """
+    frames = video[0].permute(1, 2, 3, 0).float() * 0.5 + 0.5
+    frames = torch.where(torch.isfinite(frames), frames.clamp(0, 1), frames)
+    return frames.cpu().numpy()
+
+
+def generate(
+    pipe: StableVideoDiffusionPipeline,
+    image: PIL.Image.Image,
+    *,
+    num_frames: int,
+    num_inference_steps: int,
+    seed: int,
+    height: int,
+    width: int,
+    latents: torch.Tensor | None = None,
+    min_guidance_scale: float = 1.0,
+    max_guidance_scale: float = 3.0,
+    decode_chunk_size: int | None = None,
+    progress: bool = True,
+    **kwargs: Any,
+) -> np.ndarray:
+    """Generate one video and return its frames, ``(num_frames, height, width, 3)`` float32 in ``[0, 1]``.
+
+    Args:
+        pipe: a pipeline from ``load_svd`` (with whatever attention processors are installed).
+        image: the conditioning image (resized by the pipeline to ``height`` x ``width``).
+        num_frames, num_inference_steps, height, width: as in ``StableVideoDiffusionPipeline.__call__``.
+        seed: seeds the initial noise (when ``latents`` is None) and the noise augmentation.
+        latents: explicit initial noise from ``make_latents`` (in the pipeline's dtype); pass the
+            same tensor to compare attention backends from identical starting points.
+        min_guidance_scale, max_guidance_scale: the per-frame guidance ramp (CFG is on when max > 1).
+        decode_chunk_size: frames per VAE decode call (default: all frames at once).
+        progress: show the pipeline's progress bar over the denoising steps.
+        **kwargs: passed to the pipeline (e.g. ``fps``, ``motion_bucket_id``, ``noise_aug_strength``).
+
+    NaN and +-inf produced anywhere in the pipeline survive into the returned frames: the latents are
+    decoded with the pipeline's own ``decode_latents`` and mapped to ``[0, 1]`` without clamping
+    non-finite values.
+    """
+    if latents is None:
+        latents = make_latents(pipe, num_frames=num_frames, height=height, width=width, seed=seed)
+    decode_chunk_size = decode_chunk_size or num_frames
+    previous_config = getattr(pipe, "_progress_bar_config", {})
+    pipe.set_progress_bar_config(**{**previous_config, "disable": not progress})
+    try:
+        final_latents = pipe(
+            image,
+            height=height,
+            width=width,
+            num_frames=num_frames,
+            num_inference_steps=num_inference_steps,
+            min_guidance_scale=min_guidance_scale,
+            max_guidance_scale=max_guidance_scale,
+            decode_chunk_size=decode_chunk_size,
+            generator=torch.Generator(device="cpu").manual_seed(seed),
+            latents=latents,
+            output_type="latent",
+            **kwargs,
+        ).frames
+    finally:
+        pipe.set_progress_bar_config(**previous_config)
+    with torch.no_grad():
+        video = pipe.decode_latents(final_latents, num_frames, decode_chunk_size)
+    return _to_frames(video)

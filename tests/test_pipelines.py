@@ -1,0 +1,255 @@
+"""pipelines.svd: the tiny pipeline, save/load through safetensors, explicit latents, frames, images.
+
+Frames are pixels in [0, 1]; tolerances below are absolute pixel differences.
+"""
+from __future__ import annotations
+
+import numpy as np
+import PIL.Image
+import pytest
+import torch
+from diffusers.models.attention_processor import Attention
+
+from pasa_diffusers import processors as P
+from pipelines.svd import (
+    BUILTIN_IMAGES,
+    TINY_DEFAULTS,
+    _to_frames,
+    generate,
+    load_image,
+    load_svd,
+    make_latents,
+)
+
+FRAMES = TINY_DEFAULTS["num_frames"]
+SIZE = TINY_DEFAULTS["height"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One thread: the tiny models' ops are too small for more, and with another process on one of
+    the two cores OpenMP spinning made the 2-thread run about 100x slower (5 s per UNet forward)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def pipe():
+    return load_svd("tiny")
+
+
+@pytest.fixture(scope="module")
+def image():
+    return load_image("builtin:coffee", SIZE)
+
+
+def draw_seed(g: torch.Generator) -> int:
+    return int(torch.randint(2**31, (), generator=g))
+
+
+def run(pipe, image, latents=None, seed=0, **kwargs):
+    return generate(pipe, image, seed=seed, latents=latents, progress=False, **{**TINY_DEFAULTS, **kwargs})
+
+
+def state(pipe):
+    return {
+        f"{name}.{key}": value
+        for name in ("unet", "vae", "image_encoder")
+        for key, value in getattr(pipe, name).state_dict().items()
+    }
+
+
+def assert_same_weights(a, b):
+    sa, sb = state(a), state(b)
+    assert sa.keys() == sb.keys()
+    assert all(torch.equal(sa[key], sb[key]) for key in sa)
+
+
+def assert_frames(frames, num_frames=FRAMES, size=SIZE):
+    assert frames.shape == (num_frames, size, size, 3) and frames.dtype == np.float32
+    assert np.isfinite(frames).all()
+    assert frames.min() >= 0 and frames.max() <= 1
+    assert frames.std() > 0.01  # a picture, not a constant
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+def test_tiny_pipeline_is_reproducible_and_leaves_global_rng_alone():
+    torch.manual_seed(123)
+    expected = torch.rand(4)
+    torch.manual_seed(123)
+    first = load_svd("tiny")
+    assert torch.equal(torch.rand(4), expected)
+    assert_same_weights(first, load_svd("tiny"))
+    assert not any(m.training for name in ("unet", "vae", "image_encoder") for m in getattr(first, name).modules())
+
+
+def test_tiny_unet_head_dims_are_kernel_sized(pipe):
+    head_dims = {m.to_q.out_features // m.heads for m in pipe.unet.modules() if isinstance(m, Attention)}
+    assert head_dims == {16, 32}
+
+
+def test_tiny_dtype_and_variant(pipe):
+    half = load_svd("tiny", dtype=torch.float16)
+    assert {p.dtype for p in half.unet.parameters()} == {torch.float16}
+    assert {p.dtype for p in half.image_encoder.parameters()} == {torch.float16}
+    assert {p.dtype for p in pipe.vae.parameters()} == {torch.float32}
+    with pytest.raises(ValueError, match="variant='fp16'"):
+        load_svd("tiny", variant="fp16")
+
+
+def test_saved_pipeline_loads_back_offline_and_generates(pipe, image, tmp_path):
+    pipe.save_pretrained(tmp_path, safe_serialization=True)
+    weights = [p.name for p in tmp_path.rglob("*") if p.suffix in (".safetensors", ".bin", ".pt", ".pth")]
+    assert weights and all(name.endswith(".safetensors") for name in weights)
+
+    loaded = load_svd(str(tmp_path), local_files_only=True)
+    assert_same_weights(pipe, loaded)
+    frames = run(loaded, image)
+    assert_frames(frames)
+    # Bitwise-equal weights, yet the loaded CLIP weights sit at unaligned addresses in the safetensors
+    # buffer and the CPU GEMMs take another path: embeddings differ by 2.4e-7, frames by 2e-5.
+    assert np.abs(frames - run(pipe, image)).max() <= 1e-4
+
+
+def test_bad_model_paths(tmp_path):
+    with pytest.raises(FileNotFoundError, match="model_index.json"):
+        load_svd(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="no such folder"):
+        load_svd(str(tmp_path / "missing"))
+    with pytest.raises(FileNotFoundError, match="no such folder"):
+        load_svd("./not/a/saved/pipeline")
+    (tmp_path / "weights.safetensors").write_bytes(b"x")
+    with pytest.raises(NotADirectoryError, match="weights.safetensors"):
+        load_svd(str(tmp_path / "weights.safetensors"))
+
+
+# ---------------------------------------------------------------------------------------------- images
+
+
+@pytest.mark.parametrize("name", BUILTIN_IMAGES)
+def test_builtin_images(name):
+    image = load_image(f"builtin:{name}", (48, 32))
+    assert image.mode == "RGB" and image.size == (48, 32)
+    pixels = np.asarray(image, dtype=np.float32)
+    assert pixels.std() > 10
+
+
+def test_image_file_round_trip(tmp_path):
+    pixels = np.random.default_rng().integers(0, 256, size=(24, 40, 3), dtype=np.uint8)
+    path = tmp_path / "image.png"
+    PIL.Image.fromarray(pixels).save(path)
+    np.testing.assert_array_equal(np.asarray(load_image(path)), pixels)
+    assert load_image(str(path), 16).size == (16, 16)
+
+
+def test_bad_image_specs(tmp_path):
+    with pytest.raises(ValueError, match="builtin:moon"):
+        load_image("builtin:moon")
+    missing = tmp_path / "missing.png"
+    with pytest.raises(FileNotFoundError, match="missing.png"):
+        load_image(missing)
+
+
+# ---------------------------------------------------------------------------------------------- latents and generation
+
+
+def test_make_latents(pipe, gen):
+    seed = draw_seed(gen)
+    latents = make_latents(pipe, num_frames=3, height=32, width=48, seed=seed)
+    factor = pipe.vae_scale_factor
+    assert latents.shape == (1, 3, pipe.unet.config.in_channels // 2, 32 // factor, 48 // factor)
+    assert latents.dtype == torch.float32 and latents.device.type == "cpu"
+    assert torch.equal(latents, make_latents(pipe, num_frames=3, height=32, width=48, seed=seed))
+    assert not torch.equal(latents, make_latents(pipe, num_frames=3, height=32, width=48, seed=seed + 1))
+    # unit noise: the pipeline scales it by init_noise_sigma (14.6 here) itself
+    assert 0.8 < latents.std().item() < 1.2 and pipe.scheduler.init_noise_sigma > 2
+    half = make_latents(pipe, num_frames=3, height=32, width=48, seed=seed, dtype=torch.float16)
+    assert half.dtype == torch.float16 and torch.equal(half, latents.half())
+    with pytest.raises(ValueError, match="height=30"):
+        make_latents(pipe, num_frames=3, height=30, width=48, seed=seed)
+
+
+def test_generate_is_deterministic_and_seeded(pipe, image, gen):
+    seed = draw_seed(gen)
+    latents = make_latents(pipe, num_frames=FRAMES, height=SIZE, width=SIZE, seed=seed)
+    frames = run(pipe, image, latents, seed)
+    assert_frames(frames)
+    np.testing.assert_array_equal(frames, run(pipe, image, latents, seed))
+    np.testing.assert_array_equal(frames, run(pipe, image, seed=seed))  # latents=None draws make_latents(seed)
+    assert np.abs(run(pipe, image, seed=seed + 1) - frames).max() > 0.05
+    assert np.abs(run(pipe, image, latents, seed + 1) - frames).max() > 1e-3  # noise augmentation is seeded too
+
+
+def test_generate_matches_pipeline_np_output(pipe, image, gen):
+    seed = draw_seed(gen)
+    latents = make_latents(pipe, num_frames=3, height=SIZE, width=SIZE, seed=seed)
+    frames = run(pipe, image, latents, seed, num_frames=3, decode_chunk_size=2)
+    assert_frames(frames, num_frames=3)
+    expected = pipe(
+        image,
+        height=SIZE,
+        width=SIZE,
+        num_frames=3,
+        num_inference_steps=TINY_DEFAULTS["num_inference_steps"],
+        max_guidance_scale=3.0,
+        decode_chunk_size=2,
+        generator=torch.Generator().manual_seed(seed),
+        latents=latents,
+        output_type="np",
+    ).frames[0]
+    np.testing.assert_array_equal(frames, expected)
+
+
+@pytest.mark.parametrize(
+    "backend, options, tol",
+    [
+        ("sdpa", {}, 0.0),  # the same fp32 SDPA call
+        ("pasa", {"precision": "fp64"}, 1e-4),  # fp32 rounding, amplified by sigma ~ 14.6; measured 1.6e-5
+        ("bf16", {}, 1e-2),  # bf16 attention; measured 8.5e-4
+    ],
+)
+def test_backends_from_the_same_latents_are_close(pipe, image, backend, options, tol, gen):
+    seed = draw_seed(gen)
+    latents = make_latents(pipe, num_frames=FRAMES, height=SIZE, width=SIZE, seed=seed)
+    P.apply(pipe, "fp32", vae=True)
+    reference = run(pipe, image, latents, seed)
+    P.restore(pipe)
+    P.apply(pipe, backend, vae=True, **options)
+    frames = run(pipe, image, latents, seed)
+    assert_frames(frames)
+    diff = np.abs(frames - reference).max()
+    assert diff <= tol
+    if backend == "bf16":
+        assert diff > 0
+    summary = P.fallback_summary(pipe)
+    assert summary["processors"] == 26  # 24 UNet + 2 VAE attentions
+    assert summary["calls"] > 0
+    if backend == "pasa":
+        # 2 steps x 12 cross-attentions; the VAE encoder attention (D=64) runs PASA
+        assert summary["fallbacks"] == {"single key": 24}
+
+
+def test_non_finite_values_survive_into_frames(pipe, image, gen):
+    decoded = torch.rand(1, 3, 2, 4, 4, generator=gen) * 2 - 1
+    decoded[0, 0, 0, 0, 0] = float("nan")
+    decoded[0, 1, 0, 0, 1] = float("inf")
+    decoded[0, 2, 1, 3, 3] = -float("inf")
+    decoded[0, 0, 1, 2, 2] = 7.0
+    frames = _to_frames(decoded)
+    assert frames.shape == (2, 4, 4, 3)
+    assert np.isnan(frames[0, 0, 0, 0])
+    assert frames[0, 0, 1, 1] == np.inf and frames[1, 3, 3, 2] == -np.inf
+    assert frames[1, 2, 2, 0] == 1.0
+    finite = np.isfinite(frames)
+    assert finite.sum() == frames.size - 3 and frames[finite].min() >= 0 and frames[finite].max() <= 1
+
+    class NaNAttnProcessor(P.CountedAttnProcessor):
+        def attention(self, query, key, value, attn, attention_mask=None):
+            return torch.full_like(query, float("nan"))
+
+    pipe.unet.set_attn_processor(NaNAttnProcessor())
+    assert np.isnan(run(pipe, image)).all()

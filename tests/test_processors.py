@@ -1,0 +1,429 @@
+"""The diffusers processors: module selection, exactness against AttnProcessor2_0, fallbacks, restore.
+
+Runs on the CPU with the tiny SVD pipeline (head dims 16 and 32); the PASA op runs its exact PyTorch
+reference there.  Tolerances are relative to the reference output's largest magnitude,
+``max|out - ref| / max|ref|``; inputs and weights are fresh draws from the ``gen`` fixture (its seed is
+printed; replay with ``PASA_TEST_SEED``).
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import pytest
+import torch
+from diffusers import AutoencoderKL, UNet2DConditionModel
+from diffusers.models.attention import BasicTransformerBlock, TemporalBasicTransformerBlock
+from diffusers.models.attention_processor import Attention, AttnProcessor2_0
+
+from pasa_diffusers import processors as P
+from pasa_diffusers.ops import pasa_attention
+from pipelines.svd import load_svd
+
+FP16_TOL = 2.0**-8
+"""4 fp16 ulps of the largest output: the fp16 output rounding alone is 2**-11 (SDPA in fp16 measures
+5.7e-4 on these shapes), and the scores and softmax state of the half pipelines add a few more."""
+
+EXACT_TOL = 1e-5
+"""PASA in exact mode (fp64) against the stock fp32 SDPA over a whole UNet forward: both compute exact
+attention, so they differ by fp32 rounding (about D * 2**-24 per attention output, through 24
+attentions and the network around them); measured 8.6e-7.  A 0.1% error in the softmax scale
+already gives 5e-5 (checked below)."""
+
+BACKEND_CLASSES = {
+    "pasa": P.PASAAttnProcessor,
+    "pasa-hybrid": P.PASAAttnProcessor,
+    "fp32": P.FP32AttnProcessor,
+    "naive-half": P.NaiveHalfAttnProcessor,
+    "sdpa": P.SDPAAttnProcessor,
+    "bf16": P.BF16AttnProcessor,
+}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
+
+
+def attention_modules(model: torch.nn.Module) -> dict[str, Attention]:
+    return {name: module for name, module in model.named_modules() if isinstance(module, Attention)}
+
+
+def kinds_from_module_tree(model: torch.nn.Module) -> dict[str, str]:
+    """Kind of every Attention module, from the block class that holds it and ``is_cross_attention``."""
+    kinds = {}
+    for name, block in model.named_modules():
+        if isinstance(block, TemporalBasicTransformerBlock):
+            place = "temporal"
+        elif isinstance(block, BasicTransformerBlock):
+            place = "spatial"
+        else:
+            continue
+        for child_name, child in block.named_children():
+            if isinstance(child, Attention):
+                role = "cross" if child.is_cross_attention else "self"
+                kinds[f"{name}.{child_name}"] = f"{place}-{role}"
+    for name in attention_modules(model):
+        kinds.setdefault(name, "other")
+    return kinds
+
+
+def unet_inputs(g: torch.Generator, num_frames: int = 2) -> dict[str, torch.Tensor]:
+    """Random inputs of the tiny UNet for a CFG batch of 2: latents + image latents (8 channels at 16x16)."""
+    return {
+        "sample": torch.randn(2, num_frames, 8, 16, 16, generator=g),
+        "timestep": torch.rand((), generator=g) * 10,
+        "encoder_hidden_states": torch.randn(2, 1, 32, generator=g),
+        "added_time_ids": torch.randn(2, 3, generator=g),
+    }
+
+
+def unet_forward(unet: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    with torch.no_grad():
+        return unet(**inputs).sample
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One thread: the tiny models' ops are too small for more, and with another process on one of
+    the two cores OpenMP spinning made the 2-thread run about 100x slower (5 s per UNet forward)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def pipe():
+    return load_svd("tiny")
+
+
+# ---------------------------------------------------------------------------------------------- selection
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [{}, {"temporal": False}, {"spatial": False}, {"cross": False}, {"spatial": False, "cross": False}],
+    ids=["all", "spatial-only", "temporal-only", "self-only", "temporal-self-only"],
+)
+def test_apply_selects_modules_by_kind(pipe, flags):
+    before = {name: module.processor for name, module in attention_modules(pipe.unet).items()}
+    kinds = kinds_from_module_tree(pipe.unet)
+    assert Counter(kinds.values()) == {"spatial-self": 6, "spatial-cross": 6, "temporal-self": 6, "temporal-cross": 6}
+
+    spatial, temporal, cross = (flags.get(f, True) for f in ("spatial", "temporal", "cross"))
+    wanted = {
+        "spatial-self": spatial,
+        "spatial-cross": spatial and cross,
+        "temporal-self": temporal,
+        "temporal-cross": temporal and cross,
+    }
+    summary = P.apply(pipe, "sdpa", **flags)
+
+    for name, module in attention_modules(pipe.unet).items():
+        if wanted[kinds[name]]:
+            assert type(module.processor) is P.SDPAAttnProcessor, name
+            assert module.processor.name == f"unet.{name}"
+        else:
+            assert module.processor is before[name], name
+    assert summary["counts"] == {**dict.fromkeys(P.KINDS, 0), **Counter(kinds.values())}
+    assert summary["installed"] == sum(wanted[kind] for kind in kinds.values())
+    for kind, chosen in wanted.items():
+        assert summary["processors"][kind] == ("SDPAAttnProcessor" if chosen else "AttnProcessor2_0")
+    assert summary["processors"]["other"] is None
+    assert all(type(m.processor) is AttnProcessor2_0 for m in attention_modules(pipe.vae).values())
+
+
+@pytest.mark.parametrize("backend", sorted(BACKEND_CLASSES))
+def test_apply_installs_each_backend(pipe, backend):
+    options = {"beta": 0.875} if backend.startswith("pasa") else {}
+    summary = P.apply(pipe.unet, backend, **options)
+
+    modules = attention_modules(pipe.unet)
+    processors = [module.processor for module in modules.values()]
+    assert all(type(p) is BACKEND_CLASSES[backend] for p in processors)
+    assert len({id(p) for p in processors}) == len(modules) == summary["installed"]
+    if backend.startswith("pasa"):
+        assert {(p.precision, p.shift, p.beta) for p in processors} == {
+            ("hybrid" if backend == "pasa-hybrid" else "half", True, 0.875)
+        }
+    if backend == "naive-half":
+        assert {(p.precision, p.shift) for p in processors} == {("half", False)}
+
+
+def test_apply_on_vae_and_on_bare_unet2d():
+    pipe = load_svd("tiny")
+    vae_kinds = kinds_from_module_tree(pipe.vae)
+    unet_before = {name: m.processor for name, m in attention_modules(pipe.unet).items()}
+
+    summary = P.apply(pipe, "fp32", spatial=False, temporal=False, vae=True)
+
+    assert list(vae_kinds.values()) == ["other", "other"]
+    assert summary["counts"]["other"] == summary["installed"] == 2
+    assert all(type(m.processor) is P.FP32AttnProcessor for m in attention_modules(pipe.vae).values())
+    assert all(m.processor is unet_before[name] for name, m in attention_modules(pipe.unet).items())
+
+    torch.manual_seed(0)
+    unet2d = UNet2DConditionModel(
+        block_out_channels=(32, 64),
+        layers_per_block=1,
+        sample_size=16,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32,
+        attention_head_dim=16,
+        norm_num_groups=16,
+    )
+    kinds = kinds_from_module_tree(unet2d)
+    summary = P.apply(unet2d, "pasa", precision="fp64")
+    assert summary["counts"] == {**dict.fromkeys(P.KINDS, 0), **Counter(kinds.values())}
+    assert summary["installed"] == len(kinds) > 0
+    assert all(type(m.processor) is P.PASAAttnProcessor for m in attention_modules(unet2d).values())
+
+
+# ---------------------------------------------------------------------------------------------- exactness
+
+
+def test_pasa_exact_mode_reproduces_stock_processor(pipe, gen):
+    unet = pipe.unet
+    inputs = unet_inputs(gen)
+    unet.set_attn_processor(AttnProcessor2_0())
+    ref = unet_forward(unet, inputs)
+
+    P.apply(unet, "pasa", precision="fp64")
+    out = unet_forward(unet, inputs)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) <= EXACT_TOL
+    summary = P.fallback_summary(unet)
+    assert summary["calls"] == 24 and summary["fallbacks"] == {"single key": 12}
+
+    class ScaleOffProcessor(P.PASAAttnProcessor):
+        def attention(self, query, key, value, attn, attention_mask=None):
+            return pasa_attention(query, key, value, scale=attn.scale * 1.001, precision="fp64", layout="bnhd")
+
+    unet.set_attn_processor(ScaleOffProcessor(precision="fp64"))
+    assert rel_err(unet_forward(unet, inputs), ref) > EXACT_TOL
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "fp32", "naive-half", "pasa"])
+def test_fp32_model_backends_equal_stock_sdpa(pipe, backend, gen):
+    """On fp32 tensors these all run fp32 SDPA on the same strided views (the half ones by fallback)."""
+    inputs = unet_inputs(gen)
+    ref = unet_forward(pipe.unet, inputs)
+    P.apply(pipe.unet, backend)
+    torch.testing.assert_close(unet_forward(pipe.unet, inputs), ref, rtol=0, atol=0)
+    expected = {"dtype float32": 12, "single key": 12} if backend in ("naive-half", "pasa") else {}
+    assert P.fallback_summary(pipe.unet)["fallbacks"] == expected
+
+
+@pytest.mark.parametrize("backend", ["pasa", "naive-half", "pasa-hybrid"])
+def test_dtype_option_feeds_half_variants_from_an_fp32_model(pipe, gen, backend):
+    inputs = unet_inputs(gen)
+    ref = unet_forward(pipe.unet, inputs)
+    P.apply(pipe.unet, backend, dtype=torch.float16)
+    out = unet_forward(pipe.unet, inputs)
+    assert out.dtype == torch.float32
+    assert 0 < rel_err(out, ref) <= FP16_TOL  # fp16 rounding of q, k, v and attention; measured ~1e-4
+    assert P.fallback_summary(pipe.unet)["fallbacks"] == {"single key": 12}  # no "dtype float32"
+
+
+def test_bf16_backend_is_close_but_not_equal(pipe, gen):
+    inputs = unet_inputs(gen)
+    ref = unet_forward(pipe.unet, inputs)
+    P.apply(pipe.unet, "bf16")
+    err = rel_err(unet_forward(pipe.unet, inputs), ref)
+    assert 0 < err <= 2.0**-6  # bf16 unit roundoff 2**-8, a few of them; measured 5.9e-4
+
+
+def fp16_attention(dim: int, heads: int, g: torch.Generator, **kwargs) -> Attention:
+    """An fp16 ``Attention`` with fresh random weights drawn from ``g``."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(torch.randint(2**31, (), generator=g)))
+        return Attention(query_dim=dim, heads=heads, dim_head=dim // heads, **kwargs).half().eval()
+
+
+@pytest.mark.parametrize("head_dim", [16, 32, 64])
+@pytest.mark.parametrize(
+    "make", [P.PASAAttnProcessor, P.NaiveHalfAttnProcessor, lambda: P.PASAAttnProcessor("hybrid")],
+    ids=["pasa-half", "naive-half", "pasa-hybrid"],
+)
+def test_half_processors_match_fp32_on_one_module(head_dim, make, gen):
+    attn = fp16_attention(64, 64 // head_dim, gen)
+    x = torch.randn(2, 200, 64, generator=gen).half()
+    ref = P.FP32AttnProcessor()(attn, x)
+    processor = make()
+    out = processor(attn, x)
+    assert out.dtype == torch.float16 and out.shape == x.shape
+    assert rel_err(out, ref) <= FP16_TOL
+    assert processor.calls == 1 and processor.fallbacks == {}
+
+
+@pytest.mark.parametrize("model_dtype", [torch.float16, torch.float32])
+def test_naive_half_overflows_where_pasa_does_not(gen, model_dtype):
+    """Keys with a large common offset: raw q.k ~ 64 * 40**2 = 1.0e5 > 65504.
+
+    An fp32 model reaches the half variants through ``dtype=torch.float16``."""
+    attn = fp16_attention(64, 1, gen).to(model_dtype)
+    with torch.no_grad():
+        attn.to_q.weight.copy_(torch.eye(64))
+        attn.to_k.weight.copy_(torch.eye(64))
+    x = (40 + 0.1 * torch.randn(1, 256, 64, generator=gen)).to(model_dtype)
+    ref = P.FP32AttnProcessor()(attn, x)
+    assert torch.isfinite(ref).all()
+    cast = {"dtype": torch.float16} if model_dtype == torch.float32 else {}
+
+    naive = P.NaiveHalfAttnProcessor(**cast)(attn, x)
+    assert not torch.isfinite(naive).all()
+    pasa_processor = P.PASAAttnProcessor(**cast)
+    pasa = pasa_processor(attn, x)
+    assert pasa.dtype == model_dtype and pasa_processor.fallbacks == {}
+    assert torch.isfinite(pasa).all()
+    assert rel_err(pasa, ref) <= 2 * FP16_TOL  # scores of magnitude 1e4 after the shift; measured 2.3e-3
+
+
+# ---------------------------------------------------------------------------------------------- fallbacks
+
+
+def test_single_key_fallback_counted_and_logged_once(pipe, caplog, gen):
+    kinds = kinds_from_module_tree(pipe.unet)
+    P.apply(pipe, "pasa", precision="fp64")
+    with caplog.at_level(logging.WARNING, logger="pasa_diffusers"):
+        unet_forward(pipe.unet, unet_inputs(gen))
+        unet_forward(pipe.unet, unet_inputs(gen))
+
+    cross = sorted(f"unet.{name}" for name, kind in kinds.items() if kind.endswith("cross"))
+    summary = P.fallback_summary(pipe)
+    assert summary["processors"] == 24
+    assert summary["calls"] == 48
+    assert summary["fallbacks"] == {"single key": 24} and summary["fallback_calls"] == 24
+    assert summary["modules"] == {"single key": cross}
+    records = [r for r in caplog.records if r.name == "pasa_diffusers"]
+    assert len(records) == 1 and records[0].levelno == logging.WARNING
+    message = records[0].getMessage()
+    assert "single key" in message
+    assert "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn2;" in message  # the first one called
+
+
+@pytest.mark.parametrize("dim, heads", [(512, 1), (16, 2)], ids=["head-dim-512", "head-dim-8"])
+def test_head_dim_fallback_matches_stock(dim, heads, gen):
+    """A VAE-style attention (4-D input, group norm, residual) with D outside [16, 256] runs SDPA."""
+    attn = fp16_attention(
+        dim, heads, gen, norm_num_groups=8, residual_connection=True, _from_deprecated_attn_block=True
+    )
+    x = torch.randn(1, dim, 4, 4, generator=gen).half()
+    processor = P.PASAAttnProcessor()
+    out = processor(attn, x)
+    torch.testing.assert_close(out, AttnProcessor2_0()(attn, x))
+    assert processor.calls == 1 and processor.fallbacks == {f"head dim {dim // heads}": 1}
+
+
+def test_attention_mask_fallback_matches_stock(gen):
+    attn = fp16_attention(32, 2, gen)
+    x = torch.randn(2, 24, 32, generator=gen).half()
+    mask = (4 * torch.randn(2, 1, 24, generator=gen)).half()
+    ref = AttnProcessor2_0()(attn, x, attention_mask=mask)
+    assert rel_err(ref, AttnProcessor2_0()(attn, x)) > FP16_TOL  # the mask matters
+
+    processor = P.PASAAttnProcessor()
+    torch.testing.assert_close(processor(attn, x, attention_mask=mask), ref)
+    assert processor.fallbacks == {"attention mask": 1}
+
+    fp32 = P.FP32AttnProcessor()
+    assert rel_err(fp32(attn, x, attention_mask=mask), ref) <= FP16_TOL
+    assert fp32.calls == 1 and fp32.fallbacks == {}
+
+
+@pytest.mark.parametrize(
+    "precision, dtype, reason",
+    [
+        ("half", torch.float32, "dtype float32"),
+        ("half", torch.bfloat16, "dtype bfloat16"),
+        ("hybrid", torch.float32, "dtype float32"),
+        ("hybrid", torch.bfloat16, None),
+        ("fp64", torch.float32, None),
+    ],
+)
+def test_dtype_fallback(precision, dtype, reason, gen):
+    attn = fp16_attention(32, 2, gen).to(dtype)
+    x = torch.randn(2, 40, 32, generator=gen).to(dtype)
+    processor = P.PASAAttnProcessor(precision)
+    out = processor(attn, x)
+    assert out.dtype == dtype
+    assert processor.calls == 1
+    assert processor.fallbacks == ({reason: 1} if reason else {})
+    ref = P.FP32AttnProcessor()(attn, x)
+    tol = 2.0**-6 if dtype == torch.bfloat16 else 1e-6
+    assert rel_err(out, ref) <= tol
+
+
+def test_fallback_summary_counts_a_shared_processor_once(pipe, gen):
+    shared = P.PASAAttnProcessor("fp64")
+    pipe.unet.set_attn_processor(shared)
+    unet_forward(pipe.unet, unet_inputs(gen))
+    summary = P.fallback_summary(pipe.unet)
+    assert summary["processors"] == 1
+    assert summary["calls"] == shared.calls == 24
+    assert summary["fallbacks"] == {"single key": 12}
+    assert len(summary["modules"]["single key"]) == 24  # every module holding it
+
+
+# ---------------------------------------------------------------------------------------------- restore
+
+
+def test_restore_puts_back_the_same_objects(pipe):
+    originals = {**pipe.unet.attn_processors, **{f"vae.{k}": v for k, v in pipe.vae.attn_processors.items()}}
+    P.apply(pipe, "pasa", vae=True)
+    P.apply(pipe, "fp32", spatial=False)
+    assert all(type(p) is not AttnProcessor2_0 for p in pipe.unet.attn_processors.values())
+
+    P.restore(pipe)
+    restored = {**pipe.unet.attn_processors, **{f"vae.{k}": v for k, v in pipe.vae.attn_processors.items()}}
+    assert restored.keys() == originals.keys()
+    assert all(restored[key] is originals[key] for key in originals)
+    with pytest.raises(ValueError, match="apply"):
+        P.restore(pipe)
+
+
+def test_restore_without_apply_raises(pipe):
+    with pytest.raises(ValueError, match="restore"):
+        P.restore(pipe.unet)
+    with pytest.raises(ValueError, match="restore"):
+        P.restore(pipe)
+
+
+# ---------------------------------------------------------------------------------------------- bad arguments
+
+
+def test_unknown_backend_lists_valid_ones_and_changes_nothing(pipe):
+    before = pipe.unet.attn_processors
+    with pytest.raises(ValueError, match=r"unknown backend='flash'.*'pasa-hybrid'"):
+        P.apply(pipe, "flash")
+    after = pipe.unet.attn_processors
+    assert all(after[key] is before[key] for key in before)
+    with pytest.raises(ValueError, match="restore"):
+        P.restore(pipe)
+
+
+@pytest.mark.parametrize(
+    "backend, options, match",
+    [
+        ("fp32", {"beta": 0.5}, "takes no options"),
+        ("pasa-hybrid", {"precision": "half"}, "fixes"),
+        ("pasa", {"precision": "fp8"}, "unknown precision='fp8'"),
+        ("fp32", {"dtype": "half"}, "dtype must be a floating torch.dtype"),
+    ],
+)
+def test_bad_options(pipe, backend, options, match):
+    with pytest.raises(ValueError, match=match):
+        P.apply(pipe, backend, **options)
+
+
+def test_models_without_attention_are_rejected(pipe):
+    with pytest.raises(ValueError, match="Linear"):
+        P.apply(torch.nn.Linear(4, 4))
+    vae = AutoencoderKL(block_out_channels=(32,), norm_num_groups=8, mid_block_add_attention=False)
+    with pytest.raises(ValueError, match="no attention modules"):
+        P.apply(vae)
+    with pytest.raises(ValueError, match="nothing selected"):
+        P.apply(pipe, spatial=False, temporal=False)
