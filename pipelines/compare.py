@@ -21,7 +21,8 @@ from pasa_diffusers import processors
 
 from .svd import generate, load_image, load_svd, make_latents
 
-__all__ = ["COMPARE_BACKENDS", "DEFAULT_BACKENDS", "parse_backends", "run_comparison", "write_comparison"]
+__all__ = ["COMPARE_BACKENDS", "DEFAULT_BACKENDS", "backend_options", "parse_backends", "run_comparison",
+           "write_comparison"]
 
 COMPARE_BACKENDS = tuple(b for b in processors.BACKENDS if b != "fp32")
 DEFAULT_BACKENDS = ("pasa", "naive-half", "sdpa", "bf16")
@@ -39,6 +40,17 @@ def parse_backends(text: str) -> list[str]:
     if len(set(names)) != len(names):
         raise ValueError(f"--backends: a backend is named twice in {text!r}")
     return names
+
+
+def backend_options(backend: str, model_dtype: torch.dtype) -> dict:
+    """Processor options for ``backend`` in a model of ``model_dtype``.
+
+    In a float32 model (the CPU default) the low-precision backends cast q, k and v to float16
+    themselves, so attention is what runs in FP16; the FP32 reference, SDPA and BF16 need nothing.
+    """
+    if model_dtype == torch.float32 and backend in ("pasa", "pasa-hybrid", "naive-half"):
+        return {"dtype": torch.float16}
+    return {}
 
 
 def _versions() -> dict[str, str]:
@@ -64,7 +76,8 @@ def _run(pipe: Any, backend: str, image: Any, latents: torch.Tensor, settings: d
     seconds = time.perf_counter() - start
     fallbacks = processors.fallback_summary(pipe)
     processors.restore(pipe)
-    return frames, seconds, {"installed": summary, "fallbacks": fallbacks}
+    options = {key: str(value).removeprefix("torch.") for key, value in summary["options"].items()}
+    return frames, seconds, {"installed": {**summary, "options": options}, "fallbacks": fallbacks}
 
 
 def run_comparison(*, model: str = "tiny", backends: list[str] | tuple[str, ...] = DEFAULT_BACKENDS,
@@ -86,7 +99,6 @@ def run_comparison(*, model: str = "tiny", backends: list[str] | tuple[str, ...]
     latents = make_latents(pipe, num_frames=num_frames, height=height, width=width, seed=seed)
     settings = {"num_frames": num_frames, "num_inference_steps": num_inference_steps, "seed": seed,
                 "height": height, "width": width}
-    options = {"dtype": torch.float16} if dtype == torch.float32 else {}
 
     available, reason = metrics.lpips_status(lpips_weights)
     scorer = metrics.LPIPSScorer(lpips_weights, device="cpu") if available else None
@@ -99,8 +111,7 @@ def run_comparison(*, model: str = "tiny", backends: list[str] | tuple[str, ...]
     bar = tqdm(runs, desc="compare", unit="video", file=sys.stderr, disable=not progress)
     for name in bar:
         bar.set_postfix_str(name)
-        run_options = {} if name in ("fp32", "sdpa") else options
-        frames, seconds, procs = _run(pipe, name, cond, latents, settings, run_options)
+        frames, seconds, procs = _run(pipe, name, cond, latents, settings, backend_options(name, dtype))
         videos[name] = frames
         if name == "fp32":
             reference_entry = {"seconds": seconds, "processors": procs}
@@ -113,7 +124,8 @@ def run_comparison(*, model: str = "tiny", backends: list[str] | tuple[str, ...]
         "model": model,
         "reference": "fp32",
         "settings": {**settings, "image": image, "device": device, "dtype": str(dtype).removeprefix("torch."),
-                     "attention_dtype": "float16 (q, k, v cast by the processors)" if options else str(dtype)},
+                     "attention_cast": {n: str(backend_options(n, dtype).get("dtype", "none")).removeprefix("torch.")
+                                       for n in names}},
         "reference_run": reference_entry,
         "backends": results,
     }
