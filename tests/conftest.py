@@ -1,0 +1,70 @@
+"""Shared pytest setup: the ``gpu`` marker and Triton's CPU interpreter.
+
+- ``@pytest.mark.gpu`` tests skip when CUDA is unavailable, and also when the kernels were built for
+  Triton's interpreter (they would then run on the CPU, far too slowly for GPU shapes).
+- Triton decides between compiling and interpreting a ``@triton.jit`` function when it is *defined*,
+  from ``TRITON_INTERPRET`` (its own ``triton.language`` helpers at ``import triton``).  On a host
+  without CUDA, this file therefore imports triton and the kernels with ``TRITON_INTERPRET=1``, before
+  any test module, so ``tests/test_kernel_interpret.py`` can run the real kernels on CPU tensors.  It
+  then keeps triton interpreting through ``triton.knobs`` and removes the variable again, so that
+  ``pasa_diffusers.ops`` keeps sending CPU tensors to the reference in every other test (it reads the
+  variable per call); a test that wants the op to take the interpreted kernel sets it with
+  ``monkeypatch.setenv``.  (Triton < 3.4 has no knobs: the variable then stays set.)  Setting
+  ``TRITON_INTERPRET`` yourself is respected as it is.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+
+def _build_interpreted_kernels() -> None:
+    os.environ["TRITON_INTERPRET"] = "1"
+    knobs = None
+    try:
+        import triton
+
+        knobs = getattr(triton, "knobs", None)  # triton >= 3.4
+        if knobs is not None:
+            knobs.runtime.interpret = True  # triton keeps interpreting once the variable is gone
+        import pasa_diffusers.kernels.pasa_fwd  # noqa: F401
+    except ImportError:  # no triton on this host: the kernel tests skip themselves
+        pass
+    finally:
+        if knobs is not None:
+            os.environ.pop("TRITON_INTERPRET", None)
+
+
+if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ and "triton" not in sys.modules:
+    _build_interpreted_kernels()
+
+
+def kernels_interpreted() -> bool:
+    """Whether ``pasa_diffusers.kernels`` runs under Triton's interpreter (False without triton)."""
+    try:
+        from pasa_diffusers.kernels.pasa_fwd import INTERPRET
+    except ImportError:
+        return False
+    return INTERPRET
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available() and not kernels_interpreted():
+        return
+    reason = ("needs CUDA" if not torch.cuda.is_available()
+              else "the kernels were built for Triton's interpreter (TRITON_INTERPRET=1)")
+    skip = pytest.mark.skip(reason=reason)
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    """A CPU generator with a fresh seed per test and run (printed: replay a failure with PASA_TEST_SEED)."""
+    seed = int(os.environ.get("PASA_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
+    print(f"seed={seed}")
+    return torch.Generator().manual_seed(seed)
