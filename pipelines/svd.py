@@ -131,17 +131,23 @@ def load_svd(
     Args:
         model: ``"tiny"`` (a small random pipeline built in code, reproducible, no download), a hub id
             such as ``"stabilityai/stable-video-diffusion-img2vid-xt"``, or a folder written by
-            ``save_pretrained``.  Weights are read from safetensors only.
+            ``save_pretrained``.  Weights are read from safetensors only.  ``"tiny-resonant"`` is the
+            tiny pipeline with FP16 overflow planted in known layers (``pipelines.resonant``).
         device: where the pipeline runs.
         dtype: dtype of every component (e.g. ``torch.float16`` for the fully-FP16 study).
         variant: weight file variant of a hub id or folder (e.g. ``"fp16"``); not valid with ``"tiny"``.
         local_files_only: never contact the hub (the cache or the folder must hold the files).
     """
-    if model == "tiny":
+    if model in ("tiny", "tiny-resonant"):
         if variant is not None:
-            raise ValueError(f"load_svd: variant={variant!r} applies to a hub id or a folder, not to model='tiny'")
+            raise ValueError(f"load_svd: variant={variant!r} applies to a hub id or a folder, not to model={model!r}")
         with torch.random.fork_rng(devices=[]):
-            pipe = _tiny_pipeline().to(device)
+            pipe = _tiny_pipeline()
+            if model == "tiny-resonant":
+                from .resonant import build_tiny_resonant
+
+                pipe = build_tiny_resonant(pipe)
+            pipe = pipe.to(device)
         return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
     _check_local_folder(model)
     pipe = StableVideoDiffusionPipeline.from_pretrained(
