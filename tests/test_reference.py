@@ -58,18 +58,20 @@ def test_flash_reference_on_moderate_inputs(precision, fresh_seed):
 def test_overflow_case_naive_half_breaks_pasa_and_smooth_k_do_not(fresh_seed):
     """Uniform(mean 30, Am 0.5), head dim 128: raw q.k ~ 1.16e5 > 65504.
 
-    Bounds (RMSE / RMS(golden), the study's ``--quick`` shape): ``pasa numerics --quick`` measured
-    PASA half 1.67e-3, PASA hybrid 4.64e-4, smooth-K half 4.82e-4, FA fp32 1.56e-4; each bound is
-    twice the study's value.
+    Bounds (RMSE / RMS(golden)) at the study's ``--quick`` shape, measured over 12 seeds (min / median
+    / max): PASA half 4.3e-4 / 2.0e-3 / 5.5e-3, PASA hybrid 8.7e-5 / 8.8e-4 / 2.3e-3, smooth-K half
+    4.0e-4 / 4.5e-4 / 6.0e-4, FA fp32 8.6e-5 / 1.6e-4 / 1.7e-4.  PASA's error varies 12x between
+    seeds (gamma amplifies the fp16 rounding of the block means, which depends on the draw); each bound
+    is twice the largest value seen.
     """
     q, k, v = numerics.paper_inputs("uniform", 30.0, 0.5, numerics.QUICK_SHAPE, seed=fresh_seed)
     gold = golden_attention(q, k, v)
     naive = flash_reference(q, k, v, precision="half")
     assert not torch.isfinite(naive).all()
-    for out, bound in [(pasa_reference(q, k, v, precision="half"), 2 * 1.67e-3),
-                       (pasa_reference(q, k, v, precision="hybrid"), 2 * 4.64e-4),
-                       (smooth_k_reference(q, k, v, precision="half"), 2 * 4.82e-4),
-                       (flash_reference(q, k, v, precision="fp32"), 2 * 1.56e-4)]:
+    for out, bound in [(pasa_reference(q, k, v, precision="half"), 2 * 5.5e-3),
+                       (pasa_reference(q, k, v, precision="hybrid"), 2 * 2.3e-3),
+                       (smooth_k_reference(q, k, v, precision="half"), 2 * 6.0e-4),
+                       (flash_reference(q, k, v, precision="fp32"), 2 * 1.7e-4)]:
         assert torch.isfinite(out).all()
         assert numerics.rel_rmse(out, gold) < bound
 
