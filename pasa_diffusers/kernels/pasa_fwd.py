@@ -235,10 +235,13 @@ def pasa_fwd_kernel(
                     s = _mma(q, tl.trans(k_blk), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), INTERPRET_BF16)
                     if stage == 1:
                         s = tl.where(n_valid[None, :], s, float("-inf"))
-                    # FlashAttention-2's form: m_i in log2 units, one FMA per element
+                    # FlashAttention-2's form: m_i in log2 units, one FMA per element.  The FMA
+                    # rounds once, the small difference: a separate product would round s * qk_scale
+                    # at the raw scores' magnitude (1e4 logits for biased inputs).  m_new's own
+                    # rounding is one constant per row, which softmax ignores.
                     m_prev = m_i
                     m_new = tl.maximum(m_prev, tl.max(s, axis=1) * qk_scale)
-                    x = s * qk_scale - m_new[:, None]
+                    x = tl.fma(s, qk_scale, -m_new[:, None])
 
             # ---- online softmax merge ----
             if SHIFT or HALF_STATE:
