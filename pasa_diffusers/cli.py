@@ -33,7 +33,8 @@ def cmd_numerics(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    rows = numerics.run_study(shape=shape, progress=_progress("numerics"))
+    v_mean = 0.0 if args.zero_mean_v else None
+    rows = numerics.run_study(shape=shape, v_mean=v_mean, progress=_progress("numerics"))
     betas = [0.5] + [optimal_beta(start=1 - 2.0 ** -e) for e in (4, 5, 6)]
     sweep_cells = [("uniform", 0.0, 5.0), ("uniform", 10.0, 0.5), ("uniform", 30.0, 0.5), ("hybrid", 30.0, 10.0)]
     sweep = numerics.beta_sweep(betas, sweep_cells, shape=shape)
@@ -44,8 +45,10 @@ def cmd_numerics(args: argparse.Namespace) -> int:
     paper_table = numerics.study_table(rows, "rel_rmse_v")
     output_table = numerics.study_table(rows, "rel_rmse")
     sweep_table = numerics.sweep_table(sweep)
-    command = "pasa numerics" + (" --quick" if args.quick else "") + f" --out {args.out}"
-    text = (f"# PASA numerics ({command})\n\nshape (B, Hq, Hk, N, D) = {shape}, fp16 inputs, seed "
+    command = ("pasa numerics" + (" --quick" if args.quick else "") + (" --zero-mean-v" if args.zero_mean_v else "")
+               + f" --out {args.out}")
+    v_note = ", zero-mean V ~ N(0, 1)" if args.zero_mean_v else ""
+    text = (f"# PASA numerics ({command}{v_note})\n\nshape (B, Hq, Hk, N, D) = {shape}, fp16 inputs, seed "
             f"{numerics.PAPER_SEED}, {seconds:.0f} s\n\n"
             f"## RMSE / RMS(V) (the paper's metric)\n\n{paper_table}\n\n"
             f"## RMSE / RMS(golden output)\n\n{output_table}\n\n"
@@ -119,7 +122,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
                     local_files_only=args.local_files_only)
     image = load_image(args.image, (args.width, args.height))
     result = diagnose(pipe, image, num_frames=args.frames, num_inference_steps=args.steps, seed=args.seed,
-                      height=args.height, width=args.width, progress=True)
+                      height=args.height, width=args.width, progress=True, model=args.model)
     print(risk_table(result))
     for kind, path in write_diagnosis(result, args.out).items():
         print(f"wrote {kind}: {path}")
@@ -150,6 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("numerics", help="the paper's random-input accuracy study of every attention variant")
     p.add_argument("--quick", action="store_true",
                    help="a smaller shape (1, 4, 1, 391, 128) instead of the paper's (1, 28, 4, 1407, 128)")
+    p.add_argument("--zero-mean-v", action="store_true",
+                   help="draw V ~ N(0, 1) instead of like q and k (errors in the weights are not hidden by V's mean)")
     p.add_argument("--out", default="out/numerics", help="output folder (CSV, JSON, markdown)")
     p.set_defaults(func=cmd_numerics)
 

@@ -8,7 +8,8 @@ For queries ``q`` (B, H, Nq, D) and keys ``k`` (B, H, Nk, D) of one call:
 - ``max_abs_shifted``: max |S'| after PASA's shift, ``S' = q (scale M_j k_j)^T`` per key block of
   ``block_n`` with ``M_j = I - (beta/n_j) 11^T`` (what PASA rounds to fp16);
 - ``bias_q`` / ``bias_k`` per head: norm of the token mean over the RMS norm of the centred tokens
-  — a bias along the sequence (0 for zero-mean tokens, large when every token carries the same offset);
+  — a bias along the sequence (0 for zero-mean tokens, large when every token carries the same offset;
+  NaN for a single token);
 - ``amplitude_q`` / ``amplitude_k`` per head: RMS of the centred tokens;
 - ``resonance_cos`` per head: cosine of the token means of q and k (+1 in phase, -1 in anti-phase);
 - ``sign_agreement`` per head: share of head dims where the token means of q and k share their sign
@@ -18,6 +19,8 @@ In-phase (or anti-phase) means with a large bias give ``q . k ~ +-|mean_q| |mean
 the paper's "resonance" that pushes scores past fp16's range.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -30,6 +33,8 @@ def _token_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     """Per (batch, head): token mean (D,), RMS of centred tokens, and bias = |mean| / that RMS."""
     mean = x.mean(dim=2)
     centred_rms = (x - mean[:, :, None]).pow(2).mean(dim=(2, 3)).sqrt()
+    if x.shape[2] == 1:  # one token: no spread to compare the mean with
+        return mean, centred_rms, torch.full_like(centred_rms, float("nan"))
     bias = mean.norm(dim=-1) / (centred_rms * x.shape[-1] ** 0.5).clamp_min(1e-30)
     return mean, centred_rms, bias
 
@@ -40,6 +45,11 @@ def _shift_keys(k: torch.Tensor, scale: float, beta: float, block_n: int) -> tor
         blk = k[:, :, start:start + block_n]
         shifted[:, :, start:start + block_n] = scale * (blk - beta * blk.mean(dim=2, keepdim=True))
     return shifted
+
+
+def _nan_max(a: float, b: float) -> float:
+    """max that propagates NaN (Python's max silently drops it when it comes second)."""
+    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
 
 
 def _per_head(t: torch.Tensor) -> list[float]:
@@ -74,10 +84,10 @@ def call_stats(q: torch.Tensor, k: torch.Tensor, scale: float, *, beta: float = 
         for r0 in range(0, nq, rows):
             q_blk = qf[b0:b0 + batch_step, :, r0:r0 + rows]
             qk = q_blk @ kf[b0:b0 + batch_step].transpose(-1, -2)
-            max_qk = max(max_qk, qk.abs().max().item())
+            max_qk = _nan_max(max_qk, qk.abs().max().item())
             overflow += int((qk.abs() > FP16_MAX).sum().item())
             shifted = q_blk @ k_shift[b0:b0 + batch_step].transpose(-1, -2)
-            max_shift = max(max_shift, shifted.abs().max().item())
+            max_shift = _nan_max(max_shift, shifted.abs().max().item())
     mean_q, amp_q, bias_q = _token_stats(qf)
     mean_k, amp_k, bias_k = _token_stats(kf)
     cos = torch.nn.functional.cosine_similarity(mean_q, mean_k, dim=-1)
