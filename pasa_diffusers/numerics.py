@@ -28,6 +28,7 @@ __all__ = [
     "max_abs_error",
     "nonfinite_count",
     "VARIANTS",
+    "stress_cases",
     "PAPER_MEANS",
     "PAPER_AMPLITUDES",
     "PAPER_SHAPE",
@@ -164,10 +165,38 @@ VARIANTS: dict[str, Variant] = {
     "smooth-K half": lambda q, k, v: reference.smooth_k_reference(q, k, v, precision="half"),
     "PASA half": lambda q, k, v: reference.pasa_reference(q, k, v, precision="half"),
     "PASA hybrid": lambda q, k, v: reference.pasa_reference(q, k, v, precision="hybrid"),
+    "exact hybrid": lambda q, k, v: reference.exact_shift_reference(q, k, v, precision="hybrid"),
+    "exact half": lambda q, k, v: reference.exact_shift_reference(q, k, v, precision="half"),
 }
 """The study's variants on fp16 inputs.  "FA bf16" re-rounds the inputs to bf16 (its error includes
 that rounding, which is what running a model in bf16 costs); "FA fp32" is FlashAttention-2/cuDNN
-(fp16 GEMMs, fp32 scores and state); "FA half" the naive fully-FP16 kernel."""
+(fp16 GEMMs, fp32 scores and state); "FA half" the naive fully-FP16 kernel; "exact hybrid" | "exact half" the exact shift
+(``reference.exact_shift_reference``: block means of K removed exactly, the removed logit carried in fp32)."""
+
+
+def stress_cases(shape: tuple[int, ...] = (1, 2, 1, 300, 128), seed: int = PAPER_SEED
+                 ) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Named extra (q, k, v) cases of the extended study, beyond the paper's grid, all with V ~ N(0, 1).
+
+    - ``"uniform(30,0.5) zero-mean V"``: the paper's overflow cell with V zero-mean (errors in the
+      attention weights are no longer hidden by V's mean);
+    - ``"drift(0->40)"``: q, k biased 20 plus a bias drifting 0 -> 40 along the sequence (each key
+      block has its own mean: what a global smooth-K cannot remove);
+    - ``"resonance in"`` / ``"resonance anti"``: token means aligned along the head dim, in phase
+      (``q.k ~ +|w|^2``, overflows fp16) and in anti-phase (``~ -|w|^2``);
+    - ``"hybrid(30,10) outliers"``: FlashAttention-3's outlier model, zero-mean V;
+    - ``"bf16 uniform(30,0.5)"``: the overflow cell in bf16 (hybrid variants only).
+    """
+    b, hq, hk, n, d = _check_shape(shape)
+    res_shape = (b, hq, hk, n, min(d, 64))
+    return {
+        "uniform(30,0.5) zero-mean V": paper_inputs("uniform", 30.0, 0.5, shape, seed, v_mean=0.0),
+        "drift(0->40)": resonance_inputs(shape, phase="random", bias=20.0, drift=40.0, seed=seed),
+        "resonance in": resonance_inputs(res_shape, phase="in", bias=50.0, seed=seed),
+        "resonance anti": resonance_inputs(res_shape, phase="anti", bias=50.0, seed=seed),
+        "hybrid(30,10) outliers": paper_inputs("hybrid", 30.0, 10.0, shape, seed, v_mean=0.0),
+        "bf16 uniform(30,0.5)": paper_inputs("uniform", 30.0, 0.5, shape, seed, torch.bfloat16, v_mean=0.0),
+    }
 
 
 @dataclass

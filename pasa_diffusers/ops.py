@@ -6,7 +6,8 @@
 - CPU tensors run the kernel itself when ``TRITON_INTERPRET=1`` is set (Triton's numpy
   interpreter: slow, for tests), and otherwise the exact PyTorch reference of the same variant
   (``reference.py``), which rounds at the same points as the kernel;
-- ``precision="fp64"`` runs the reference with no rounding at all, on any device.
+- ``precision="fp64"`` runs the reference with no rounding at all, on any device (for
+  ``shift="exact"`` the float64 golden attention: the exact shift is exact in real arithmetic).
 
 The op is registered as ``pasa::attention`` with a fake (meta) implementation, so ``torch.compile``
 and CUDA graphs take it without graph breaks.
@@ -21,13 +22,15 @@ import torch
 from . import reference
 from .reference import DEFAULT_BETA
 
-__all__ = ["pasa_attention", "MIN_HEAD_DIM", "MAX_HEAD_DIM", "SUPPORTED_DTYPES", "PRECISIONS", "LAYOUTS"]
+__all__ = ["pasa_attention", "MIN_HEAD_DIM", "MAX_HEAD_DIM", "SUPPORTED_DTYPES", "PRECISIONS", "LAYOUTS", "SHIFTS"]
 
 MIN_HEAD_DIM = 16
 MAX_HEAD_DIM = 256
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 PRECISIONS = ("half", "hybrid", "fp64")
 LAYOUTS = ("bhnd", "bnhd")
+SHIFTS = (True, False, "exact")
+_SHIFT_MODES = {True: "pasa", False: "none", "exact": "exact"}  # the op's schema takes a str
 
 
 def _shape(t: torch.Tensor) -> tuple[int, ...]:
@@ -35,14 +38,14 @@ def _shape(t: torch.Tensor) -> tuple[int, ...]:
 
 
 def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, precision: str,
-              shift: bool, beta: float | None, layout: str) -> None:
+              shift: bool | str, beta: float | None, layout: str) -> None:
     fn = "pasa_attention"
     if layout not in LAYOUTS:
         raise ValueError(f"{fn}: unknown layout={layout!r}; expected one of {LAYOUTS}")
     if precision not in PRECISIONS:
         raise ValueError(f"{fn}: unknown precision={precision!r}; expected one of {PRECISIONS}")
-    if not isinstance(shift, bool):
-        raise ValueError(f"{fn}: shift must be a bool, got shift={shift!r}")
+    if not (isinstance(shift, bool) or (isinstance(shift, str) and shift == "exact")):
+        raise ValueError(f"{fn}: unknown shift={shift!r}; expected one of {SHIFTS}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -86,13 +89,16 @@ def _use_kernel(device: torch.device, precision: str) -> bool:
 
 
 def _attention_bhnd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, scale: float,
-                    precision: str, shift: bool, beta: float) -> None:
+                    precision: str, shift_mode: str, beta: float) -> None:
     """Write attention of (B, H, N, D) views ``q, k, v`` into the (B, H, N, D) view ``out``."""
     if _use_kernel(q.device, precision):
         from .kernels.pasa_fwd import pasa_forward
 
+        shift = "exact" if shift_mode == "exact" else shift_mode == "pasa"
         pasa_forward(q, k, v, out, scale=scale, precision=precision, shift=shift, beta=beta)
-    elif shift:
+    elif shift_mode == "exact" and precision != "fp64":
+        out.copy_(reference.exact_shift_reference(q, k, v, scale, precision=precision))
+    elif shift_mode == "pasa":
         out.copy_(reference.pasa_reference(q, k, v, scale, beta=beta, precision=precision))
     elif precision == "fp64":
         out.copy_(reference.golden_attention(q, k, v, scale))
@@ -102,7 +108,7 @@ def _attention_bhnd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
 
 
 @torch.library.custom_op("pasa::attention", mutates_args=())
-def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, precision: str, shift: bool,
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, precision: str, shift: str,
                   beta: float, layout: str) -> torch.Tensor:
     out_dtype = torch.float64 if precision == "fp64" else q.dtype
     out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
@@ -121,7 +127,7 @@ def _attention_fake(q, k, v, scale, precision, shift, beta, layout):
 
 
 def pasa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, *,
-                   precision: str = "half", shift: bool = True, beta: float | None = None,
+                   precision: str = "half", shift: bool | str = True, beta: float | None = None,
                    layout: str = "bhnd") -> torch.Tensor:
     """Softmax attention ``softmax(scale q k^T) v`` that cannot overflow in FP16.
 
@@ -134,7 +140,10 @@ def pasa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
             ``"hybrid"`` — fp16/bf16 GEMMs, fp32 softmax state and accumulator;
             ``"fp64"`` — the exact reference, no rounding (for tests; returns float64).
         shift: ``True`` for PASA's pseudo-average shift with global recovering; ``False`` for plain
-            FlashAttention (in ``"half"`` the naive control, which overflows above 65504).
+            FlashAttention (in ``"half"`` the naive control, which overflows above 65504); ``"exact"``
+            for the exact shift: each 128-key block's mean of K removed exactly and the removed logit
+            ``scale q . c_j`` carried in fp32 (``reference.exact_shift_reference``): as accurate as
+            fp32-score FlashAttention in ``"hybrid"``, overflow-free in ``"half"``.
         beta: shift strength in (0, 1), default ``DEFAULT_BETA`` (0.9375).
         layout: ``"bhnd"`` or ``"bnhd"``; the output has the layout of ``q``, contiguous.
 
@@ -145,4 +154,4 @@ def pasa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     head_dim = q.shape[-1]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     beta = DEFAULT_BETA if beta is None else float(beta)
-    return _attention_op(q, k, v, scale, precision, shift, beta, layout)
+    return _attention_op(q, k, v, scale, precision, _SHIFT_MODES[shift], beta, layout)

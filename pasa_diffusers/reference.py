@@ -25,6 +25,7 @@ __all__ = [
     "flash_reference",
     "pasa_reference",
     "smooth_k_reference",
+    "exact_shift_reference",
     "gemm_dtype",
     "DEFAULT_BETA",
 ]
@@ -34,6 +35,7 @@ DEFAULT_BETA = optimal_beta(128, torch.float16, 1.0, start=1.0 - 2.0 ** -4)
 
 _FLASH_PRECISIONS = ("fp32", "half")
 _PASA_PRECISIONS = ("half", "hybrid", "fp64")
+_EXACT_PRECISIONS = ("hybrid", "half")
 
 
 def validate_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fn: str) -> None:
@@ -249,3 +251,82 @@ def smooth_k_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     k_wide = k.to(torch.float64 if k.dtype == torch.float64 else torch.float32)
     k_smooth = (k_wide - k_wide.mean(dim=-2, keepdim=True)).to(k.dtype)
     return flash_reference(q, k_smooth, v, scale, block_m=block_m, block_n=block_n, precision=precision)
+
+
+def exact_shift_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, *,
+                          block_m: int = 128, block_n: int = 128, precision: str = "hybrid") -> torch.Tensor:
+    """The exact shift: each key block's mean is removed exactly and its logit carried in fp32.
+
+    Per key block ``j`` of ``n_j`` valid keys (the ragged last block uses its ``n_j``):
+
+    1. ``kbar_j`` = per-channel mean of the block's keys, in fp32, rounded to the GEMM dtype ``g``;
+    2. the centre ``c_j`` actually removed: in ``"hybrid"`` per channel ``d``,
+       ``c_j[d] = kbar_j[d]`` if ``|kbar_j[d]| >= 2 max_r |k_j[r, d] - kbar_j[d]|`` else ``0``; every key
+       then lies in ``[c/2, 3c/2]``, so by Sterbenz's lemma ``k - c`` is exact in ``g`` (no rounding at
+       all; channels with little bias are left alone).  In ``"half"`` ``c_j = kbar_j`` always (the fp16
+       score tile needs the bias gone; ``k - c`` then rounds at 2^-11 relative of the centred value);
+    3. ``k_c = round_g(k_j - c_j)`` (fp32 difference, one rounding);
+    4. ``r_j = scale (q . c_j)`` per query row in fp32 (exact products of ``g`` values, fp32 sum): the
+       removed part of the logits, carried exactly instead of being recovered through PASA's gamma;
+    5. scores of the centred keys: ``"hybrid"`` ``s = scale fp32(q k_c^T)``; ``"half"``
+       ``s = fp16(q_s k_c^T)`` with ``q_s = round_fp16(scale q)`` (the fp16 tile holds only the
+       centred part, so it cannot overflow for any bias of K);
+    6. logits ``s + r_j`` in fp32 and FlashAttention's online softmax: ``m``, ``l`` in fp32,
+       ``p = exp(logits - m_new)`` in fp32 (rounded to ``g`` for ``P V`` in ``"hybrid"``, to fp16 in
+       ``"half"``), ``acc`` in fp32 (``"hybrid"``) or fp16 (``"half"``: ``alpha acc`` rounded to fp16,
+       then ``P V`` accumulated onto it in fp32 and rounded once to fp16), ``out = acc / l``.
+
+    ``s + r_j = scale q k_j^T`` in real arithmetic, so the result is exact softmax attention; the
+    rounding enters only at ``kbar_j`` (harmless: any ``c_j`` is exact in ``r_j``), ``k_c`` (none in
+    hybrid), the score GEMM (fp32 in hybrid, fp16 in half), ``r_j``'s fp32 sum, ``p`` and the
+    accumulator.  Output in ``q.dtype``.
+    """
+    fn = "exact_shift_reference"
+    validate_qkv(q, k, v, fn)
+    _check_precision(precision, _EXACT_PRECISIONS, fn)
+    _check_block("block_m", block_m, fn)
+    _check_block("block_n", block_n, fn)
+    scale = _default_scale(q, scale, fn)
+    g = gemm_dtype(q.dtype)
+    half = precision == "half"
+    if half and g != torch.float16:
+        raise ValueError(f"{fn}: precision='half' needs fp16 GEMMs; q.dtype={q.dtype} (use precision='hybrid')")
+    f32 = torch.float32
+    qg = q.to(g)
+    q_s = (qg.to(f32) * scale).to(torch.float16) if half else None
+    kg, vg = _expand_kv(k.to(g), q.shape[1]), _expand_kv(v.to(g), q.shape[1])
+    out = torch.empty(q.shape[:3] + (v.shape[-1],), dtype=q.dtype, device=q.device)
+    for rows in _row_chunks(q.shape[2], block_m):
+        q_blk = qg[:, :, rows]
+        m_i = torch.full(q_blk.shape[:3] + (1,), -math.inf, dtype=f32, device=q.device)
+        l_i = torch.zeros_like(m_i)
+        acc = torch.zeros(q_blk.shape[:3] + (v.shape[-1],), dtype=torch.float16 if half else f32, device=q.device)
+        for start, stop in _key_blocks(k.shape[2], block_n):
+            k32 = kg[:, :, start:stop].to(f32)
+            kbar = k32.mean(dim=-2, keepdim=True).to(g).to(f32)
+            if half:
+                c = kbar
+            else:
+                spread = (k32 - kbar).abs().amax(dim=-2, keepdim=True)
+                c = torch.where(kbar.abs() >= 2 * spread, kbar, torch.zeros_like(kbar))
+            k_c = (k32 - c).to(g)
+            r = scale * (q_blk.to(f32) @ c.transpose(-1, -2))  # (.., rows, 1), fp32
+            if half:
+                s = _gemm(q_s[:, :, rows], k_c.transpose(-1, -2), torch.float16).to(f32)
+            else:
+                s = _gemm(q_blk, k_c.transpose(-1, -2), f32) * scale
+            logits = s + r
+            m_new = torch.maximum(m_i, logits.amax(-1, keepdim=True))
+            p = torch.exp(logits - m_new)
+            alpha = torch.exp(m_i - m_new)
+            if half:
+                p = p.to(torch.float16)
+                l_i = alpha * l_i + _rowsum(p, f32)
+                acc = (acc.to(f32) * alpha.to(torch.float16).to(f32)).to(torch.float16)
+                acc = (acc.to(f32) + p.to(f32) @ vg[:, :, start:stop].to(f32)).to(torch.float16)
+            else:
+                l_i = alpha * l_i + _rowsum(p, f32)
+                acc = alpha * acc + _gemm(p.to(g), vg[:, :, start:stop], f32)
+            m_i = m_new
+        out[:, :, rows] = (acc.to(f32) / l_i).to(q.dtype)
+    return out

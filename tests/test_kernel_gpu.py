@@ -41,11 +41,15 @@ import torch
 
 from pasa_diffusers import numerics
 from pasa_diffusers.ops import pasa_attention
-from pasa_diffusers.reference import DEFAULT_BETA, flash_reference, golden_attention, pasa_reference
+from pasa_diffusers.reference import (DEFAULT_BETA, exact_shift_reference, flash_reference, golden_attention,
+                                      pasa_reference)
 
 pytestmark = pytest.mark.gpu
 
-K_BOUND = {("pasa", "half"): 3.0, ("pasa", "hybrid"): 2.0, ("flash", "hybrid"): 2.0, ("flash", "half"): 3.0}
+K_BOUND = {("pasa", "half"): 3.0, ("pasa", "hybrid"): 2.0, ("flash", "hybrid"): 2.0, ("flash", "half"): 3.0,
+           ("exact", "hybrid"): 2.0, ("exact", "half"): 3.0}
+"""Exact shift (``shift="exact"``): reference ``exact_shift_reference(precision=p)``; hybrid K = 2 (same
+roundings, other summation order), half K = 3 (fp16 wgmma accumulators, as PASA half)."""
 K_EXP2_F16X2 = 6.0
 TINY = 1e-6
 FP16_OVERFLOW = 65520.0  # the smallest value that rounds to inf in fp16
@@ -107,7 +111,8 @@ def _bnhd(*tensors):
 
 def _op(q, k, v, kind, precision):
     """The op on (B, N, H, D) tensors, as a diffusers processor calls it; returns (B, H, N, D)."""
-    out = pasa_attention(*_bnhd(q, k, v), precision=precision, shift=kind == "pasa", layout="bnhd")
+    shift = "exact" if kind == "exact" else kind == "pasa"
+    out = pasa_attention(*_bnhd(q, k, v), precision=precision, shift=shift, layout="bnhd")
     return out.transpose(1, 2)
 
 
@@ -122,6 +127,8 @@ def _reference(q, k, v, kind, precision, **options):
     rows = max(q.shape[2], 1)  # query rows are independent: one chunk is fastest on the GPU
     if kind == "pasa":
         return pasa_reference(q, k, v, precision=precision, block_m=rows, **options)
+    if kind == "exact":
+        return exact_shift_reference(q, k, v, precision=precision, block_m=rows, **options)
     if precision == "half":
         return flash_reference(q, k, v, precision="half", block_m=rows, **options)
     return [flash_reference(q, k, v, precision="fp32", block_m=rows, **options), _sdpa(q, k, v)]
@@ -210,7 +217,8 @@ def test_paper_stress_grid(dist, mean, amplitude):
     q, k, v = _cuda(*numerics.paper_inputs(dist, mean, amplitude, shape=numerics.PAPER_SHAPE))
     case = f"{dist}({mean:g},{amplitude:g})"
     gold = golden_attention(q, k, v)
-    for kind, precision in [("pasa", "half"), ("pasa", "hybrid"), ("flash", "hybrid")]:
+    for kind, precision in [("pasa", "half"), ("pasa", "hybrid"), ("flash", "hybrid"), ("exact", "hybrid"),
+                            ("exact", "half")]:
         _check(case, _op(q, k, v, kind, precision), _reference(q, k, v, kind, precision), gold, kind, precision)
     max_score = _max_abs_score(q, k)
     naive = _op(q, k, v, "flash", "half")

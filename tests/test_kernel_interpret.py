@@ -29,6 +29,12 @@ rounded to fp16, an error proportional to |S'|, which grows with the inputs' bia
 uniform(30, 0.5) case: about 100x FA fp32) while FA fp32 keeps fp32 scores; so PASA hybrid is held
 to its own reference (K = 2) and, in the overflow test, to being finite where naive half is not.
 
+Exact shift (``shift="exact"``): the reference is ``exact_shift_reference(precision=p)``, ``K = 2`` in
+hybrid, ``K = 3`` in half (as PASA half on the GPU: fp16 wgmma accumulators).  The kernel rounds at
+the reference's points (half: the same ``q_s = round_fp16(scale q)`` and fp16 scores, ``log2(e)``
+applied in the fp32 exponent FMA) but carries ``r_j`` once per block (``m_blk``) where the reference
+rounds ``s + r_j`` per element.
+
 ``TINY = 1e-6`` only covers a reference error of exactly zero; every error here is >= 1e-4 (the
 fp16/bf16 rounding of the output alone).  Every kernel output starts poisoned with NaN, so a finite
 output proves every element was written.
@@ -46,12 +52,14 @@ from pasa_diffusers import numerics  # noqa: E402
 from pasa_diffusers.beta import optimal_beta  # noqa: E402
 from pasa_diffusers.kernels import pasa_fwd  # noqa: E402
 from pasa_diffusers.kernels.pasa_fwd import pasa_forward  # noqa: E402
-from pasa_diffusers.reference import DEFAULT_BETA, flash_reference, golden_attention, pasa_reference  # noqa: E402
+from pasa_diffusers.reference import (DEFAULT_BETA, exact_shift_reference, flash_reference,  # noqa: E402
+                                      golden_attention, pasa_reference)
 
 pytestmark = pytest.mark.skipif(not pasa_fwd.INTERPRET, reason="kernels built for the GPU; set TRITON_INTERPRET=1 "
                                 "before pytest starts to run them on the CPU")
 
-K_BOUND = {("pasa", "half"): 2.0, ("pasa", "hybrid"): 2.0, ("flash", "half"): 2.0, ("flash", "hybrid"): 2.0}
+K_BOUND = {("pasa", "half"): 2.0, ("pasa", "hybrid"): 2.0, ("flash", "half"): 2.0, ("flash", "hybrid"): 2.0,
+           ("exact", "hybrid"): 2.0, ("exact", "half"): 3.0}
 TINY = 1e-6
 VARIANTS = list(K_BOUND)
 
@@ -80,7 +88,8 @@ def _kernel(q, k, v, kind, precision, *, out=None, beta=DEFAULT_BETA, **options)
     if out is None:
         out = torch.full_like(q, float("nan"))
     scale = 1.0 / math.sqrt(q.shape[-1])
-    result = pasa_forward(q, k, v, out, scale=scale, precision=precision, shift=kind == "pasa", beta=beta,
+    shift = "exact" if kind == "exact" else kind == "pasa"
+    result = pasa_forward(q, k, v, out, scale=scale, precision=precision, shift=shift, beta=beta,
                           **options)
     assert result is out
     return out
@@ -89,6 +98,8 @@ def _kernel(q, k, v, kind, precision, *, out=None, beta=DEFAULT_BETA, **options)
 def _reference(q, k, v, kind, precision, **options):
     if kind == "pasa":
         return pasa_reference(q, k, v, precision=precision, **options)
+    if kind == "exact":
+        return exact_shift_reference(q, k, v, precision=precision, **options)
     return flash_reference(q, k, v, precision="half" if precision == "half" else "fp32", **options)
 
 
@@ -120,7 +131,7 @@ def test_bnhd_views_give_the_contiguous_result(kind, precision, gen):
     assert torch.equal(out_v, expected)
 
 
-@pytest.mark.parametrize("kind", ["pasa", "flash"])
+@pytest.mark.parametrize("kind", ["pasa", "flash", "exact"])
 def test_bf16_hybrid(kind, gen):
     shape = (1, 4, 2, 100, 130, 64)
     q, k, v = _biased_inputs(shape, gen, dtype=torch.bfloat16)
@@ -145,7 +156,8 @@ def test_paper_overflow_case(dist, mean, amplitude):
     assert not (naive == sentinel).any()
     assert numerics.nonfinite_count(naive) > 0
 
-    for kind, precision in [("pasa", "half"), ("pasa", "hybrid"), ("flash", "hybrid")]:
+    for kind, precision in [("pasa", "half"), ("pasa", "hybrid"), ("flash", "hybrid"), ("exact", "hybrid"),
+                            ("exact", "half")]:
         out = _kernel(q, k, v, kind, precision)
         _assert_within_bound(out, _reference(q, k, v, kind, precision), gold, kind, precision)
 
@@ -157,8 +169,20 @@ def test_resonance_overflow(precision):
     q, k, v = numerics.resonance_inputs((1, 2, 2, 128, 64), phase="in", bias=50.0, seed=3)
     assert (q.double() @ k.double().transpose(-1, -2)).abs().max() > 65504
     assert numerics.nonfinite_count(_kernel(q, k, v, "flash", "half", out=torch.zeros_like(q))) > 0
-    out = _kernel(q, k, v, "pasa", precision)
-    _assert_within_bound(out, _reference(q, k, v, "pasa", precision), golden_attention(q, k, v), "pasa", precision)
+    gold = golden_attention(q, k, v)
+    for kind in ("pasa", "exact"):
+        out = _kernel(q, k, v, kind, precision)
+        _assert_within_bound(out, _reference(q, k, v, kind, precision), gold, kind, precision)
+
+
+@pytest.mark.parametrize("precision", ["half", "hybrid"])
+def test_exact_shift_drifting_blocks(precision, gen):
+    """block_n=32: 5 key blocks (tail 22) with a drifting bias, each centred on its own mean."""
+    q, k, v = _biased_inputs((1, 2, 1, 50, 150, 32), gen, bias=2.0)
+    k = (k.float() + torch.linspace(0.0, 20.0, 150)[:, None]).half()
+    out = _kernel(q, k, v, "exact", precision, block_n=32)
+    ref = exact_shift_reference(q, k, v, precision=precision, block_n=32)
+    _assert_within_bound(out, ref, golden_attention(q, k, v), "exact", precision)
 
 
 @pytest.mark.parametrize("precision", ["half", "hybrid"])
@@ -216,6 +240,8 @@ def test_rejects_what_it_cannot_run(gen):
                      shift=True, beta=0.9)
     with pytest.raises(ValueError, match="unknown precision"):
         pasa_forward(q, k, v, out, scale=0.2, precision="fp8", shift=True, beta=0.9)
+    with pytest.raises(ValueError, match="shift must be True, False or 'exact'"):
+        pasa_forward(q, k, v, out, scale=0.2, precision="half", shift="mean", beta=0.9)
     with pytest.raises(ValueError, match="multiple of k/v heads"):
         pasa_forward(q, k[:, :1].expand(1, 3, 16, 32), v[:, :1].expand(1, 3, 16, 32), out, scale=0.2,
                      precision="half", shift=True, beta=0.9)

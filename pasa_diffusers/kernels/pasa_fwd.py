@@ -3,6 +3,8 @@
 One Triton kernel, :func:`pasa_fwd_kernel`, and its launch wrapper :func:`pasa_forward`.  Switches:
 
 - ``SHIFT``: PASA (``True``) or plain FlashAttention-2 (``False``);
+- ``EXACT_SHIFT`` (with ``SHIFT=False``): the exact shift (``reference.exact_shift_reference``): each
+  key tile's mean removed exactly, the removed logit ``scale q . c_j`` carried in fp32;
 - ``HALF_STATE``: the fully-half pipeline (fp16 scores, softmax state, ``P`` and ``P V`` accumulator)
   or the hybrid one (fp16/bf16 GEMM inputs, fp32 softmax state and accumulator);
 - ``SHIFT_IN_LOOP``: PASA shifts each key tile inside the loop (fused), or reads keys shifted once
@@ -59,7 +61,7 @@ def pasa_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SHIFT: tl.constexpr, SHIFT_IN_LOOP: tl.constexpr, HALF_STATE: tl.constexpr,
-    EXP2_F16X2: tl.constexpr, INTERPRET_BF16: tl.constexpr,
+    EXP2_F16X2: tl.constexpr, INTERPRET_BF16: tl.constexpr, EXACT_SHIFT: tl.constexpr = False,
 ):
     """``out = softmax(scale q k^T) v`` for one block of ``BLOCK_M`` query rows of one (batch, head).
 
@@ -93,6 +95,25 @@ def pasa_fwd_kernel(
     (a power of two for head dims 16, 64, 256) keeps ``a, c`` exact; every exponential is
     ``exp2(s * log2(e) - (m_new - delta_j) * log2(e))``: one fp32 FMA per element, as many operations
     as folding ``log2(e)`` into the shift would need, without rounding ``scale * log2(e)`` into it.
+
+    Exact shift (``EXACT_SHIFT=True``, ``SHIFT=False``), in log2 units (``qk_scale = scale log2(e)``):
+
+        kbar_j = round_g(colsum(k_blk) / n_j)       (fp32; masked rows load as zero)
+        c_j    = kbar_j                             (half)
+               = kbar_j where |kbar_j| >= 2 max_r |k_blk - kbar_j| else 0   (hybrid: Sterbenz gate,
+                                                     k_blk - c_j is then exact in g)
+        k_c    = round_g(k_blk - c_j),   r_j = qk_scale * (q . c_j)   (fp32, per row)
+        s      = qk_scale fp32(q k_c^T) (hybrid)  |  log2(e) fp16(q_s k_c^T), q_s = round_fp16(scale q) (half)
+        m_s    = rowmax(s),  m_blk = m_s + r_j,  m_new = max(m_i, m_blk)
+        p      = exp2(s - (m_s - (m_blk - m_new))),   alpha = exp2(m_i - m_new)
+        l_i    = alpha l_i + rowsum(p),  acc = alpha acc + p v_blk,  m_i = m_new
+
+    (``s - m_s + m_blk - m_new`` is ``s + r_j - m_new`` ordered so that the largest ``p`` of the block
+    holding the row's maximum is exactly 1: ``r_j`` reaches 1e4 for biased inputs, where fp32 rounds
+    at 1e-3; the rounding of ``m_blk`` is then one constant per block, the size of the reference's
+    per-element rounding of ``s + r_j``.)  ``s + r_j`` is block ``j``'s true logit (times log2 e) in real arithmetic; invariant: ``acc / l_i
+    == softmax(scale q K^T) V`` over the keys seen so far.  ``m_i``, ``l_i``, ``r_j`` are fp32 in both
+    precisions; ``acc`` and ``p`` are fp16 in half (the fp16 tile holds only centred scores).
 
     Tiles (``st`` = fp16 if ``HALF_STATE`` else fp32; ``g`` = the GEMM dtype, fp16 or bf16):
         q (BLOCK_M, BLOCK_D) g;  k_blk, k_shift, v_blk (BLOCK_N, BLOCK_D) g;
@@ -133,7 +154,18 @@ def pasa_fwd_kernel(
         q = tl.load(q_ptrs, mask=m_valid[:, None] & d_valid[None, :], other=0.0)
     g_ty = q.dtype
 
-    if HALF_STATE:
+    if EXACT_SHIFT:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        avg_j = tl.zeros([BLOCK_M], tl.float32)
+        if HALF_STATE:
+            acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float16)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        gamma_st = gamma
+        tail_ratio_st = tail_ratio
+        scale_st = scale
+    elif HALF_STATE:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float16)
         l_i = tl.zeros([BLOCK_M], tl.float16)
         avg_j = tl.zeros([BLOCK_M], tl.float16)
@@ -150,6 +182,12 @@ def pasa_fwd_kernel(
         tail_ratio_st = tail_ratio
         scale_st = scale
     qk_scale = scale * LOG2E
+    if EXACT_SHIFT:
+        q32 = q.to(tl.float32)
+        if HALF_STATE:
+            # pre-scaled once (natural units, as the reference: the same fp16 q_s and scores); the
+            # fp16 product then stays in range
+            q_s = (q32 * scale).to(tl.float16)
 
     n_full_keys = (N_K // BLOCK_N) * BLOCK_N
     for stage in tl.static_range(2):
@@ -219,6 +257,47 @@ def pasa_fwd_kernel(
                     # exp2 argument in fp32: (s + delta_j - m_new) log2(e), one FMA per element
                     row_ref = (m_new.to(tl.float32) - delta_j.to(tl.float32)) * LOG2E
                     x = s.to(tl.float32) * LOG2E - row_ref[:, None]
+            elif EXACT_SHIFT:
+                # ---- exact shift: remove the tile's mean exactly, carry q . c_j in fp32 ----
+                k32 = k_blk.to(tl.float32)
+                if stage == 1:
+                    n_j = N_K - start_n
+                else:
+                    n_j = BLOCK_N
+                kbar = round_to(tl.sum(k32, axis=0) / n_j, g_ty, INTERPRET_BF16).to(tl.float32)
+                if HALF_STATE:
+                    c_j = kbar
+                else:
+                    dev = tl.abs(k32 - kbar[None, :])
+                    if stage == 1:
+                        dev = tl.where(n_valid[:, None], dev, 0.0)
+                    c_j = tl.where(tl.abs(kbar) >= 2.0 * tl.max(dev, axis=0), kbar, 0.0)
+                k_c = k32 - c_j[None, :]
+                if stage == 1:
+                    k_c = tl.where(n_valid[:, None], k_c, 0.0)
+                k_c = round_to(k_c, g_ty, INTERPRET_BF16)
+                r_j = tl.sum(q32 * c_j[None, :], axis=1) * qk_scale
+                if HALF_STATE:
+                    s = tl.dot(q_s, tl.trans(k_c), out_dtype=tl.float16).to(tl.float32)
+                    if stage == 1:
+                        s = tl.where(n_valid[None, :], s, float("-inf"))
+                    m_s = tl.max(s, axis=1) * LOG2E
+                    m_prev = m_i
+                    m_blk = m_s + r_j
+                    m_new = tl.maximum(m_prev, m_blk)
+                    x = tl.fma(s, LOG2E, -(m_s - (m_blk - m_new))[:, None])
+                else:
+                    s = _mma(q, tl.trans(k_c), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), INTERPRET_BF16)
+                    if stage == 1:
+                        s = tl.where(n_valid[None, :], s, float("-inf"))
+                    # The row offset goes through the block's own centred maximum m_s: where this
+                    # block holds the row's maximum, m_blk - m_new is exactly 0 and the largest p
+                    # is exactly 1 (r_j - m_new alone would carry fp32 rounding at |r_j|, ~1e4).
+                    m_s = tl.max(s, axis=1) * qk_scale
+                    m_prev = m_i
+                    m_blk = m_s + r_j
+                    m_new = tl.maximum(m_prev, m_blk)
+                    x = tl.fma(s, qk_scale, -(m_s - (m_blk - m_new))[:, None])
             else:
                 # ---- plain FlashAttention ----
                 if HALF_STATE:
@@ -244,11 +323,18 @@ def pasa_fwd_kernel(
                     x = tl.fma(s, qk_scale, -m_new[:, None])
 
             # ---- online softmax merge ----
-            if SHIFT or HALF_STATE:
+            if EXACT_SHIFT:
+                alpha = tl.math.exp2(m_prev - m_new)  # fp32 state in both precisions
+            elif SHIFT or HALF_STATE:
                 alpha = tl.math.exp2((m_prev.to(tl.float32) - m_new.to(tl.float32)) * LOG2E)
             else:
                 alpha = tl.math.exp2(m_prev - m_new)
-            if HALF_STATE:
+            if EXACT_SHIFT and HALF_STATE:
+                p = tl.math.exp2(x).to(tl.float16)
+                l_i = alpha * l_i + tl.sum(p.to(tl.float32), axis=1)
+                acc = acc * alpha.to(tl.float16)[:, None]
+                acc = tl.dot(p.to(g_ty), v_blk, acc, out_dtype=tl.float16)
+            elif HALF_STATE:
                 if EXP2_F16X2:  # x in fp16: no conversions on either side of the exponential
                     p = tl.inline_asm_elementwise("ex2.approx.f16x2 $0, $1;", "=r,r", [x],
                                                   dtype=tl.float16, is_pure=True, pack=2)
@@ -288,7 +374,8 @@ INTERPRET = not isinstance(pasa_fwd_kernel, triton.runtime.jit.JITFunction)
 # ---------------------------------------------------------------------------------------------------
 PASA_BLOCK_N = 128
 SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90
-_AUTOTUNE_KEY = ["HEAD_DIM", "NQ_BUCKET", "NK_BUCKET", "HALF_STATE", "SHIFT", "SHIFT_IN_LOOP", "BLOCK_N"]
+_AUTOTUNE_KEY = ["HEAD_DIM", "NQ_BUCKET", "NK_BUCKET", "HALF_STATE", "SHIFT", "SHIFT_IN_LOOP", "EXACT_SHIFT",
+                 "BLOCK_N"]
 
 
 def _configs(entries, with_block_n: bool) -> list[triton.Config]:
@@ -407,15 +494,16 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tens
 
 
 def pasa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, scale: float,
-                 precision: str, shift: bool, beta: float, shift_k: str = "auto", block_n: int | None = None,
+                 precision: str, shift: bool | str, beta: float, shift_k: str = "auto", block_n: int | None = None,
                  config: dict | None = None, exp2_f16x2: bool = False) -> torch.Tensor:
     """Write ``softmax(scale q k^T) v`` into ``out`` and return it.
 
     Args:
         q: ``(B, Hq, Nq, D)``; k, v: ``(B, Hk, Nk, D)`` with ``Hq % Hk == 0``; out: ``(B, Hq, Nq, D)``.
             Any strides with unit stride in the head dim (e.g. ``(B, N, H, D)`` tensors transposed).
-        scale: softmax scale; precision: ``"half"`` or ``"hybrid"``; shift: PASA or plain FA;
-        beta: PASA's shift strength in (0, 1).
+        scale: softmax scale; precision: ``"half"`` or ``"hybrid"``; shift: ``True`` PASA, ``False``
+            plain FA, ``"exact"`` the exact shift (key blocks of ``block_n``, fused in the loop);
+        beta: PASA's shift strength in (0, 1) (unused by plain FA and the exact shift).
         shift_k: PASA only: ``"fused"`` shifts key tiles inside the loop, ``"prepass"`` shifts keys
             once per head (``shift_k.py``) into a buffer, ``"auto"`` uses the pre-pass when a head has
             more than 128 query rows (several query blocks reuse every shifted tile) or the head dim
@@ -427,8 +515,15 @@ def pasa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
         exp2_f16x2: half only, inline-PTX ``ex2.approx.f16x2`` (ablation; not under the interpreter).
     """
     _validate(q, k, v, out, precision)
+    if not (isinstance(shift, bool) or shift == "exact"):
+        raise ValueError(f"pasa_forward: shift must be True, False or 'exact', got shift={shift!r}")
+    exact = shift == "exact"
+    if exact:
+        shift = False
     if shift_k not in SHIFT_K_MODES:
         raise ValueError(f"pasa_forward: unknown shift_k={shift_k!r}; expected one of {SHIFT_K_MODES}")
+    if exp2_f16x2 and exact:
+        raise ValueError("pasa_forward: exp2_f16x2 is an ablation of PASA and plain FA, not of shift='exact'")
     if exp2_f16x2 and (precision != "half" or INTERPRET):
         raise ValueError("pasa_forward: exp2_f16x2 needs precision='half' on a GPU (inline PTX)")
     batch, h_q, n_q, head_dim = q.shape
@@ -437,7 +532,7 @@ def pasa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
 
     consts = dict(a_full=0.0, c_full=0.0, a_tail=0.0, c_tail=0.0, gamma=0.0, tail_ratio=1.0)
     meta = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, SHIFT=bool(shift), HALF_STATE=precision == "half",
-                EXP2_F16X2=bool(exp2_f16x2), SHIFT_IN_LOOP=True,
+                EXP2_F16X2=bool(exp2_f16x2), SHIFT_IN_LOOP=True, EXACT_SHIFT=exact,
                 INTERPRET_BF16=INTERPRET and q.dtype == torch.bfloat16)
     k_src = k
     if shift:
@@ -457,8 +552,11 @@ def pasa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
                 HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, INTERPRET_BF16=meta["INTERPRET_BF16"],
                 num_warps=4 if block_d <= 64 else 8)
             meta["SHIFT_IN_LOOP"] = False
+    elif exact:
+        block_n = PASA_BLOCK_N if block_n is None else int(block_n)
+        meta["BLOCK_N"] = min(block_n, _pow2_tile(n_k))  # one block of n_j = Nk keys when Nk <= block_n
     elif block_n is not None:
-        raise ValueError("pasa_forward: block_n is PASA's shift block; it needs shift=True")
+        raise ValueError("pasa_forward: block_n is the shift block; it needs shift=True or 'exact'")
 
     args = (q, k_src, v, out, *_strides3(q), *_strides3(k_src), *_strides3(v), *_strides3(out),
             h_q, h_q // h_k, n_q, n_k, _bucket(n_q), _bucket(n_k), float(scale),
@@ -470,12 +568,12 @@ def pasa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
 
     if INTERPRET or config is not None:
         fixed = dict(INTERPRET_CONFIG if INTERPRET else config)
-        if not shift:
+        if not (shift or exact):
             fixed.setdefault("BLOCK_N", 64)
         elif fixed.pop("BLOCK_N", meta["BLOCK_N"]) != meta["BLOCK_N"]:
             raise ValueError("pasa_forward: PASA's BLOCK_N is its shift block; pass block_n, not config['BLOCK_N']")
         pasa_fwd_kernel[grid](*args, **meta, **fixed)
-    elif shift:
+    elif shift or exact:  # the shift block is BLOCK_N: not tuned
         _pasa_fwd_tuned[grid](*args, **meta)
     else:
         _flash_fwd_tuned[grid](*args, **meta)
