@@ -117,7 +117,8 @@ def methods(s: Shape):
         return run
 
     out += [("ours fa-half", op("half", False), "ours"), ("ours fa-hybrid", op("hybrid", False), "ours"),
-            ("ours pasa-half", op("half", True), "ours"), ("ours pasa-hybrid", op("hybrid", True), "ours")]
+            ("ours pasa-half", op("half", True), "ours"), ("ours pasa-hybrid", op("hybrid", True), "ours"),
+            ("ours exact-half", op("half", "exact"), "ours"), ("ours exact-hybrid", op("hybrid", "exact"), "ours")]
 
     def wrapper(precision, shift_k, **kw):
         def run(q, k, v):

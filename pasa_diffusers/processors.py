@@ -241,7 +241,8 @@ class PASAAttnProcessor(CountedAttnProcessor):
     Args:
         precision: ``"half"`` (fully FP16), ``"hybrid"`` (fp16 GEMMs, fp32 softmax state) or
             ``"fp64"`` (the exact reference math; slow, for tests).
-        shift: ``True`` for PASA, ``False`` for plain FlashAttention in the same precision.
+        shift: ``True`` for PASA, ``"exact"`` for the exact shift (K's block mean removed exactly, the
+            removed ``q . kbar`` carried in fp32), ``False`` for plain FlashAttention in the same precision.
         beta: PASA's shift strength in (0, 1); ``None`` uses the op's default.
         dtype: the dtype attention works on (see ``CountedAttnProcessor``).
 
@@ -251,7 +252,11 @@ class PASAAttnProcessor(CountedAttnProcessor):
     """
 
     def __init__(
-        self, precision: str = "half", shift: bool = True, beta: float | None = None, dtype: torch.dtype | None = None
+        self,
+        precision: str = "half",
+        shift: bool | str = True,
+        beta: float | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(dtype)
         if precision not in PRECISION_DTYPES:
@@ -359,6 +364,8 @@ class SDPAAttnProcessor(CountedAttnProcessor):
 BACKENDS: dict[str, tuple[type[CountedAttnProcessor], dict[str, Any]]] = {
     "pasa": (PASAAttnProcessor, {}),
     "pasa-hybrid": (PASAAttnProcessor, {"precision": "hybrid"}),
+    "pasa-exact": (PASAAttnProcessor, {"precision": "hybrid", "shift": "exact"}),
+    "pasa-exact-half": (PASAAttnProcessor, {"precision": "half", "shift": "exact"}),
     "fp32": (FP32AttnProcessor, {}),
     "naive-half": (NaiveHalfAttnProcessor, {}),
     "sdpa": (SDPAAttnProcessor, {}),

@@ -48,7 +48,7 @@ def backend_options(backend: str, model_dtype: torch.dtype) -> dict:
     In a float32 model (the CPU default) the low-precision backends cast q, k and v to float16
     themselves, so attention is what runs in FP16; the FP32 reference, SDPA and BF16 need nothing.
     """
-    if model_dtype == torch.float32 and backend in ("pasa", "pasa-hybrid", "naive-half"):
+    if model_dtype == torch.float32 and backend.startswith("pasa") or backend == "naive-half":
         return {"dtype": torch.float16}
     return {}
 

@@ -33,6 +33,8 @@ already gives 5e-5 (checked below)."""
 BACKEND_CLASSES = {
     "pasa": P.PASAAttnProcessor,
     "pasa-hybrid": P.PASAAttnProcessor,
+    "pasa-exact": P.PASAAttnProcessor,
+    "pasa-exact-half": P.PASAAttnProcessor,
     "fp32": P.FP32AttnProcessor,
     "naive-half": P.NaiveHalfAttnProcessor,
     "sdpa": P.SDPAAttnProcessor,
@@ -142,10 +144,10 @@ def test_apply_installs_each_backend(pipe, backend):
     processors = [module.processor for module in modules.values()]
     assert all(type(p) is BACKEND_CLASSES[backend] for p in processors)
     assert len({id(p) for p in processors}) == len(modules) == summary["installed"]
+    expected = {"pasa": ("half", True), "pasa-hybrid": ("hybrid", True), "pasa-exact": ("hybrid", "exact"),
+                "pasa-exact-half": ("half", "exact")}
     if backend.startswith("pasa"):
-        assert {(p.precision, p.shift, p.beta) for p in processors} == {
-            ("hybrid" if backend == "pasa-hybrid" else "half", True, 0.875)
-        }
+        assert {(p.precision, p.shift, p.beta) for p in processors} == {expected[backend] + (0.875,)}
     if backend == "naive-half":
         assert {(p.precision, p.shift) for p in processors} == {("half", False)}
 
