@@ -229,6 +229,25 @@ def test_paper_stress_grid(dist, mean, amplitude):
 
 
 @pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("amplitude", numerics.PAPER_AMPLITUDES)
+@pytest.mark.parametrize("mean", numerics.PAPER_MEANS)
+@pytest.mark.parametrize("dist", ["uniform", "hybrid"])
+def test_exact_shift_zero_mean_v_grid(dist, mean, amplitude):
+    """Issue 8's criterion on the paper's grid with zero-mean V: the exact shift in hybrid is within 2x of
+    FP32-score FlashAttention (``flash_reference("fp32")``, exact fp32 sums) in every cell; exact half is
+    finite everywhere."""
+    q, k, v = _cuda(*numerics.paper_inputs(dist, mean, amplitude, shape=numerics.PAPER_SHAPE, v_mean=0.0))
+    gold = golden_attention(q, k, v)
+    fa32 = numerics.rel_rmse(flash_reference(q, k, v, precision="fp32", block_m=q.shape[2]), gold)
+    exact = _op(q, k, v, "exact", "hybrid")
+    assert torch.isfinite(exact).all()
+    err = numerics.rel_rmse(exact, gold)
+    _RATIOS.append((f"{dist}({mean:g},{amplitude:g}) v0", "exact-hybrid vs FA fp32", err, fa32))
+    assert err <= 2 * fa32, f"exact hybrid {err:.3e} > 2 x FA fp32 {fa32:.3e}"
+    assert torch.isfinite(_op(q, k, v, "exact", "half")).all()
+
+
+@pytest.mark.filterwarnings("ignore")
 @pytest.mark.parametrize("precision", ["half", "hybrid"])
 def test_resonance_overflow(precision):
     q, k, v = _cuda(*numerics.resonance_inputs((1, 8, 8, 4096, 64), phase="in", bias=50.0, seed=5))
