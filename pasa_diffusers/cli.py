@@ -37,11 +37,14 @@ def cmd_numerics(args: argparse.Namespace) -> int:
     rows = numerics.run_study(shape=shape, v_mean=v_mean, progress=_progress("numerics"))
     betas = [0.5] + [optimal_beta(start=1 - 2.0 ** -e) for e in (4, 5, 6)]
     sweep_cells = [("uniform", 0.0, 5.0), ("uniform", 10.0, 0.5), ("uniform", 30.0, 0.5), ("hybrid", 30.0, 10.0)]
-    sweep = numerics.beta_sweep(betas, sweep_cells, shape=shape)
+    sweep = numerics.beta_sweep(betas, sweep_cells, shape=shape, v_mean=v_mean)
+    stress = numerics.run_stress()
     seconds = time.perf_counter() - start
 
     _write_rows([r.as_dict() for r in rows], out, "numerics")
     _write_rows(sweep, out, "beta_sweep")
+    _write_rows(stress, out, "stress")
+    numerics.plot_error_vs_bias(rows, out / "error_vs_bias.png")
     paper_table = numerics.study_table(rows, "rel_rmse_v")
     output_table = numerics.study_table(rows, "rel_rmse")
     sweep_table = numerics.sweep_table(sweep)
@@ -52,10 +55,13 @@ def cmd_numerics(args: argparse.Namespace) -> int:
             f"{numerics.PAPER_SEED}, {seconds:.0f} s\n\n"
             f"## RMSE / RMS(V) (the paper's metric)\n\n{paper_table}\n\n"
             f"## RMSE / RMS(golden output)\n\n{output_table}\n\n"
-            f"## PASA half: RMSE / RMS(golden output) against beta\n\n{sweep_table}\n")
+            f"## PASA half: RMSE / RMS(golden output) against beta\n\n{sweep_table}\n\n"
+            f"## Stress cases (1, 2, 1, 300, 128), V ~ N(0, 1): RMSE / RMS(golden output)\n\n"
+            f"{numerics.stress_table(stress)}\n\n![error against bias](error_vs_bias.png)\n")
     (out / "numerics.md").write_text(text)
     print(text)
-    print(f"wrote {out / 'numerics.md'}, numerics.csv/json, beta_sweep.csv/json")
+    print(f"wrote {out / 'numerics.md'}, numerics.csv/json, beta_sweep.csv/json, stress.csv/json, "
+          "error_vs_bias.png")
     return 0
 
 

@@ -38,6 +38,9 @@ __all__ = [
     "beta_sweep",
     "study_table",
     "sweep_table",
+    "run_stress",
+    "stress_table",
+    "plot_error_vs_bias",
 ]
 
 PAPER_MEANS = (0.0, 10.0, 20.0, 30.0)
@@ -301,3 +304,70 @@ def sweep_table(rows: list[dict]) -> str:
         vals = [_fmt(by_key[cell + (b,)]["rel_rmse"], by_key[cell + (b,)]["nonfinite"]) for b in betas]
         lines.append(f"| {cell[0]} | {cell[1]:g} | {cell[2]:g} | " + " | ".join(vals) + " |")
     return "\n".join(lines)
+
+
+def run_stress(variants: Iterable[str] | None = None, *, shape: tuple[int, ...] = (1, 2, 1, 300, 128),
+               seed: int = PAPER_SEED) -> list[dict]:
+    """Every variant on every :func:`stress_cases` case: relative RMSE against the golden (NaN if the
+    output is non-finite; ``None`` where the variant does not take the inputs' dtype, e.g. fp16-only
+    pipelines on bf16 inputs)."""
+    names = list(VARIANTS) if variants is None else list(variants)
+    rows = []
+    for case, (q, k, v) in stress_cases(shape, seed).items():
+        gold = reference.golden_attention(q, k, v)
+        for name in names:
+            if q.dtype == torch.bfloat16 and name in ("FA half", "smooth-K half", "PASA half", "exact half"):
+                rows.append({"case": case, "variant": name, "rel_rmse": None, "nonfinite": 0})
+                continue
+            out = VARIANTS[name](q, k, v)
+            bad = nonfinite_count(out)
+            rows.append({"case": case, "variant": name, "rel_rmse": _finite_or_nan(rel_rmse(out, gold), bad),
+                         "nonfinite": bad})
+    return rows
+
+
+def stress_table(rows: list[dict]) -> str:
+    """A markdown table of :func:`run_stress`: one line per case, one column per variant."""
+    variants = list(dict.fromkeys(r["variant"] for r in rows))
+    by_key = {(r["case"], r["variant"]): r for r in rows}
+    lines = ["| case | " + " | ".join(variants) + " |", "|" + " --- |" * (1 + len(variants))]
+    for case in dict.fromkeys(r["case"] for r in rows):
+        cells = []
+        for name in variants:
+            r = by_key[(case, name)]
+            cells.append("n/a" if r["rel_rmse"] is None else _fmt(r["rel_rmse"], r["nonfinite"]))
+        lines.append(f"| {case} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_error_vs_bias(rows: list[StudyRow], path, *, dist: str = "uniform") -> None:
+    """Relative RMSE against the input mean, one panel per amplitude, one line per variant (log scale;
+    non-finite outputs are drawn as crosses at the top of the panel)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    amps = sorted({r.amplitude for r in rows if r.dist == dist})
+    fig = Figure(figsize=(4.2 * len(amps), 3.6))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(amps), sharey=True, squeeze=False)[0]
+    variants = list(dict.fromkeys(r.variant for r in rows))
+    top = max(r.rel_rmse for r in rows if r.dist == dist and r.nonfinite == 0) * 3
+    for ax, amp in zip(axes, amps):
+        for i, name in enumerate(variants):
+            cell = sorted((r for r in rows if r.dist == dist and r.amplitude == amp and r.variant == name),
+                          key=lambda r: r.mean)
+            finite = [(r.mean, r.rel_rmse) for r in cell if r.nonfinite == 0]
+            if finite:
+                ax.plot(*zip(*finite), marker="o", label=name, color=f"C{i}")
+            broken = [r.mean for r in cell if r.nonfinite]
+            if broken:
+                ax.plot(broken, [top] * len(broken), "x", color=f"C{i}", markersize=9)
+        ax.set_yscale("log")
+        ax.set_title(f"{dist}, Am {amp:g}")
+        ax.set_xlabel("mean of q and k")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("RMSE / RMS(golden)")
+    axes[-1].legend(fontsize=7, loc="lower right")
+    fig.suptitle("error against bias (x at the top: non-finite output)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

@@ -71,3 +71,17 @@ def test_bad_inputs():
         numerics.run_study(shape=(1, 1, 1, 4, 16), variants=["FA fp8"])
     with pytest.raises(ValueError, match="phase"):
         numerics.resonance_inputs(phase="sideways")
+
+
+def test_stress_study_and_plot(tmp_path):
+    rows = numerics.run_stress(["FA half", "exact hybrid"], shape=(1, 1, 1, 130, 64))
+    by = {(r["case"], r["variant"]): r for r in rows}
+    assert by[("resonance in", "FA half")]["nonfinite"] > 0
+    assert by[("resonance in", "exact hybrid")]["rel_rmse"] < 1e-3
+    assert by[("bf16 uniform(30,0.5)", "FA half")]["rel_rmse"] is None
+    table = numerics.stress_table(rows)
+    assert "NaN/inf" in table and "n/a" in table
+    study = numerics.run_study(shape=(1, 1, 1, 64, 64), dists=["uniform"], means=[0.0, 30.0], amplitudes=[0.5],
+                               variants=["FA half", "exact hybrid"])
+    numerics.plot_error_vs_bias(study, tmp_path / "bias.png")
+    assert (tmp_path / "bias.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
