@@ -311,38 +311,38 @@ class NaiveHalfAttnProcessor(PASAAttnProcessor):
         super().__init__(precision="half", shift=False, dtype=dtype)
 
 
-class FP32AttnProcessor(CountedAttnProcessor):
+class _CastSDPAProcessor(CountedAttnProcessor):
+    """SDPA on copies of query, key and value in ``cast_to``, cast back to the input dtype."""
+
+    cast_to: torch.dtype
+
+    def attention(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn: Attention,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        cast = self.cast_to
+        hidden_states = _sdpa(query.to(cast), key.to(cast), value.to(cast), attn.scale, attention_mask)
+        return hidden_states.to(query.dtype)
+
+
+class FP32AttnProcessor(_CastSDPAProcessor):
     r"""
     SDPA on fp32 copies of query, key and value, cast back: the reference output of the comparisons.
     """
 
-    def attention(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attn: Attention,
-        attention_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        hidden_states = _sdpa(query.float(), key.float(), value.float(), attn.scale, attention_mask)
-        return hidden_states.to(query.dtype)
+    cast_to = torch.float32
 
 
-class BF16AttnProcessor(CountedAttnProcessor):
+class BF16AttnProcessor(_CastSDPAProcessor):
     r"""
     SDPA on bf16 copies of query, key and value, cast back.
     """
 
-    def attention(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attn: Attention,
-        attention_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        hidden_states = _sdpa(query.bfloat16(), key.bfloat16(), value.bfloat16(), attn.scale, attention_mask)
-        return hidden_states.to(query.dtype)
+    cast_to = torch.bfloat16
 
 
 class SDPAAttnProcessor(CountedAttnProcessor):
