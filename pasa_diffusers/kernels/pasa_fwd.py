@@ -369,8 +369,12 @@ INTERPRET = not isinstance(pasa_fwd_kernel, triton.runtime.jit.JITFunction)
 # the 227 KB of shared memory of an sm_90 SM are pruned before compiling (head dims above 128); the
 # single-stage fallbacks serve head dim 256.
 # "short" configs serve at most 32 query rows (SVD's temporal attention, N = 14 or 25).
-# Tuned on: not yet measured on the H200 (the winners per shape are printed by
-# bench/bench_attention.py in its `config` column; record them here with the shapes).
+# Tuned on the H200 (triton 3.6, fp16, head dim 64; bench/bench_attention.py, 2026-11-29), winners:
+#   spatial (2F, 5, 9216) and (2F, 10, 2304): PASA and exact BLOCK_M 64 / 4 warps / 3 stages; plain FA
+#     BLOCK_M 128 (half) or 64-128 (hybrid), BLOCK_N 64, 4 warps, 3 stages;
+#   spatial 576 and 144 tokens: BLOCK_M 64 (BLOCK_N 64 for FA), 4 warps, 3 stages;
+#   temporal (F = 14, 25 frames): FA BLOCK_M 16 / 32 with BLOCK_N 32; PASA BLOCK_M 64 (half) or 16-64
+#     (hybrid), 2 stages;  the paper's (1, 28, 1407, 128): BLOCK_M 128, 8 warps, 3 stages.
 # ---------------------------------------------------------------------------------------------------
 PASA_BLOCK_N = 128
 SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90
