@@ -68,3 +68,22 @@ def gen() -> torch.Generator:
     seed = int(os.environ.get("PASA_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
     print(f"seed={seed}")
     return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_thread():
+    """One CPU thread for the whole suite: the tiny models' ops are too small for more, and with another
+    process on one of the two cores OpenMP spinning made the 2-thread run about 100x slower (5 s per
+    tiny UNet forward)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def pipe():
+    """A fresh tiny SVD pipeline (fp32, CPU)."""
+    from pipelines.svd import load_svd
+
+    return load_svd("tiny")

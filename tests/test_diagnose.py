@@ -23,7 +23,6 @@ from pipelines.compare import run_comparison
 from pipelines.resonant import (PLANTED_LAYERS, bias_amplitude, build_tiny_resonant, phase_pattern)
 from pipelines.svd import generate, load_image, load_svd
 
-torch.set_num_threads(1)
 
 SETTINGS = {"num_frames": 2, "num_inference_steps": 2, "seed": 0, "height": 32, "width": 32}
 F32_RTOL = 1e-5

@@ -25,19 +25,6 @@ FRAMES = TINY_DEFAULTS["num_frames"]
 SIZE = TINY_DEFAULTS["height"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One thread: the tiny models' ops are too small for more, and with another process on one of
-    the two cores OpenMP spinning made the 2-thread run about 100x slower (5 s per UNet forward)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture
-def pipe():
-    return load_svd("tiny")
 
 
 @pytest.fixture(scope="module")

@@ -84,19 +84,6 @@ def unet_forward(unet: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torc
         return unet(**inputs).sample
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One thread: the tiny models' ops are too small for more, and with another process on one of
-    the two cores OpenMP spinning made the 2-thread run about 100x slower (5 s per UNet forward)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture
-def pipe():
-    return load_svd("tiny")
 
 
 # ---------------------------------------------------------------------------------------------- selection
