@@ -83,6 +83,19 @@ def gemm_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if dtype == torch.bfloat16 else torch.float16
 
 
+def _check_call(fn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, precision: str,
+                allowed: tuple[str, ...], block_m: int, block_n: int) -> float:
+    """The arguments every blocked reference checks; returns the softmax scale (default ``1/sqrt(D)``)."""
+    validate_qkv(q, k, v, fn)
+    _check_precision(precision, allowed, fn)
+    _check_block("block_m", block_m, fn)
+    _check_block("block_n", block_n, fn)
+    if precision == "half" and gemm_dtype(q.dtype) != torch.float16:
+        wider = next(p for p in allowed if p != "half")
+        raise ValueError(f"{fn}: precision='half' needs fp16 GEMMs; q.dtype={q.dtype} (use precision={wider!r})")
+    return _default_scale(q, scale, fn)
+
+
 def _expand_kv(t: torch.Tensor, hq: int) -> torch.Tensor:
     return t.repeat_interleave(hq // t.shape[1], dim=1)
 
@@ -127,14 +140,8 @@ def flash_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     Output in ``q.dtype``.
     """
     fn = "flash_reference"
-    validate_qkv(q, k, v, fn)
-    _check_precision(precision, _FLASH_PRECISIONS, fn)
-    _check_block("block_m", block_m, fn)
-    _check_block("block_n", block_n, fn)
-    scale = _default_scale(q, scale, fn)
+    scale = _check_call(fn, q, k, v, scale, precision, _FLASH_PRECISIONS, block_m, block_n)
     g = gemm_dtype(q.dtype)
-    if precision == "half" and g != torch.float16:
-        raise ValueError(f"{fn}: precision='half' needs fp16 GEMMs; q.dtype={q.dtype} (use precision='fp32')")
     st = torch.float32 if precision == "fp32" else torch.float16
     qg = q.to(g)
     kg, vg = _expand_kv(k.to(g), q.shape[1]), _expand_kv(v.to(g), q.shape[1])
@@ -182,11 +189,7 @@ def pasa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     anywhere; returns float64).  ``beta=None`` uses ``DEFAULT_BETA``.
     """
     fn = "pasa_reference"
-    validate_qkv(q, k, v, fn)
-    _check_precision(precision, _PASA_PRECISIONS, fn)
-    _check_block("block_m", block_m, fn)
-    _check_block("block_n", block_n, fn)
-    scale = _default_scale(q, scale, fn)
+    scale = _check_call(fn, q, k, v, scale, precision, _PASA_PRECISIONS, block_m, block_n)
     beta = DEFAULT_BETA if beta is None else beta
     if not (isinstance(beta, (int, float)) and 0.0 < float(beta) < 1.0):
         raise ValueError(f"{fn}: beta must lie in (0, 1), got beta={beta!r}")
@@ -195,8 +198,6 @@ def pasa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     else:
         g = gemm_dtype(q.dtype)
         st = torch.float16 if precision == "half" else torch.float32
-        if precision == "half" and g != torch.float16:
-            raise ValueError(f"{fn}: precision='half' needs fp16 GEMMs; q.dtype={q.dtype} (use precision='hybrid')")
     wide = torch.float64 if g == torch.float64 else torch.float32
     n_full = min(block_n, k.shape[2])
     gam_full = recovery_gamma(beta, n_full, g, scale)
@@ -282,15 +283,9 @@ def exact_shift_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
     accumulator.  Output in ``q.dtype``.
     """
     fn = "exact_shift_reference"
-    validate_qkv(q, k, v, fn)
-    _check_precision(precision, _EXACT_PRECISIONS, fn)
-    _check_block("block_m", block_m, fn)
-    _check_block("block_n", block_n, fn)
-    scale = _default_scale(q, scale, fn)
+    scale = _check_call(fn, q, k, v, scale, precision, _EXACT_PRECISIONS, block_m, block_n)
     g = gemm_dtype(q.dtype)
     half = precision == "half"
-    if half and g != torch.float16:
-        raise ValueError(f"{fn}: precision='half' needs fp16 GEMMs; q.dtype={q.dtype} (use precision='hybrid')")
     f32 = torch.float32
     qg = q.to(g)
     q_s = (qg.to(f32) * scale).to(torch.float16) if half else None
