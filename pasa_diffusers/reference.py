@@ -26,6 +26,7 @@ __all__ = [
     "pasa_reference",
     "smooth_k_reference",
     "exact_shift_reference",
+    "exact_centre",
     "gemm_dtype",
     "DEFAULT_BETA",
 ]
@@ -254,6 +255,41 @@ def smooth_k_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     return flash_reference(q, k_smooth, v, scale, block_m=block_m, block_n=block_n, precision=precision)
 
 
+def _binade(x: torch.Tensor) -> torch.Tensor:
+    """``2^e`` with ``2^e <= |x| < 2^(e+1)`` (fp32 ``x``)."""
+    return torch.ldexp(torch.ones_like(x), torch.frexp(x).exponent - 1)
+
+
+def exact_centre(k_blk: torch.Tensor, g: torch.dtype) -> torch.Tensor:
+    """Per channel, the centre closest to the block mean that every key of the block minus it is exact in ``g``.
+
+    ``k_blk`` (..., n, D) holds ``g`` values (in fp32 or wider); returns (..., 1, D) fp32 ``g`` values.
+    In a channel whose keys are all positive, with smallest ``a`` (``2^e <= a < 2^(e+1)``) and largest
+    ``b``, every ``g`` value ``c`` in ``[b / 2, a + 2^(e+1)]`` makes ``k - c`` exact for every key ``k``
+    (``docs/NUMERICS.md``, "Exact centre": a key above ``c`` is below ``2c``, so ``k - c < c`` lies on
+    ``c``'s grid; a key below ``c`` is at most ``2^(e+1)`` away from it, on its own grid); negative
+    channels are the mirror image.  The centre is the block mean clamped into that interval and rounded
+    to ``g`` (one ulp down where rounding crossed the upper end; ``b / 2`` is itself a ``g`` value).
+    Where the interval is empty (keys spread over more than a factor of about 4) the check
+    ``round_g(k - c) == k - c`` over the channel's keys fails and the channel is left uncentred
+    (``c = 0``), as are channels whose keys change sign (their mean is no larger than their spread).
+    """
+    k32 = k_blk.float()
+    lo_key, hi_key = k32.amin(dim=-2, keepdim=True), k32.amax(dim=-2, keepdim=True)
+    positive, negative = lo_key > 0, hi_key < 0
+    sign = torch.where(negative, -1.0, 1.0)
+    nearest = torch.where(positive, lo_key, -hi_key)  # smallest magnitude
+    farthest = torch.where(positive, hi_key, -lo_key)
+    upper = nearest + 2 * _binade(nearest)
+    c_mag = torch.minimum(torch.maximum(sign * k32.mean(dim=-2, keepdim=True), farthest / 2), upper).to(g)
+    c_mag = c_mag.float()
+    below = c_mag - _binade(c_mag) * torch.finfo(g).eps  # c_mag minus its ulp in g: a g value
+    c = sign * torch.where(c_mag > upper, below, c_mag)
+    diff = k32 - c
+    exact = (diff.to(g).float() == diff).all(dim=-2, keepdim=True)
+    return torch.where((positive | negative) & exact, c, torch.zeros_like(c))
+
+
 def exact_shift_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, *,
                           block_m: int = 128, block_n: int = 128, precision: str = "hybrid") -> torch.Tensor:
     """The exact shift: each key block's mean is removed exactly and its logit carried in fp32.
@@ -261,11 +297,10 @@ def exact_shift_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
     Per key block ``j`` of ``n_j`` valid keys (the ragged last block uses its ``n_j``):
 
     1. ``kbar_j`` = per-channel mean of the block's keys, in fp32, rounded to the GEMM dtype ``g``;
-    2. the centre ``c_j`` actually removed: in ``"hybrid"`` per channel ``d``,
-       ``c_j[d] = kbar_j[d]`` if ``|kbar_j[d]| >= 2 max_r |k_j[r, d] - kbar_j[d]|`` else ``0``; every key
-       then lies in ``[c/2, 3c/2]``, so by Sterbenz's lemma ``k - c`` is exact in ``g`` (no rounding at
-       all; channels with little bias are left alone).  In ``"half"`` ``c_j = kbar_j`` always (the fp16
-       score tile needs the bias gone; ``k - c`` then rounds at 2^-11 relative of the centred value);
+    2. the centre ``c_j`` actually removed: in ``"hybrid"`` :func:`exact_centre` (per channel, ``kbar_j``
+       moved into the interval where ``k - c`` is exact in ``g`` for every key of the block; ``0`` in
+       channels whose keys change sign: no rounding at all).  In ``"half"`` ``c_j = kbar_j`` always (the
+       fp16 score tile needs the bias gone; ``k - c`` then rounds at 2^-11 relative of the centred value);
     3. ``k_c = round_g(k_j - c_j)`` (fp32 difference, one rounding);
     4. ``r_j = scale (q . c_j)`` per query row in fp32 (exact products of ``g`` values, fp32 sum): the
        removed part of the logits, carried exactly instead of being recovered through PASA's gamma;
@@ -299,11 +334,7 @@ def exact_shift_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
         for start, stop in _key_blocks(k.shape[2], block_n):
             k32 = kg[:, :, start:stop].to(f32)
             kbar = k32.mean(dim=-2, keepdim=True).to(g).to(f32)
-            if half:
-                c = kbar
-            else:
-                spread = (k32 - kbar).abs().amax(dim=-2, keepdim=True)
-                c = torch.where(kbar.abs() >= 2 * spread, kbar, torch.zeros_like(kbar))
+            c = kbar if half else exact_centre(k32, g)
             k_c = (k32 - c).to(g)
             r = scale * (q_blk.to(f32) @ c.transpose(-1, -2))  # (.., rows, 1), fp32
             if half:

@@ -3,8 +3,9 @@
 One Triton kernel, :func:`pasa_fwd_kernel`, and its launch wrapper :func:`pasa_forward`.  Switches:
 
 - ``SHIFT``: PASA (``True``) or plain FlashAttention-2 (``False``);
-- ``EXACT_SHIFT`` (with ``SHIFT=False``): the exact shift (``reference.exact_shift_reference``): each
-  key tile's mean removed exactly, the removed logit ``scale q . c_j`` carried in fp32;
+- ``EXACT_SHIFT`` (with ``SHIFT=False``): the exact shift (``reference.exact_shift_reference``): keys
+  centred per block by the pre-pass in ``centre_k.py``, the removed logit ``scale q . c_j`` carried in
+  fp32;
 - ``HALF_STATE``: the fully-half pipeline (fp16 scores, softmax state, ``P`` and ``P V`` accumulator)
   or the hybrid one (fp16/bf16 GEMM inputs, fp32 softmax state and accumulator);
 - ``SHIFT_IN_LOOP``: PASA shifts each key tile inside the loop (fused), or reads keys shifted once
@@ -27,6 +28,7 @@ import triton.language as tl
 
 from ..beta import gamma as recovery_gamma
 from ..beta import shift_entries
+from .centre_k import centre_k_kernel
 from .shift_k import round_to, shift_k_kernel
 
 __all__ = ["pasa_fwd_kernel", "pasa_forward", "PRECISIONS", "SHIFT_K_MODES", "PASA_BLOCK_N",
@@ -55,6 +57,7 @@ def pasa_fwd_kernel(
     stride_kz, stride_kh, stride_kn,
     stride_vz, stride_vh, stride_vn,
     stride_oz, stride_oh, stride_om,
+    c_ptr, stride_cz, stride_ch, stride_cj,
     H_Q, KV_GROUP, N_Q, N_K,
     NQ_BUCKET, NK_BUCKET,  # autotune keys only
     scale, a_full, c_full, a_tail, c_tail, gamma, tail_ratio,
@@ -96,13 +99,12 @@ def pasa_fwd_kernel(
     ``exp2(s * log2(e) - (m_new - delta_j) * log2(e))``: one fp32 FMA per element, as many operations
     as folding ``log2(e)`` into the shift would need, without rounding ``scale * log2(e)`` into it.
 
-    Exact shift (``EXACT_SHIFT=True``, ``SHIFT=False``), in log2 units (``qk_scale = scale log2(e)``):
+    Exact shift (``EXACT_SHIFT=True``, ``SHIFT=False``), in log2 units (``qk_scale = scale log2(e)``).
+    The keys come centred by the pre-pass (``centre_k.py``): ``k_c = round_g(k_blk - c_j)``, with
+    ``c_j`` the block mean in half and the exact centre in hybrid (``k_blk - c_j`` exact in ``g``), and
+    ``c_ptr`` holds the centres ``c_j`` (fp32, per kv head and key block):
 
-        kbar_j = round_g(colsum(k_blk) / n_j)       (fp32; masked rows load as zero)
-        c_j    = kbar_j                             (half)
-               = kbar_j where |kbar_j| >= 2 max_r |k_blk - kbar_j| else 0   (hybrid: Sterbenz gate,
-                                                     k_blk - c_j is then exact in g)
-        k_c    = round_g(k_blk - c_j),   r_j = qk_scale * (q . c_j)   (fp32, per row)
+        r_j    = qk_scale * (q . c_j)                  (fp32 products and sum, per row)
         s      = qk_scale fp32(q k_c^T) (hybrid)  |  log2(e) fp16(q_s k_c^T), q_s = round_fp16(scale q) (half)
         m_s    = rowmax(s),  m_blk = m_s + r_j,  m_new = max(m_i, m_blk)
         p      = exp2(s - (m_s - (m_blk - m_new))),   alpha = exp2(m_i - m_new)
@@ -140,6 +142,7 @@ def pasa_fwd_kernel(
     k_base = k_ptr + off_z * stride_kz + off_hk * stride_kh
     v_base = v_ptr + off_z * stride_vz + off_hk * stride_vh
     o_base = o_ptr + off_z * stride_oz + off_hq * stride_oh
+    c_base = c_ptr + off_z * stride_cz + off_hk * stride_ch
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_j = tl.arange(0, BLOCK_N)
@@ -258,27 +261,11 @@ def pasa_fwd_kernel(
                     row_ref = (m_new.to(tl.float32) - delta_j.to(tl.float32)) * LOG2E
                     x = s.to(tl.float32) * LOG2E - row_ref[:, None]
             elif EXACT_SHIFT:
-                # ---- exact shift: remove the tile's mean exactly, carry q . c_j in fp32 ----
-                k32 = k_blk.to(tl.float32)
-                if stage == 1:
-                    n_j = N_K - start_n
-                else:
-                    n_j = BLOCK_N
-                kbar = round_to(tl.sum(k32, axis=0) / n_j, g_ty, INTERPRET_BF16).to(tl.float32)
-                if HALF_STATE:
-                    c_j = kbar
-                else:
-                    dev = tl.abs(k32 - kbar[None, :])
-                    if stage == 1:
-                        dev = tl.where(n_valid[:, None], dev, 0.0)
-                    c_j = tl.where(tl.abs(kbar) >= 2.0 * tl.max(dev, axis=0), kbar, 0.0)
-                k_c = k32 - c_j[None, :]
-                if stage == 1:
-                    k_c = tl.where(n_valid[:, None], k_c, 0.0)
-                k_c = round_to(k_c, g_ty, INTERPRET_BF16)
+                # ---- exact shift: keys centred by the pre-pass; carry q . c_j in fp32 ----
+                c_j = tl.load(c_base + (start_n // BLOCK_N) * stride_cj + offs_d, mask=d_valid, other=0.0)
                 r_j = tl.sum(q32 * c_j[None, :], axis=1) * qk_scale
                 if HALF_STATE:
-                    s = tl.dot(q_s, tl.trans(k_c), out_dtype=tl.float16).to(tl.float32)
+                    s = tl.dot(q_s, tl.trans(k_blk), out_dtype=tl.float16).to(tl.float32)
                     if stage == 1:
                         s = tl.where(n_valid[None, :], s, float("-inf"))
                     m_s = tl.max(s, axis=1) * LOG2E
@@ -287,7 +274,7 @@ def pasa_fwd_kernel(
                     m_new = tl.maximum(m_prev, m_blk)
                     x = tl.fma(s, LOG2E, -(m_s - (m_blk - m_new))[:, None])
                 else:
-                    s = _mma(q, tl.trans(k_c), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), INTERPRET_BF16)
+                    s = _mma(q, tl.trans(k_blk), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), INTERPRET_BF16)
                     if stage == 1:
                         s = tl.where(n_valid[None, :], s, float("-inf"))
                     # The row offset goes through the block's own centred maximum m_s: where this
@@ -506,7 +493,7 @@ def pasa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
         q: ``(B, Hq, Nq, D)``; k, v: ``(B, Hk, Nk, D)`` with ``Hq % Hk == 0``; out: ``(B, Hq, Nq, D)``.
             Any strides with unit stride in the head dim (e.g. ``(B, N, H, D)`` tensors transposed).
         scale: softmax scale; precision: ``"half"`` or ``"hybrid"``; shift: ``True`` PASA, ``False``
-            plain FA, ``"exact"`` the exact shift (key blocks of ``block_n``, fused in the loop);
+            plain FA, ``"exact"`` the exact shift (key blocks of ``block_n``, centred by a pre-pass);
         beta: PASA's shift strength in (0, 1) (unused by plain FA and the exact shift).
         shift_k: PASA only: ``"fused"`` shifts key tiles inside the loop, ``"prepass"`` shifts keys
             once per head (``shift_k.py``) into a buffer, ``"auto"`` uses the pre-pass when a head has
@@ -539,6 +526,7 @@ def pasa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
                 EXP2_F16X2=bool(exp2_f16x2), SHIFT_IN_LOOP=True, EXACT_SHIFT=exact,
                 INTERPRET_BF16=INTERPRET and q.dtype == torch.bfloat16)
     k_src = k
+    centres = q  # read only by the exact shift
     if shift:
         block_n = PASA_BLOCK_N if block_n is None else int(block_n)
         # Up to block_n keys form one block of n_j = Nk keys whatever the tile: a smaller tile gives
@@ -558,11 +546,21 @@ def pasa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
             meta["SHIFT_IN_LOOP"] = False
     elif exact:
         block_n = PASA_BLOCK_N if block_n is None else int(block_n)
-        meta["BLOCK_N"] = min(block_n, _pow2_tile(n_k))  # one block of n_j = Nk keys when Nk <= block_n
+        block_n = min(block_n, _pow2_tile(n_k))  # one block of n_j = Nk keys when Nk <= block_n
+        meta["BLOCK_N"] = block_n
+        n_blocks = triton.cdiv(n_k, block_n)
+        k_src = torch.empty((batch, h_k, n_k, head_dim), dtype=k.dtype, device=k.device)
+        centres = torch.empty((batch, h_k, n_blocks, head_dim), dtype=torch.float32, device=k.device)
+        centre_k_kernel[(batch * h_k, n_blocks)](
+            k, k_src, centres, *_strides3(k), *_strides3(k_src), *_strides3(centres), h_k, n_k,
+            torch.finfo(k.dtype).eps,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, EXACT_CENTRE=precision == "hybrid",
+            INTERPRET_BF16=meta["INTERPRET_BF16"], num_warps=4 if block_d <= 64 else 8)
     elif block_n is not None:
         raise ValueError("pasa_forward: block_n is the shift block; it needs shift=True or 'exact'")
 
     args = (q, k_src, v, out, *_strides3(q), *_strides3(k_src), *_strides3(v), *_strides3(out),
+            centres, *_strides3(centres),
             h_q, h_q // h_k, n_q, n_k, _bucket(n_q), _bucket(n_k), float(scale),
             consts["a_full"], consts["c_full"], consts["a_tail"], consts["c_tail"], consts["gamma"],
             consts["tail_ratio"])
