@@ -106,16 +106,24 @@ def pasa_fwd_kernel(
 
         r_j    = qk_scale * (q . c_j)                  (fp32 products and sum, per row)
         s      = qk_scale fp32(q k_c^T) (hybrid)  |  log2(e) fp16(q_s k_c^T), q_s = round_fp16(scale q) (half)
-        m_s    = rowmax(s),  m_blk = m_s + r_j,  m_new = max(m_i, m_blk)
-        p      = exp2(s - (m_s - (m_blk - m_new))),   alpha = exp2(m_i - m_new)
+        s_max  = rowmax(s),  m_blk = s_max + r_j,  m_new = max(m_i, m_blk)
+        p      = exp2((s - s_max) + (m_blk - m_new)),   alpha = exp2(m_i - m_new)
         l_i    = alpha l_i + rowsum(p),  acc = alpha acc + p v_blk,  m_i = m_new
 
-    (``s - m_s + m_blk - m_new`` is ``s + r_j - m_new`` ordered so that the largest ``p`` of the block
-    holding the row's maximum is exactly 1: ``r_j`` reaches 1e4 for biased inputs, where fp32 rounds
-    at 1e-3; the rounding of ``m_blk`` is then one constant per block, the size of the reference's
-    per-element rounding of ``s + r_j``.)  ``s + r_j`` is block ``j``'s true logit (times log2 e) in real arithmetic; invariant: ``acc / l_i
-    == softmax(scale q K^T) V`` over the keys seen so far.  ``m_i``, ``l_i``, ``r_j`` are fp32 in both
-    precisions; ``acc`` and ``p`` are fp16 in half (the fp16 tile holds only centred scores).
+    (``s`` and ``s_max`` here in log2 units; the kernel scales ``s - s_max`` in the FMA.)  ``s + r_j``
+    is block ``j``'s true logit (times log2 e) in real arithmetic; invariant: ``acc / l_i ==
+    softmax(scale q K^T) V`` over the keys seen so far.  ``m_i``, ``l_i``, ``r_j`` are fp32 in both
+    precisions; ``acc`` and ``p`` are fp16 in half (the fp16 tile holds only centred scores; the block's
+    ``p v_blk`` is summed in its own fp16 accumulators and added to ``alpha acc`` once, so ``acc``
+    rounds twice per block, as in the reference, not once per k-step of 16).
+
+    Exponents (plain FA hybrid and the exact shift).  ``p = exp2((s - s_max) qk + (m_blk - m_new))``
+    with ``m_blk = s_max qk (+ r_j)``: ``s - s_max`` is exact near the maximum (Sterbenz), so where the
+    block holds the row's maximum the largest ``p`` is exactly 1.  The alternative ``fma(s, qk, -m_new)``
+    leaves the rounding error of ``m_new = s_max qk`` in every exponent: at raw scores of 1.5e5
+    (biased inputs) ``p_max = 2^(+-1e-3)``, which rounds to fp16 for ``P V`` but not in ``l``: a
+    relative error up to 2^-12 in every output row even where softmax is one-hot (measured 3.8x the
+    fp32 reference's error at uniform(30, 20), ``bench/accumulation_probe.py``).
 
     Tiles (``st`` = fp16 if ``HALF_STATE`` else fp32; ``g`` = the GEMM dtype, fp16 or bf16):
         q (BLOCK_M, BLOCK_D) g;  k_blk, k_shift, v_blk (BLOCK_N, BLOCK_D) g;
@@ -268,23 +276,20 @@ def pasa_fwd_kernel(
                     s = tl.dot(q_s, tl.trans(k_blk), out_dtype=tl.float16).to(tl.float32)
                     if stage == 1:
                         s = tl.where(n_valid[None, :], s, float("-inf"))
-                    m_s = tl.max(s, axis=1) * LOG2E
+                    s_max = tl.max(s, axis=1)
                     m_prev = m_i
-                    m_blk = m_s + r_j
+                    m_blk = s_max * LOG2E + r_j
                     m_new = tl.maximum(m_prev, m_blk)
-                    x = tl.fma(s, LOG2E, -(m_s - (m_blk - m_new))[:, None])
+                    x = tl.fma(s - s_max[:, None], LOG2E, (m_blk - m_new)[:, None])
                 else:
                     s = _mma(q, tl.trans(k_blk), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), INTERPRET_BF16)
                     if stage == 1:
                         s = tl.where(n_valid[None, :], s, float("-inf"))
-                    # The row offset goes through the block's own centred maximum m_s: where this
-                    # block holds the row's maximum, m_blk - m_new is exactly 0 and the largest p
-                    # is exactly 1 (r_j - m_new alone would carry fp32 rounding at |r_j|, ~1e4).
-                    m_s = tl.max(s, axis=1) * qk_scale
+                    s_max = tl.max(s, axis=1)
                     m_prev = m_i
-                    m_blk = m_s + r_j
+                    m_blk = s_max * qk_scale + r_j
                     m_new = tl.maximum(m_prev, m_blk)
-                    x = tl.fma(s, qk_scale, -(m_s - (m_blk - m_new))[:, None])
+                    x = tl.fma(s - s_max[:, None], qk_scale, (m_blk - m_new)[:, None])
             else:
                 # ---- plain FlashAttention ----
                 if HALF_STATE:
@@ -301,13 +306,14 @@ def pasa_fwd_kernel(
                     s = _mma(q, tl.trans(k_blk), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), INTERPRET_BF16)
                     if stage == 1:
                         s = tl.where(n_valid[None, :], s, float("-inf"))
-                    # FlashAttention-2's form: m_i in log2 units, one FMA per element.  The FMA
-                    # rounds once, the small difference: a separate product would round s * qk_scale
-                    # at the raw scores' magnitude (1e4 logits for biased inputs).  m_new's own
-                    # rounding is one constant per row, which softmax ignores.
+                    # m_i in log2 units (FlashAttention-2); the exponent is formed from s - rowmax(s)
+                    # (exact near the maximum) so that the largest p of the block holding the row's
+                    # maximum is exactly 1: see the docstring, "Exponents".
+                    s_max = tl.max(s, axis=1)
                     m_prev = m_i
-                    m_new = tl.maximum(m_prev, tl.max(s, axis=1) * qk_scale)
-                    x = tl.fma(s, qk_scale, -m_new[:, None])
+                    m_blk = s_max * qk_scale
+                    m_new = tl.maximum(m_prev, m_blk)
+                    x = tl.fma(s - s_max[:, None], qk_scale, (m_blk - m_new)[:, None])
 
             # ---- online softmax merge ----
             if EXACT_SHIFT:
@@ -319,8 +325,10 @@ def pasa_fwd_kernel(
             if EXACT_SHIFT and HALF_STATE:
                 p = tl.math.exp2(x).to(tl.float16)
                 l_i = alpha * l_i + tl.sum(p.to(tl.float32), axis=1)
-                acc = acc * alpha.to(tl.float16)[:, None]
-                acc = tl.dot(p.to(g_ty), v_blk, acc, out_dtype=tl.float16)
+                # the block's P V in its own fp16 accumulators, then one fp32 addition rounded once
+                # at acc's magnitude (in fp32 so that Triton does not fold the addition into the dot)
+                pv = tl.dot(p.to(g_ty), v_blk, out_dtype=tl.float16)
+                acc = ((acc * alpha.to(tl.float16)[:, None]).to(tl.float32) + pv.to(tl.float32)).to(tl.float16)
             elif HALF_STATE:
                 if EXP2_F16X2:  # x in fp16: no conversions on either side of the exponential
                     p = tl.inline_asm_elementwise("ex2.approx.f16x2 $0, $1;", "=r,r", [x],
