@@ -106,24 +106,25 @@ def pasa_fwd_kernel(
 
         r_j    = qk_scale * (q . c_j)                  (fp32 products and sum, per row)
         s      = qk_scale fp32(q k_c^T) (hybrid)  |  log2(e) fp16(q_s k_c^T), q_s = round_fp16(scale q) (half)
-        s_max  = rowmax(s),  m_blk = s_max + r_j,  m_new = max(m_i, m_blk)
-        p      = exp2((s - s_max) + (m_blk - m_new)),   alpha = exp2(m_i - m_new)
+        m_s    = rowmax(s),  m_blk = m_s + r_j,  m_new = max(m_i, m_blk)
+        p      = exp2(s - (m_s - (m_blk - m_new))),   alpha = exp2(m_i - m_new)
         l_i    = alpha l_i + rowsum(p),  acc = alpha acc + p v_blk,  m_i = m_new
 
-    (``s`` and ``s_max`` here in log2 units; the kernel scales ``s - s_max`` in the FMA.)  ``s + r_j``
+    (``s`` and ``m_s`` here in log2 units; the kernel scales ``s`` in the FMA.)  ``s + r_j``
     is block ``j``'s true logit (times log2 e) in real arithmetic; invariant: ``acc / l_i ==
     softmax(scale q K^T) V`` over the keys seen so far.  ``m_i``, ``l_i``, ``r_j`` are fp32 in both
     precisions; ``acc`` and ``p`` are fp16 in half (the fp16 tile holds only centred scores; the block's
     ``p v_blk`` is summed in its own fp16 accumulators and added to ``alpha acc`` once, so ``acc``
     rounds twice per block, as in the reference, not once per k-step of 16).
 
-    Exponents (plain FA hybrid and the exact shift).  ``p = exp2((s - s_max) qk + (m_blk - m_new))``
-    with ``m_blk = s_max qk (+ r_j)``: ``s - s_max`` is exact near the maximum (Sterbenz), so where the
-    block holds the row's maximum the largest ``p`` is exactly 1.  The alternative ``fma(s, qk, -m_new)``
-    leaves the rounding error of ``m_new = s_max qk`` in every exponent: at raw scores of 1.5e5
-    (biased inputs) ``p_max = 2^(+-1e-3)``, which rounds to fp16 for ``P V`` but not in ``l``: a
-    relative error up to 2^-12 in every output row even where softmax is one-hot (measured 3.8x the
-    fp32 reference's error at uniform(30, 20), ``bench/accumulation_probe.py``).
+    Normalizer (hybrid).  ``p`` is rounded to ``g`` for the ``P V`` GEMM and ``l_i`` sums those same
+    rounded values, so that ``acc / l_i`` is a weighted mean of V whatever the exponent's rounding.
+    Summing the fp32 ``p`` instead (FlashAttention-2's choice) leaves the rounding of the exponent of
+    the row's largest ``p`` in the result: at raw scores of 1.5e5 (biased inputs) the compiled FMA
+    ``s qk - m_new`` carries ``m_new``'s rounding (1e-3 in log2 units), ``p_max = 2^(+-1e-3)`` rounds to
+    fp16 differently from its fp32 value, and every row is off by up to 2^-12 even where softmax is
+    one-hot (measured 3.8x the fp32 reference's error at uniform(30, 20) on the H200; the interpreter,
+    which rounds the product and the difference separately, showed none).
 
     Tiles (``st`` = fp16 if ``HALF_STATE`` else fp32; ``g`` = the GEMM dtype, fp16 or bf16):
         q (BLOCK_M, BLOCK_D) g;  k_blk, k_shift, v_blk (BLOCK_N, BLOCK_D) g;
@@ -276,20 +277,23 @@ def pasa_fwd_kernel(
                     s = tl.dot(q_s, tl.trans(k_blk), out_dtype=tl.float16).to(tl.float32)
                     if stage == 1:
                         s = tl.where(n_valid[None, :], s, float("-inf"))
-                    s_max = tl.max(s, axis=1)
+                    m_s = tl.max(s, axis=1) * LOG2E
                     m_prev = m_i
-                    m_blk = s_max * LOG2E + r_j
+                    m_blk = m_s + r_j
                     m_new = tl.maximum(m_prev, m_blk)
-                    x = tl.fma(s - s_max[:, None], LOG2E, (m_blk - m_new)[:, None])
+                    x = tl.fma(s, LOG2E, -(m_s - (m_blk - m_new))[:, None])
                 else:
                     s = _mma(q, tl.trans(k_blk), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), INTERPRET_BF16)
                     if stage == 1:
                         s = tl.where(n_valid[None, :], s, float("-inf"))
-                    s_max = tl.max(s, axis=1)
+                    # the row offset goes through the block's own centred maximum m_s (r_j reaches
+                    # 1e4 for biased inputs, where fp32 rounds at 1e-3: r_j - m_new alone would carry
+                    # that rounding into every exponent)
+                    m_s = tl.max(s, axis=1) * qk_scale
                     m_prev = m_i
-                    m_blk = s_max * qk_scale + r_j
+                    m_blk = m_s + r_j
                     m_new = tl.maximum(m_prev, m_blk)
-                    x = tl.fma(s - s_max[:, None], qk_scale, (m_blk - m_new)[:, None])
+                    x = tl.fma(s, qk_scale, -(m_s - (m_blk - m_new))[:, None])
             else:
                 # ---- plain FlashAttention ----
                 if HALF_STATE:
@@ -306,14 +310,10 @@ def pasa_fwd_kernel(
                     s = _mma(q, tl.trans(k_blk), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), INTERPRET_BF16)
                     if stage == 1:
                         s = tl.where(n_valid[None, :], s, float("-inf"))
-                    # m_i in log2 units (FlashAttention-2); the exponent is formed from s - rowmax(s)
-                    # (exact near the maximum) so that the largest p of the block holding the row's
-                    # maximum is exactly 1: see the docstring, "Exponents".
-                    s_max = tl.max(s, axis=1)
+                    # FlashAttention-2's form: m_i in log2 units, one FMA per element
                     m_prev = m_i
-                    m_blk = s_max * qk_scale
-                    m_new = tl.maximum(m_prev, m_blk)
-                    x = tl.fma(s - s_max[:, None], qk_scale, (m_blk - m_new)[:, None])
+                    m_new = tl.maximum(m_prev, tl.max(s, axis=1) * qk_scale)
+                    x = tl.fma(s, qk_scale, -m_new[:, None])
 
             # ---- online softmax merge ----
             if EXACT_SHIFT:
@@ -340,10 +340,11 @@ def pasa_fwd_kernel(
                 acc = acc * alpha[:, None]
                 acc = tl.dot(p.to(g_ty), v_blk, acc, out_dtype=tl.float16)
             else:
-                p = tl.math.exp2(x)
-                l_i = alpha * l_i + tl.sum(p, axis=1)
+                # l sums the P that multiplies V (rounded to g): see the docstring, "Normalizer"
+                p = round_to(tl.math.exp2(x), g_ty, INTERPRET_BF16)
+                l_i = alpha * l_i + tl.sum(p.to(tl.float32), axis=1)
                 acc = acc * alpha[:, None]
-                acc = _mma(round_to(p, g_ty, INTERPRET_BF16), v_blk, acc, INTERPRET_BF16)
+                acc = _mma(p, v_blk, acc, INTERPRET_BF16)
             m_i = m_new
 
     out = round_to(acc.to(tl.float32) / l_i.to(tl.float32)[:, None], o_ptr.dtype.element_ty, INTERPRET_BF16)
