@@ -203,6 +203,34 @@ def markdown(rows: list[Row], env: dict, command: str) -> str:
     return head + "\n".join(lines) + "\n"
 
 
+SUMMARY_COLUMNS = [("sdpa-flash", "SDPA flash"), ("sdpa-cudnn", "SDPA cuDNN"), ("sdpa-efficient", "SDPA eff."),
+                   ("ours fa-half", "FA half"), ("ours fa-hybrid", "FA hybrid"), ("ours pasa-half", "PASA half"),
+                   ("ours pasa-hybrid", "PASA hybrid"), ("ours exact-half", "exact half"),
+                   ("ours exact-hybrid", "exact hybrid"), ("ours pasa-half [fused]", "PASA half, fused shift"),
+                   ("ours pasa-half [prepass]", "PASA half, pre-pass"),
+                   ("ours pasa-half [ex2.f16x2]", "PASA half, f16x2 exp"), ("sageattn", "SageAttn")]
+
+
+def summary(rows: list[dict]) -> str:
+    """One line per shape, one column per method: ms, TFLOP/s (spatial) or GB/s (temporal), ratio."""
+    cells: dict[str, dict[str, dict]] = {}
+    for r in rows:
+        cells.setdefault(r["shape"], {"bhnd": r["bhnd"]})[r["method"]] = r
+    lines = ["| shape | (B, Hq/Hk, N, D) | " + " | ".join(title for _, title in SUMMARY_COLUMNS) + " |",
+             "| --- | --- |" + " --- |" * len(SUMMARY_COLUMNS)]
+    for shape, by_method in cells.items():
+        out = []
+        for method, _ in SUMMARY_COLUMNS:
+            r = by_method.get(method)
+            if r is None or r["ms"] is None:
+                out.append("-")
+                continue
+            rate = f"{r['gbps']:.0f} GB/s" if shape.startswith("temporal") else f"{r['tflops']:.0f} TF/s"
+            out.append(f"{r['ms']:.3g} ms<br>{rate}<br>**{r['vs_best_sdpa']:.2f}x**")
+        lines.append(f"| {shape} | {by_method['bhnd']} | " + " | ".join(out) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", choices=["spatial", "temporal", "paper", "all"], default="all")
@@ -211,7 +239,13 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=25, help="do_bench warm-up in ms")
     parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time in ms")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--summarize", metavar="JSON", default=None,
+                        help="print the one-line-per-shape table of a saved bench_attention.json and exit")
     args = parser.parse_args(argv)
+    if args.summarize:
+        with open(args.summarize) as f:
+            print(summary(json.load(f)["rows"]), end="")
+        return 0
     if not torch.cuda.is_available():
         print("bench_attention: needs a CUDA GPU", file=sys.stderr)
         return 2

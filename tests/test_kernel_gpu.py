@@ -12,18 +12,22 @@ golden output computed on the GPU in float64:
 ``flash_reference("half" | "fp32")`` for plain FA half | hybrid, computed on the same GPU tensors).
 
 - Hybrid, ``K = 2``: the kernel rounds at the same points as the reference (fp32 GEMM accumulation,
-  fp32 state) and only sums in another order (the interpreter measured ratios 0.97-1.00).  For plain
-  FA hybrid the FP32-accumulating reference is the worse of two: ``flash_reference("fp32")``, which
-  sums in exact fp32, and PyTorch SDPA on the same fp16 tensors, which runs on the tensor cores' own
-  fp32 accumulators.  Those are not IEEE fp32 (the H200 measured 3.8x the exact-fp32 error at
-  uniform(30, 20), where raw scores reach 1.5e5 and the accumulator's lost low bits become logit
-  error); every FP32-accumulating GPU kernel, ours and cuDNN's alike, carries that error.
+  fp32 state) and only sums in another order (the interpreter measured ratios 0.97-1.00).  Two
+  differences are of the hardware: the tensor cores truncate their fp32 accumulators (about half an
+  ulp per k-step of 16, ``bench/accumulation_probe.py``), and the kernel's ``l`` sums the ``p`` rounded
+  for ``P V`` (``pasa_fwd.py``, "Normalizer").  For plain FA hybrid the reference is the worse of two
+  FP32-accumulating ones: ``flash_reference("fp32")`` (IEEE fp32 sums) and PyTorch SDPA on the same
+  fp16 tensors (the attention users have on this GPU); they differ by up to 1.9x at the mean-30 cells
+  (H200: 6.2e-5 and 5.5e-5 at uniform(30, 20)).
 - Half, ``K = 3``: on sm_90 ``tl.dot(..., out_dtype=fp16)`` is a wgmma with fp16 accumulators, which
-  round the partial sums after every k-step of 16: ``D / 16`` roundings of each score instead of the
-  reference's one, and ``BLOCK_N / 16`` roundings of ``P V`` into ``acc`` per key block instead of two.
-  Independent roundings add in quadrature, so the GEMM part of the error grows by at most about
-  ``sqrt(9 / 2) ~ 2.1`` (P V, 128 keys) over the reference's; 3 bounds that plus the interpreter's
-  measured spread (0.86-1.03).
+  round to nearest after every k-step of 16 (measured): ``D / 16`` roundings of each score instead of
+  the reference's one, whose errors add in quadrature over partial sums no larger than the final one:
+  at most ``sqrt(D / 16)`` = 2 (head dim 64) to 2.8 (128) times the reference's score rounding.
+  ``P V``: PASA half and FA half accumulate onto ``acc`` (``BLOCK_N / 16`` roundings of ``acc`` per key
+  block instead of the reference's two: at most ``sqrt(9 / 2)`` ~ 2.1); the exact shift in half sums a
+  block's ``P V`` in its own fp16 accumulators and adds it to ``acc`` once (two roundings at ``acc``'s
+  magnitude, as the reference).  3 bounds these plus the interpreter's measured spread (0.86-1.03);
+  the H200 measured at most 1.92.
 - ``exp2_f16x2`` ablation (half): ``ex2.approx.f16x2`` has relative error up to 2^-9.9 against
   fp16's rounding of 2^-11, ~2.1x per element: ``K = 6`` (2.1 x the half K, rounded up).
 
