@@ -10,6 +10,8 @@ One Triton kernel, :func:`pasa_fwd_kernel`, and its launch wrapper :func:`pasa_f
   or the hybrid one (fp16/bf16 GEMM inputs, fp32 softmax state and accumulator);
 - ``SHIFT_IN_LOOP``: PASA shifts each key tile inside the loop (fused), or reads keys shifted once
   per head by the pre-pass in ``shift_k.py``;
+- ``ONE_BLOCK``: PASA with every key in one shift block (``N_K <= BLOCK_N``: temporal attention, short
+  spatial sequences), where the offsets ``delta_1 = eps_1 = 0`` and the block mean is skipped;
 - ``EXP2_F16X2``: half only, an ablation: the exponent ``(s - m) log2(e)`` formed in fp16 (as the
   fully-half reference does) and ``ex2.approx.f16x2`` by inline PTX, so ``p`` needs no conversion
   (on sm_90 it lowers to scalar ``MUFU.EX2.F16``: the same exponential rate, fewer conversions;
@@ -65,6 +67,7 @@ def pasa_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SHIFT: tl.constexpr, SHIFT_IN_LOOP: tl.constexpr, HALF_STATE: tl.constexpr,
     EXP2_F16X2: tl.constexpr, INTERPRET_BF16: tl.constexpr, EXACT_SHIFT: tl.constexpr = False,
+    ONE_BLOCK: tl.constexpr = False,
 ):
     """``out = softmax(scale q k^T) v`` for one block of ``BLOCK_M`` query rows of one (batch, head).
 
@@ -247,19 +250,27 @@ def pasa_fwd_kernel(
                     s = _mma(q, tl.trans(k_shift), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), INTERPRET_BF16)
                     s = round_to(s, g_ty, INTERPRET_BF16).to(tl.float32)
 
-                if stage == 1:
-                    s_sum = tl.sum(tl.where(n_valid[None, :], s.to(tl.float32), 0.0), axis=1)
-                    mu_j = (s_sum / (N_K - start_n)).to(s.dtype)
-                    mu_hat = mu_j * tail_ratio_st
-                    s = tl.where(n_valid[None, :], s, float("-inf"))
+                if ONE_BLOCK:
+                    # all keys in one block: avg_1 = mu_hat_1, so delta_1 = eps_1 = 0 exactly and the
+                    # block mean is not needed (the same result, bit for bit)
+                    if stage == 1:
+                        s = tl.where(n_valid[None, :], s, float("-inf"))
+                    delta_j = tl.zeros([BLOCK_M], s.dtype)
+                    eps_j = delta_j
                 else:
-                    s_sum = tl.sum(s.to(tl.float32), axis=1)
-                    mu_hat = (s_sum * (1.0 / BLOCK_N)).to(s.dtype)
-                j = start_n // BLOCK_N + 1
-                avg_prev = tl.where(j == 1, mu_hat, avg_j)
-                avg_j = avg_prev + ((mu_hat - avg_prev) / j).to(s.dtype)
-                delta_j = gamma_st * (mu_hat - avg_j)
-                eps_j = gamma_st * (avg_prev - avg_j)
+                    if stage == 1:
+                        s_sum = tl.sum(tl.where(n_valid[None, :], s.to(tl.float32), 0.0), axis=1)
+                        mu_j = (s_sum / (N_K - start_n)).to(s.dtype)
+                        mu_hat = mu_j * tail_ratio_st
+                        s = tl.where(n_valid[None, :], s, float("-inf"))
+                    else:
+                        s_sum = tl.sum(s.to(tl.float32), axis=1)
+                        mu_hat = (s_sum * (1.0 / BLOCK_N)).to(s.dtype)
+                    j = start_n // BLOCK_N + 1
+                    avg_prev = tl.where(j == 1, mu_hat, avg_j)
+                    avg_j = avg_prev + ((mu_hat - avg_prev) / j).to(s.dtype)
+                    delta_j = gamma_st * (mu_hat - avg_j)
+                    eps_j = gamma_st * (avg_prev - avg_j)
 
                 m_prev = m_i + eps_j
                 m_new = tl.maximum(m_prev, tl.max(s, axis=1).to(s.dtype) + delta_j)
@@ -375,7 +386,7 @@ INTERPRET = not isinstance(pasa_fwd_kernel, triton.runtime.jit.JITFunction)
 PASA_BLOCK_N = 128
 SMEM_LIMIT = 232448  # bytes of shared memory one block may use on sm_90
 _AUTOTUNE_KEY = ["HEAD_DIM", "NQ_BUCKET", "NK_BUCKET", "HALF_STATE", "SHIFT", "SHIFT_IN_LOOP", "EXACT_SHIFT",
-                 "BLOCK_N"]
+                 "ONE_BLOCK", "BLOCK_N"]
 
 
 def _configs(entries, with_block_n: bool) -> list[triton.Config]:
@@ -544,6 +555,7 @@ def pasa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
         a_full, c_full, a_tail, c_tail, gam, ratio = _shift_constants(float(beta), n_k, block_n, q.dtype, float(scale))
         consts.update(a_full=a_full, c_full=c_full, a_tail=a_tail, c_tail=c_tail, gamma=gam, tail_ratio=ratio)
         meta["BLOCK_N"] = block_n
+        meta["ONE_BLOCK"] = n_k <= block_n
         use_prepass = shift_k == "prepass" or (shift_k == "auto" and (n_q > 128 or block_d > 128))
         if use_prepass:
             k_src = torch.empty((batch, h_k, n_k, head_dim), dtype=k.dtype, device=k.device)
