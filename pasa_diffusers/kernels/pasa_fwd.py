@@ -134,7 +134,8 @@ def pasa_fwd_kernel(
         s (BLOCK_M, BLOCK_N) st (fp32 for plain FA hybrid); the exp2 argument fp32;
         p (BLOCK_M, BLOCK_N) fp16 in half, fp32 rounded to g for the P V GEMM in hybrid;
         m_i, l_i, mu_j, avg_j, delta_j, eps_j (BLOCK_M,) st;  acc (BLOCK_M, BLOCK_D) st
-        (half: ``tl.dot(p, v_blk, acc, out_dtype=fp16)``, fp16 accumulators).
+        (half: ``tl.dot(p, v_blk, acc, out_dtype=fp16)``, fp16 accumulators; the exact shift sums
+        ``p v_blk`` in its own fp16 accumulators first).
     ``BLOCK_D`` is ``HEAD_DIM`` rounded up to a power of two >= 16; padded columns load as zero.
 
     The key loop runs in two stages: the full blocks without masks, then the ragged last block (if
