@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pasa_diffusers import processors  # noqa: E402
+from pasa_diffusers import install  # noqa: E402
 
 ATTENTION_KERNELS = ("pasa_fwd", "flash", "fmha", "cudnn", "attention", "sdpa", "mha")
 
@@ -92,7 +92,7 @@ def main() -> int:
         inputs = make_inputs(frames)
         baseline = None
         for backend in args.backends:
-            processors.apply(unet, backend)
+            install.apply(unet, backend)
             modes = [("eager", unet)]
             if args.compile:
                 modes.append(("compile", torch.compile(unet, fullgraph=True)))
@@ -109,10 +109,10 @@ def main() -> int:
                     "finite": bool(torch.isfinite(out).all()),
                     "max_abs_diff_to_sdpa": diff.max().item(),
                     "rel_rms_diff_to_sdpa": (diff.pow(2).mean().sqrt() / baseline[1].pow(2).mean().sqrt()).item(),
-                    "fallbacks": processors.fallback_summary(unet)["fallbacks"],
+                    "fallbacks": install.fallback_summary(unet)["fallbacks"],
                 })
                 print(json.dumps(rows[-1]), flush=True)
-            processors.restore(unet)
+            install.restore(unet)
             torch._dynamo.reset()
 
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda}

@@ -10,8 +10,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import metrics  # noqa: E402
-from pipelines.compare import run_comparison  # noqa: E402
+from pasa_diffusers import metrics  # noqa: E402
+from pasa_diffusers.pipelines.compare import run_comparison  # noqa: E402
 
 
 def main() -> int:

@@ -1,9 +1,9 @@
 """Frame-quality metrics, video writers and report writers for comparing attention backends.
 
-This package only scores numpy arrays: it never imports ``pasa_diffusers`` or triton.
+This package only scores numpy arrays: it never imports the attention op, the processors or triton.
 """
 
-from metrics.quality import (
+from .quality import (
     ALEXNET_WEIGHTS_FILE,
     LPIPS_LABEL,
     LPIPS_RANDOM_LABEL,
@@ -23,8 +23,8 @@ from metrics.quality import (
     validate_frame,
     validate_video,
 )
-from metrics.report import COLUMNS, format_markdown, format_table, json_safe, table_rows, write_report
-from metrics.video import pad_even, side_by_side, to_uint8, write_gif, write_mp4, write_png_frames, write_video
+from .report import COLUMNS, format_markdown, format_table, json_safe, table_rows, write_report
+from .video import pad_even, side_by_side, to_uint8, write_gif, write_mp4, write_png_frames, write_video
 
 __all__ = [
     "ALEXNET_WEIGHTS_FILE",

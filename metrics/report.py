@@ -10,7 +10,7 @@ Report dict layout::
         "settings": {...},              # free-form run settings (frames, steps, seed, ...)
         "backends": {
             name: {
-                "scores": <metrics.quality.score_video dict>,
+                "scores": <pasa_diffusers.metrics.quality.score_video dict>,
                 "seconds": float,       # optional: wall time of the backend's run
                 "processors": {...},    # optional: summary of the attention processors used
             },
@@ -36,7 +36,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from metrics.quality import LPIPS_LABEL, json_float
+from .quality import LPIPS_LABEL, json_float
 
 COLUMNS = (
     "backend",

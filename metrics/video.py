@@ -15,7 +15,7 @@ import imageio.v3 as iio
 import numpy as np
 from matplotlib import colormaps
 
-from metrics.quality import validate_video
+from .quality import validate_video
 
 MAGENTA = np.array([1.0, 0.0, 1.0])
 SEPARATOR_PX = 2

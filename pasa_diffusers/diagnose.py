@@ -1,7 +1,7 @@
 """Overflow diagnosis: which attention layers of an SVD pipeline overflow in FP16, and why.
 
 ``diagnose`` installs a ``DiagnosticAttnProcessor`` on every attention module of ``pipe.unet``, runs
-one real generation (``pipelines.svd.generate``) and restores the previous processors.  Each call
+one real generation (``pasa_diffusers.pipelines.svd.generate``) and restores the previous processors.  Each call
 records ``call_stats`` (``diagnose_stats.py``: computed in float32, chunked to at most ``max_elements``
 scores at once, never the full N x N matrix) on the call's ``(B, H, N, D)`` q and k, with the
 denoising step, and then computes ordinary attention (SDPA in the model's dtype), so the generation
@@ -46,10 +46,11 @@ import numpy as np
 import torch
 from diffusers.models.attention_processor import Attention
 
-from pipelines.svd import generate
+from pasa_diffusers.pipelines.svd import generate
 
 from .diagnose_stats import FP16_MAX, call_stats
-from .processors import SDPAAttnProcessor, module_kind
+from .install import module_kind
+from .processors import SDPAAttnProcessor
 from .reference import DEFAULT_BETA
 
 __all__ = ["DiagnosticAttnProcessor", "StepClock", "diagnose", "aggregate_layer", "layer_cause", "short_path",
@@ -290,9 +291,9 @@ def diagnose(pipe: Any, image: Any, *, num_frames: int, num_inference_steps: int
     """Diagnose FP16 overflow in every attention layer of ``pipe.unet`` during one generation.
 
     Args:
-        pipe: a pipeline from ``pipelines.svd.load_svd``; its processors are restored afterwards (also
+        pipe: a pipeline from ``pasa_diffusers.pipelines.svd.load_svd``; its processors are restored afterwards (also
             on error).
-        image, num_frames, num_inference_steps, seed, height, width: as ``pipelines.svd.generate``.
+        image, num_frames, num_inference_steps, seed, height, width: as ``pasa_diffusers.pipelines.svd.generate``.
         progress: tqdm bars over the denoising steps (stderr).
         max_elements: most scores held at once per call (``call_stats``).
         model: the name reported (default: the pipeline's ``name_or_path``).

@@ -16,15 +16,15 @@ from typing import Any
 import numpy as np
 import torch
 
-import metrics
-from pasa_diffusers import processors
+from pasa_diffusers import metrics
+from pasa_diffusers import install
 
 from .svd import generate, load_image, load_svd, make_latents
 
 __all__ = ["COMPARE_BACKENDS", "DEFAULT_BACKENDS", "backend_options", "parse_backends", "run_comparison",
            "write_comparison"]
 
-COMPARE_BACKENDS = tuple(b for b in processors.BACKENDS if b != "fp32")
+COMPARE_BACKENDS = tuple(b for b in install.BACKENDS if b != "fp32")
 DEFAULT_BACKENDS = ("pasa", "naive-half", "sdpa", "bf16")
 
 
@@ -70,12 +70,12 @@ def _versions() -> dict[str, str]:
 
 
 def _run(pipe: Any, backend: str, image: Any, latents: torch.Tensor, settings: dict, options: dict) -> tuple:
-    summary = processors.apply(pipe, backend, **options)
+    summary = install.apply(pipe, backend, **options)
     start = time.perf_counter()
     frames = generate(pipe, image, latents=latents, progress=False, **settings)
     seconds = time.perf_counter() - start
-    fallbacks = processors.fallback_summary(pipe)
-    processors.restore(pipe)
+    fallbacks = install.fallback_summary(pipe)
+    install.restore(pipe)
     options = {key: str(value).removeprefix("torch.") for key, value in summary["options"].items()}
     return frames, seconds, {"installed": {**summary, "options": options}, "fallbacks": fallbacks}
 

@@ -115,13 +115,13 @@ def plant_resonance(attn: Attention, *, pattern: str = "in-phase", margin: float
     attn.to_k = _with_bias(attn.to_k, b * ck.flatten())
 
 
-def build_tiny_resonant(pipe: StableVideoDiffusionPipeline | None = None, *, layers: tuple[str, ...] = PLANTED_LAYERS,
+def build_tiny_resonant(pipe: StableVideoDiffusionPipeline, *, layers: tuple[str, ...] = PLANTED_LAYERS,
                         pattern: str = "in-phase", margin: float = DEFAULT_MARGIN,
                         generator: torch.Generator | None = None) -> StableVideoDiffusionPipeline:
     """The tiny pipeline with resonance planted in ``layers`` (paths of ``pipe.unet`` attention modules).
 
     Args:
-        pipe: the pipeline to plant into, in place (default: a fresh ``load_svd("tiny")`` on the CPU).
+        pipe: the pipeline to plant into, in place (e.g. ``load_svd("tiny")``).
         layers: module paths, e.g. ``PLANTED_LAYERS``.
         pattern: ``"in-phase"``, ``"anti-phase"`` or ``"random"`` (see the module docstring).
         margin: planted raw scores sit near ``margin * 65504``; PASA half stays finite for
@@ -130,10 +130,6 @@ def build_tiny_resonant(pipe: StableVideoDiffusionPipeline | None = None, *, lay
 
     Returns the pipeline, its config's ``_name_or_path`` set to ``"tiny-resonant"``.
     """
-    if pipe is None:
-        from .svd import load_svd
-
-        pipe = load_svd("tiny")
     modules = dict(pipe.unet.named_modules())
     for path in layers:
         module = modules.get(path)

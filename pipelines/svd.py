@@ -26,6 +26,8 @@ from diffusers import (
 )
 from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
 
+from .resonant import build_tiny_resonant
+
 __all__ = ["load_svd", "load_image", "make_latents", "generate", "BUILTIN_IMAGES", "TINY_DEFAULTS"]
 
 BUILTIN_IMAGES = ("astronaut", "coffee", "rocket")
@@ -132,7 +134,7 @@ def load_svd(
         model: ``"tiny"`` (a small random pipeline built in code, reproducible, no download), a hub id
             such as ``"stabilityai/stable-video-diffusion-img2vid-xt"``, or a folder written by
             ``save_pretrained``.  Weights are read from safetensors only.  ``"tiny-resonant"`` is the
-            tiny pipeline with FP16 overflow planted in known layers (``pipelines.resonant``).
+            tiny pipeline with FP16 overflow planted in known layers (``pasa_diffusers.pipelines.resonant``).
         device: where the pipeline runs.
         dtype: dtype of every component (e.g. ``torch.float16`` for the fully-FP16 study).
         variant: weight file variant of a hub id or folder (e.g. ``"fp16"``); not valid with ``"tiny"``.
@@ -144,8 +146,6 @@ def load_svd(
         with torch.random.fork_rng(devices=[]):
             pipe = _tiny_pipeline()
             if model == "tiny-resonant":
-                from .resonant import build_tiny_resonant
-
                 pipe = build_tiny_resonant(pipe)
             pipe = pipe.to(device)
         return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)

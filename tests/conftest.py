@@ -84,6 +84,6 @@ def one_thread():
 @pytest.fixture
 def pipe():
     """A fresh tiny SVD pipeline (fp32, CPU)."""
-    from pipelines.svd import load_svd
+    from pasa_diffusers.pipelines.svd import load_svd
 
     return load_svd("tiny")

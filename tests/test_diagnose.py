@@ -15,13 +15,14 @@ import numpy as np
 import pytest
 import torch
 
+from pasa_diffusers import install as I
 from pasa_diffusers import processors as P
 from pasa_diffusers.diagnose import (DiagnosticAttnProcessor, diagnose, ranked, risk_table, short_path,
                                      write_diagnosis)
 from pasa_diffusers.diagnose_stats import FP16_MAX, call_stats
-from pipelines.compare import run_comparison
-from pipelines.resonant import (PLANTED_LAYERS, bias_amplitude, build_tiny_resonant, phase_pattern)
-from pipelines.svd import generate, load_image, load_svd
+from pasa_diffusers.pipelines.compare import run_comparison
+from pasa_diffusers.pipelines.resonant import (PLANTED_LAYERS, bias_amplitude, build_tiny_resonant, phase_pattern)
+from pasa_diffusers.pipelines.svd import generate, load_image, load_svd
 
 
 SETTINGS = {"num_frames": 2, "num_inference_steps": 2, "seed": 0, "height": 32, "width": 32}
@@ -132,7 +133,7 @@ def test_load_tiny_resonant_plants_only_listed_layers():
 def resonant_run():
     """One diagnosis of tiny-resonant, the processors installed before it, and the pipeline."""
     pipe = load_svd("tiny-resonant")
-    P.apply(pipe, "sdpa")
+    I.apply(pipe, "sdpa")
     before = dict(pipe.unet.attn_processors)
     image = load_image("builtin:rocket", (SETTINGS["width"], SETTINGS["height"]))
     result = diagnose(pipe, image, progress=False, max_elements=2 ** 12, **SETTINGS)  # many chunks per call
@@ -225,7 +226,7 @@ def test_planted_patterns_resonance_index(gen, pattern):
 
 def test_diagnose_restores_processors_on_error():
     pipe = load_svd("tiny")
-    P.apply(pipe, "fp32")
+    I.apply(pipe, "fp32")
     before = dict(pipe.unet.attn_processors)
     image = load_image("builtin:rocket", (32, 32))
     with pytest.raises(ValueError, match="multiples of"):

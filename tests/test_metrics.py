@@ -1,4 +1,4 @@
-"""Tests of metrics.quality: PSNR/SSIM/LPIPS, temporal measures, non-finite handling, validation."""
+"""Tests of pasa_diffusers.metrics.quality: PSNR/SSIM/LPIPS, temporal measures, non-finite handling, validation."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from skimage import data
 from skimage.metrics import peak_signal_noise_ratio, structural_similarity
 from skimage.transform import resize
 
-from metrics.quality import (
+from pasa_diffusers.metrics.quality import (
     ALEXNET_WEIGHTS_FILE,
     LPIPS_LABEL,
     LPIPS_RANDOM_LABEL,

@@ -1,4 +1,4 @@
-"""pipelines.svd: the tiny pipeline, save/load through safetensors, explicit latents, frames, images.
+"""pasa_diffusers.pipelines.svd: the tiny pipeline, save/load through safetensors, explicit latents, frames, images.
 
 Frames are pixels in [0, 1]; tolerances below are absolute pixel differences.
 """
@@ -10,8 +10,9 @@ import pytest
 import torch
 from diffusers.models.attention_processor import Attention
 
+from pasa_diffusers import install as I
 from pasa_diffusers import processors as P
-from pipelines.svd import (
+from pasa_diffusers.pipelines.svd import (
     BUILTIN_IMAGES,
     TINY_DEFAULTS,
     _to_frames,
@@ -202,17 +203,17 @@ def test_generate_matches_pipeline_np_output(pipe, image, gen):
 def test_backends_from_the_same_latents_are_close(pipe, image, backend, options, tol, gen):
     seed = draw_seed(gen)
     latents = make_latents(pipe, num_frames=FRAMES, height=SIZE, width=SIZE, seed=seed)
-    P.apply(pipe, "fp32", vae=True)
+    I.apply(pipe, "fp32", vae=True)
     reference = run(pipe, image, latents, seed)
-    P.restore(pipe)
-    P.apply(pipe, backend, vae=True, **options)
+    I.restore(pipe)
+    I.apply(pipe, backend, vae=True, **options)
     frames = run(pipe, image, latents, seed)
     assert_frames(frames)
     diff = np.abs(frames - reference).max()
     assert diff <= tol
     if backend == "bf16":
         assert diff > 0
-    summary = P.fallback_summary(pipe)
+    summary = I.fallback_summary(pipe)
     assert summary["processors"] == 26  # 24 UNet + 2 VAE attentions
     assert summary["calls"] > 0
     if backend == "pasa":

@@ -16,9 +16,10 @@ from diffusers import AutoencoderKL, UNet2DConditionModel
 from diffusers.models.attention import BasicTransformerBlock, TemporalBasicTransformerBlock
 from diffusers.models.attention_processor import Attention, AttnProcessor2_0
 
+from pasa_diffusers import install as I
 from pasa_diffusers import processors as P
 from pasa_diffusers.ops import pasa_attention
-from pipelines.svd import load_svd
+from pasa_diffusers.pipelines.svd import load_svd
 
 FP16_TOL = 2.0**-8
 """4 fp16 ulps of the largest output: the fp16 output rounding alone is 2**-11 (SDPA in fp16 measures
@@ -106,7 +107,7 @@ def test_apply_selects_modules_by_kind(pipe, flags):
         "temporal-self": temporal,
         "temporal-cross": temporal and cross,
     }
-    summary = P.apply(pipe, "sdpa", **flags)
+    summary = I.apply(pipe, "sdpa", **flags)
 
     for name, module in attention_modules(pipe.unet).items():
         if wanted[kinds[name]]:
@@ -114,7 +115,7 @@ def test_apply_selects_modules_by_kind(pipe, flags):
             assert module.processor.name == f"unet.{name}"
         else:
             assert module.processor is before[name], name
-    assert summary["counts"] == {**dict.fromkeys(P.KINDS, 0), **Counter(kinds.values())}
+    assert summary["counts"] == {**dict.fromkeys(I.KINDS, 0), **Counter(kinds.values())}
     assert summary["installed"] == sum(wanted[kind] for kind in kinds.values())
     for kind, chosen in wanted.items():
         assert summary["processors"][kind] == ("SDPAAttnProcessor" if chosen else "AttnProcessor2_0")
@@ -125,7 +126,7 @@ def test_apply_selects_modules_by_kind(pipe, flags):
 @pytest.mark.parametrize("backend", sorted(BACKEND_CLASSES))
 def test_apply_installs_each_backend(pipe, backend):
     options = {"beta": 0.875} if backend.startswith("pasa") else {}
-    summary = P.apply(pipe.unet, backend, **options)
+    summary = I.apply(pipe.unet, backend, **options)
 
     modules = attention_modules(pipe.unet)
     processors = [module.processor for module in modules.values()]
@@ -144,7 +145,7 @@ def test_apply_on_vae_and_on_bare_unet2d():
     vae_kinds = kinds_from_module_tree(pipe.vae)
     unet_before = {name: m.processor for name, m in attention_modules(pipe.unet).items()}
 
-    summary = P.apply(pipe, "fp32", spatial=False, temporal=False, vae=True)
+    summary = I.apply(pipe, "fp32", spatial=False, temporal=False, vae=True)
 
     assert list(vae_kinds.values()) == ["other", "other"]
     assert summary["counts"]["other"] == summary["installed"] == 2
@@ -165,8 +166,8 @@ def test_apply_on_vae_and_on_bare_unet2d():
         norm_num_groups=16,
     )
     kinds = kinds_from_module_tree(unet2d)
-    summary = P.apply(unet2d, "pasa", precision="fp64")
-    assert summary["counts"] == {**dict.fromkeys(P.KINDS, 0), **Counter(kinds.values())}
+    summary = I.apply(unet2d, "pasa", precision="fp64")
+    assert summary["counts"] == {**dict.fromkeys(I.KINDS, 0), **Counter(kinds.values())}
     assert summary["installed"] == len(kinds) > 0
     assert all(type(m.processor) is P.PASAAttnProcessor for m in attention_modules(unet2d).values())
 
@@ -180,11 +181,11 @@ def test_pasa_exact_mode_reproduces_stock_processor(pipe, gen):
     unet.set_attn_processor(AttnProcessor2_0())
     ref = unet_forward(unet, inputs)
 
-    P.apply(unet, "pasa", precision="fp64")
+    I.apply(unet, "pasa", precision="fp64")
     out = unet_forward(unet, inputs)
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) <= EXACT_TOL
-    summary = P.fallback_summary(unet)
+    summary = I.fallback_summary(unet)
     assert summary["calls"] == 24 and summary["fallbacks"] == {"single key": 12}
 
     class ScaleOffProcessor(P.PASAAttnProcessor):
@@ -200,27 +201,27 @@ def test_fp32_model_backends_equal_stock_sdpa(pipe, backend, gen):
     """On fp32 tensors these all run fp32 SDPA on the same strided views (the half ones by fallback)."""
     inputs = unet_inputs(gen)
     ref = unet_forward(pipe.unet, inputs)
-    P.apply(pipe.unet, backend)
+    I.apply(pipe.unet, backend)
     torch.testing.assert_close(unet_forward(pipe.unet, inputs), ref, rtol=0, atol=0)
     expected = {"dtype float32": 12, "single key": 12} if backend in ("naive-half", "pasa") else {}
-    assert P.fallback_summary(pipe.unet)["fallbacks"] == expected
+    assert I.fallback_summary(pipe.unet)["fallbacks"] == expected
 
 
 @pytest.mark.parametrize("backend", ["pasa", "naive-half", "pasa-hybrid"])
 def test_dtype_option_feeds_half_variants_from_an_fp32_model(pipe, gen, backend):
     inputs = unet_inputs(gen)
     ref = unet_forward(pipe.unet, inputs)
-    P.apply(pipe.unet, backend, dtype=torch.float16)
+    I.apply(pipe.unet, backend, dtype=torch.float16)
     out = unet_forward(pipe.unet, inputs)
     assert out.dtype == torch.float32
     assert 0 < rel_err(out, ref) <= FP16_TOL  # fp16 rounding of q, k, v and attention; measured ~1e-4
-    assert P.fallback_summary(pipe.unet)["fallbacks"] == {"single key": 12}  # no "dtype float32"
+    assert I.fallback_summary(pipe.unet)["fallbacks"] == {"single key": 12}  # no "dtype float32"
 
 
 def test_bf16_backend_is_close_but_not_equal(pipe, gen):
     inputs = unet_inputs(gen)
     ref = unet_forward(pipe.unet, inputs)
-    P.apply(pipe.unet, "bf16")
+    I.apply(pipe.unet, "bf16")
     err = rel_err(unet_forward(pipe.unet, inputs), ref)
     assert 0 < err <= 2.0**-6  # bf16 unit roundoff 2**-8, a few of them; measured 5.9e-4
 
@@ -276,13 +277,13 @@ def test_naive_half_overflows_where_pasa_does_not(gen, model_dtype):
 
 def test_single_key_fallback_counted_and_logged_once(pipe, caplog, gen):
     kinds = kinds_from_module_tree(pipe.unet)
-    P.apply(pipe, "pasa", precision="fp64")
+    I.apply(pipe, "pasa", precision="fp64")
     with caplog.at_level(logging.WARNING, logger="pasa_diffusers"):
         unet_forward(pipe.unet, unet_inputs(gen))
         unet_forward(pipe.unet, unet_inputs(gen))
 
     cross = sorted(f"unet.{name}" for name, kind in kinds.items() if kind.endswith("cross"))
-    summary = P.fallback_summary(pipe)
+    summary = I.fallback_summary(pipe)
     assert summary["processors"] == 24
     assert summary["calls"] == 48
     assert summary["fallbacks"] == {"single key": 24} and summary["fallback_calls"] == 24
@@ -350,7 +351,7 @@ def test_fallback_summary_counts_a_shared_processor_once(pipe, gen):
     shared = P.PASAAttnProcessor("fp64")
     pipe.unet.set_attn_processor(shared)
     unet_forward(pipe.unet, unet_inputs(gen))
-    summary = P.fallback_summary(pipe.unet)
+    summary = I.fallback_summary(pipe.unet)
     assert summary["processors"] == 1
     assert summary["calls"] == shared.calls == 24
     assert summary["fallbacks"] == {"single key": 12}
@@ -362,23 +363,23 @@ def test_fallback_summary_counts_a_shared_processor_once(pipe, gen):
 
 def test_restore_puts_back_the_same_objects(pipe):
     originals = {**pipe.unet.attn_processors, **{f"vae.{k}": v for k, v in pipe.vae.attn_processors.items()}}
-    P.apply(pipe, "pasa", vae=True)
-    P.apply(pipe, "fp32", spatial=False)
+    I.apply(pipe, "pasa", vae=True)
+    I.apply(pipe, "fp32", spatial=False)
     assert all(type(p) is not AttnProcessor2_0 for p in pipe.unet.attn_processors.values())
 
-    P.restore(pipe)
+    I.restore(pipe)
     restored = {**pipe.unet.attn_processors, **{f"vae.{k}": v for k, v in pipe.vae.attn_processors.items()}}
     assert restored.keys() == originals.keys()
     assert all(restored[key] is originals[key] for key in originals)
     with pytest.raises(ValueError, match="apply"):
-        P.restore(pipe)
+        I.restore(pipe)
 
 
 def test_restore_without_apply_raises(pipe):
     with pytest.raises(ValueError, match="restore"):
-        P.restore(pipe.unet)
+        I.restore(pipe.unet)
     with pytest.raises(ValueError, match="restore"):
-        P.restore(pipe)
+        I.restore(pipe)
 
 
 # ---------------------------------------------------------------------------------------------- bad arguments
@@ -387,11 +388,11 @@ def test_restore_without_apply_raises(pipe):
 def test_unknown_backend_lists_valid_ones_and_changes_nothing(pipe):
     before = pipe.unet.attn_processors
     with pytest.raises(ValueError, match=r"unknown backend='flash'.*'pasa-hybrid'"):
-        P.apply(pipe, "flash")
+        I.apply(pipe, "flash")
     after = pipe.unet.attn_processors
     assert all(after[key] is before[key] for key in before)
     with pytest.raises(ValueError, match="restore"):
-        P.restore(pipe)
+        I.restore(pipe)
 
 
 @pytest.mark.parametrize(
@@ -405,14 +406,14 @@ def test_unknown_backend_lists_valid_ones_and_changes_nothing(pipe):
 )
 def test_bad_options(pipe, backend, options, match):
     with pytest.raises(ValueError, match=match):
-        P.apply(pipe, backend, **options)
+        I.apply(pipe, backend, **options)
 
 
 def test_models_without_attention_are_rejected(pipe):
     with pytest.raises(ValueError, match="Linear"):
-        P.apply(torch.nn.Linear(4, 4))
+        I.apply(torch.nn.Linear(4, 4))
     vae = AutoencoderKL(block_out_channels=(32,), norm_num_groups=8, mid_block_add_attention=False)
     with pytest.raises(ValueError, match="no attention modules"):
-        P.apply(vae)
+        I.apply(vae)
     with pytest.raises(ValueError, match="nothing selected"):
-        P.apply(pipe, spatial=False, temporal=False)
+        I.apply(pipe, spatial=False, temporal=False)

@@ -1,4 +1,4 @@
-"""Tests of metrics.report: report.json / report.md / PNG plots and the terminal table."""
+"""Tests of pasa_diffusers.metrics.report: report.json / report.md / PNG plots and the terminal table."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 from skimage import data
 from skimage.transform import resize
 
-from metrics.quality import LPIPS_RANDOM_LABEL, LPIPSScorer, score_video
-from metrics.report import COLUMNS, format_table, json_safe, table_rows, write_report
+from pasa_diffusers.metrics.quality import LPIPS_RANDOM_LABEL, LPIPSScorer, score_video
+from pasa_diffusers.metrics.report import COLUMNS, format_table, json_safe, table_rows, write_report
 
 MD_HEADER = "| backend | PSNR dB (mean) | SSIM | LPIPS | temporal PSNR | flicker | non-finite frames | time s |"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -1,4 +1,4 @@
-"""Tests of metrics.video: uint8 conversion, PNG/GIF/mp4 writers, side-by-side comparison frames."""
+"""Tests of pasa_diffusers.metrics.video: uint8 conversion, PNG/GIF/mp4 writers, side-by-side comparison frames."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from PIL import Image
 from skimage import data
 from skimage.transform import resize
 
-from metrics.video import (
+from pasa_diffusers.metrics.video import (
     SEPARATOR_PX,
     pad_even,
     side_by_side,
