@@ -24,10 +24,10 @@ KINDS = ("spatial-self", "spatial-cross", "temporal-self", "temporal-cross", "ot
 _SAVED_ATTR = "_pasa_saved_processors"
 
 BACKENDS: dict[str, tuple[type[CountedAttnProcessor], dict[str, Any]]] = {
-    "pasa": (PASAAttnProcessor, {}),
-    "pasa-hybrid": (PASAAttnProcessor, {"precision": "hybrid"}),
-    "pasa-exact": (PASAAttnProcessor, {"precision": "hybrid", "shift": "exact"}),
-    "pasa-exact-half": (PASAAttnProcessor, {"precision": "half", "shift": "exact"}),
+    "pasa": (PASAAttnProcessor, {}),  # the processor's defaults: the exact shift, hybrid
+    "pasa-half": (PASAAttnProcessor, {"precision": "half", "shift": "exact"}),
+    "pasa-paper": (PASAAttnProcessor, {"precision": "half", "shift": True}),
+    "pasa-paper-hybrid": (PASAAttnProcessor, {"precision": "hybrid", "shift": True}),
     "fp32": (FP32AttnProcessor, {}),
     "naive-half": (NaiveHalfAttnProcessor, {}),
     "sdpa": (SDPAAttnProcessor, {}),
@@ -104,8 +104,10 @@ def apply(
         model_or_pipeline: a diffusers model (e.g. ``UNetSpatioTemporalConditionModel``,
             ``UNet2DConditionModel``, a VAE) or a pipeline, which stands for ``pipe.unet`` (and
             ``pipe.vae`` with ``vae=True``).
-        backend: one of ``BACKENDS``: ``"pasa"``, ``"pasa-hybrid"``, ``"fp32"``, ``"naive-half"``,
-            ``"sdpa"``, ``"bf16"``.
+        backend: one of ``BACKENDS``: ``"pasa"`` (the exact shift, fp32 softmax state: the default),
+            ``"pasa-half"`` (the exact shift, fp16 scores and accumulator), ``"pasa-paper"`` (the paper's
+            fully-FP16 PASA), ``"pasa-paper-hybrid"`` (the paper's shift, fp32 softmax state),
+            ``"naive-half"``, ``"sdpa"``, ``"bf16"``, ``"fp32"``.
         spatial: select the attentions of spatial transformer blocks (``transformer_blocks``).
         temporal: select those of temporal blocks (``temporal_transformer_blocks``).
         cross: with ``spatial``/``temporal``, also select their cross-attentions (``attn2``), not only

@@ -127,7 +127,7 @@ def _attention_fake(q, k, v, scale, precision, shift, beta, layout):
 
 
 def pasa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, *,
-                   precision: str = "half", shift: bool | str = True, beta: float | None = None,
+                   precision: str = "hybrid", shift: bool | str = "exact", beta: float | None = None,
                    layout: str = "bhnd") -> torch.Tensor:
     """Softmax attention ``softmax(scale q k^T) v`` that cannot overflow in FP16.
 

@@ -220,13 +220,14 @@ class CountedAttnProcessor:
 
 class PASAAttnProcessor(CountedAttnProcessor):
     r"""
-    Attention through ``pasa_diffusers.ops.pasa_attention`` (PASA by default).
+    Attention through ``pasa_diffusers.ops.pasa_attention`` (the op's default: the exact shift in hybrid).
 
     Args:
-        precision: ``"half"`` (fully FP16), ``"hybrid"`` (fp16 GEMMs, fp32 softmax state) or
-            ``"fp64"`` (the exact reference math; slow, for tests).
-        shift: ``True`` for PASA, ``"exact"`` for the exact shift (K's block mean removed exactly, the
-            removed ``q . kbar`` carried in fp32), ``False`` for plain FlashAttention in the same precision.
+        precision: ``"hybrid"`` (fp16/bf16 GEMMs, fp32 softmax state), ``"half"`` (fp16 scores and
+            accumulator) or ``"fp64"`` (the exact reference math; slow, for tests).
+        shift: ``"exact"`` for the exact shift (K's block mean removed exactly, the removed ``q . kbar``
+            carried in fp32), ``True`` for the paper's PASA, ``False`` for plain FlashAttention in the
+            same precision.
         beta: PASA's shift strength in (0, 1); ``None`` uses the op's default.
         dtype: the dtype attention works on (see ``CountedAttnProcessor``).
 
@@ -237,8 +238,8 @@ class PASAAttnProcessor(CountedAttnProcessor):
 
     def __init__(
         self,
-        precision: str = "half",
-        shift: bool | str = True,
+        precision: str = "hybrid",
+        shift: bool | str = "exact",
         beta: float | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:

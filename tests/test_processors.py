@@ -33,9 +33,9 @@ already gives 5e-5 (checked below)."""
 
 BACKEND_CLASSES = {
     "pasa": P.PASAAttnProcessor,
-    "pasa-hybrid": P.PASAAttnProcessor,
-    "pasa-exact": P.PASAAttnProcessor,
-    "pasa-exact-half": P.PASAAttnProcessor,
+    "pasa-half": P.PASAAttnProcessor,
+    "pasa-paper": P.PASAAttnProcessor,
+    "pasa-paper-hybrid": P.PASAAttnProcessor,
     "fp32": P.FP32AttnProcessor,
     "naive-half": P.NaiveHalfAttnProcessor,
     "sdpa": P.SDPAAttnProcessor,
@@ -132,8 +132,8 @@ def test_apply_installs_each_backend(pipe, backend):
     processors = [module.processor for module in modules.values()]
     assert all(type(p) is BACKEND_CLASSES[backend] for p in processors)
     assert len({id(p) for p in processors}) == len(modules) == summary["installed"]
-    expected = {"pasa": ("half", True), "pasa-hybrid": ("hybrid", True), "pasa-exact": ("hybrid", "exact"),
-                "pasa-exact-half": ("half", "exact")}
+    expected = {"pasa": ("hybrid", "exact"), "pasa-half": ("half", "exact"), "pasa-paper": ("half", True),
+                "pasa-paper-hybrid": ("hybrid", True)}
     if backend.startswith("pasa"):
         assert {(p.precision, p.shift, p.beta) for p in processors} == {expected[backend] + (0.875,)}
     if backend == "naive-half":
@@ -207,7 +207,7 @@ def test_fp32_model_backends_equal_stock_sdpa(pipe, backend, gen):
     assert I.fallback_summary(pipe.unet)["fallbacks"] == expected
 
 
-@pytest.mark.parametrize("backend", ["pasa", "naive-half", "pasa-hybrid"])
+@pytest.mark.parametrize("backend", ["pasa", "naive-half", "pasa-paper-hybrid"])
 def test_dtype_option_feeds_half_variants_from_an_fp32_model(pipe, gen, backend):
     inputs = unet_inputs(gen)
     ref = unet_forward(pipe.unet, inputs)
@@ -235,8 +235,9 @@ def fp16_attention(dim: int, heads: int, g: torch.Generator, **kwargs) -> Attent
 
 @pytest.mark.parametrize("head_dim", [16, 32, 64])
 @pytest.mark.parametrize(
-    "make", [P.PASAAttnProcessor, P.NaiveHalfAttnProcessor, lambda: P.PASAAttnProcessor("hybrid")],
-    ids=["pasa-half", "naive-half", "pasa-hybrid"],
+    "make", [P.PASAAttnProcessor, P.NaiveHalfAttnProcessor, lambda: P.PASAAttnProcessor("half", True),
+             lambda: P.PASAAttnProcessor("half", "exact")],
+    ids=["pasa", "naive-half", "pasa-paper", "pasa-half"],
 )
 def test_half_processors_match_fp32_on_one_module(head_dim, make, gen):
     attn = fp16_attention(64, 64 // head_dim, gen)
@@ -387,7 +388,7 @@ def test_restore_without_apply_raises(pipe):
 
 def test_unknown_backend_lists_valid_ones_and_changes_nothing(pipe):
     before = pipe.unet.attn_processors
-    with pytest.raises(ValueError, match=r"unknown backend='flash'.*'pasa-hybrid'"):
+    with pytest.raises(ValueError, match=r"unknown backend='flash'.*'pasa-paper-hybrid'"):
         I.apply(pipe, "flash")
     after = pipe.unet.attn_processors
     assert all(after[key] is before[key] for key in before)
@@ -399,7 +400,7 @@ def test_unknown_backend_lists_valid_ones_and_changes_nothing(pipe):
     "backend, options, match",
     [
         ("fp32", {"beta": 0.5}, "takes no options"),
-        ("pasa-hybrid", {"precision": "half"}, "fixes"),
+        ("pasa-half", {"precision": "hybrid"}, "fixes"),
         ("pasa", {"precision": "fp8"}, "unknown precision='fp8'"),
         ("fp32", {"dtype": "half"}, "dtype must be a floating torch.dtype"),
     ],

@@ -43,6 +43,6 @@ def run(args: argparse.Namespace) -> int:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="animate an image with SVD using one attention backend")
     add_generation_args(p, "out/generate")
-    p.add_argument("--attention", default="pasa", help="pasa, pasa-hybrid, fp32, naive-half, sdpa or bf16")
+    p.add_argument("--attention", default="pasa", help="an attention backend: pasa (default), pasa-half, pasa-paper, pasa-paper-hybrid, naive-half, sdpa, bf16, fp32")
     p.add_argument("--fps", type=int, default=7)
     p.set_defaults(func=run)

@@ -1,0 +1,146 @@
+"""The input rules of the attention op, stated once: names, ranges and the checks that enforce them.
+
+The public op (``ops.py``), the kernel launcher (``kernels/launch.py``), the references
+(``reference.py``) and the processors and their installation (``processors.py``, ``install.py``) all
+check their inputs here, so that every rule has one wording and one place.  Every check raises
+``ValueError`` whose message starts with the calling function's name and names the argument and the
+value it got.  This module imports only torch.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+__all__ = [
+    "PRECISIONS",
+    "KERNEL_PRECISIONS",
+    "SHIFTS",
+    "LAYOUTS",
+    "SUPPORTED_DTYPES",
+    "PRECISION_DTYPES",
+    "MIN_HEAD_DIM",
+    "MAX_HEAD_DIM",
+    "SHIFT_BLOCK",
+    "DEFAULT_PRECISION",
+    "DEFAULT_SHIFT",
+    "check_options",
+    "check_qkv",
+    "check_kernel_tensors",
+    "unsupported_reason",
+]
+
+PRECISIONS = ("hybrid", "half", "fp64")
+"""``"hybrid"``: fp16/bf16 GEMMs, fp32 softmax state and accumulator; ``"half"``: fp16 scores and
+accumulator; ``"fp64"``: the exact reference, no rounding (tests)."""
+
+KERNEL_PRECISIONS = ("hybrid", "half")
+"""The precisions the Triton kernel runs."""
+
+SHIFTS = ("exact", True, False)
+"""``"exact"``: the exact shift (the default); ``True``: the paper's PASA; ``False``: plain FlashAttention."""
+
+LAYOUTS = ("bhnd", "bnhd")
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+PRECISION_DTYPES: dict[str, tuple[torch.dtype, ...]] = {
+    "hybrid": SUPPORTED_DTYPES,
+    "half": (torch.float16,),
+    "fp64": (torch.float16, torch.bfloat16, torch.float32, torch.float64),
+}
+"""Input dtypes each precision takes."""
+
+MIN_HEAD_DIM = 16
+MAX_HEAD_DIM = 256
+SHIFT_BLOCK = 128
+"""Keys per shift block (PASA's ``n``, the exact shift's centring block): part of the result, not a tile size."""
+
+DEFAULT_PRECISION = "hybrid"
+DEFAULT_SHIFT: bool | str = "exact"
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def check_options(fn: str, *, precision: str, shift: bool | str, beta: float | None = None,
+                  scale: float | None = None, layout: str | None = None) -> None:
+    """Check the op's options: ``precision``, ``shift``, ``beta`` in (0, 1), ``scale`` positive finite
+    (not a bool), ``layout``.  ``None`` for ``beta``/``scale`` means the default; ``layout=None`` skips it."""
+    if not (isinstance(precision, str) and precision in PRECISIONS):
+        raise ValueError(f"{fn}: unknown precision={precision!r}; expected one of {PRECISIONS}")
+    if not (isinstance(shift, bool) or (isinstance(shift, str) and shift == "exact")):
+        raise ValueError(f"{fn}: unknown shift={shift!r}; expected one of {SHIFTS}")
+    if beta is not None and not (_is_real(beta) and 0.0 < float(beta) < 1.0):
+        raise ValueError(f"{fn}: beta must be a number in (0, 1), got beta={beta!r}")
+    if scale is not None and not (_is_real(scale) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"{fn}: scale must be a positive finite number, got scale={scale!r}")
+    if layout is not None and layout not in LAYOUTS:
+        raise ValueError(f"{fn}: unknown layout={layout!r}; expected one of {LAYOUTS}")
+
+
+def _shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def check_qkv(fn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, precision: str = "fp64") -> None:
+    """Check ``(B, H, N, D)`` views: tensors, rank 4, non-empty, batch and head dims agree, GQA grouping,
+    one device, one dtype, the dtype ``precision`` takes and a head dim in
+    ``[MIN_HEAD_DIM, MAX_HEAD_DIM]`` (the last two only for the kernel's precisions)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{fn}: {name} must have rank 4 (B, H, N, D), got {name}.shape={_shape(t)}")
+        if t.numel() == 0:
+            raise ValueError(f"{fn}: {name} is empty ({name}.shape={_shape(t)}); every dim must be >= 1")
+    if not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise ValueError(f"{fn}: batch sizes differ: q.shape={_shape(q)}, k.shape={_shape(k)}, v.shape={_shape(v)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"{fn}: k and v must agree in (B, H, N): k.shape={_shape(k)}, v.shape={_shape(v)}")
+    if not (q.shape[-1] == k.shape[-1] == v.shape[-1]):
+        raise ValueError(f"{fn}: head dims of q, k, v differ: q.shape={_shape(q)}, k.shape={_shape(k)}, "
+                         f"v.shape={_shape(v)}")
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"{fn}: q heads ({q.shape[1]}) must be a multiple of k/v heads ({k.shape[1]}) for GQA")
+    if len({q.device, k.device, v.device}) != 1:
+        raise ValueError(f"{fn}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"{fn}: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype not in PRECISION_DTYPES[precision]:
+        hint = "; use precision='hybrid' for bfloat16" if precision == "half" and q.dtype == torch.bfloat16 else ""
+        raise ValueError(f"{fn}: dtype {q.dtype} is not supported for precision={precision!r}; expected one of "
+                         f"{PRECISION_DTYPES[precision]}{hint}")
+    head_dim = q.shape[-1]
+    if precision != "fp64" and not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
+        where, limit = (("above the supported maximum", MAX_HEAD_DIM) if head_dim > MAX_HEAD_DIM
+                        else ("below the supported minimum", MIN_HEAD_DIM))
+        raise ValueError(f"{fn}: head dim {head_dim} is {where} {limit} (q.shape={_shape(q)})")
+
+
+def check_kernel_tensors(fn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None,
+                         *, interpret: bool) -> None:
+    """What the Triton kernel needs beyond ``check_qkv``: CUDA tensors (or CPU ones under
+    ``TRITON_INTERPRET=1``), unit stride in the head dim, and an ``out`` of ``q``'s shape and dtype."""
+    named = [("q", q), ("k", k), ("v", v)] + ([("out", out)] if out is not None else [])
+    for name, t in named:
+        if t.device.type not in ("cuda", "cpu") or (t.device.type == "cpu" and not interpret):
+            raise ValueError(f"{fn}: {name} is on {t.device}; the kernel runs on CUDA tensors (CPU tensors only "
+                             "under TRITON_INTERPRET=1, set before triton is first imported)")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{fn}: {name} must have unit stride in the head dim, got {name}.stride()="
+                             f"{tuple(t.stride())} for {name}.shape={_shape(t)}")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
+        raise ValueError(f"{fn}: out must match q in shape, dtype and device, got out.shape={_shape(out)} "
+                         f"{out.dtype} {out.device} for q.shape={_shape(q)} {q.dtype} {q.device}")
+
+
+def unsupported_reason(q: torch.Tensor, precision: str) -> str | None:
+    """Why the op cannot take a query of this dtype and head dim in ``precision``, or ``None`` (for the
+    processors, which decide per call whether to run the op)."""
+    head_dim = q.shape[-1]
+    if precision != "fp64" and not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
+        return f"head dim {head_dim}"
+    if q.dtype not in PRECISION_DTYPES[precision]:
+        return f"dtype {str(q.dtype).removeprefix('torch.')}"
+    return None
