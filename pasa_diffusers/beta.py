@@ -28,7 +28,7 @@ import math
 
 import torch
 
-__all__ = ["shift_entries", "gamma", "optimal_beta", "FP64"]
+__all__ = ["shift_entries", "gamma", "optimal_beta", "DEFAULT_BETA", "FP64"]
 
 FP64 = torch.float64
 _SUPPORTED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -93,3 +93,7 @@ def optimal_beta(block_n: int = 128, dtype: torch.dtype = torch.float16, scale: 
             return new
         beta = new
     raise ValueError(f"the beta fixed point did not converge in {max_iter} iterations from start={start!r}")
+
+
+DEFAULT_BETA = optimal_beta(128, torch.float16, 1.0, start=1.0 - 2.0 ** -4)
+"""0.9375: the fp16 fixed point for 128-key blocks (every entry of M exactly representable)."""

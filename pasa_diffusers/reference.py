@@ -8,7 +8,8 @@ otherwise.  A GEMM multiplies ``g`` operands exactly and accumulates in fp32 (as
 then rounds its result to the stage's dtype.  Every elementwise step of a variant is computed in
 fp32 and rounded to the dtype of the state it produces, so a ``"half"`` pipeline rounds to fp16
 after every operation, exactly as a kernel holding fp16 registers would (and overflows to inf above
-65504 as such a kernel does).  Query rows are independent, so ``block_m`` only bounds memory; the
+65504 as such a kernel does).  The softmax weights ``p`` are rounded once to the dtype ``P V`` reads,
+and ``l`` sums those same rounded weights, as the kernels do.  Query rows are independent, so ``block_m`` only bounds memory; the
 key blocking (``block_n``) is what changes the result.
 """
 from __future__ import annotations
@@ -17,8 +18,9 @@ import math
 
 import torch
 
+from . import rules
+from .beta import DEFAULT_BETA, shift_entries
 from .beta import gamma as recovery_gamma
-from .beta import optimal_beta, shift_entries
 
 __all__ = [
     "golden_attention",
@@ -31,8 +33,6 @@ __all__ = [
     "DEFAULT_BETA",
 ]
 
-DEFAULT_BETA = optimal_beta(128, torch.float16, 1.0, start=1.0 - 2.0 ** -4)
-"""0.9375: the fp16 fixed point for 128-key blocks (every entry of M exactly representable)."""
 
 _FLASH_PRECISIONS = ("fp32", "half")
 _PASA_PRECISIONS = ("half", "hybrid", "fp64")
@@ -40,25 +40,9 @@ _EXACT_PRECISIONS = ("hybrid", "half")
 
 
 def validate_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fn: str) -> None:
-    """Check ranks, shapes and GQA grouping of ``(B, H, N, D)`` inputs; raise ``ValueError`` naming the argument."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{fn}: {name} must have rank 4 (B, H, N, D), got {name}.shape={tuple(t.shape)}")
-        if t.numel() == 0:
-            raise ValueError(f"{fn}: {name} is empty ({name}.shape={tuple(t.shape)}); every dim must be >= 1")
-    if not (q.shape[0] == k.shape[0] == v.shape[0]):
-        raise ValueError(f"{fn}: batch sizes differ: q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)}, "
-                         f"v.shape={tuple(v.shape)}")
-    if k.shape[:3] != v.shape[:3]:
-        raise ValueError(f"{fn}: k and v must agree in (B, H, N): k.shape={tuple(k.shape)}, v.shape={tuple(v.shape)}")
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"{fn}: head dim of q and k differ: q.shape={tuple(q.shape)}, k.shape={tuple(k.shape)}")
-    if q.shape[1] % k.shape[1] != 0:
-        raise ValueError(f"{fn}: q heads ({q.shape[1]}) must be a multiple of k/v heads ({k.shape[1]}) for GQA")
-    if len({q.device, k.device, v.device}) != 1:
-        raise ValueError(f"{fn}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    """Check ranks, shapes, GQA grouping, device and dtype of ``(B, H, N, D)`` inputs (``rules.check_qkv``
+    for the unrounded precision: any float dtype, any head dim)."""
+    rules.check_qkv(fn, q, k, v, "fp64")
 
 
 def _check_block(name: str, value: int, fn: str) -> None:
@@ -72,11 +56,8 @@ def _check_precision(precision: str, allowed: tuple[str, ...], fn: str) -> None:
 
 
 def _default_scale(q: torch.Tensor, scale: float | None, fn: str) -> float:
-    if scale is None:
-        return 1.0 / math.sqrt(q.shape[-1])
-    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
-        raise ValueError(f"{fn}: scale must be a positive finite float, got scale={scale!r}")
-    return float(scale)
+    rules.check_options(fn, precision="fp64", shift=False, scale=scale)
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
 
 
 def gemm_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -135,7 +116,8 @@ def flash_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     """Online-softmax FlashAttention over key blocks of ``block_n``.
 
     ``"fp32"``: scores ``fp32(q k^T) * scale``, softmax state and accumulator in fp32, ``P`` rounded to
-    the GEMM dtype for ``P V`` (as FlashAttention-2 and cuDNN do).
+    the GEMM dtype for ``P V`` (as FlashAttention-2 and cuDNN do) and ``l`` summing those rounded
+    values (as the kernel does: see ``kernels/pasa_fwd.py``, ``_merge``).
     ``"half"``: raw scores ``fp16(q k^T)`` (inf above 65504), then every stage in fp16: the naive
     fully-FP16 kernel, which returns NaN once a score overflows.
     Output in ``q.dtype``.
@@ -155,10 +137,10 @@ def flash_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
         for start, stop in _key_blocks(k.shape[2], block_n):
             s = _gemm(q_blk, kg[:, :, start:stop].transpose(-1, -2), st) * torch.tensor(scale, dtype=st)
             m_new = torch.maximum(m_i, s.amax(-1, keepdim=True))
-            p = torch.exp(s - m_new)
+            p = torch.exp(s - m_new).to(g)
             alpha = torch.exp(m_i - m_new)
             l_i = alpha * l_i + _rowsum(p, st)
-            acc = alpha * acc + _gemm(p.to(g), vg[:, :, start:stop], st)
+            acc = alpha * acc + _gemm(p, vg[:, :, start:stop], st)
             m_i = m_new
         out[:, :, rows] = (acc.float() / l_i.float()).to(q.dtype)
     return out
@@ -181,7 +163,8 @@ def pasa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     3. running pseudo-average ``avg_j = avg_{j-1} + (mu_hat_j - avg_{j-1}) / j``;
     4. global recovering: ``delta_j = gamma (mu_hat_j - avg_j)`` puts the block on the reference
        ``gamma avg_j``, ``eps_j = gamma (avg_{j-1} - avg_j)`` moves the old state there;
-    5. FlashAttention's merge on the logits ``s + delta_j`` with the old ``m`` shifted by ``eps_j``;
+    5. FlashAttention's merge on the logits ``s + delta_j`` with the old ``m`` shifted by ``eps_j``
+       (``p`` rounded to the GEMM dtype once; ``l`` sums it and ``P V`` multiplies it, as the kernel);
     6. ``out = acc / l``.
 
     The reference cancels in ``acc / l``: the result is ``softmax(scale q k^T) v`` exactly in real
@@ -192,8 +175,7 @@ def pasa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     fn = "pasa_reference"
     scale = _check_call(fn, q, k, v, scale, precision, _PASA_PRECISIONS, block_m, block_n)
     beta = DEFAULT_BETA if beta is None else beta
-    if not (isinstance(beta, (int, float)) and 0.0 < float(beta) < 1.0):
-        raise ValueError(f"{fn}: beta must lie in (0, 1), got beta={beta!r}")
+    rules.check_options(fn, precision=precision, shift=True, beta=beta)
     if precision == "fp64":
         g = st = torch.float64
     else:
@@ -232,10 +214,10 @@ def pasa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
             logits = s + delta
             m_prev = m_i + eps
             m_new = torch.maximum(m_prev, logits.amax(-1, keepdim=True))
-            p = torch.exp(logits - m_new)
+            p = torch.exp(logits - m_new).to(g)
             alpha = torch.exp(m_prev - m_new)
             l_i = alpha * l_i + _rowsum(p, st)
-            acc = alpha * acc + _gemm(p.to(g), vg[:, :, start:stop], st)
+            acc = alpha * acc + _gemm(p, vg[:, :, start:stop], st)
             m_i = m_new
         out[:, :, rows] = (acc.to(wide) / l_i.to(wide)).to(out_dtype)
     return out
@@ -308,8 +290,8 @@ def exact_shift_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
        ``s = fp16(q_s k_c^T)`` with ``q_s = round_fp16(scale q)`` (the fp16 tile holds only the
        centred part, so it cannot overflow for any bias of K);
     6. logits ``s + r_j`` in fp32 and FlashAttention's online softmax: ``m``, ``l`` in fp32,
-       ``p = exp(logits - m_new)`` in fp32 (rounded to ``g`` for ``P V`` in ``"hybrid"``, to fp16 in
-       ``"half"``), ``acc`` in fp32 (``"hybrid"``) or fp16 (``"half"``: ``alpha acc`` rounded to fp16,
+       ``p = exp(logits - m_new)`` in fp32, rounded to ``g`` in ``"hybrid"`` and to fp16 in ``"half"``
+       (``l`` sums the rounded ``p`` that multiplies V, as the kernel), ``acc`` in fp32 (``"hybrid"``) or fp16 (``"half"``: ``alpha acc`` rounded to fp16,
        then ``P V`` accumulated onto it in fp32 and rounded once to fp16), ``out = acc / l``.
 
     ``s + r_j = scale q k_j^T`` in real arithmetic, so the result is exact softmax attention; the
@@ -351,8 +333,9 @@ def exact_shift_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
                 acc = (acc.to(f32) * alpha.to(torch.float16).to(f32)).to(torch.float16)
                 acc = (acc.to(f32) + p.to(f32) @ vg[:, :, start:stop].to(f32)).to(torch.float16)
             else:
+                p = p.to(g)
                 l_i = alpha * l_i + _rowsum(p, f32)
-                acc = alpha * acc + _gemm(p.to(g), vg[:, :, start:stop], f32)
+                acc = alpha * acc + _gemm(p, vg[:, :, start:stop], f32)
             m_i = m_new
         out[:, :, rows] = (acc.to(f32) / l_i).to(q.dtype)
     return out

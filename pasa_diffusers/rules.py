@@ -25,6 +25,7 @@ __all__ = [
     "SHIFT_BLOCK",
     "DEFAULT_PRECISION",
     "DEFAULT_SHIFT",
+    "shift_mode",
     "check_options",
     "check_qkv",
     "check_kernel_tensors",
@@ -57,6 +58,15 @@ SHIFT_BLOCK = 128
 
 DEFAULT_PRECISION = "hybrid"
 DEFAULT_SHIFT: bool | str = "exact"
+
+
+def shift_mode(shift: bool | str) -> str:
+    """The name of a ``shift`` value: ``"exact"``, ``"pasa"`` (``True``) or ``"none"`` (``False``)."""
+    if shift is True:
+        return "pasa"
+    if shift is False:
+        return "none"
+    return "exact"
 
 
 def _is_real(x: Any) -> bool:

@@ -216,15 +216,40 @@ def test_prepass_shift_equals_fused_shift(precision, gen):
     assert torch.equal(fused, prepass)
 
 
-def test_through_pasa_attention(monkeypatch, gen):
-    """``ops.pasa_attention`` on CPU tensors with TRITON_INTERPRET=1 runs this kernel (bnhd layout)."""
+@pytest.mark.parametrize("shape", [(3, 2, 2, 25, 25, 64), (2, 2, 1, 70, 32, 80), (1, 1, 1, 128, 128, 64)],
+                         ids=["temporal-25,ragged", "gqa,nk=32,d80", "nk=128"])
+@pytest.mark.parametrize("precision", ["half", "hybrid"])
+def test_exact_centring_in_the_loop_equals_the_prepass(precision, shape, gen):
+    """All keys in one block: the kernel centres its key tile itself (``shift_k="fused"``, what "auto"
+    picks) with the pre-pass's ``centre_tile``: the same centres, the same bits."""
+    q, k, v = _biased_inputs(shape, gen, bias=20.0)
+    fused = _kernel(q, k, v, "exact", precision, shift_k="fused")
+    prepass = _kernel(q, k, v, "exact", precision, shift_k="prepass")
+    assert torch.isfinite(fused).all()
+    assert torch.equal(fused, prepass)
+    _assert_within_bound(fused, _reference(q, k, v, "exact", precision), golden_attention(q, k, v), "exact",
+                         precision)
+
+
+def test_exact_centring_in_the_loop_needs_one_block(gen):
+    q, k, v = _biased_inputs((1, 1, 1, 16, 130, 32), gen)
+    with pytest.raises(ValueError, match="shift_k='fused' centres keys inside the loop only when all 130 keys"):
+        _kernel(q, k, v, "exact", "hybrid", shift_k="fused")
+
+
+@pytest.mark.parametrize("options,kind,precision", [({}, "exact", "hybrid"), ({"precision": "half", "shift": True},
+                                                                                 "pasa", "half")],
+                         ids=["default", "paper-half"])
+def test_through_pasa_attention(monkeypatch, gen, options, kind, precision):
+    """``ops.pasa_attention`` on CPU tensors with TRITON_INTERPRET=1 runs this kernel (bnhd layout); its
+    default is the exact shift in hybrid."""
     from pasa_diffusers.ops import pasa_attention
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     b, hq, hk, n, d = 1, 4, 2, 90, 64
     q, k, v = (t.transpose(1, 2).contiguous() for t in _biased_inputs((b, hq, hk, n, n, d), gen))
-    out = pasa_attention(q, k, v, precision="half", layout="bnhd")
-    direct = _kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), "pasa", "half")
+    out = pasa_attention(q, k, v, layout="bnhd", **options)
+    direct = _kernel(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), kind, precision)
     assert out.shape == (b, n, hq, d)
     assert torch.equal(out.transpose(1, 2), direct)
 
@@ -235,12 +260,12 @@ def test_rejects_what_it_cannot_run(gen):
     strided = torch.randn(1, 2, 16, 64, generator=gen).half()[..., ::2]
     with pytest.raises(ValueError, match="unit stride in the head dim"):
         pasa_forward(strided, k, v, out, scale=0.2, precision="half", shift=True, beta=0.9)
-    with pytest.raises(ValueError, match="precision='half' needs float16"):
+    with pytest.raises(ValueError, match="dtype torch.bfloat16 is not supported for precision='half'"):
         pasa_forward(q.bfloat16(), k.bfloat16(), v.bfloat16(), out.bfloat16(), scale=0.2, precision="half",
                      shift=True, beta=0.9)
     with pytest.raises(ValueError, match="unknown precision"):
         pasa_forward(q, k, v, out, scale=0.2, precision="fp8", shift=True, beta=0.9)
-    with pytest.raises(ValueError, match="shift must be True, False or 'exact'"):
+    with pytest.raises(ValueError, match="unknown shift='mean'"):
         pasa_forward(q, k, v, out, scale=0.2, precision="half", shift="mean", beta=0.9)
     with pytest.raises(ValueError, match="multiple of k/v heads"):
         pasa_forward(q, k[:, :1].expand(1, 3, 16, 32), v[:, :1].expand(1, 3, 16, 32), out, scale=0.2,

@@ -1,6 +1,6 @@
 """PASA's key shift as a pre-pass: ``k_shift = fp(scale M_j) k_j`` once per (batch, kv head, key block).
 
-The fused kernel (``pasa_fwd.py``, ``SHIFT_IN_LOOP=True``) recomputes the shift of every key tile for
+The fused kernel (``pasa_fwd.py``, ``SHIFT="pasa"``, ``SHIFT_IN_LOOP=True``) recomputes the shift of every key tile for
 every query block; this pre-pass computes it once into a ``(B, Hk, Nk, D)`` buffer that the main
 kernel then reads as its keys (``SHIFT_IN_LOOP=False``).
 """
@@ -9,18 +9,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["shift_k_kernel", "round_to"]
+from .common import round_to
 
-
-@triton.jit
-def round_to(x, dtype: tl.constexpr, INTERPRET_BF16: tl.constexpr):
-    """``x`` (fp32) rounded to nearest-even in ``dtype``.  ``INTERPRET_BF16`` rounds the fp32 bits by
-    hand first, because the interpreter truncates fp32 -> bf16 (the GPU rounds to nearest even)."""
-    if INTERPRET_BF16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-        x = bits.to(tl.float32, bitcast=True)
-    return x.to(dtype)
+__all__ = ["shift_k_kernel"]
 
 
 @triton.jit(do_not_specialize=["N_K"])

@@ -1,0 +1,79 @@
+"""Triton helpers shared by the kernels: rounding, the tensor-core product, the exact centre of a key tile.
+
+Every helper is ``@triton.jit`` and inlined into its caller; none launches anything.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["LOG2E", "round_to", "mma", "binade", "centre_tile"]
+
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def round_to(x, dtype: tl.constexpr, INTERPRET_BF16: tl.constexpr):
+    """``x`` (fp32) rounded to nearest-even in ``dtype``.  ``INTERPRET_BF16`` rounds the fp32 bits by
+    hand first, because the interpreter truncates fp32 -> bf16 (the GPU rounds to nearest even)."""
+    if INTERPRET_BF16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def mma(a, b, acc, INTERPRET_BF16: tl.constexpr):
+    """``acc + a @ b`` with fp32 accumulation.  ``INTERPRET_BF16`` multiplies fp32 copies of the
+    operands (exact products of bf16 values: the same result up to summation order), because the
+    interpreter's numpy dot cannot multiply bf16."""
+    if INTERPRET_BF16:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def binade(x):
+    """``2^e`` with ``2^e <= |x| < 2^(e+1)`` for normal fp32 ``x``: the exponent bits alone."""
+    return (x.to(tl.uint32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def centre_tile(k32, n_valid, n_j, G_ULP, g_ty: tl.constexpr, EXACT_CENTRE: tl.constexpr,
+                INTERPRET_BF16: tl.constexpr):
+    """The exact shift's centre ``c`` (BLOCK_D,) fp32 of one key tile ``k32`` (BLOCK_N, BLOCK_D) fp32
+    holding ``g`` values, rows past the ``n_j`` valid ones (``n_valid`` false) loaded as zero.
+
+        mean = colsum(k32) / n_j
+        c    = round_g(mean)                      (EXACT_CENTRE=False: "half")
+        c    = exact_centre(k32)                  (EXACT_CENTRE=True: "hybrid")
+
+    ``exact_centre`` (``reference.exact_centre``): in a channel of positive keys with smallest ``a``
+    (``2^e <= a < 2^(e+1)``) and largest ``b``, ``c = round_g(clamp(mean, b / 2, a + 2^(e+1)))`` (one
+    ``g`` ulp, ``G_ULP`` times its binade, lower where rounding crossed the upper end) makes every
+    ``k - c`` exact in ``g``; negative channels are mirrored; a channel whose keys change sign, or
+    where the check ``round_g(k - c) == k - c`` fails for any key, gets ``c = 0``.
+    """
+    mean = tl.sum(k32, axis=0) / n_j
+    if EXACT_CENTRE:
+        lo_key = tl.min(tl.where(n_valid[:, None], k32, float("inf")), axis=0)
+        hi_key = tl.max(tl.where(n_valid[:, None], k32, float("-inf")), axis=0)
+        positive = lo_key > 0.0
+        negative = hi_key < 0.0
+        sign = tl.where(negative, -1.0, 1.0)
+        nearest = tl.where(positive, lo_key, -hi_key)
+        farthest = tl.where(positive, hi_key, -lo_key)
+        upper = nearest + 2.0 * binade(nearest)
+        c_mag = round_to(tl.minimum(tl.maximum(sign * mean, 0.5 * farthest), upper), g_ty, INTERPRET_BF16)
+        c_mag = c_mag.to(tl.float32)
+        c_mag = tl.where(c_mag > upper, c_mag - binade(c_mag) * G_ULP, c_mag)
+        c = sign * c_mag
+        diff = k32 - c[None, :]
+        exact = (round_to(diff, g_ty, INTERPRET_BF16).to(tl.float32) == diff) | (n_valid[:, None] == 0)
+        all_exact = tl.min(exact.to(tl.int32), axis=0) > 0
+        c = tl.where((positive | negative) & all_exact, c, 0.0)
+    else:
+        c = round_to(mean, g_ty, INTERPRET_BF16).to(tl.float32)
+    return c

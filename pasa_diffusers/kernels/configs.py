@@ -1,0 +1,93 @@
+"""Launch configurations of the attention kernel: autotune pools, their pruning and the tuned-result cache.
+
+PASA's and the exact shift's ``BLOCK_N`` is not tuned: it is the shift block (``rules.SHIFT_BLOCK``),
+which changes the result (and the beta fixed point is solved for n = 128); the autotuner picks
+``BLOCK_M``, warps and stages.  Plain FlashAttention also tunes ``BLOCK_N``.  Configs whose tiles do
+not fit the 227 KB of shared memory of an sm_90 SM are pruned before compiling (head dims above
+128); the single-stage fallbacks serve head dim 256.  "short" configs serve at most 32 query rows
+(SVD's temporal attention, N = 14 or 25), where 128-row tiles would be mostly padding.
+
+Tuned on the H200 (triton 3.6, fp16, head dim 64; bench/bench_attention.py, 2026-11-29), winners:
+  spatial (2F, 5, 9216) and (2F, 10, 2304): PASA and exact BLOCK_M 64 / 4 warps / 3 stages; plain FA
+    BLOCK_M 128 (half) or 64-128 (hybrid), BLOCK_N 64, 4 warps, 3 stages;
+  spatial 576 and 144 tokens: BLOCK_M 64 (BLOCK_N 64 for FA), 4 warps, 3 stages;
+  temporal (F = 14, 25 frames): FA BLOCK_M 16 / 32 with BLOCK_N 32; PASA BLOCK_M 64 (half) or 16-64
+    (hybrid), 2 stages;  the paper's (1, 28, 1407, 128): BLOCK_M 128, 8 warps, 3 stages.
+
+Autotuning results persist across processes (``cache_results=True``): Triton stores each tuning
+key's timings in its cache directory (``TRITON_CACHE_DIR``, default ``~/.triton/cache``), keyed by
+the Triton version, the GPU target (e.g. ``cuda:90``), the kernel source, the key and the config
+pool, so a process that meets a shape bucket another process already tuned on this machine loads
+the winner instead of benchmarking every config again.
+"""
+from __future__ import annotations
+
+import triton
+
+__all__ = ["AUTOTUNE_KEY", "INTERPRET_CONFIG", "SMEM_LIMIT", "autotuned", "bucket", "pow2_tile"]
+
+SMEM_LIMIT = 232448
+"""Bytes of shared memory one block may use on sm_90."""
+
+AUTOTUNE_KEY = ["HEAD_DIM", "NQ_BUCKET", "NK_BUCKET", "HALF_STATE", "SHIFT", "SHIFT_IN_LOOP", "ONE_BLOCK", "BLOCK_N"]
+"""The kernel arguments a tuned config is chosen by (plain FA tunes BLOCK_N, so it drops the last one)."""
+
+INTERPRET_CONFIG = {"BLOCK_M": 64, "num_warps": 4, "num_stages": 1}
+"""The interpreter's fixed configuration (plus BLOCK_N: the shift block, or 64 for plain FA)."""
+
+
+def _configs(entries, with_block_n: bool) -> list[triton.Config]:
+    if with_block_n:
+        return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in entries]
+    return [triton.Config({"BLOCK_M": bm}, num_warps=w, num_stages=s) for bm, w, s in entries]
+
+
+# (BLOCK_M, [BLOCK_N,] num_warps, num_stages) per pool: "long" query sequences, "short" ones (at most
+# 32 rows), "fallback" for head dim 256, whose tiles fit shared memory only single-stage.
+_SHIFT_CONFIGS = {
+    "long": _configs([(128, 8, 3), (128, 8, 2), (64, 4, 3)], False),
+    "short": _configs([(32, 4, 2), (16, 4, 2), (64, 4, 2)], False),
+    "fallback": _configs([(64, 4, 1), (64, 8, 1)], False),
+}
+_FLASH_CONFIGS = {
+    "long": _configs([(128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3)], True),
+    "short": _configs([(32, 32, 4, 2), (16, 32, 4, 2), (64, 64, 4, 2)], True),
+    "fallback": _configs([(64, 64, 4, 2), (64, 64, 8, 2)], True),
+}
+
+
+def _smem_bytes(cfg: triton.Config, block_n: int, block_d: int) -> int:
+    """Shared memory of a config as Triton 3.x lays it out on sm_90: q once, k and v per stage."""
+    bn = cfg.kwargs.get("BLOCK_N", block_n)
+    return 2 * block_d * (cfg.kwargs["BLOCK_M"] + 2 * bn * cfg.num_stages)
+
+
+def _prune(configs, named_args, **kwargs):
+    """The short- or long-query configs that fit shared memory; the single-stage fallbacks if none."""
+    table = _FLASH_CONFIGS if "BLOCK_N" in configs[0].kwargs else _SHIFT_CONFIGS
+    block_d, block_n = kwargs["BLOCK_D"], kwargs.get("BLOCK_N", 64)
+    pool = table["short"] if named_args["NQ_BUCKET"] <= 32 else table["long"]
+    fitting = [c for c in pool if _smem_bytes(c, block_n, block_d) <= SMEM_LIMIT]
+    if fitting:
+        return fitting
+    return [c for c in table["fallback"] if _smem_bytes(c, block_n, block_d) <= SMEM_LIMIT] or table["fallback"][:1]
+
+
+def autotuned(kernel, *, tune_block_n: bool):
+    """``kernel`` under Triton's autotuner: the shift variants' pool (``tune_block_n=False``) or plain
+    FlashAttention's, which also tunes ``BLOCK_N``; results cached on disk across processes."""
+    table = _FLASH_CONFIGS if tune_block_n else _SHIFT_CONFIGS
+    pool = [c for cs in table.values() for c in cs]
+    key = AUTOTUNE_KEY[:-1] if tune_block_n else AUTOTUNE_KEY
+    return triton.autotune(pool, key=key, prune_configs_by={"early_config_prune": _prune},
+                           cache_results=True)(kernel)
+
+
+def pow2_tile(n: int) -> int:
+    """The smallest power of two >= max(n, 16): a tile extent that covers n."""
+    return max(16, triton.next_power_of_2(n))
+
+
+def bucket(n: int) -> int:
+    """Autotune bucket of a sequence length: a power of two in [16, 16384]."""
+    return min(max(16, triton.next_power_of_2(n)), 16384)
