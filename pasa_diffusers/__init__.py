@@ -1,8 +1,8 @@
 """pasa-diffusers: overflow-free FP16 attention (PASA) for video diffusion.
 
 The public API is imported on first use (PEP 562), so that ``import pasa_diffusers`` and the ``pasa``
-command line start without importing torch or diffusers.  Subpackages: ``pasa_diffusers.pipelines``
-(SVD loading, generation, comparison) and ``pasa_diffusers.metrics`` (frame quality and reports).
+command line start without importing torch or diffusers.  Subpackages: ``.pipelines``
+(SVD loading, generation, comparison) and ``.metrics`` (frame quality and reports).
 """
 from __future__ import annotations
 

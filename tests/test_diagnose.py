@@ -17,10 +17,12 @@ import torch
 
 from pasa_diffusers import install as I
 from pasa_diffusers import processors as P
-from pasa_diffusers.diagnose import (DiagnosticAttnProcessor, diagnose, ranked, risk_table, short_path,
-                                     write_diagnosis)
-from pasa_diffusers.diagnose_stats import FP16_MAX, call_stats
+from pasa_diffusers.diagnose.aggregate import short_path
+from pasa_diffusers.diagnose.collect import DiagnosticAttnProcessor
+from pasa_diffusers.diagnose.render import ranked, risk_table, write_diagnosis
+from pasa_diffusers.diagnose.stats import FP16_MAX, call_stats
 from pasa_diffusers.pipelines.compare import run_comparison
+from pasa_diffusers.pipelines.diagnose import diagnose
 from pasa_diffusers.pipelines.resonant import (PLANTED_LAYERS, bias_amplitude, build_tiny_resonant, phase_pattern)
 from pasa_diffusers.pipelines.svd import generate, load_image, load_svd
 
@@ -249,9 +251,12 @@ def test_reports(resonant_run, tmp_path):
     for key in ("heatmap", "bias_resonance"):
         data = paths[key].read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and 5_000 < len(data) < 400_000
-    broken = {**result, "layers": [{**result["layers"][0], "max_abs_qk": float("nan")}] + result["layers"][1:]}
+    broken = {**result, "layers": [{**result["layers"][0], "max_abs_qk": float("nan"),
+                                    "max_abs_score": -float("inf"), "max_abs_shifted": float("inf")}]
+              + result["layers"][1:]}
     loaded = json.loads(write_diagnosis(broken, tmp_path / "nan")["json"].read_text(), parse_constant=strict)
     assert loaded["layers"][0]["max_abs_qk"] is None
+    assert (loaded["layers"][0]["max_abs_score"], loaded["layers"][0]["max_abs_shifted"]) == ("-inf", "inf")
     top = ranked(result)[0]
     for use_rich in (False, True) if importlib.util.find_spec("rich") else (False,):
         table = risk_table(result, use_rich=use_rich)

@@ -1,0 +1,48 @@
+"""Overflow diagnosis of FP16 attention in any diffusers model: which layers overflow, and why.
+
+One job per module, in the order the data flows:
+
+- ``stats.py``: ``call_stats``, the statistics of one attention call (float32, blockwise, never N x N);
+- ``collect.py``: ``DiagnosticAttnProcessor`` records them on every call; ``recording(model)`` installs
+  one per attention module and restores the previous processors;
+- ``aggregate.py``: per layer, the calls summarised (maxima, per-head means, per-step series, names);
+- ``rules.py``: the risk and cause of an aggregated layer;
+- ``render.py``: the risk table and ``write_diagnosis`` (``diagnosis.json`` and, from ``plots.py``, the
+  heatmap and the bias/resonance figure).
+
+Running a whole generation under the diagnosis (the pipeline, its step callback, the timing of a
+plain run) is the application's: ``diagnose`` in ``pipelines/diagnose.py``.  The names below are
+imported on first use (PEP 562), so ``import pasa_diffusers.diagnose.stats`` stays light.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_HOMES = {
+    "call_stats": ".stats", "FP16_MAX": ".stats",
+    "BLOCK_N": ".collect", "StepClock": ".collect", "DiagnosticAttnProcessor": ".collect", "recording": ".collect",
+    "aggregate_layer": ".aggregate", "summarize": ".aggregate", "short_path": ".aggregate",
+    "RISK_RULE": ".rules", "CAUSE_RULE": ".rules", "judge": ".rules", "layer_cause": ".rules",
+    "ranked": ".render", "risk_table": ".render", "write_diagnosis": ".render",
+}
+__all__ = list(_HOMES)
+
+if TYPE_CHECKING:
+    from .aggregate import aggregate_layer, short_path, summarize
+    from .collect import BLOCK_N, DiagnosticAttnProcessor, StepClock, recording
+    from .render import ranked, risk_table, write_diagnosis
+    from .rules import CAUSE_RULE, RISK_RULE, judge, layer_cause
+    from .stats import FP16_MAX, call_stats
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'pasa_diffusers.diagnose' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

@@ -1,0 +1,99 @@
+"""Per layer: the recorded calls of one processor summarised into one entry, named and placed.
+
+Maxima and ``overflow_count`` are taken over all calls, per-head statistics averaged over calls
+(skipping ``None``), ``per_step_*`` over the calls of each step; ``rules.judge`` then adds the risk and
+the cause.  ``summarize`` does this for every processor of a run, in the order the layers first ran.
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from ..install import module_kind
+from .rules import judge
+
+__all__ = ["aggregate_layer", "summarize", "short_path"]
+
+_PER_HEAD = ("bias_q", "bias_k", "amplitude_q", "amplitude_k", "resonance_cos", "sign_agreement",
+             "mean_norm_q", "mean_norm_k")
+
+
+def _head_mean(values: list[list[float | None]]) -> list[float | None]:
+    """Per head, the mean over calls of the values that are not ``None`` (``None`` where all are)."""
+    out = []
+    for column in zip(*values):
+        kept = [v for v in column if v is not None]
+        out.append(sum(kept) / len(kept) if kept else None)
+    return out
+
+
+def _block(path: str) -> str:
+    match = re.match(r"(down_blocks\.\d+|up_blocks\.\d+|mid_block)", path)
+    return match.group(1) if match else path.split(".", 1)[0]
+
+
+def _transformer(path: str) -> str:
+    return re.split(r"\.(?:temporal_)?transformer_blocks\.", path, maxsplit=1)[0]
+
+
+def short_path(path: str) -> str:
+    """``down_blocks.0.attentions.1.temporal_transformer_blocks.0.attn1`` -> ``down0.1.temporal.attn1``."""
+    s = re.sub(r"\b(down|up)_blocks\.(\d+)", r"\1\2", path)
+    s = s.replace("mid_block", "mid").replace(".attentions.", ".")
+    s = re.sub(r"temporal_transformer_blocks\.(\d+)", lambda m: "temporal" + ("" if m[1] == "0" else m[1]), s)
+    return re.sub(r"(?<!temporal_)transformer_blocks\.(\d+)", lambda m: "spatial" + ("" if m[1] == "0" else m[1]), s)
+
+
+def aggregate_layer(path: str, records: list[dict[str, Any]], num_steps: int) -> dict[str, Any]:
+    """One layer's entry of a diagnosis from its processor's ``records`` (see the module docstring).
+
+    ``level`` is left ``None`` here (``summarize`` fills in the spatial token count of the layer's
+    transformer).
+    """
+    layer: dict[str, Any] = {"path": path, "short": short_path(path), "kind": module_kind(path),
+                             "block": _block(path), "level": None, "calls": len(records)}
+    if not records:
+        layer.update(heads=None, head_dim=None, shape_q=None, shape_k=None, max_abs_qk=0.0, max_abs_score=0.0,
+                     overflow_count=0, max_abs_shifted=0.0, nonfinite_calls=0, **dict.fromkeys(_PER_HEAD),
+                     per_step_max_abs_qk=[None] * num_steps, per_step_overflow_count=[None] * num_steps)
+        return judge(layer)
+    first = records[0]
+    layer.update(heads=first["shape_q"][1], head_dim=first["shape_q"][3], shape_q=first["shape_q"],
+                 shape_k=first["shape_k"])
+    layer["max_abs_qk"] = max(r["max_abs_qk"] for r in records)
+    layer["max_abs_score"] = max(r["max_abs_score"] for r in records)
+    layer["overflow_count"] = sum(r["overflow_count"] for r in records)
+    layer["max_abs_shifted"] = max(r["max_abs_shifted"] for r in records)
+    layer["nonfinite_calls"] = sum(not r["finite_inputs"] for r in records)
+    for name in _PER_HEAD:
+        layer[name] = _head_mean([r[name] for r in records])
+    steps = max(num_steps, 1 + max(r["step"] for r in records))
+    per_max: list[float | None] = [None] * steps
+    per_count: list[int | None] = [None] * steps
+    for r in records:
+        s = r["step"]
+        per_max[s] = max(per_max[s] or 0.0, r["max_abs_qk"])
+        per_count[s] = (per_count[s] or 0) + r["overflow_count"]
+    layer["per_step_max_abs_qk"] = per_max
+    layer["per_step_overflow_count"] = per_count
+    return judge(layer)
+
+
+def _fill_levels(layers: list[dict[str, Any]]) -> None:
+    """``level`` = token count of the spatial attention in the layer's transformer (None if there is none)."""
+    tokens = {}
+    for layer in layers:
+        if layer["kind"].startswith("spatial") and layer["shape_q"] is not None:
+            tokens[_transformer(layer["path"])] = layer["shape_q"][2]
+    for layer in layers:
+        layer["level"] = tokens.get(_transformer(layer["path"]))
+
+
+def summarize(processors: list[Any], num_steps: int) -> list[dict[str, Any]]:
+    """The layers of a run from its ``DiagnosticAttnProcessor`` s (``collect.recording``): one
+    ``aggregate_layer`` entry each, in the order they first ran (never-called ones last), with ``level``."""
+    ordered = sorted(processors, key=lambda p: p.records[0]["order"] if p.records else math.inf)
+    layers = [aggregate_layer(p.name, p.records, num_steps) for p in ordered]
+    _fill_levels(layers)
+    return layers
