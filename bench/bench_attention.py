@@ -120,17 +120,19 @@ def methods(s: Shape):
             ("ours pasa-half", op("half", True), "ours"), ("ours pasa-hybrid", op("hybrid", True), "ours"),
             ("ours exact-half", op("half", "exact"), "ours"), ("ours exact-hybrid", op("hybrid", "exact"), "ours")]
 
-    def wrapper(precision, shift_k, **kw):
+    def wrapper(precision, shift, shift_k):
         def run(q, k, v):
             out = torch.empty_like(q)  # keeps q's (B, N, H, D) memory layout, as the op's output
             return pasa_fwd.pasa_forward(q, k, v, out, scale=1.0 / math.sqrt(q.shape[-1]), precision=precision,
-                                         shift=True, beta=DEFAULT_BETA, shift_k=shift_k, **kw)
+                                         shift=shift, beta=DEFAULT_BETA, shift_k=shift_k)
         return run
 
     for precision in ("half", "hybrid"):
         for mode in ("fused", "prepass"):
-            out.append((f"ours pasa-{precision} [{mode}]", wrapper(precision, mode), "ablation"))
-    out.append(("ours pasa-half [ex2.f16x2]", wrapper("half", "auto", exp2_f16x2=True), "ablation"))
+            out.append((f"ours pasa-{precision} [{mode}]", wrapper(precision, True, mode), "ablation"))
+    if s.n <= 128:  # one key block: the exact shift centres in the loop ("auto") or by its pre-pass
+        for precision in ("half", "hybrid"):
+            out.append((f"ours exact-{precision} [prepass]", wrapper(precision, "exact", "prepass"), "ablation"))
 
     try:
         from sageattention import sageattn
@@ -145,7 +147,7 @@ def methods(s: Shape):
 def _tuned_config(name: str) -> str:
     if not name.startswith("ours") or pasa_fwd.INTERPRET:
         return ""
-    tuner = pasa_fwd._flash_fwd_tuned if "fa-" in name else pasa_fwd._pasa_fwd_tuned
+    tuner = pasa_fwd._flash_fwd_tuned if "fa-" in name else pasa_fwd._shift_fwd_tuned
     cfg = getattr(tuner, "best_config", None)
     return "" if cfg is None else str(cfg)
 
@@ -206,9 +208,10 @@ def markdown(rows: list[Row], env: dict, command: str) -> str:
 SUMMARY_COLUMNS = [("sdpa-flash", "SDPA flash"), ("sdpa-cudnn", "SDPA cuDNN"), ("sdpa-efficient", "SDPA eff."),
                    ("ours fa-half", "FA half"), ("ours fa-hybrid", "FA hybrid"), ("ours pasa-half", "PASA half"),
                    ("ours pasa-hybrid", "PASA hybrid"), ("ours exact-half", "exact half"),
-                   ("ours exact-hybrid", "exact hybrid"), ("ours pasa-half [fused]", "PASA half, fused shift"),
-                   ("ours pasa-half [prepass]", "PASA half, pre-pass"),
-                   ("ours pasa-half [ex2.f16x2]", "PASA half, f16x2 exp"), ("sageattn", "SageAttn")]
+                   ("ours exact-hybrid", "exact hybrid (default)"),
+                   ("ours exact-hybrid [prepass]", "exact hybrid, pre-pass"),
+                   ("ours pasa-half [fused]", "PASA half, fused shift"),
+                   ("ours pasa-half [prepass]", "PASA half, pre-pass"), ("sageattn", "SageAttn")]
 
 
 def summary(rows: list[dict]) -> str:

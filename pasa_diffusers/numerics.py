@@ -18,10 +18,17 @@ from typing import Callable, Iterable
 import torch
 
 from . import reference
+from .beta import shift_entries
 
 __all__ = [
     "paper_inputs",
     "resonance_inputs",
+    "input_classes",
+    "INPUT_CLASSES",
+    "max_score",
+    "pasa_half_overflow_margin",
+    "exact_half_overflow_margin",
+    "FP16_MAX",
     "rmse",
     "rel_rmse",
     "rel_rmse_v",
@@ -50,6 +57,8 @@ PAPER_SHAPE = (1, 28, 4, 1407, 128)
 QUICK_SHAPE = (1, 4, 1, 391, 128)
 """The ``--quick`` shape: the paper's head dim and a ragged tail (391 = 3 * 128 + 7), 4 query heads."""
 PAPER_SEED = 2024724
+FP16_MAX = 65504.0
+"""The largest finite fp16 value."""
 
 
 def _generator(seed: int) -> torch.Generator:
@@ -129,6 +138,108 @@ def resonance_inputs(shape: tuple[int, ...] = (1, 4, 4, 512, 64), *, phase: str 
     k = w_k[None, :, None, :] + ramp + amplitude * torch.randn((b, hk, n, d), generator=gen, dtype=torch.float64)
     v = torch.randn((b, hk, n, d), generator=gen, dtype=torch.float64)
     return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+INPUT_CLASSES = ("benign", "uniform(30,0.5)", "uniform(80,5)", "drift(0->40)", "jump aligned", "jump misaligned",
+                 "sign change in block", "far key", "FA3 outliers", "resonance in")
+"""Input classes a real checkpoint can produce (``input_classes``), each with V ~ N(0, 1)."""
+
+
+def input_classes(shape: tuple[int, ...], *, seed: int = 0, dtype: torch.dtype = torch.float16,
+                  block_n: int = 128) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Named ``(q, k, v)`` cases, ``(B, H, N, D)`` on the CPU in ``dtype``, V ~ N(0, 1) (zero mean: errors
+    in the attention weights are not hidden by V's mean).  ``block_n`` is the shift block the jumps
+    refer to.
+
+    - ``"benign"``: q, k ~ N(0, 1);
+    - ``"uniform(30,0.5)"``, ``"uniform(80,5)"``: a large common bias (the paper's overflow cells);
+    - ``"drift(0->40)"``: q, k biased 20 plus a bias drifting 0 -> 40 along the sequence;
+    - ``"jump aligned"``: q ~ N(2, 1); k ~ N(0, 1) plus a per-channel bias of +-(20..40) that jumps at
+      every key-block boundary (each block has its own mean);
+    - ``"jump misaligned"``: the same jumps half a block later (every block holds two biases);
+    - ``"sign change in block"``: keys of magnitude 20-40 whose sign flips from token to token in
+      every channel (no centre makes a channel small), q ~ N(2, 1);
+    - ``"far key"``: q ~ N(1, 1), k ~ N(0, 1) with one key at 30000 in every channel (its scaled
+      scores far above 65504);
+    - ``"FA3 outliers"``: FlashAttention-3's model, N(30, 1) with 0.1 % outliers of N(0, 10^2) added;
+    - ``"resonance in"``: q, k means aligned along the head dimension (``resonance_inputs``, bias 50).
+    """
+    b, hq, hk, n, d = _check_shape(shape)
+    gen = _generator(seed)
+    f64 = torch.float64
+
+    def normal(heads: int, mean: float = 0.0) -> torch.Tensor:
+        return mean + torch.randn((b, heads, n, d), generator=gen, dtype=f64)
+
+    def jumps(offset: int) -> torch.Tensor:
+        n_blocks = (n + offset) // block_n + 1
+        size = (b, hk, n_blocks, d)
+        sign = torch.where(torch.rand(size, generator=gen, dtype=f64) < 0.5, -1.0, 1.0)
+        bias = sign * (20.0 + 20.0 * torch.rand(size, generator=gen, dtype=f64))
+        block = (torch.arange(n) + offset) // block_n
+        return bias[:, :, block, :]
+
+    v = normal(hk)
+    cases = {
+        "benign": (normal(hq), normal(hk)),
+        "uniform(30,0.5)": paper_inputs("uniform", 30.0, 0.5, shape, seed, f64, v_mean=0.0)[:2],
+        "uniform(80,5)": paper_inputs("uniform", 80.0, 5.0, shape, seed, f64, v_mean=0.0)[:2],
+        "drift(0->40)": resonance_inputs(shape, phase="random", bias=20.0, drift=40.0, seed=seed, dtype=f64)[:2],
+        "jump aligned": (normal(hq, 2.0), normal(hk) + jumps(0)),
+        "jump misaligned": (normal(hq, 2.0), normal(hk) + jumps(block_n // 2)),
+        "sign change in block": (normal(hq, 2.0), torch.where(torch.rand((b, hk, n, d), generator=gen) < 0.5, -1.0, 1.0)
+                                 * (20.0 + 20.0 * torch.rand((b, hk, n, d), generator=gen, dtype=f64))),
+        "far key": (normal(hq, 1.0), normal(hk).index_fill_(2, torch.tensor([n // 3]), 30000.0)),
+        "FA3 outliers": paper_inputs("hybrid", 30.0, 10.0, shape, seed, f64, v_mean=0.0)[:2],
+        "resonance in": resonance_inputs(shape, phase="in", bias=50.0, seed=seed, dtype=f64)[:2],
+    }
+    return {name: (q.to(dtype), k.to(dtype), v.to(dtype)) for name, (q, k) in cases.items()}
+
+
+def max_score(q: torch.Tensor, k: torch.Tensor) -> float:
+    """``max |q . k|`` over all query and key rows (raw, unscaled), in float64: above 65504 naive
+    fully-FP16 attention overflows."""
+    group = q.shape[1] // k.shape[1]
+    k64 = k.double().repeat_interleave(group, dim=1)
+    return float((q.double() @ k64.transpose(-1, -2)).abs().max())
+
+
+def pasa_half_overflow_margin(q: torch.Tensor, k: torch.Tensor, *, beta: float, scale: float | None = None,
+                              block_n: int = 128) -> float:
+    """``max |q . k_shift| / 65504`` for the paper's fully-FP16 PASA, with ``k_shift = fp16(scale M_j) k_j``
+    per key block as the kernel and ``reference.pasa_reference`` form it (stored entries from ``beta.py``).
+
+    Above 1 the fp16 score tile overflows and PASA half returns non-finite rows: its documented
+    condition.  The shift removes the block's (pseudo-)mean key, so this is large where one key lies far
+    from its block's mean (``"far key"``), not where all keys share a bias.
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    group = q.shape[1] // k.shape[1]
+    worst = 0.0
+    for start in range(0, k.shape[2], block_n):
+        k_blk = k[:, :, start:start + block_n].double()
+        diag, off = shift_entries(beta, k_blk.shape[2], torch.float16, scale)
+        k_shift = ((diag - off) * k_blk + off * k_blk.sum(-2, keepdim=True)).to(torch.float16).double()
+        s = q.double() @ k_shift.repeat_interleave(group, dim=1).transpose(-1, -2)
+        worst = max(worst, float(s.abs().max()))
+    return worst / FP16_MAX
+
+
+def exact_half_overflow_margin(q: torch.Tensor, k: torch.Tensor, *, scale: float | None = None,
+                               block_n: int = 128) -> float:
+    """``max |q_s . k_c| / 65504`` for the exact shift in half: ``q_s = fp16(scale q)``, ``k_c = fp16(k -
+    fp16(block mean))`` as the kernel and ``reference.exact_shift_reference`` form them.  Above 1 its
+    fp16 score tile overflows (one key far from its block's mean), as PASA half's does."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    group = q.shape[1] // k.shape[1]
+    q_s = (q.float() * scale).half().double()
+    worst = 0.0
+    for start in range(0, k.shape[2], block_n):
+        k_blk = k[:, :, start:start + block_n].float()
+        k_c = (k_blk - k_blk.mean(-2, keepdim=True).half().float()).half().double()
+        s = q_s @ k_c.repeat_interleave(group, dim=1).transpose(-1, -2)
+        worst = max(worst, float(s.abs().max()))
+    return worst / FP16_MAX
 
 
 def rmse(out: torch.Tensor, gold: torch.Tensor) -> float:

@@ -156,7 +156,8 @@ def pasa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
 
     1. ``k_shift = fp(scale M_j) k_j`` with ``M_j = I - (beta/n_j) 11^T``, i.e. ``a k_j - c colsum(k_j)``
        from the stored entries (``beta.shift_entries``), rounded to the GEMM dtype;
-    2. ``s = q k_shift^T`` (rounded to the GEMM dtype), ``mu_j = rowmean(s)``; the removed
+    2. ``s = q k_shift^T`` (rounded to the state's dtype: fp16 in half, fp32 in hybrid),
+       ``mu_j = rowmean(s)``; the removed
        pseudo-average is ``gamma_j mu_j`` with ``gamma_j`` computed from the stored entries
        (``beta.gamma``); the tail's mean is rescaled, ``mu_hat_j = (gamma_j / gamma) mu_j``, so all
        blocks share the full block's ``gamma``;
@@ -169,7 +170,9 @@ def pasa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
 
     The reference cancels in ``acc / l``: the result is ``softmax(scale q k^T) v`` exactly in real
     arithmetic for any beta in (0, 1).  Precisions: ``"half"`` (entries, scores and every state in
-    fp16), ``"hybrid"`` (fp16 entries and scores, fp32 state and accumulator), ``"fp64"`` (no rounding
+    fp16), ``"hybrid"`` (entries and shifted keys in the GEMM dtype, fp32 scores, state and
+    accumulator; the paper rounds the scores to fp16 here too, which overflows where one key lies
+    far from its block's mean), ``"fp64"`` (no rounding
     anywhere; returns float64).  ``beta=None`` uses ``DEFAULT_BETA``.
     """
     fn = "pasa_reference"
@@ -202,7 +205,7 @@ def pasa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
             a, c = diag - off, -off
             k_blk = kg[:, :, start:stop].to(wide)
             k_shift = (a * k_blk - c * k_blk.sum(-2, keepdim=True)).to(g)
-            s = _gemm(q_blk, k_shift.transpose(-1, -2), g).to(st)
+            s = _gemm(q_blk, k_shift.transpose(-1, -2), st)
             mu_j = (_rowsum(s, wide) / n_j).to(st)
             mu_hat = mu_j * torch.tensor(recovery_gamma(beta, n_j, g, scale) / gam_full, dtype=st)
             if avg_j is None:

@@ -95,7 +95,7 @@ def _logits_pasa(q, k_blk, m_i, avg_j, start_n, n_valid, N_K, a_shift, c_shift, 
     = ``gamma_tail / gamma`` (all from ``beta.py``, computed on the host in float64):
 
         k_shift = a k_blk - c colsum(k_blk)        (fp32, rounded to g; or read from the pre-pass)
-        s       = q k_shift^T                       (rounded to g, then held in st)
+        s       = q k_shift^T                       (fp16 in half, fp32 in hybrid)
         mu_j    = rowmean of the n_j valid columns of s,   mu_hat_j = (gamma_j / gamma) mu_j
         avg_j   = avg_{j-1} + (mu_hat_j - avg_{j-1}) / j   (avg_1 = mu_hat_1)
         delta_j = gamma (mu_hat_j - avg_j),   eps_j = gamma (avg_{j-1} - avg_j)
@@ -107,7 +107,10 @@ def _logits_pasa(q, k_blk, m_i, avg_j, start_n, n_valid, N_K, a_shift, c_shift, 
     stored entries are, e.g. head dim 64 with beta 0.9375).  The state stays in natural-log units, like
     the paper and ``reference.py``, so that ``scale`` (a power of two for head dims 16, 64, 256) keeps
     ``a, c`` exact.  With ``ONE_BLOCK``, ``avg_1 = mu_hat_1`` makes ``delta_1 = eps_1 = 0`` exactly and
-    the block mean is not needed (the same result, bit for bit).
+    the block mean is not needed (the same result, bit for bit).  Hybrid keeps the shifted scores in
+    fp32 (the paper rounds them to fp16 in its hybrid variant too; a shifted score above 65504, one key
+    far from its block's mean, then turned the row into NaN where plain hybrid FlashAttention is
+    finite: only the fully-FP16 variant needs fp16 scores).
     """
     g_ty = q.dtype
     if SHIFT_IN_LOOP:
@@ -120,7 +123,6 @@ def _logits_pasa(q, k_blk, m_i, avg_j, start_n, n_valid, N_K, a_shift, c_shift, 
         s = tl.dot(q, tl.trans(k_shift), out_dtype=tl.float16)
     else:
         s = mma(q, tl.trans(k_shift), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), INTERPRET_BF16)
-        s = round_to(s, g_ty, INTERPRET_BF16).to(tl.float32)
     if ONE_BLOCK:
         if MASKED:
             s = tl.where(n_valid[None, :], s, float("-inf"))
@@ -277,8 +279,7 @@ def pasa_fwd_kernel(
     or bf16):
         q (BLOCK_M, BLOCK_D) g (the exact shift in half: ``q_s = round_fp16(scale q)``), and its fp32
         copy ``q32`` for the exact shift's ``q . c_j``;  k_blk, v_blk (BLOCK_N, BLOCK_D) g;
-        s (BLOCK_M, BLOCK_N): fp16 in half, fp32 in hybrid (PASA: fp32 holding g values); the exp2
-        argument x fp32;  p (BLOCK_M, BLOCK_N) fp16 in half, fp32 rounded to g in hybrid;
+        s (BLOCK_M, BLOCK_N): fp16 in half, fp32 in hybrid; the exp2 argument x fp32;  p (BLOCK_M, BLOCK_N) fp16 in half, fp32 rounded to g in hybrid;
         m_i, l_i, avg_j (BLOCK_M,) st;  acc (BLOCK_M, BLOCK_D) fp16 in half, fp32 in hybrid;
         c_j (BLOCK_D,) fp32 (the exact shift's centre of the current key block).
     ``BLOCK_D`` is ``HEAD_DIM`` rounded up to a power of two >= 16; padded columns load as zero.
