@@ -1,8 +1,10 @@
 """Frame-quality metrics of a test video against a reference video.
 
 Frames are floating-point numpy arrays in [0, 1]: a video is ``(F, H, W, 3)``,
-a single frame ``(H, W, 3)``. Values outside [0, 1] are scored as they are
-(never clipped), so an out-of-range backend is penalised, not hidden.
+a single frame ``(H, W, 3)``, neither empty. A finite value outside [0, 1] is
+refused with ``ValueError`` (it is a caller's mistake, e.g. 0..255 pixels:
+scoring it would give meaningless numbers). SSIM needs frames of at least
+``SSIM_MIN_SIZE`` x ``SSIM_MIN_SIZE`` pixels (its Gaussian window).
 
 Every ``*_frames`` function returns one value per frame (or per frame pair for
 the temporal measure). A frame holding any non-finite value (NaN/inf) in either
@@ -16,6 +18,7 @@ pixels) is written as ``null``; a mean over no frames is ``null``.
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -23,6 +26,10 @@ from typing import Any
 import numpy as np
 import torch
 from skimage.metrics import peak_signal_noise_ratio, structural_similarity
+
+SSIM_SIGMA = 1.5
+SSIM_MIN_SIZE = 2 * int(3.5 * SSIM_SIGMA + 0.5) + 1
+"""11: the side of skimage's Gaussian SSIM window (truncated at 3.5 sigma), the smallest frame SSIM takes."""
 
 ALEXNET_WEIGHTS_FILE = "alexnet-owt-7be5be79.pth"
 LPIPS_LABEL = "LPIPS (AlexNet)"
@@ -37,12 +44,13 @@ class LPIPSUnavailableError(RuntimeError):
 
 
 def validate_frame(frame: Any, name: str) -> np.ndarray:
-    """Check that ``frame`` is a floating ``(H, W, 3)`` array; return it."""
+    """Check that ``frame`` is a non-empty floating ``(H, W, 3)`` array with finite values in [0, 1]; return it."""
     return _validate(frame, name, rank=3, layout="(H, W, 3)")
 
 
 def validate_video(video: Any, name: str) -> np.ndarray:
-    """Check that ``video`` is a floating ``(F, H, W, 3)`` array; return it."""
+    """Check that ``video`` is a non-empty floating ``(F, H, W, 3)`` array with finite values in [0, 1]
+    (NaN and inf are allowed: they mark overflowed frames); return it."""
     return _validate(video, name, rank=4, layout="(F, H, W, 3)")
 
 
@@ -55,6 +63,13 @@ def _validate(arr: Any, name: str, *, rank: int, layout: str) -> np.ndarray:
         raise ValueError(f"{name} must have 3 channels in the last axis {layout}, got shape {arr.shape}")
     if not np.issubdtype(arr.dtype, np.floating):
         raise ValueError(f"{name} must have a floating dtype with values in [0, 1], got {arr.dtype}")
+    if arr.size == 0:
+        raise ValueError(f"{name} is empty {layout}: got shape {arr.shape}")
+    finite = arr[np.isfinite(arr)]
+    if finite.size and (finite.min() < 0.0 or finite.max() > 1.0):
+        hint = " (0..255 pixels? divide by 255)" if 2.0 < finite.max() <= 255.0 else ""
+        raise ValueError(f"{name} must hold values in [0, 1], found values in [{finite.min():.6g}, "
+                         f"{finite.max():.6g}]{hint}")
     return arr
 
 
@@ -64,6 +79,13 @@ def _validate_pair(ref: Any, test: Any, *, video: bool) -> tuple[np.ndarray, np.
     if ref.shape != test.shape:
         raise ValueError(f"ref and test must have the same shape, got ref {ref.shape} and test {test.shape}")
     return ref, test
+
+
+def _check_ssim_size(frames: np.ndarray) -> None:
+    height, width = frames.shape[-3:-1]
+    if min(height, width) < SSIM_MIN_SIZE:
+        raise ValueError(f"SSIM needs frames of at least {SSIM_MIN_SIZE}x{SSIM_MIN_SIZE} pixels (its Gaussian "
+                         f"window, sigma {SSIM_SIGMA}), got {height}x{width}")
 
 
 def nonfinite_frames(video: np.ndarray) -> np.ndarray:
@@ -92,6 +114,7 @@ def _psnr(ref: np.ndarray, test: np.ndarray, *, data_range: float) -> float:
 def ssim_frame(ref: np.ndarray, test: np.ndarray) -> float:
     """SSIM of one ``(H, W, 3)`` frame (Gaussian window, sigma 1.5, population covariance)."""
     ref, test = _validate_pair(ref, test, video=False)
+    _check_ssim_size(ref)
     return _ssim(ref, test)
 
 
@@ -101,7 +124,7 @@ def _ssim(ref: np.ndarray, test: np.ndarray) -> float:
             ref,
             test,
             gaussian_weights=True,
-            sigma=1.5,
+            sigma=SSIM_SIGMA,
             use_sample_covariance=False,
             data_range=1.0,
             channel_axis=-1,
@@ -119,6 +142,7 @@ def psnr_frames(ref: np.ndarray, test: np.ndarray) -> np.ndarray:
 def ssim_frames(ref: np.ndarray, test: np.ndarray) -> np.ndarray:
     """Per-frame SSIM of two ``(F, H, W, 3)`` videos; NaN where not scored."""
     ref, test = _validate_pair(ref, test, video=True)
+    _check_ssim_size(ref)
     mask = _finite_mask(ref, test)
     return np.array([_ssim(r, t) if ok else np.nan for r, t, ok in zip(ref, test, mask)])
 
@@ -167,7 +191,13 @@ def default_alexnet_weights_path() -> Path:
 
 
 def lpips_status(weights_path: str | Path | None = None) -> tuple[bool, str]:
-    """Whether real AlexNet ImageNet weights are available for LPIPS, and a sentence why (not)."""
+    """Whether real AlexNet ImageNet weights are available for LPIPS, and a sentence why (not).
+
+    Only the default location (``weights_path=None``: the torch hub cache) may lack them; an explicit
+    ``weights_path`` that is not a file raises ``FileNotFoundError``."""
+    if weights_path is not None and not Path(weights_path).is_file():
+        raise FileNotFoundError(f"LPIPS weights_path {os.fspath(weights_path)} is not a file; pass the torchvision "
+                                f"AlexNet ImageNet weights ({ALEXNET_WEIGHTS_FILE}) or no path (torch hub cache)")
     path = Path(weights_path) if weights_path is not None else default_alexnet_weights_path()
     if path.is_file():
         return True, f"LPIPS available: AlexNet ImageNet weights at {path}"
@@ -218,9 +248,9 @@ def _build_lpips(weights_path: Path | None) -> torch.nn.Module:
 class LPIPSScorer:
     """LPIPS (AlexNet, v0.1 linear heads) on [0, 1] frames, without ever downloading weights.
 
-    The AlexNet ImageNet weights are read from ``weights_path`` or from the torch
-    hub cache (:func:`default_alexnet_weights_path`). If they are absent this
-    raises :class:`LPIPSUnavailableError` unless ``random_backbone=True``, which
+    The AlexNet ImageNet weights are read from ``weights_path`` (``FileNotFoundError``
+    if it is not a file) or from the torch hub cache (:func:`default_alexnet_weights_path`).
+    If those are absent this raises :class:`LPIPSUnavailableError` unless ``random_backbone=True``, which
     keeps a randomly initialised trunk: for tests only, and labelled as such in
     :attr:`label`.
     """
@@ -312,13 +342,16 @@ def score_video(
          "nonfinite": {"count": n, "first_index": i or None, "indices": [...]},
          "reference_nonfinite": {"count": ..., "first_index": ..., "indices": [...]}}
 
-    Frames with non-finite pixels (in test or reference) are ``null`` in the
+    Both videos are validated (non-empty, finite values in [0, 1], at least
+    ``SSIM_MIN_SIZE`` pixels a side) before anything is scored. Frames with
+    non-finite pixels (in test or reference) are ``null`` in the
     per-frame lists and excluded from all means. The PSNR mean covers finite
     PSNR values only; identical frames (``"inf"``) are counted separately. A
     mean over no frames is ``null``. ``lpips_reason`` overrides the sentence
     stored under ``"lpips_unavailable"`` when no scorer is given.
     """
     ref, test = _validate_pair(ref, test, video=True)
+    _check_ssim_size(ref)
     psnr = psnr_frames(ref, test)
     ssim = ssim_frames(ref, test)
     temporal = temporal_error(ref, test)

@@ -1,12 +1,14 @@
 """Write frames as mp4 / gif / PNG and build side-by-side comparison videos.
 
 Frames are floating numpy arrays in [0, 1], ``(F, H, W, 3)`` (or ``(H, W, 3)``
-for :func:`to_uint8`). Non-finite pixels are painted magenta so that an
-overflowing backend is visible in every written file.
+for :func:`to_uint8`), validated like the metrics' (non-empty, finite values in
+[0, 1]) before anything is written. Non-finite pixels are painted magenta so
+that an overflowing backend is visible in every written file.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -99,11 +101,16 @@ def write_video(
 ) -> dict[str, Path]:
     """Write ``frames`` in each of ``formats``: ``<name>.mp4``, ``<name>.gif``, PNGs in ``<name>/``.
 
-    Returns ``{format: path}``; for ``"png"`` the path is the folder of frames.
+    The frames, ``fps`` and ``formats`` are checked before anything is written, and every path returned
+    exists.  Returns ``{format: path}``; for ``"png"`` the path is the folder of frames.
     """
     unknown = sorted(set(formats) - set(VIDEO_FORMATS))
     if unknown:
         raise ValueError(f"formats must be among {VIDEO_FORMATS}, got unknown {unknown}")
+    if not formats:
+        raise ValueError(f"formats is empty; choose from {VIDEO_FORMATS}")
+    validate_video(frames, "frames")
+    _check_fps(fps)
     out_dir = Path(out_dir)
     written: dict[str, Path] = {}
     if "mp4" in formats:
@@ -113,6 +120,9 @@ def write_video(
     if "png" in formats:
         write_png_frames(frames, out_dir / name)
         written["png"] = out_dir / name
+    missing = [str(path) for path in written.values() if not path.exists()]
+    if missing:
+        raise RuntimeError(f"write_video: {missing} were not written")
     return written
 
 
@@ -141,5 +151,5 @@ def side_by_side(ref: np.ndarray, test: np.ndarray, *, gain: float = 10.0) -> np
 
 
 def _check_fps(fps: float) -> None:
-    if not fps > 0:
-        raise ValueError(f"fps must be > 0, got {fps}")
+    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not (math.isfinite(fps) and fps > 0):
+        raise ValueError(f"fps must be a finite number > 0, got {fps!r}")

@@ -5,7 +5,7 @@ legacy ``Attention`` module that Stable Video Diffusion uses) and differs only i
 made through the ``attention(query, key, value, attn)`` hook on ``(batch, tokens, heads, head_dim)``
 views of the projections:
 
-- ``PASAAttnProcessor``: ``pasa_attention`` (fully FP16 PASA by default);
+- ``PASAAttnProcessor``: ``pasa_attention`` (the exact shift in hybrid precision by default);
 - ``NaiveHalfAttnProcessor``: plain fully-FP16 FlashAttention, the control that overflows;
 - ``FP32AttnProcessor``: SDPA on fp32 copies, the reference output everything is scored against;
 - ``BF16AttnProcessor``: SDPA on bf16 copies;
@@ -13,10 +13,15 @@ views of the projections:
 
 Every processor takes ``dtype``: attention then works on q, k, v cast to it (e.g. fp16 in an fp32 model).
 
-Where the PASA op cannot serve a call (attention mask, a single key, head dim or dtype out of its
-range) the processor computes the same attention another way, counts it under its reason in
-``fallbacks`` and logs the first occurrence of each reason; ``fallback_summary`` adds the counts up.
-``install.py`` puts them on a model (``apply``/``restore``) and adds up their counters.
+No silent fallbacks.  The PASA processors run the op on every call except two documented cases, which
+they compute exactly another way, count under their reason in ``fallbacks`` and log once: an
+attention mask (``"attention mask"``: SDPA with the mask; the op takes none) and a single key
+(``"single key"``: the softmax is exactly 1, the output that key's value; SVD's cross-attentions).  A
+call the op cannot take (a head dim outside ``[rules.MIN_HEAD_DIM, rules.MAX_HEAD_DIM]``, an input
+dtype the precision does not take) raises ``ValueError`` naming the module; ``install.apply`` checks
+both before installing and casts q, k, v to a dtype the backend takes.  The op is forward-only: a
+call with inputs that require grad raises (wrap inference in ``torch.no_grad()``).
+``install.py`` puts the processors on a model (``apply``/``restore``) and adds up their counters.
 """
 from __future__ import annotations
 
@@ -26,7 +31,8 @@ import torch
 import torch.nn.functional as F
 from diffusers.models.attention_processor import Attention
 
-from .ops import MAX_HEAD_DIM, MIN_HEAD_DIM, SUPPORTED_DTYPES, pasa_attention
+from . import rules
+from .ops import pasa_attention
 
 __all__ = [
     "CountedAttnProcessor",
@@ -35,17 +41,14 @@ __all__ = [
     "FP32AttnProcessor",
     "BF16AttnProcessor",
     "SDPAAttnProcessor",
-    "PRECISION_DTYPES",
 ]
 
 logger = logging.getLogger("pasa_diffusers")
 
-PRECISION_DTYPES: dict[str, tuple[torch.dtype, ...]] = {
-    "half": (torch.float16,),
-    "hybrid": SUPPORTED_DTYPES,
-    "fp64": (torch.float16, torch.bfloat16, torch.float32, torch.float64),
-}
-"""Input dtypes ``pasa_attention`` takes for each ``precision``; other dtypes fall back to SDPA."""
+
+def _names(dtypes: tuple[torch.dtype, ...]) -> str:
+    return "/".join(str(d).removeprefix("torch.") for d in dtypes)
+
 
 def _sdpa(
     query: torch.Tensor,
@@ -74,8 +77,9 @@ class CountedAttnProcessor:
     Base of the processors here: ``AttnProcessor2_0``'s body around an ``attention`` hook, with counters.
 
     Subclasses implement ``attention(query, key, value, attn, attention_mask)`` on ``(batch, tokens,
-    heads, head_dim)`` tensors and may refuse calls by returning a reason from ``fallback_reason``;
-    a refused call is computed exactly instead (V itself for a single key, SDPA otherwise) and counted.
+    heads, head_dim)`` tensors and may hand a documented case to a fallback by returning its reason
+    from ``fallback_reason``; such a call is computed exactly instead (V itself for a single key, SDPA
+    otherwise) and counted.
 
     Args:
         dtype: the dtype attention works on: query, key and value are cast to it before the attention
@@ -85,7 +89,8 @@ class CountedAttnProcessor:
     Attributes:
         calls: attention calls served (fallbacks included).
         fallbacks: number of fallback calls per reason.
-        name: module path, set by ``apply``; used in the fallback warning.
+        name: module path, set by ``apply``; used in the fallback warning and in errors.
+        backend: the ``install.BACKENDS`` name it was installed as, set by ``apply`` (``None`` otherwise).
     """
 
     def __init__(self, dtype: torch.dtype | None = None) -> None:
@@ -95,7 +100,12 @@ class CountedAttnProcessor:
         self.calls = 0
         self.fallbacks: dict[str, int] = {}
         self.name: str | None = None
+        self.backend: str | None = None
         self._warned: set[str] = set()
+
+    def attention_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The dtype attention runs in for a model of ``model_dtype``."""
+        return self.dtype or model_dtype
 
     def __call__(
         self,
@@ -185,7 +195,7 @@ class CountedAttnProcessor:
     def fallback_reason(
         self, query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None
     ) -> str | None:
-        """Why ``attention`` cannot serve this call, or ``None`` when it can (the default)."""
+        """The documented case this call is (e.g. ``"single key"``), computed by the fallback, or ``None``."""
         return None
 
     def _attend(
@@ -231,9 +241,10 @@ class PASAAttnProcessor(CountedAttnProcessor):
         beta: PASA's shift strength in (0, 1); ``None`` uses the op's default.
         dtype: the dtype attention works on (see ``CountedAttnProcessor``).
 
-    Falls back (counted, logged once per reason) for an attention mask (``"attention mask"``), a
-    single key (``"single key"``), a head dim outside ``[MIN_HEAD_DIM, MAX_HEAD_DIM]``
-    (``"head dim 512"``) and an input dtype the precision does not take (``"dtype float32"``).
+    Falls back (counted, logged once per reason) for an attention mask (``"attention mask"``) and a
+    single key (``"single key"``) only.  A head dim outside ``[rules.MIN_HEAD_DIM, rules.MAX_HEAD_DIM]``
+    or an input dtype the precision does not take (``rules.PRECISION_DTYPES``; pass ``dtype`` to cast)
+    raises ``ValueError``.
     """
 
     def __init__(
@@ -244,10 +255,11 @@ class PASAAttnProcessor(CountedAttnProcessor):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(dtype)
-        if precision not in PRECISION_DTYPES:
-            raise ValueError(
-                f"{type(self).__name__}: unknown precision={precision!r}; expected one of {tuple(PRECISION_DTYPES)}"
-            )
+        fn = type(self).__name__
+        rules.check_options(fn, precision=precision, shift=shift, beta=beta)
+        if dtype is not None and dtype not in rules.PRECISION_DTYPES[precision]:
+            raise ValueError(f"{fn}: precision={precision!r} takes {_names(rules.PRECISION_DTYPES[precision])} "
+                             f"inputs, got dtype={dtype}")
         self.precision = precision
         self.shift = shift
         self.beta = beta
@@ -260,11 +272,6 @@ class PASAAttnProcessor(CountedAttnProcessor):
             return "attention mask"
         if key.shape[1] == 1:
             return "single key"
-        head_dim = query.shape[-1]
-        if not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
-            return f"head dim {head_dim}"
-        if query.dtype not in PRECISION_DTYPES[self.precision]:
-            return f"dtype {str(query.dtype).removeprefix('torch.')}"
         return None
 
     def attention(
@@ -275,6 +282,13 @@ class PASAAttnProcessor(CountedAttnProcessor):
         attn: Attention,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        unsupported = rules.unsupported_reason(query, self.precision)
+        if unsupported is not None:
+            raise ValueError(
+                f"{type(self).__name__}(precision={self.precision!r}): {self.name or 'an attention module'} has "
+                f"{unsupported}; the PASA op takes head dims {rules.MIN_HEAD_DIM}..{rules.MAX_HEAD_DIM} and "
+                f"{_names(rules.PRECISION_DTYPES[self.precision])} inputs (pass dtype= to cast q, k, v)"
+            )
         return pasa_attention(
             query,
             key,
@@ -292,14 +306,20 @@ class NaiveHalfAttnProcessor(PASAAttnProcessor):
     The control: fully-FP16 FlashAttention without PASA's shift (inf/NaN once a raw score passes 65504).
     """
 
+    FIXED = {"precision": "half", "shift": False}
+    """The ``PASAAttnProcessor`` settings this control fixes."""
+
     def __init__(self, dtype: torch.dtype | None = None) -> None:
-        super().__init__(precision="half", shift=False, dtype=dtype)
+        super().__init__(**self.FIXED, dtype=dtype)
 
 
 class _CastSDPAProcessor(CountedAttnProcessor):
     """SDPA on copies of query, key and value in ``cast_to``, cast back to the input dtype."""
 
     cast_to: torch.dtype
+
+    def attention_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return self.cast_to
 
     def attention(
         self,

@@ -8,11 +8,13 @@ visible to the caller.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 from pathlib import Path
 from typing import Any
 
+import huggingface_hub.constants
 import numpy as np
 import PIL.Image
 import PIL.ImageOps
@@ -24,11 +26,12 @@ from diffusers import (
     StableVideoDiffusionPipeline,
     UNetSpatioTemporalConditionModel,
 )
+from safetensors import SafetensorError, safe_open
 from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
 
 from .resonant import build_tiny_resonant
 
-__all__ = ["load_svd", "load_image", "make_latents", "generate", "BUILTIN_IMAGES", "TINY_DEFAULTS"]
+__all__ = ["ModelLoadError", "load_svd", "load_image", "make_latents", "generate", "BUILTIN_IMAGES", "TINY_DEFAULTS"]
 
 BUILTIN_IMAGES = ("astronaut", "coffee", "rocket")
 """Names accepted as ``builtin:<name>`` by ``load_image`` (images bundled with scikit-image)."""
@@ -105,19 +108,92 @@ def _tiny_pipeline() -> StableVideoDiffusionPipeline:
     )
 
 
-def _check_local_folder(model: str) -> None:
-    """Raise a clear error for a local path that is not a saved pipeline; hub ids pass through."""
+class ModelLoadError(OSError):
+    """A pipeline that cannot be loaded, with what happened and what to do (``load_svd``)."""
+
+
+def _check_local_folder(model: str) -> Path | None:
+    """The folder ``model`` names, checked to hold a saved pipeline; ``None`` for a hub id."""
     path = Path(model).expanduser()
     if path.exists():
         if not path.is_dir():
-            raise NotADirectoryError(f"load_svd: model={model!r} is a file; expected a pipeline folder or a hub id")
-        if not (path / "model_index.json").is_file():
-            raise FileNotFoundError(
+            raise ModelLoadError(f"load_svd: model={model!r} is a file; expected a pipeline folder or a hub id")
+        index = path / "model_index.json"
+        if not index.is_file():
+            raise ModelLoadError(
                 f"load_svd: folder model={model!r} has no model_index.json; "
                 "expected a folder written by StableVideoDiffusionPipeline.save_pretrained()"
             )
-    elif model.startswith((".", "/", "~")) or model.count("/") > 1:
-        raise FileNotFoundError(f"load_svd: no such folder model={model!r} (and it is not a hub id 'org/name')")
+        try:
+            components = json.loads(index.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ModelLoadError(f"load_svd: {index} is not valid JSON ({exc}); save the pipeline again") from exc
+        missing = sorted(name for name, entry in components.items()
+                         if not name.startswith("_") and isinstance(entry, list) and entry[0] is not None
+                         and not (path / name).is_dir())
+        if missing:
+            raise ModelLoadError(f"load_svd: folder model={model!r} lacks the component folder(s) {missing} that its "
+                                 "model_index.json lists; save the pipeline again with save_pretrained()")
+        return path
+    if model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise ModelLoadError(f"load_svd: no such folder model={model!r} (and it is not a hub id 'org/name')")
+    return None
+
+
+def _check_weights(folder: Path, fix: str) -> None:
+    """Open the header of every safetensors file under ``folder``: a corrupt or truncated one is named."""
+    for file in sorted(folder.rglob("*.safetensors")):
+        try:
+            with safe_open(file, framework="pt"):
+                pass
+        except (SafetensorError, OSError) as exc:
+            raise ModelLoadError(f"load_svd: weight file {file} is corrupt or truncated ({exc}); {fix}") from exc
+
+
+def _cached_snapshot(model: str) -> Path | None:
+    """The local Hugging Face cache's snapshot folder of hub id ``model``, or ``None`` when not cached."""
+    found = huggingface_hub.try_to_load_from_cache(model, "model_index.json")
+    return Path(found).parent if isinstance(found, str) else None
+
+
+def _from_pretrained(model: str, *, dtype: torch.dtype, variant: str | None,
+                     local_files_only: bool) -> StableVideoDiffusionPipeline:
+    """``StableVideoDiffusionPipeline.from_pretrained`` from safetensors, its errors as ``ModelLoadError``."""
+    folder = _check_local_folder(model)
+    cache = huggingface_hub.constants.HF_HUB_CACHE
+    if folder is not None:
+        _check_weights(folder, "save the pipeline again with save_pretrained()")
+    else:
+        snapshot = _cached_snapshot(model)
+        offline = "local_files_only=True" if local_files_only else (
+            "HF_HUB_OFFLINE is set" if huggingface_hub.constants.HF_HUB_OFFLINE else None)
+        if snapshot is None and offline:
+            raise ModelLoadError(
+                f"load_svd: hub id model={model!r} is not in the local Hugging Face cache ({cache}) and "
+                f"{offline} forbids downloading it; download it first (huggingface-cli download {model}) "
+                "or pass a folder written by save_pretrained()"
+            )
+        if snapshot is not None:
+            _check_weights(snapshot, f"download it again (huggingface-cli download {model} --force-download)")
+    try:
+        return StableVideoDiffusionPipeline.from_pretrained(
+            model, dtype=dtype, variant=variant, use_safetensors=True, local_files_only=local_files_only
+        )
+    except OSError as exc:
+        if folder is None and _cached_snapshot(model) is None:
+            root: BaseException = exc  # the first error of the chain: e.g. the network's
+            while root.__cause__ is not None or root.__context__ is not None:
+                root = root.__cause__ or root.__context__
+            detail = (str(root).splitlines() or ["no detail"])[0]
+            raise ModelLoadError(
+                f"load_svd: hub id model={model!r} is not in the local Hugging Face cache ({cache}) and could "
+                f"not be downloaded ({type(root).__name__}: {detail}); check the name and the network, or pass "
+                "a folder written by save_pretrained()"
+            ) from exc
+        fix = ("save the pipeline again with save_pretrained()" if folder is not None
+               else f"download it again (huggingface-cli download {model})")
+        detail = str(exc).splitlines()[0].rstrip(".")
+        raise ModelLoadError(f"load_svd: cannot load model={model!r}: {detail}; {fix}") from exc
 
 
 def load_svd(
@@ -139,6 +215,11 @@ def load_svd(
         dtype: dtype of every component (e.g. ``torch.float16`` for the fully-FP16 study).
         variant: weight file variant of a hub id or folder (e.g. ``"fp16"``); not valid with ``"tiny"``.
         local_files_only: never contact the hub (the cache or the folder must hold the files).
+
+    Raises:
+        ModelLoadError: the pipeline cannot be loaded; the message says why and what to do (a path that
+            is not a saved pipeline, a hub id neither cached nor downloadable, a corrupt or truncated
+            weight file, named).
     """
     if model in ("tiny", "tiny-resonant"):
         if variant is not None:
@@ -149,10 +230,7 @@ def load_svd(
                 pipe = build_tiny_resonant(pipe)
             pipe = pipe.to(device)
         return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
-    _check_local_folder(model)
-    pipe = StableVideoDiffusionPipeline.from_pretrained(
-        model, dtype=dtype, variant=variant, use_safetensors=True, local_files_only=local_files_only
-    )
+    pipe = _from_pretrained(model, dtype=dtype, variant=variant, local_files_only=local_files_only)
     return pipe.to(device)
 
 

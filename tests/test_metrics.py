@@ -169,7 +169,7 @@ def test_nonfinite_reference_frames_are_excluded_and_reported():
 
 
 def test_temporal_error_ignores_static_offset_but_sees_flicker():
-    ref = make_video("astronaut", frames=6).astype(np.float64)
+    ref = 0.85 * make_video("astronaut", frames=6).astype(np.float64)  # room for the offsets below 1
     offset = ref + 0.03
     assert psnr_frames(ref, offset).max() < 31.0
     assert temporal_error(ref, offset).min() > 100.0
@@ -203,17 +203,19 @@ def test_flicker_ratio_with_static_reference():
     json.dumps(scores, allow_nan=False)
 
 
-def test_lpips_status_reports_missing_weights(tmp_path, empty_torch_home):
-    missing = tmp_path / "nowhere" / ALEXNET_WEIGHTS_FILE
-    ok, reason = lpips_status(missing)
-    assert not ok
-    assert reason.startswith("LPIPS unavailable: no AlexNet ImageNet weights at")
-    assert str(missing) in reason and "--lpips-weights PATH" in reason
-
+def test_lpips_status_reports_missing_default_weights_and_refuses_a_missing_path(tmp_path, empty_torch_home):
     default = default_alexnet_weights_path()
     assert default == empty_torch_home / "hub" / "checkpoints" / ALEXNET_WEIGHTS_FILE
     ok, reason = lpips_status()
-    assert not ok and str(default) in reason
+    assert not ok
+    assert reason.startswith("LPIPS unavailable: no AlexNet ImageNet weights at")
+    assert str(default) in reason and "--lpips-weights PATH" in reason
+
+    missing = tmp_path / "nowhere" / ALEXNET_WEIGHTS_FILE
+    with pytest.raises(FileNotFoundError, match=f"LPIPS weights_path {missing} is not a file"):
+        lpips_status(missing)
+    with pytest.raises(FileNotFoundError, match="is not a file"):
+        lpips_status(tmp_path)  # a folder
 
     default.parent.mkdir(parents=True)
     default.write_bytes(b"placeholder")
@@ -223,7 +225,7 @@ def test_lpips_status_reports_missing_weights(tmp_path, empty_torch_home):
 def test_scorer_without_weights_raises(tmp_path, empty_torch_home):
     with pytest.raises(LPIPSUnavailableError, match="LPIPS unavailable"):
         LPIPSScorer()
-    with pytest.raises(LPIPSUnavailableError, match=str(tmp_path / "missing.pth")):
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "missing.pth")):
         LPIPSScorer(tmp_path / "missing.pth")
 
 
@@ -312,3 +314,35 @@ def test_frame_helpers_and_nonfinite_frames_validate_inputs(random_scorer):
         nonfinite_frames(frame)
     with pytest.raises(ValueError, match="^test must have 3 channels"):
         random_scorer.frames(frame[None], frame[None, ..., :2])
+
+
+@pytest.mark.parametrize("func", [psnr_frames, ssim_frames, temporal_error, flicker_ratio, score_video])
+def test_frames_outside_unit_range_are_refused_with_what_was_found(func):
+    ref = make_video("rocket", frames=2)
+    with pytest.raises(ValueError, match=r"^test must hold values in \[0, 1\], found values in \[7, 249\] "
+                                         r"\(0\.\.255 pixels\? divide by 255\)"):
+        func(ref, np.round(ref * 255).astype(np.float32))
+    below = ref.copy()
+    below[1, 3, 4, 0] = -0.25
+    with pytest.raises(ValueError, match=r"^ref must hold values in \[0, 1\], found values in \[-0\.25, "):
+        func(below, ref)
+    overflowed = ref.copy()
+    overflowed[0, 0, 0] = [np.nan, np.inf, -np.inf]  # non-finite values mark overflow: scored as such, not refused
+    func(ref, overflowed)
+
+
+@pytest.mark.parametrize("shape", [(0, 32, 32, 3), (2, 0, 32, 3), (2, 32, 0, 3)])
+@pytest.mark.parametrize("func", [psnr_frames, ssim_frames, temporal_error, flicker_ratio, score_video])
+def test_empty_videos_are_refused(func, shape):
+    empty = np.zeros(shape, dtype=np.float32)
+    with pytest.raises(ValueError, match=rf"^ref is empty \(F, H, W, 3\): got shape \({shape[0]}, "):
+        func(empty, empty)
+
+
+@pytest.mark.parametrize("func", [ssim_frames, score_video])
+def test_ssim_refuses_frames_smaller_than_its_window_before_scoring(func):
+    video = make_video("coffee", frames=2, height=8, width=64)
+    with pytest.raises(ValueError, match=r"SSIM needs frames of at least 11x11 pixels .* got 8x64"):
+        func(video, video)
+    video = make_video("coffee", frames=2, height=11, width=11)
+    assert np.all(ssim_frames(video, video) == 1.0)

@@ -4,6 +4,8 @@ Frames are pixels in [0, 1]; tolerances below are absolute pixel differences.
 """
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import PIL.Image
 import pytest
@@ -14,6 +16,7 @@ from pasa_diffusers import install as I
 from pasa_diffusers import processors as P
 from pasa_diffusers.pipelines.svd import (
     BUILTIN_IMAGES,
+    ModelLoadError,
     TINY_DEFAULTS,
     _to_frames,
     generate,
@@ -104,15 +107,61 @@ def test_saved_pipeline_loads_back_offline_and_generates(pipe, image, tmp_path):
 
 
 def test_bad_model_paths(tmp_path):
-    with pytest.raises(FileNotFoundError, match="model_index.json"):
+    with pytest.raises(ModelLoadError, match="model_index.json"):
         load_svd(str(tmp_path))
-    with pytest.raises(FileNotFoundError, match="no such folder"):
+    with pytest.raises(ModelLoadError, match="no such folder"):
         load_svd(str(tmp_path / "missing"))
-    with pytest.raises(FileNotFoundError, match="no such folder"):
+    with pytest.raises(ModelLoadError, match="no such folder"):
         load_svd("./not/a/saved/pipeline")
     (tmp_path / "weights.safetensors").write_bytes(b"x")
-    with pytest.raises(NotADirectoryError, match="weights.safetensors"):
+    with pytest.raises(ModelLoadError, match="weights.safetensors"):
         load_svd(str(tmp_path / "weights.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("saved") / "tiny"
+    load_svd("tiny").save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("damage, detail", [("truncated", "incomplete metadata, file not fully covered"),
+                                            ("garbage", "header too large")])
+def test_a_damaged_weight_file_is_named(saved, tmp_path, damage, detail):
+    folder = tmp_path / "tiny"
+    shutil.copytree(saved, folder)
+    weights = folder / "vae" / "diffusion_pytorch_model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) - 100] if damage == "truncated" else b"garbage" * 100)
+    with pytest.raises(ModelLoadError, match=rf"^load_svd: weight file {weights} is corrupt or truncated \(Error "
+                                             rf"while deserializing header: {detail}\); save the pipeline again"):
+        load_svd(str(folder), local_files_only=True)
+
+
+def test_a_missing_component_or_weight_file_is_named(saved, tmp_path):
+    folder = tmp_path / "tiny"
+    shutil.copytree(saved, folder)
+    (folder / "unet" / "diffusion_pytorch_model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match=r"^load_svd: cannot load model=.*: Error no file named "
+                                             r"diffusion_pytorch_model.safetensors found in directory .*unet; save"):
+        load_svd(str(folder))
+    shutil.rmtree(folder / "unet")
+    with pytest.raises(ModelLoadError, match=r"lacks the component folder\(s\) \['unet'\] that its model_index.json"):
+        load_svd(str(folder))
+
+
+def test_a_hub_id_neither_cached_nor_downloadable(tmp_path, monkeypatch):
+    """Offline: what happened and what to do, never 'pass local_files_only=False'."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(ModelLoadError, match=r"is not in the local Hugging Face cache .* and local_files_only=True "
+                                             r"forbids downloading it; download it first") as info:
+        load_svd("org/not-cached", local_files_only=True)
+    assert "local_files_only=False" not in str(info.value)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelLoadError, match=r"and HF_HUB_OFFLINE is set forbids downloading it"):
+        load_svd("org/not-cached")
 
 
 # ---------------------------------------------------------------------------------------------- images

@@ -196,26 +196,44 @@ def test_pasa_exact_mode_reproduces_stock_processor(pipe, gen):
     assert rel_err(unet_forward(unet, inputs), ref) > EXACT_TOL
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "fp32", "naive-half", "pasa"])
+@pytest.mark.parametrize("backend", ["sdpa", "fp32"])
 def test_fp32_model_backends_equal_stock_sdpa(pipe, backend, gen):
-    """On fp32 tensors these all run fp32 SDPA on the same strided views (the half ones by fallback)."""
+    """On fp32 tensors these run fp32 SDPA on the same strided views as the stock processor."""
     inputs = unet_inputs(gen)
     ref = unet_forward(pipe.unet, inputs)
-    I.apply(pipe.unet, backend)
+    summary = I.apply(pipe.unet, backend)
+    assert summary["model_dtype"] == summary["attention_dtype"] == "float32"
     torch.testing.assert_close(unet_forward(pipe.unet, inputs), ref, rtol=0, atol=0)
-    expected = {"dtype float32": 12, "single key": 12} if backend in ("naive-half", "pasa") else {}
-    assert I.fallback_summary(pipe.unet)["fallbacks"] == expected
+    assert I.fallback_summary(pipe.unet)["fallbacks"] == {}
 
 
-@pytest.mark.parametrize("backend", ["pasa", "naive-half", "pasa-paper-hybrid"])
-def test_dtype_option_feeds_half_variants_from_an_fp32_model(pipe, gen, backend):
+@pytest.mark.parametrize("backend", ["pasa", "pasa-half", "pasa-paper", "pasa-paper-hybrid", "naive-half"])
+def test_apply_casts_an_fp32_model_to_fp16_and_says_so(pipe, gen, backend):
+    """The issue's probe: ``apply(load_svd("tiny"), "pasa")`` used to fall back to fp32 SDPA on every call
+    (output equal to the fp32 reference bit for bit).  Now q, k, v are cast to fp16 and the op runs."""
     inputs = unet_inputs(gen)
     ref = unet_forward(pipe.unet, inputs)
-    I.apply(pipe.unet, backend, dtype=torch.float16)
+    summary = I.apply(pipe.unet, backend)
+    assert (summary["model_dtype"], summary["attention_dtype"]) == ("float32", "float16")
+    assert summary["options"] == {}
     out = unet_forward(pipe.unet, inputs)
     assert out.dtype == torch.float32
     assert 0 < rel_err(out, ref) <= FP16_TOL  # fp16 rounding of q, k, v and attention; measured ~1e-4
-    assert I.fallback_summary(pipe.unet)["fallbacks"] == {"single key": 12}  # no "dtype float32"
+    counters = I.fallback_summary(pipe.unet, strict=True)
+    assert counters["fallbacks"] == {"single key": 12}  # the documented case only: no "dtype float32"
+    assert counters["targeted_calls"] == 12 and counters["fallback_share"] == 0.5
+
+    I.apply(pipe.unet, backend, dtype=torch.float16)  # the explicit option gives the same result
+    torch.testing.assert_close(unet_forward(pipe.unet, inputs), out, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend, attention_dtype", [("pasa", "bfloat16"), ("pasa-paper-hybrid", "bfloat16"),
+                                                      ("pasa-half", "float16"), ("naive-half", "float16"),
+                                                      ("sdpa", "bfloat16"), ("fp32", "float32")])
+def test_apply_on_a_bf16_model_runs_what_the_backend_takes(pipe, backend, attention_dtype):
+    """hybrid takes bf16 as it is; the half precisions need fp16 and get it."""
+    summary = I.apply(pipe.unet.to(torch.bfloat16), backend)
+    assert (summary["model_dtype"], summary["attention_dtype"]) == ("bfloat16", attention_dtype)
 
 
 def test_bf16_backend_is_close_but_not_equal(pipe, gen):
@@ -227,10 +245,11 @@ def test_bf16_backend_is_close_but_not_equal(pipe, gen):
 
 
 def fp16_attention(dim: int, heads: int, g: torch.Generator, **kwargs) -> Attention:
-    """An fp16 ``Attention`` with fresh random weights drawn from ``g``."""
+    """An fp16 inference-mode ``Attention`` (no grad) with fresh random weights drawn from ``g``."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(int(torch.randint(2**31, (), generator=g)))
-        return Attention(query_dim=dim, heads=heads, dim_head=dim // heads, **kwargs).half().eval()
+        attn = Attention(query_dim=dim, heads=heads, dim_head=dim // heads, **kwargs)
+        return attn.half().eval().requires_grad_(False)
 
 
 @pytest.mark.parametrize("head_dim", [16, 32, 64])
@@ -273,6 +292,15 @@ def test_naive_half_overflows_where_pasa_does_not(gen, model_dtype):
     assert rel_err(pasa, ref) <= 2 * FP16_TOL  # scores of magnitude 1e4 after the shift; measured 2.3e-3
 
 
+def test_training_through_pasa_processors_fails_at_the_forward_call(pipe, gen):
+    """The op is forward-only: with grad enabled and trainable weights, the first PASA call raises."""
+    I.apply(pipe.unet, "pasa")
+    with pytest.raises(RuntimeError, match=r"^pasa_attention: the op has no backward .* requires grad"):
+        pipe.unet(**unet_inputs(gen))
+    I.apply(pipe.unet, "fp32")  # the SDPA backends train as the stock processor does
+    pipe.unet(**unet_inputs(gen)).sample.sum().backward()
+
+
 # ---------------------------------------------------------------------------------------------- fallbacks
 
 
@@ -285,9 +313,10 @@ def test_single_key_fallback_counted_and_logged_once(pipe, caplog, gen):
 
     cross = sorted(f"unet.{name}" for name, kind in kinds.items() if kind.endswith("cross"))
     summary = I.fallback_summary(pipe)
-    assert summary["processors"] == 24
+    assert summary["processors"] == 24 and summary["backends"] == ["pasa"]
     assert summary["calls"] == 48
     assert summary["fallbacks"] == {"single key": 24} and summary["fallback_calls"] == 24
+    assert summary["targeted_calls"] == 24 and summary["fallback_share"] == 0.5
     assert summary["modules"] == {"single key": cross}
     records = [r for r in caplog.records if r.name == "pasa_diffusers"]
     assert len(records) == 1 and records[0].levelno == logging.WARNING
@@ -297,16 +326,29 @@ def test_single_key_fallback_counted_and_logged_once(pipe, caplog, gen):
 
 
 @pytest.mark.parametrize("dim, heads", [(512, 1), (16, 2)], ids=["head-dim-512", "head-dim-8"])
-def test_head_dim_fallback_matches_stock(dim, heads, gen):
-    """A VAE-style attention (4-D input, group norm, residual) with D outside [16, 256] runs SDPA."""
+def test_head_dim_out_of_range_is_an_error_not_a_fallback(dim, heads, gen):
+    """A VAE-style attention (4-D input, group norm, residual) with D outside [16, 256]."""
     attn = fp16_attention(
         dim, heads, gen, norm_num_groups=8, residual_connection=True, _from_deprecated_attn_block=True
     )
     x = torch.randn(1, dim, 4, 4, generator=gen).half()
     processor = P.PASAAttnProcessor()
-    out = processor(attn, x)
-    torch.testing.assert_close(out, AttnProcessor2_0()(attn, x))
-    assert processor.calls == 1 and processor.fallbacks == {f"head dim {dim // heads}": 1}
+    processor.name = "vae.mid_block.attentions.0"
+    with pytest.raises(ValueError, match=rf"^PASAAttnProcessor\(precision='hybrid'\): vae.mid_block.attentions.0 "
+                                         rf"has head dim {dim // heads}; the PASA op takes head dims 16..256"):
+        processor(attn, x)
+    assert processor.fallbacks == {}
+
+
+def test_apply_refuses_a_head_dim_the_op_does_not_take_and_installs_nothing():
+    vae = AutoencoderKL(block_out_channels=(8,), norm_num_groups=8)  # two mid-block attentions: 1 head of dim 8
+    before = dict(vae.attn_processors)
+    with pytest.raises(ValueError, match=r"^apply: backend='pasa' cannot run encoder.mid_block.attentions.0 "
+                                         r"\(head dim 8; the PASA op takes head dims 16..256\)"):
+        I.apply(vae, "pasa")
+    assert all(vae.attn_processors[key] is before[key] for key in before)
+    assert I.apply(vae, "pasa", precision="fp64")["installed"] == 2  # the exact reference takes any head dim
+    assert I.apply(vae, "sdpa")["installed"] == 2  # encoder and decoder
 
 
 def test_attention_mask_fallback_matches_stock(gen):
@@ -335,14 +377,18 @@ def test_attention_mask_fallback_matches_stock(gen):
         ("fp64", torch.float32, None),
     ],
 )
-def test_dtype_fallback(precision, dtype, reason, gen):
+def test_a_dtype_the_precision_does_not_take_is_an_error_not_a_fallback(precision, dtype, reason, gen):
     attn = fp16_attention(32, 2, gen).to(dtype)
     x = torch.randn(2, 40, 32, generator=gen).to(dtype)
     processor = P.PASAAttnProcessor(precision)
+    if reason is not None:
+        with pytest.raises(ValueError, match=rf"an attention module has {reason}; .* \(pass dtype= to cast"):
+            processor(attn, x)
+        assert processor.fallbacks == {}
+        return
     out = processor(attn, x)
     assert out.dtype == dtype
-    assert processor.calls == 1
-    assert processor.fallbacks == ({reason: 1} if reason else {})
+    assert processor.calls == 1 and processor.fallbacks == {}
     ref = P.FP32AttnProcessor()(attn, x)
     tol = 2.0**-6 if dtype == torch.bfloat16 else 1e-6
     assert rel_err(out, ref) <= tol
@@ -357,6 +403,19 @@ def test_fallback_summary_counts_a_shared_processor_once(pipe, gen):
     assert summary["calls"] == shared.calls == 24
     assert summary["fallbacks"] == {"single key": 12}
     assert len(summary["modules"]["single key"]) == 24  # every module holding it
+
+
+def test_strict_summary_refuses_a_backend_whose_calls_all_fell_back(pipe, gen):
+    """Only the single-key cross-attentions are called: every call is a fallback, none ran PASA."""
+    I.apply(pipe.unet, "pasa")
+    assert I.fallback_summary(pipe.unet, strict=True)["fallback_share"] is None  # no call yet: nothing to refuse
+    cross = pipe.unet.get_submodule("down_blocks.0.attentions.0.transformer_blocks.0.attn2")
+    with torch.no_grad():
+        cross(torch.randn(2, 64, 32, generator=gen), encoder_hidden_states=torch.randn(2, 1, 32, generator=gen))
+    assert I.fallback_summary(pipe.unet)["fallbacks"] == {"single key": 1}
+    with pytest.raises(I.AllCallsFellBackError, match=r"^backend pasa: all 1 attention calls fell back "
+                                                      r"\(single key: 1\); none ran the backend itself"):
+        I.fallback_summary(pipe.unet, strict=True)
 
 
 # ---------------------------------------------------------------------------------------------- restore
@@ -401,13 +460,30 @@ def test_unknown_backend_lists_valid_ones_and_changes_nothing(pipe):
     [
         ("fp32", {"beta": 0.5}, "takes no options"),
         ("pasa-half", {"precision": "hybrid"}, "fixes"),
-        ("pasa", {"precision": "fp8"}, "unknown precision='fp8'"),
+        ("pasa", {"precision": "fp8"}, r"^apply\(backend='pasa'\): unknown precision='fp8'"),
+        ("pasa", {"shift": "bogus"}, r"^apply\(backend='pasa'\): unknown shift='bogus'; expected one of"),
+        ("pasa", {"beta": 5.0}, r"^apply\(backend='pasa'\): beta must be a number in \(0, 1\), got beta=5.0"),
+        ("pasa-paper", {"beta": True}, r"beta must be a number in \(0, 1\), got beta=True"),
+        ("pasa-half", {"dtype": torch.bfloat16},
+         r"^apply: backend='pasa-half' \(precision='half'\) takes float16 attention inputs, got dtype=torch.bfloat16"),
+        ("naive-half", {"dtype": torch.float32}, r"takes float16 attention inputs, got dtype=torch.float32"),
         ("fp32", {"dtype": "half"}, "dtype must be a floating torch.dtype"),
     ],
 )
-def test_bad_options(pipe, backend, options, match):
+def test_bad_options_fail_at_install_time_and_install_nothing(pipe, backend, options, match):
+    before = pipe.unet.attn_processors
     with pytest.raises(ValueError, match=match):
         I.apply(pipe, backend, **options)
+    assert all(pipe.unet.attn_processors[key] is before[key] for key in before)
+
+
+@pytest.mark.parametrize("options, match", [({"shift": "bogus"}, "unknown shift='bogus'"),
+                                            ({"beta": 5.0}, "got beta=5.0"),
+                                            ({"precision": "half", "dtype": torch.bfloat16},
+                                             "precision='half' takes float16 inputs, got dtype=torch.bfloat16")])
+def test_pasa_processor_checks_its_options_when_made(options, match):
+    with pytest.raises(ValueError, match=rf"^PASAAttnProcessor: .*{match}"):
+        P.PASAAttnProcessor(**options)
 
 
 def test_models_without_attention_are_rejected(pipe):

@@ -123,7 +123,7 @@ def test_write_video_writes_every_format(tmp_path):
 def test_side_by_side_layout_and_heatmap():
     ref = make_video(frames=3)
     test = ref.copy()
-    test[1, 10:20, 30:40] += 0.2
+    test[1, 10:20, 30:40] = np.clip(test[1, 10:20, 30:40] + 0.2, 0.0, 1.0)
     test[2, 5, 6, 1] = np.nan
     gain = 10.0
     out = side_by_side(ref, test, gain=gain)
@@ -156,3 +156,18 @@ def test_side_by_side_rejects_bad_input():
         side_by_side(ref, ref, gain=0.0)
     with pytest.raises(ValueError, match="^test must have a floating dtype"):
         side_by_side(ref, to_uint8(ref))
+
+
+@pytest.mark.parametrize("formats", [("mp4", "gif", "png"), ("png",), ("gif",)])
+def test_write_video_refuses_bad_input_before_writing_anything(tmp_path, formats):
+    empty = np.zeros((0, 16, 16, 3), dtype=np.float32)
+    with pytest.raises(ValueError, match=r"^frames is empty \(F, H, W, 3\): got shape \(0, 16, 16, 3\)"):
+        write_video(empty, tmp_path / "out", "x", formats=formats)
+    with pytest.raises(ValueError, match=r"^frames must hold values in \[0, 1\], found values in "
+                                         r"\[[0-9]+, [0-9]+\] \(0\.\.255 pixels\? divide by 255\)"):
+        write_video(np.round(make_video(frames=2) * 255), tmp_path / "out", "x", formats=formats)
+    with pytest.raises(ValueError, match="fps must be a finite number > 0, got 0"):
+        write_video(make_video(frames=2), tmp_path / "out", "x", fps=0, formats=formats)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match="formats is empty"):
+        write_video(make_video(frames=2), tmp_path / "out", "x", formats=())

@@ -1,29 +1,80 @@
 """``pasa`` command line: parse arguments, call library functions, print.
 
 One module per subcommand (``numerics``, ``generate``, ``compare``, ``diagnose``), each with
-``add_parser`` and ``run``; ``common`` holds the arguments they share.
+``add_parser`` and ``run`` and optionally ``validate`` (raises ``UsageError``, called before ``run``);
+``common`` holds the arguments they share.  Every argument is checked before torch or diffusers is
+imported.  A user mistake prints one line ``pasa <command>: error: <message>`` to stderr and exits 2;
+a traceback is shown only with ``--debug`` (or ``PASA_DEBUG=1``) or for an internal error.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from typing import NoReturn
 
 from . import compare, diagnose, generate, numerics
+from .common import UsageError
 
 __all__ = ["main", "build_parser"]
 
+_COMMANDS = (numerics, generate, compare, diagnose)
+_NAMES = {command.__name__.rsplit(".", 1)[-1]: command for command in _COMMANDS}
+
+
+class _ArgumentError(Exception):
+    """An argparse error, raised instead of argparse's usage-and-exit so ``main`` prints one line."""
+
+    def __init__(self, prog: str, message: str) -> None:
+        super().__init__(message)
+        self.prog = prog
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise _ArgumentError(self.prog, message)
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pasa", description="PASA: overflow-free FP16 attention for video diffusion")
+    """The ``pasa`` parser: the global ``--debug`` flag and one subparser per command."""
+    parser = _Parser(prog="pasa", description="PASA: overflow-free FP16 attention for video diffusion")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the Python traceback of every error (also: environment PASA_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in (numerics, generate, compare, diagnose):
+    for command in _COMMANDS:
         command.add_parser(sub)
+    for subparser in sub.choices.values():  # also accepted after the command: pasa generate --debug
+        subparser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return parser
 
 
+def _debug(argv: list[str]) -> bool:
+    return "--debug" in argv or os.environ.get("PASA_DEBUG", "") not in ("", "0")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    """Run ``pasa`` with ``argv`` (default ``sys.argv[1:]``); return the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    prog = "pasa"
+    try:
+        args = build_parser().parse_args(argv)
+        prog = f"pasa {args.command}"
+        module = _NAMES[args.command]
+        if hasattr(module, "validate"):
+            module.validate(args)
+        return args.func(args)
+    except _ArgumentError as exc:
+        if _debug(argv):
+            raise
+        command = next((a for a in argv if a in _NAMES), None)  # "unrecognized arguments" comes from the top
+        prog = f"pasa {command}" if exc.prog == "pasa" and command else exc.prog
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except UsageError as exc:
+        if _debug(argv):
+            raise
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,29 +1,253 @@
-"""Arguments and helpers shared by the ``pasa`` subcommands (no heavy imports at module level)."""
+"""Arguments, validation and errors shared by the ``pasa`` subcommands.
+
+Nothing here imports torch or diffusers at module level: every argument is checked (argparse ``type=``
+helpers, then each subcommand's ``validate``) before any heavy import, so a user mistake is answered
+in a fraction of a second with one line ``pasa <command>: error: <message>`` (exit status 2).
+
+The limits come from what the pipeline needs:
+
+- ``--frames`` >= 2: one frame fails inside diffusers' SVD pipeline (a tensor-size mismatch,
+  diffusers 0.42);
+- ``--height``/``--width``: multiples of 8 (``StableVideoDiffusionPipeline.check_inputs``), at
+  least 8, and at least 16 for a command that scores frames (SSIM's 11 x 11 Gaussian window, sigma 1.5);
+- ``--steps`` >= 1; ``--seed`` in [0, 2**63 - 1] (a CPU ``torch.Generator`` seed); ``--fps`` > 0.
+"""
 from __future__ import annotations
 
 import argparse
+import math
+import os
+import re
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
-__all__ = ["add_generation_args", "model_dtype"]
+__all__ = [
+    "UsageError",
+    "BACKEND_NAMES",
+    "BUILTIN_IMAGES",
+    "MIN_FRAMES",
+    "SIZE_MULTIPLE",
+    "MIN_SIZE",
+    "SCORED_MIN_SIZE",
+    "MAX_SEED",
+    "int_range",
+    "positive_float",
+    "seed",
+    "device",
+    "add_generation_args",
+    "validate_generation_args",
+    "check_device",
+    "check_out_dir",
+    "check_image",
+    "check_model",
+    "check_file",
+    "load_model",
+    "load_condition_image",
+    "model_dtype",
+]
 
 
-def add_generation_args(p: argparse.ArgumentParser, out: str, frames: int = 4, steps: int = 4, size: int = 64) -> None:
+class UsageError(Exception):
+    """A user mistake: ``pasa`` prints ``pasa <command>: error: <message>`` and exits 2, no traceback.
+
+    The message names the flag, the value given and what is accepted, on one line."""
+
+
+BACKEND_NAMES = ("pasa", "pasa-half", "pasa-paper", "pasa-paper-hybrid", "naive-half", "sdpa", "bf16", "fp32")
+"""The names of ``pasa_diffusers.install.BACKENDS`` (kept here so the CLI checks them without importing torch)."""
+
+BUILTIN_IMAGES = ("astronaut", "coffee", "rocket")
+"""``pasa_diffusers.pipelines.svd.BUILTIN_IMAGES``, for the same reason."""
+
+MIN_FRAMES = 2
+SIZE_MULTIPLE = 8
+MIN_SIZE = 8
+SCORED_MIN_SIZE = 16
+"""The smallest multiple of 8 that holds SSIM's 11 x 11 window (Gaussian, sigma 1.5, truncated at 3.5 sigma)."""
+MAX_SEED = 2**63 - 1
+
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def int_range(lo: int, hi: int | None = None, *, multiple_of: int = 1, why: str = "") -> Callable[[str], int]:
+    """An argparse ``type=``: an integer in ``[lo, hi]`` (``hi=None``: no upper bound) and a multiple of
+    ``multiple_of``; ``why`` (e.g. ``"SVD needs two frames"``) is appended to the error."""
+    kind = f"a multiple of {multiple_of}" if multiple_of > 1 else "an integer"
+    accepted = f"{kind} >= {lo}" if hi is None else f"{kind} in [{lo}, {hi}]"
+    suffix = f" ({why})" if why else ""
+
+    def parse(text: str) -> int:
+        value = _int(text)
+        if value < lo or (hi is not None and value > hi) or value % multiple_of:
+            raise argparse.ArgumentTypeError(f"must be {accepted}{suffix}, got {text}")
+        return value
+
+    return parse
+
+
+def positive_float(text: str) -> float:
+    """An argparse ``type=``: a finite number > 0 (e.g. ``--fps``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+seed = int_range(0, MAX_SEED)
+"""An argparse ``type=``: a seed in ``[0, 2**63 - 1]``."""
+
+
+def device(text: str) -> str:
+    """An argparse ``type=``: ``cpu``, ``cuda`` or ``cuda:N`` (whether CUDA is there is ``check_device``'s job)."""
+    if not _DEVICE.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
+def add_generation_args(p: argparse.ArgumentParser, out: str, frames: int = 4, steps: int = 4, size: int = 64,
+                        *, min_size: int = MIN_SIZE) -> None:
+    """The flags of a command that generates SVD videos, each validated by its ``type=``.
+
+    ``min_size``: the smallest ``--height``/``--width`` (``SCORED_MIN_SIZE`` for a command that scores
+    frames with SSIM).  ``validate_generation_args`` checks what ``type=`` cannot (device, paths)."""
+    size_type = int_range(min_size, multiple_of=SIZE_MULTIPLE,
+                          why="SVD needs multiples of 8" + (", SSIM an 11x11 window" if min_size > MIN_SIZE else ""))
     p.add_argument("--model", default="tiny",
-                   help="'tiny' (embedded random SVD), 'tiny-resonant', a hub id or a save_pretrained folder")
+                   help="'tiny' (embedded random SVD), 'tiny-resonant', a hub id (from the local cache or the hub) "
+                        "or a save_pretrained folder")
     p.add_argument("--image", default="builtin:rocket",
-                   help="conditioning image: a file or builtin:astronaut|coffee|rocket")
-    p.add_argument("--frames", type=int, default=frames)
-    p.add_argument("--steps", type=int, default=steps, help="denoising steps")
-    p.add_argument("--height", type=int, default=size)
-    p.add_argument("--width", type=int, default=size)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
+                   help=f"conditioning image: a file or builtin:{'|'.join(BUILTIN_IMAGES)}")
+    p.add_argument("--frames", type=int_range(MIN_FRAMES, why="SVD needs two frames"), default=frames,
+                   help=f"frames per video, >= {MIN_FRAMES} (default {frames})")
+    p.add_argument("--steps", type=int_range(1), default=steps, help=f"denoising steps, >= 1 (default {steps})")
+    p.add_argument("--height", type=size_type, default=size,
+                   help=f"frame height in pixels: a multiple of 8, >= {min_size} (default {size})")
+    p.add_argument("--width", type=size_type, default=size,
+                   help=f"frame width in pixels: a multiple of 8, >= {min_size} (default {size})")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the initial noise, in [0, 2**63-1] (default 0)")
+    p.add_argument("--device", type=device, default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], default=None,
-                   help="model dtype (default fp16 on CUDA, fp32 on CPU where attention is still cast to fp16)")
+                   help="model dtype (default fp16 on CUDA, fp32 on CPU, where the PASA backends cast q, k, v to fp16)")
     p.add_argument("--local-files-only", action="store_true", help="never contact the Hugging Face hub")
-    p.add_argument("--out", default=out, help="output folder")
+    p.add_argument("--out", default=out, help=f"output folder (created; default {out})")
 
 
-def model_dtype(device: str, name: str | None):
+def validate_generation_args(args: argparse.Namespace) -> None:
+    """Check the flags of ``add_generation_args`` that ``type=`` cannot: the model, the image, the device
+    (torch is imported only for a CUDA device) and, last, the output folder (created here)."""
+    check_model(args.model)
+    check_image(args.image)
+    check_device(args.device)
+    check_out_dir(args.out)
+
+
+def check_device(name: str, flag: str = "--device") -> None:
+    """Refuse a CUDA device on a machine without one (or an index past the last GPU)."""
+    if not name.startswith("cuda"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UsageError(f"{flag} {name}: CUDA is not available on this machine (torch {torch.__version__}); "
+                         "use --device cpu")
+    index = int(name.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        raise UsageError(f"{flag} {name}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                         f"indices 0..{torch.cuda.device_count() - 1}")
+
+
+def check_out_dir(path: str | os.PathLike, flag: str = "--out") -> Path:
+    """Create the output folder now and check a file can be written in it: a path that is (or lies
+    under) a file, or a place that cannot be written, is refused before any work.  Call it last in a
+    ``validate``, so that a refused command leaves no folder behind for its other mistakes."""
+    out = Path(path).expanduser()
+    blocker = next((p for p in (out, *out.parents) if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        raise UsageError(f"{flag} {os.fspath(path)}: {blocker} is a file, not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as exc:
+        raise UsageError(f"{flag} {os.fspath(path)}: cannot write there ({exc.strerror or exc})") from exc
+    return out
+
+
+def check_file(path: str | os.PathLike, flag: str) -> Path:
+    """Refuse a path that is not an existing, readable file."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise UsageError(f"{flag} {os.fspath(path)}: no such file")
+    if not os.access(file, os.R_OK):
+        raise UsageError(f"{flag} {os.fspath(path)}: the file is not readable")
+    return file
+
+
+def check_image(spec: str, flag: str = "--image") -> None:
+    """Refuse an unknown ``builtin:`` name, a missing file or a file PIL cannot read as an image."""
+    if spec.startswith("builtin:"):
+        if spec.removeprefix("builtin:") not in BUILTIN_IMAGES:
+            raise UsageError(f"{flag} {spec}: unknown builtin image; expected one of "
+                             f"{', '.join('builtin:' + n for n in BUILTIN_IMAGES)}")
+        return
+    path = check_file(spec, flag)
+    import PIL.Image
+
+    try:
+        with PIL.Image.open(path) as image:
+            image.verify()
+    except Exception as exc:  # PIL raises many types for a file that is not an image
+        raise UsageError(f"{flag} {spec}: not a readable image ({type(exc).__name__}: {exc})") from exc
+
+
+def check_model(model: str, flag: str = "--model") -> None:
+    """Refuse a local path that is not a ``save_pretrained`` folder (hub ids are checked when loading)."""
+    if model in ("tiny", "tiny-resonant"):
+        return
+    path = Path(model).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise UsageError(f"{flag} {model}: a file, not a pipeline folder or a hub id 'org/name'")
+        if not (path / "model_index.json").is_file():
+            raise UsageError(f"{flag} {model}: the folder has no model_index.json; expected a folder written by "
+                             "StableVideoDiffusionPipeline.save_pretrained()")
+    elif model.startswith((".", "/", "~")) or model.count("/") != 1:
+        raise UsageError(f"{flag} {model}: no such folder, and not a hub id 'org/name' "
+                         "(or 'tiny', 'tiny-resonant')")
+
+
+def load_model(args: argparse.Namespace) -> Any:
+    """``load_svd`` with the generation flags; a model that cannot be loaded is a ``UsageError`` naming ``--model``."""
+    from pasa_diffusers.pipelines.svd import ModelLoadError, load_svd
+
+    try:
+        return load_svd(args.model, device=args.device, dtype=model_dtype(args.device, args.dtype),
+                        local_files_only=args.local_files_only)
+    except ModelLoadError as exc:
+        raise UsageError(f"--model {args.model}: {str(exc).removeprefix('load_svd: ')}") from exc
+
+
+def load_condition_image(args: argparse.Namespace) -> Any:
+    """The ``--image`` at ``--width`` x ``--height`` (a PIL image)."""
+    from pasa_diffusers.pipelines.svd import load_image
+
+    return load_image(args.image, (args.width, args.height))
+
+
+def model_dtype(device: str, name: str | None) -> Any:
+    """The model's torch dtype: ``--dtype`` (fp16, bf16, fp32), or fp16 on CUDA and fp32 on the CPU."""
     import torch
 
     if name is None:

@@ -3,19 +3,23 @@ from __future__ import annotations
 
 import argparse
 
-from .common import add_generation_args, model_dtype
+from .common import add_generation_args, load_condition_image, load_model, validate_generation_args
 
-__all__ = ["add_parser", "run"]
+__all__ = ["add_parser", "validate", "run"]
+
+
+def validate(args: argparse.Namespace) -> None:
+    """Check the model, image, output folder and device before anything is loaded."""
+    validate_generation_args(args)
 
 
 def run(args: argparse.Namespace) -> int:
-    from pasa_diffusers.pipelines.svd import load_image, load_svd
+    from pasa_diffusers.pipelines.diagnose import diagnose
 
-    from ..diagnose import diagnose, risk_table, write_diagnosis
+    from ..diagnose.render import risk_table, write_diagnosis
 
-    pipe = load_svd(args.model, device=args.device, dtype=model_dtype(args.device, args.dtype),
-                    local_files_only=args.local_files_only)
-    image = load_image(args.image, (args.width, args.height))
+    pipe = load_model(args)
+    image = load_condition_image(args)
     result = diagnose(pipe, image, num_frames=args.frames, num_inference_steps=args.steps, seed=args.seed,
                       height=args.height, width=args.width, progress=True, model=args.model)
     print(risk_table(result))

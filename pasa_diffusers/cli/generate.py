@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
-from .common import add_generation_args, model_dtype
+from .common import (BACKEND_NAMES, UsageError, add_generation_args, load_condition_image, load_model,
+                     positive_float, validate_generation_args)
 
-__all__ = ["add_parser", "run"]
+__all__ = ["add_parser", "validate", "run"]
 
 
 def _finite_note(frames) -> str:
@@ -17,23 +17,33 @@ def _finite_note(frames) -> str:
     return "all frames finite" if bad.size == 0 else f"NON-FINITE frames: {bad.size} (first index {bad[0]})"
 
 
+def validate(args: argparse.Namespace) -> None:
+    """Check the model, image, output folder and device before anything is loaded."""
+    validate_generation_args(args)
+
+
 def run(args: argparse.Namespace) -> int:
     from pasa_diffusers import metrics
-    from pasa_diffusers.pipelines.compare import backend_options
-    from pasa_diffusers.pipelines.svd import generate, load_image, load_svd
+    from pasa_diffusers.pipelines.svd import generate
 
     from .. import install
 
-    dtype = model_dtype(args.device, args.dtype)
-    pipe = load_svd(args.model, device=args.device, dtype=dtype, local_files_only=args.local_files_only)
-    summary = install.apply(pipe, args.attention, **backend_options(args.attention, dtype))
-    image = load_image(args.image, (args.width, args.height))
+    pipe = load_model(args)
+    try:
+        summary = install.apply(pipe, args.attention)
+    except ValueError as exc:  # the backend cannot run this model's attention (e.g. its head dims)
+        raise UsageError(f"--attention {args.attention}: {exc}") from exc
+    image = load_condition_image(args)
     frames = generate(pipe, image, num_frames=args.frames, num_inference_steps=args.steps, seed=args.seed,
                       height=args.height, width=args.width)
-    out = Path(args.out)
-    written = metrics.write_video(frames, out, args.attention, fps=args.fps)
+    try:
+        fallbacks = install.fallback_summary(pipe, strict=True)
+    except install.AllCallsFellBackError as exc:
+        raise UsageError(f"--attention {args.attention}: {exc}") from exc
+    written = metrics.write_video(frames, args.out, args.attention, fps=args.fps)
     print(json.dumps({"installed": summary["counts"], "processors": summary["processors"],
-                      "fallbacks": install.fallback_summary(pipe)["fallbacks"]}, indent=2))
+                      "attention_dtype": summary["attention_dtype"], "calls": fallbacks["calls"],
+                      "fallbacks": fallbacks["fallbacks"]}, indent=2))
     print(_finite_note(frames))
     for kind, path in written.items():
         print(f"wrote {kind}: {path}")
@@ -43,6 +53,8 @@ def run(args: argparse.Namespace) -> int:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="animate an image with SVD using one attention backend")
     add_generation_args(p, "out/generate")
-    p.add_argument("--attention", default="pasa", help="an attention backend: pasa (default), pasa-half, pasa-paper, pasa-paper-hybrid, naive-half, sdpa, bf16, fp32")
-    p.add_argument("--fps", type=int, default=7)
+    p.add_argument("--attention", choices=BACKEND_NAMES, default="pasa", metavar="BACKEND",
+                   help=f"the attention backend: {', '.join(BACKEND_NAMES)} (default pasa)")
+    p.add_argument("--fps", type=positive_float, default=7.0, help="frames per second of the mp4 and gif, > 0 "
+                   "(default 7)")
     p.set_defaults(func=run)

@@ -8,7 +8,9 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["add_parser", "run"]
+from .common import check_out_dir
+
+__all__ = ["add_parser", "validate", "run"]
 
 
 def _progress(desc: str):
@@ -23,6 +25,11 @@ def _write_rows(rows: list[dict], out: Path, stem: str) -> None:
         writer.writeheader()
         writer.writerows(rows)
     (out / f"{stem}.json").write_text(json.dumps(rows, indent=2))
+
+
+def validate(args: argparse.Namespace) -> None:
+    """Refuse an output folder that cannot be written before the study runs."""
+    check_out_dir(args.out)
 
 
 def run(args: argparse.Namespace) -> int:

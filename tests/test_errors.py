@@ -1,0 +1,204 @@
+"""Issue 14's probes through the real ``pasa`` console script: every user mistake is one line on stderr,
+``pasa <command>: error: <message naming the flag>``, exit status 2, no traceback, and (for argument
+mistakes) an answer before torch is imported.  ``docs/ERRORS.md`` tabulates the same probes.
+
+``{tmp}`` in a probe's arguments stands for a folder holding ``afile`` (a text file) and ``empty/`` (an
+empty folder).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+PASA = shutil.which("pasa") or str(Path(sys.executable).with_name("pasa"))
+
+FAST_S = 2.0
+"""An argument mistake is answered well under torch's import time (measured 0.1-0.2 s; torch takes 2-10 s)."""
+
+PROBES: list[tuple[str, str]] = [
+    # (arguments, the message it must print after "pasa <command>: error: ")
+    ("generate --frames 0", "argument --frames: must be an integer >= 2 (SVD needs two frames), got 0"),
+    ("generate --frames 1", "argument --frames: must be an integer >= 2 (SVD needs two frames), got 1"),
+    ("generate --frames -1", "argument --frames: must be an integer >= 2 (SVD needs two frames), got -1"),
+    ("generate --frames two", "argument --frames: expected an integer, got 'two'"),
+    ("generate --steps 0", "argument --steps: must be an integer >= 1, got 0"),
+    ("generate --steps -2", "argument --steps: must be an integer >= 1, got -2"),
+    ("generate --height 0", "argument --height: must be a multiple of 8 >= 8 (SVD needs multiples of 8), got 0"),
+    ("generate --height -64", "argument --height: must be a multiple of 8 >= 8 (SVD needs multiples of 8), got -64"),
+    ("generate --width 60", "argument --width: must be a multiple of 8 >= 8 (SVD needs multiples of 8), got 60"),
+    ("generate --seed 99999999999999999999",
+     "argument --seed: must be an integer in [0, 9223372036854775807], got 99999999999999999999"),
+    ("generate --seed -1", "argument --seed: must be an integer in [0, 9223372036854775807], got -1"),
+    ("generate --fps 0", "argument --fps: must be a finite number > 0, got 0"),
+    ("generate --fps nan", "argument --fps: must be a finite number > 0, got nan"),
+    ("generate --device gpu", "argument --device: expected cpu, cuda or cuda:N, got 'gpu'"),
+    ("generate --attention flash", "argument --attention: invalid choice: 'flash' (choose from"),
+    ("generate --dtype fp8", "argument --dtype: invalid choice: 'fp8' (choose from"),
+    ("generate --out {tmp}/afile", "--out {tmp}/afile: {tmp}/afile is a file, not a folder"),
+    ("generate --out {tmp}/afile/videos", "--out {tmp}/afile/videos: {tmp}/afile is a file, not a folder"),
+    ("generate --out /proc/pasa-out", "--out /proc/pasa-out: cannot write there ("),
+    ("generate --image {tmp}/missing.png", "--image {tmp}/missing.png: no such file"),
+    ("generate --image {tmp}/afile", "--image {tmp}/afile: not a readable image (UnidentifiedImageError"),
+    ("generate --image builtin:moon", "--image builtin:moon: unknown builtin image; expected one of builtin:astronaut"),
+    ("generate --model {tmp}/empty", "--model {tmp}/empty: the folder has no model_index.json"),
+    ("generate --model {tmp}/afile", "--model {tmp}/afile: a file, not a pipeline folder or a hub id 'org/name'"),
+    ("generate --model ./no/such/folder", "--model ./no/such/folder: no such folder, and not a hub id 'org/name'"),
+    ("generate --model tny", "--model tny: no such folder, and not a hub id 'org/name' (or 'tiny', 'tiny-resonant')"),
+    ("generate --bogus 1", "unrecognized arguments: --bogus 1"),
+    ("diagnose --steps 0", "argument --steps: must be an integer >= 1, got 0"),
+    ("diagnose --out {tmp}/afile", "--out {tmp}/afile: {tmp}/afile is a file, not a folder"),
+    ("numerics --out {tmp}/afile", "--out {tmp}/afile: {tmp}/afile is a file, not a folder"),
+    ("compare --frames 1", "argument --frames: must be an integer >= 2 (SVD needs two frames), got 1"),
+    ("compare --height 8 --width 8",
+     "argument --height: must be a multiple of 8 >= 16 (SVD needs multiples of 8, SSIM an 11x11 window), got 8"),
+    ("compare --out {tmp}/afile", "--out {tmp}/afile: {tmp}/afile is a file, not a folder"),
+    ("compare --fps 0", "argument --fps: must be a finite number > 0, got 0"),
+    ("compare --lpips-weights /nonexistent.pth", "--lpips-weights /nonexistent.pth: no such file"),
+]
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("probes")
+    (folder / "afile").write_text("not an image, not a folder\n")
+    (folder / "empty").mkdir()
+    return folder
+
+
+@pytest.fixture(autouse=True)
+def _run_in_a_scratch_folder(tmp_path, monkeypatch):
+    """Default output folders (out/...) of a probe land here, not in the checkout."""
+    monkeypatch.chdir(tmp_path)
+
+
+def pasa(args: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, float]:
+    """Run the console script; return the finished process and its wall time in seconds."""
+    start = time.perf_counter()
+    done = subprocess.run([PASA, *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})})
+    return done, time.perf_counter() - start
+
+
+def assert_usage_error(done: subprocess.CompletedProcess, command: str, message: str) -> None:
+    """Exit status 2, nothing on stdout, and exactly one stderr line: the error naming the flag."""
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("pasa")]
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"pasa {command}: error: {message}"), lines[0]
+    assert done.returncode == 2 and done.stdout == ""
+
+
+@pytest.mark.parametrize("args, message", PROBES, ids=[args for args, _ in PROBES])
+def test_argument_mistakes_are_one_fast_line(args, message, tmp):
+    argv = args.format(tmp=tmp).split()
+    done, seconds = pasa(argv)
+    assert_usage_error(done, argv[0], message.format(tmp=tmp))
+    assert done.stderr.count("\n") == 1  # nothing else at all: no progress bar, no warning
+    assert seconds < FAST_S, f"{seconds:.1f} s: something heavy was imported before the arguments were checked"
+
+
+def test_arguments_are_checked_before_torch_is_imported(tmp):
+    code = ("import sys; from pasa_diffusers.cli import main; "
+            f"status = main(['generate', '--image', {str(tmp / 'afile')!r}]); "
+            "heavy = sorted(m for m in ('torch', 'diffusers', 'transformers', 'numpy') if m in sys.modules); "
+            "print(status, heavy)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout == "2 []\n", done.stdout + done.stderr
+
+
+def test_no_command():
+    done, _ = pasa([])
+    assert done.returncode == 2 and done.stderr == "pasa: error: the following arguments are required: command\n"
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_debug_shows_the_traceback(how):
+    done, _ = pasa(["--debug", "generate", "--frames", "0"] if how == "flag" else ["generate", "--frames", "0"],
+                   env={"PASA_DEBUG": "1"} if how == "env" else None)
+    assert done.returncode != 0
+    assert "Traceback" in done.stderr and "argument --frames: must be an integer >= 2" in done.stderr
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a CUDA machine may have the GPU")
+def test_cuda_without_a_gpu():
+    done, _ = pasa(["generate", "--device", "cuda"])
+    assert_usage_error(done, "generate", "--device cuda: CUDA is not available on this machine (torch ")
+
+
+# ------------------------------------------------------------------------------------------ model loading
+# One probe through the console script (the issue's: three chained tracebacks after 8 s); the others call
+# ``main`` in this process, where torch is already imported, to keep the suite fast.
+
+
+def test_hub_id_not_cached_and_no_downloads(tmp_path):
+    """Says what happened and what to do, and never advises local_files_only=False."""
+    env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_CACHE": str(tmp_path / "hf" / "hub")}
+    done, _ = pasa(["generate", "--model", "stabilityai/not-cached-here", "--local-files-only"], env=env)
+    assert_usage_error(done, "generate", "--model stabilityai/not-cached-here: hub id "
+                                         "model='stabilityai/not-cached-here' is not in the local Hugging Face cache "
+                                         f"({tmp_path / 'hf' / 'hub'}) and local_files_only=True forbids downloading "
+                                         "it; download it first (huggingface-cli download stabilityai/not-cached-here)")
+    assert "local_files_only=False" not in done.stderr
+
+
+def main_error(args: list[str], capsys) -> str:
+    """Run ``main`` in this process; check it returned 2 with one stderr line and no stdout; return that line."""
+    from pasa_diffusers.cli import main
+
+    assert main(args) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith("pasa")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_hub_offline_and_not_cached(tmp_path, monkeypatch, capsys):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    line = main_error(["generate", "--model", "org/not-cached", "--out", str(tmp_path / "out")], capsys)
+    assert line == ("pasa generate: error: --model org/not-cached: hub id model='org/not-cached' is not in the local "
+                    f"Hugging Face cache ({tmp_path / 'hub'}) and HF_HUB_OFFLINE is set forbids downloading it; "
+                    "download it first (huggingface-cli download org/not-cached) or pass a folder written by "
+                    "save_pretrained()")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """The tiny pipeline written by save_pretrained."""
+    from pasa_diffusers.pipelines.svd import load_svd
+
+    folder = tmp_path_factory.mktemp("saved") / "tiny"
+    load_svd("tiny").save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("damage, detail", [("truncated", "incomplete metadata, file not fully covered"),
+                                            ("corrupt", "header too large")])
+def test_a_damaged_weight_file_is_named(saved, tmp_path, capsys, damage, detail):
+    folder = tmp_path / "tiny"
+    shutil.copytree(saved, folder)
+    weights = folder / "unet" / "diffusion_pytorch_model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"\xff" * 64)
+    line = main_error(["generate", "--model", str(folder), "--local-files-only", "--out", str(tmp_path / "out")],
+                      capsys)
+    assert line == (f"pasa generate: error: --model {folder}: weight file {weights} is corrupt or truncated "
+                    f"(Error while deserializing header: {detail}); save the pipeline again with save_pretrained()")
+
+
+def test_a_folder_missing_a_component(saved, tmp_path, capsys):
+    folder = tmp_path / "tiny"
+    shutil.copytree(saved, folder)
+    shutil.rmtree(folder / "image_encoder")
+    line = main_error(["generate", "--model", str(folder), "--out", str(tmp_path / "out")], capsys)
+    assert line == (f"pasa generate: error: --model {folder}: folder model='{folder}' lacks the component folder(s) "
+                    "['image_encoder'] that its model_index.json lists; save the pipeline again with save_pretrained()")
