@@ -87,6 +87,26 @@ def test_exact_centre_makes_k_minus_c_exact(dist, mean, amplitude, dtype):
         assert not torch.equal((k32 - kbar).to(dtype).float(), k32 - kbar)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_exact_centre_is_exact_on_adversarial_blocks(dtype):
+    """No per-key check backs the centre: every ``k - c`` must be exact by the interval alone.  Channels
+    of one sign whose keys span 0 to 2.3 binades (both sides of the interval's edge), at magnitudes from
+    fp16's subnormals to 4e4, one key pinned at a binade boundary."""
+    gen = torch.Generator().manual_seed(3)
+    size = (64, 128, 128)  # (blocks, keys, channels)
+    magnitude = 10.0 ** (torch.rand((64, 1, 128), generator=gen) * 10.5 - 6)
+    spread = 2.0 ** (torch.rand((64, 128, 128), generator=gen) * 2.3 * torch.rand((64, 1, 128), generator=gen))
+    sign = torch.where(torch.rand((64, 1, 128), generator=gen) < 0.5, -1.0, 1.0)
+    k32 = (sign * magnitude * spread).to(dtype).float()
+    k32[:, 0] = sign[:, 0] * 2.0 ** torch.floor(torch.log2(magnitude[:, 0]))  # a key at a binade boundary
+    c = exact_centre(k32, dtype)
+    diff = k32 - c
+    assert torch.equal(diff.to(dtype).float(), diff)
+    centred = (c != 0).float().mean().item()
+    assert 0.3 < centred < 1.0, f"{centred:.2f} of the channels centred: the case must hit both sides of the edge"
+    assert k32.shape == size
+
+
 @pytest.mark.parametrize("name", ["uniform(30,0.5) zero-mean V", "drift(0->40)", "resonance in", "resonance anti",
                                   "hybrid(30,10) outliers", "bf16 uniform(30,0.5)"])
 def test_stress_cases(name):

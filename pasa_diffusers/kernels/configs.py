@@ -13,6 +13,10 @@ Tuned on the H200 (triton 3.6, fp16, head dim 64; bench/bench_attention.py, 2026
   spatial 576 and 144 tokens: BLOCK_M 64 (BLOCK_N 64 for FA), 4 warps, 3 stages;
   temporal (F = 14, 25 frames): FA BLOCK_M 16 / 32 with BLOCK_N 32; PASA BLOCK_M 64 (half) or 16-64
     (hybrid), 2 stages;  the paper's (1, 28, 1407, 128): BLOCK_M 128, 8 warps, 3 stages.
+  The short pool gained one- and two-warp configs on 2026-11-30: a 16-32 x 64 tile in one warp keeps
+  every reduction (the exact shift's centre over the keys, the row maxima) inside the warp; measured at
+  (18432, 5, 25, 64): exact hybrid 2.06 ms with 4 warps -> 0.66 ms with one, PASA half 0.74 -> 0.42 ms
+  (bench/README.md, "temporal configs").
 
 Autotuning results persist across processes (``cache_results=True``): Triton stores each tuning
 key's timings in its cache directory (``TRITON_CACHE_DIR``, default ``~/.triton/cache``), keyed by
@@ -46,12 +50,12 @@ def _configs(entries, with_block_n: bool) -> list[triton.Config]:
 # 32 rows), "fallback" for head dim 256, whose tiles fit shared memory only single-stage.
 _SHIFT_CONFIGS = {
     "long": _configs([(128, 8, 3), (128, 8, 2), (64, 4, 3)], False),
-    "short": _configs([(32, 4, 2), (16, 4, 2), (64, 4, 2)], False),
+    "short": _configs([(32, 1, 2), (16, 1, 2), (32, 2, 2), (64, 4, 2)], False),
     "fallback": _configs([(64, 4, 1), (64, 8, 1)], False),
 }
 _FLASH_CONFIGS = {
     "long": _configs([(128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3)], True),
-    "short": _configs([(32, 32, 4, 2), (16, 32, 4, 2), (64, 64, 4, 2)], True),
+    "short": _configs([(32, 32, 1, 2), (16, 32, 1, 2), (32, 32, 2, 2), (64, 64, 4, 2)], True),
     "fallback": _configs([(64, 64, 4, 2), (64, 64, 8, 2)], True),
 }
 
