@@ -1,28 +1,34 @@
-"""`pasa compare` on the tiny SVD on CUDA through the real Triton kernel (no mp4: writes the report only).
+"""`pasa compare` on a tiny SVD on CUDA through the real Triton kernels: every backend, a few samples.
 
-    python bench/gpu_compare_tiny.py --out $OUT/compare_cuda
+    python bench/gpu_compare_tiny.py --out $OUT/compare_cuda            # tiny-resonant, seeds 0-1
+    python bench/gpu_compare_tiny.py --model tiny --seeds 0-3 --out $OUT/compare_cuda_tiny
+
+The output folder is a `pasa compare` run folder (report.md, report.json, samples.jsonl, plots); an
+existing one with other settings is refused, the same settings resume it.
 """
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from pasa_diffusers import metrics  # noqa: E402
-from pasa_diffusers.pipelines.compare import run_comparison  # noqa: E402
+from pasa_diffusers import metrics
+from pasa_diffusers.cli.compare import image_list, seed_list
+from pasa_diffusers.pipelines.compare import COMPARE_BACKENDS, CompareConfig, evaluate
+from pasa_diffusers.pipelines.distributed import Dist
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="tiny")
-    parser.add_argument("--backends", default="pasa,pasa-hybrid,naive-half,sdpa,bf16")
+    parser.add_argument("--model", default="tiny-resonant", help="tiny or tiny-resonant")
+    parser.add_argument("--backends", default=",".join(COMPARE_BACKENDS), help="comma-separated (default: all)")
+    parser.add_argument("--images", type=image_list, default="builtin:all")
+    parser.add_argument("--seeds", type=seed_list, default="0-1")
     parser.add_argument("--out", default="out/compare_cuda")
     args = parser.parse_args()
-    report, _ = run_comparison(model=args.model, backends=args.backends.split(","), device="cuda", progress=False,
-                               command="python bench/gpu_compare_tiny.py " + " ".join(sys.argv[1:]))
-    metrics.write_report(report, args.out)
+    config = CompareConfig(model=args.model, images=tuple(args.images), seeds=tuple(args.seeds),
+                           backends=tuple(args.backends.split(",")), worst=1)
+    report = evaluate(config, args.out, dist=Dist(device="cuda"), progress=False,
+                      command="python bench/gpu_compare_tiny.py " + " ".join(sys.argv[1:]))
     print(metrics.format_table(report))
     return 0
 

@@ -23,17 +23,18 @@ from .quality import (
     validate_frame,
     validate_video,
 )
-from .report import COLUMNS, format_markdown, format_table, json_safe, table_rows, write_report
+from .records import json_safe
+from .report import build_report, format_markdown, format_table, table_rows, write_report
 from .video import pad_even, side_by_side, to_uint8, write_gif, write_mp4, write_png_frames, write_video
 
 __all__ = [
     "ALEXNET_WEIGHTS_FILE",
-    "COLUMNS",
     "LPIPS_LABEL",
     "LPIPS_RANDOM_LABEL",
     "LPIPSScorer",
     "LPIPSUnavailableError",
     "default_alexnet_weights_path",
+    "build_report",
     "flicker_ratio",
     "format_markdown",
     "format_table",

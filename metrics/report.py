@@ -1,33 +1,31 @@
-"""Quality report writing: ``report.json``, ``report.md``, PNG plots and a terminal table.
+"""The report of an evaluation over samples: ``report.json``, ``report.md``, two plots and a terminal table.
 
-Report dict layout::
+``build_report`` turns the records of ``samples.jsonl`` (one per sample and backend, see
+``pipelines/compare.py``) into the report dict; ``write_report`` writes it; ``format_table`` prints it.
 
-    {
-        "command": str,                 # command line that produced the run
-        "versions": {name: version},    # torch, diffusers, ... as strings
-        "model": str,                   # model id or path
-        "reference": "fp32",            # what every backend is compared against
-        "settings": {...},              # free-form run settings (frames, steps, seed, ...)
-        "backends": {
-            name: {
-                "scores": <pasa_diffusers.metrics.quality.score_video dict>,
-                "seconds": float,       # optional: wall time of the backend's run
-                "processors": {...},    # optional: summary of the attention processors used
-            },
-        },
-    }
+Report layout (``report.json``)::
 
-The writers need only ``backends[name]["scores"]`` (plus optional ``seconds``
-and ``processors``) and, when present, ``command``, ``versions``, ``model``,
-``reference`` and ``settings``. Before writing JSON every float is made
-JSON-safe: ``inf`` becomes ``"inf"``, NaN becomes ``null``.
+    {"command", "versions", "model", "reference": "fp32", "settings": {...},
+     "samples": n, "lpips": label or the reason it is missing, "statistics": stats.METHOD,
+     "aggregate": {backend: {metric: {"mean", "std", "ci95": [lo, hi], "n"}}},
+     "paired":    {"A - B": {metric: {"mean", "std", "ci95": [lo, hi], "n"}}},
+     "health":    {backend: {"samples", "broken_samples", "frames", "nonfinite_frames",
+                             "identical_samples", "fallbacks": {"calls", "fallback_calls", "share",
+                                                                "reasons": {reason: calls}}}},
+     "per_frame": {backend: {"psnr": {"mean": [...], "ci95": [[lo, hi], ...], "n": [...]}}},
+     "worst":     {backend: [{"sample", "image", "seed", "psnr", "ssim", "nonfinite_frames", "video"}]},
+     "records": "samples.jsonl"}
+
+Metrics (``METRICS``) are per-sample values: the mean over a video's frames of PSNR (dB), SSIM,
+LPIPS and temporal PSNR, the flicker ratio, and the seconds the backend took.  A sample with no
+finite frame has no value; a sample identical to the reference has PSNR ``inf`` (JSON ``"inf"``,
+see ``records``).  Statistics are ``stats.summarize`` and ``stats.paired_difference``.  A backend
+all of whose attention calls fell back to another computation is an error, not a row.
 """
-
 from __future__ import annotations
 
-import io
-import json
 import math
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,246 +34,381 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from .quality import LPIPS_LABEL, json_float
+from . import stats
+from .records import atomic_path, dumps, from_json_float, markdown_table, write_atomic
 
-COLUMNS = (
-    "backend",
-    "PSNR dB (mean)",
-    "SSIM",
-    "LPIPS",
-    "temporal PSNR",
-    "flicker",
-    "non-finite frames",
-    "time s",
-)
+__all__ = ["METRICS", "worst_key", "build_report", "write_report", "table_rows", "paired_rows", "format_table",
+           "format_markdown"]
+
+METRICS: dict[str, tuple[str, str]] = {
+    "psnr": ("PSNR dB", ".2f"),
+    "ssim": ("SSIM", ".4f"),
+    "lpips": ("LPIPS", ".4f"),
+    "temporal_psnr": ("temporal PSNR dB", ".2f"),
+    "flicker": ("flicker", ".3f"),
+    "seconds": ("time s", ".1f"),
+}
+"""Per-sample metric -> (column title, number format)."""
+
+HIGHER_IS_BETTER = {"psnr": True, "ssim": True, "lpips": False, "temporal_psnr": True}
+"""The metrics compared pair by pair, and their direction."""
+
 NA = "n/a"
-RANDOM_LPIPS_MARK = "†"
+MINUS = "\u2212"
 
 
-def json_safe(obj: Any) -> Any:
-    """Recursively convert numpy values, paths and non-finite floats into JSON-safe values."""
-    if isinstance(obj, dict):
-        return {str(key): json_safe(value) for key, value in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [json_safe(value) for value in obj]
-    if isinstance(obj, np.ndarray):
-        return json_safe(obj.tolist())
-    if isinstance(obj, np.generic):
-        return json_safe(obj.item())
-    if isinstance(obj, float):
-        return json_float(obj)
-    if isinstance(obj, Path):
-        return str(obj)
-    return obj
+def _value(record: dict[str, Any], metric: str) -> float:
+    return from_json_float(record.get(metric))
 
 
-def _backends(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    backends = report.get("backends")
-    if not isinstance(backends, dict):
-        raise ValueError("report must have a 'backends' dict of {name: {'scores': ...}}")
-    for name, entry in backends.items():
-        if not isinstance(entry, dict) or not isinstance(entry.get("scores"), dict):
-            raise ValueError(f"report['backends'][{name!r}] must be a dict with a 'scores' dict")
-    return backends
+def _fallbacks(backend: str, records: list[dict[str, Any]]) -> dict[str, Any]:
+    calls = sum(r["fallbacks"]["calls"] for r in records)
+    fallback_calls = sum(r["fallbacks"]["fallback_calls"] for r in records)
+    reasons: dict[str, int] = {}
+    for record in records:
+        for reason, count in record["fallbacks"]["reasons"].items():
+            reasons[reason] = reasons.get(reason, 0) + count
+    if calls and fallback_calls == calls:
+        raise ValueError(f"build_report: backend {backend!r} fell back on all {calls} attention calls it targets "
+                         f"({', '.join(reasons)}): its videos are not {backend}'s")
+    return {"calls": calls, "fallback_calls": fallback_calls, "share": fallback_calls / calls if calls else 0.0,
+            "reasons": dict(sorted(reasons.items()))}
 
 
-def _fmt(value: Any, spec: str) -> str:
-    if value is None:
+def worst_key(record: dict[str, Any]) -> tuple[int, float] | None:
+    """How bad a record is, for the worst-samples list: ascending keys are worse first (most non-finite
+    frames, then lowest PSNR); ``None`` for a video identical to the reference, never listed.  Ties
+    keep the order of the samples."""
+    psnr = _value(record, "psnr")
+    if not record["nonfinite_frames"] and psnr == math.inf:
+        return None
+    return -record["nonfinite_frames"], -math.inf if math.isnan(psnr) else psnr
+
+
+def _worst(records: list[dict[str, Any]], count: int, video: Callable[[dict[str, Any]], str]) -> list[dict]:
+    """The ``count`` worst of ``records`` (in sample order) by ``worst_key``."""
+    ranked = sorted((r for r in records if worst_key(r) is not None), key=worst_key)
+    return [{"sample": r["sample"], "image": r["image"], "seed": r["seed"], "psnr": r["psnr"], "ssim": r["ssim"],
+             "nonfinite_frames": r["nonfinite_frames"], "video": video(r)} for r in ranked[:count]]
+
+
+def build_report(records: Sequence[dict[str, Any]], *, backends: Sequence[str], meta: dict[str, Any],
+                 worst: int = 2, video: Callable[[dict[str, Any]], str] = lambda record: "") -> dict[str, Any]:
+    """The report dict (module docstring) of ``records`` for ``backends`` (in that order).
+
+    Args:
+        records: one per (sample, backend); every backend must have a record for every sample.
+        backends: the backends to report, in table order.
+        meta: ``command``, ``versions``, ``model``, ``settings`` and ``lpips`` (copied as they are).
+        worst: how many worst samples to list per backend.
+        video: the path (relative to the report) of a record's side-by-side video.
+    """
+    by_backend = {name: [r for r in records if r["backend"] == name] for name in backends}
+    samples = [(r["image"], r["seed"]) for r in by_backend[backends[0]]] if backends else []
+    for name, rows in by_backend.items():
+        if [(r["image"], r["seed"]) for r in rows] != samples:
+            raise ValueError(f"build_report: backend {name!r} has records for {len(rows)} samples, "
+                             f"expected the same {len(samples)} samples as {backends[0]!r} in the same order")
+    values = {name: {m: np.array([_value(r, m) for r in rows]) for m in METRICS} for name, rows in by_backend.items()}
+    aggregate = {name: {m: stats.summarize(v) for m, v in per.items() if not np.isnan(v).all() or m != "lpips"}
+                 for name, per in values.items()}
+    paired: dict[str, dict[str, Any]] = {}
+    for i, a in enumerate(backends):
+        for b in backends[i + 1:]:
+            paired[f"{a} - {b}"] = {m: stats.paired_difference(values[a][m], values[b][m])
+                                    for m in HIGHER_IS_BETTER if m in aggregate[a] and m in aggregate[b]}
+    health = {name: {"samples": len(rows),
+                     "broken_samples": sum(1 for r in rows if r["nonfinite_frames"]),
+                     "frames": sum(r["frames"] for r in rows),
+                     "nonfinite_frames": sum(r["nonfinite_frames"] for r in rows),
+                     "identical_samples": int(np.isposinf(values[name]["psnr"]).sum()),
+                     "fallbacks": _fallbacks(name, rows)}
+              for name, rows in by_backend.items()}
+    per_frame = {name: {"psnr": stats.per_frame([[from_json_float(v) for v in r["psnr_per_frame"]] for r in rows])}
+                 for name, rows in by_backend.items()}
+    return {
+        **{key: meta.get(key) for key in ("command", "versions", "model")},
+        "reference": "fp32",
+        "settings": meta.get("settings", {}),
+        "samples": len(samples),
+        "lpips": meta.get("lpips"),
+        "statistics": stats.METHOD,
+        "aggregate": aggregate,
+        "paired": paired,
+        "health": health,
+        "per_frame": per_frame,
+        "worst": {name: _worst(rows, worst, video) for name, rows in by_backend.items()},
+        "records": "samples.jsonl",
+    }
+
+
+# ----------------------------------------------------------------------------------------------- tables
+
+
+def _number(value: float, spec: str, sign: bool = False) -> str:
+    text = format(value, ("+" if sign else "") + spec)
+    return text.replace("-", MINUS)
+
+
+def _summary_cell(summary: dict[str, Any] | None, spec: str, *, sign: bool = False, interval: bool = True) -> str:
+    """``mean [lo, hi]``; ``inf`` for an infinite mean; ``n/a`` without a value."""
+    if not summary or summary["mean"] is None:
         return NA
-    if value == "inf":
-        return "inf"
-    return format(float(value), spec)
+    mean = from_json_float(summary["mean"])
+    if math.isinf(mean):
+        return ("+" if sign and mean > 0 else "") + ("inf" if mean > 0 else f"{MINUS}inf")
+    text = _number(mean, spec, sign)
+    if interval and summary["ci95"] is not None:
+        lo, hi = summary["ci95"]
+        text += f" [{_number(lo, spec, sign)}, {_number(hi, spec, sign)}]"
+    return text
 
 
-def _with_inf(mean: Any, identical: int) -> str:
-    """A PSNR-like mean, with the count of identical (``inf``) frames appended."""
-    if mean is None:
-        return f"inf (all {identical})" if identical else NA
-    return f"{float(mean):.2f}" + (f" (+{identical} inf)" if identical else "")
+def _columns(report: dict[str, Any]) -> list[str]:
+    """The metrics with a value for some backend (LPIPS only when it was computed)."""
+    return [m for m in METRICS if any(m in per for per in report["aggregate"].values())]
 
 
-def _row(name: str, entry: dict[str, Any]) -> list[str]:
-    scores = entry["scores"]
-    psnr, ssim, temporal = scores["psnr"], scores["ssim"], scores["temporal_psnr"]
-    lpips = scores.get("lpips")
-    lpips_cell = NA
-    if lpips is not None:
-        lpips_cell = _fmt(lpips["mean"], ".4f") + ("" if lpips.get("label") == LPIPS_LABEL else f" {RANDOM_LPIPS_MARK}")
-    nonfinite = scores["nonfinite"]
-    nonfinite_cell = str(nonfinite["count"])
-    if nonfinite["count"]:
-        nonfinite_cell += f" (first {nonfinite['first_index']})"
-    seconds = entry.get("seconds")
-    return [
-        name,
-        _with_inf(psnr["mean"], psnr.get("identical_frames", 0)),
-        _fmt(ssim["mean"], ".4f"),
-        lpips_cell,
-        _with_inf(temporal["mean"], temporal.get("identical_pairs", 0)),
-        _fmt(scores.get("flicker_ratio"), ".3f"),
-        nonfinite_cell,
-        NA if seconds is None else f"{float(seconds):.1f}",
-    ]
+def _nonfinite_cell(health: dict[str, Any]) -> str:
+    cell = f"{health['broken_samples']} of {health['samples']}"
+    if health["nonfinite_frames"]:
+        cell += f" ({health['nonfinite_frames']} frames)"
+    return cell
 
 
-def table_rows(report: dict[str, Any]) -> list[list[str]]:
-    """One row of formatted cells per backend, in the order of :data:`COLUMNS`."""
-    return [_row(name, entry) for name, entry in _backends(report).items()]
+def _fallback_cell(fallbacks: dict[str, Any]) -> str:
+    """``0%``, or the share of calls that fell back and each reason's share, e.g. ``50% (single key)``."""
+    if not fallbacks["fallback_calls"]:
+        return "0%"
+    calls = fallbacks["calls"]
+    share = f"{100 * fallbacks['share']:.0f}%"
+    reasons = fallbacks["reasons"]
+    if len(reasons) == 1:
+        return f"{share} ({next(iter(reasons))})"
+    return share + " (" + ", ".join(f"{reason} {100 * n / calls:.0f}%" for reason, n in reasons.items()) + ")"
+
+
+def table_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """The scores table: ``(columns, rows)``, one row per backend."""
+    metrics = _columns(report)
+    columns = ["backend", *(METRICS[m][0] for m in metrics), "samples with non-finite frames",
+               "attention fallbacks"]
+    rows = []
+    for name, per in report["aggregate"].items():
+        health = report["health"][name]
+        cells = []
+        for m in metrics:
+            cell = _summary_cell(per.get(m), METRICS[m][1], interval=m != "seconds")
+            if m == "psnr" and health["identical_samples"]:
+                cell += f" ({health['identical_samples']} of {health['samples']} identical)"
+            cells.append(cell)
+        rows.append([name, *cells, _nonfinite_cell(health), _fallback_cell(health["fallbacks"])])
+    return columns, rows
+
+
+def _verdict(pair: str, summary: dict[str, Any] | None, higher_is_better: bool) -> str:
+    a, _, b = pair.partition(" - ")
+    if not summary or summary["mean"] is None:
+        return NA
+    mean = from_json_float(summary["mean"])
+    if math.isinf(mean):
+        positive = mean > 0
+    elif summary["ci95"] is None:
+        return "one sample: no interval"
+    elif summary["ci95"][0] > 0 or summary["ci95"][1] < 0:
+        positive = summary["ci95"][0] > 0
+    else:
+        return "within noise (interval holds 0)"
+    return f"{a if positive == higher_is_better else b} better"
+
+
+def paired_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """The paired-differences table: ``(columns, rows)``, one row per pair ``A - B``."""
+    metrics = [m for m in HIGHER_IS_BETTER if m in _columns(report)]
+    columns = ["A \u2212 B", "samples", *(METRICS[m][0] for m in metrics), "PSNR verdict"]
+    rows = []
+    for pair, per in report["paired"].items():
+        if _pair_size(per):
+            rows.append([pair.replace(" - ", f" {MINUS} "), str(per["psnr"]["n"]),
+                         *(_summary_cell(per.get(m), METRICS[m][1], sign=True) for m in metrics),
+                         _verdict(pair, per["psnr"], True)])
+    return columns, rows
+
+
+def _pair_size(per: dict[str, Any]) -> int:
+    """The samples where both backends of a pair have a PSNR."""
+    return per["psnr"]["n"] if "psnr" in per else 0
+
+
+def _unpaired_note(report: dict[str, Any]) -> str:
+    """The pairs left out of the paired table: no sample where both backends have a value."""
+    empty = [pair.replace(" - ", f" {MINUS} ") for pair, per in report["paired"].items() if not _pair_size(per)]
+    return f"Not shown, no sample where both have a finite PSNR: {', '.join(empty)}." if empty else ""
+
+
+def _aligned(columns: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(cell) for cell in column) for column in zip(columns, *rows)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(cells, widths)))
+
+    return "\n".join([line(columns), "  ".join("-" * w for w in widths), *(line(row) for row in rows)])
 
 
 def format_table(report: dict[str, Any]) -> str:
-    """The per-backend summary as an aligned plain-text table (drawn with ``rich`` when importable)."""
-    rows = table_rows(report)
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        return _plain_table(rows)
-    table = Table(title=f"Quality vs {report.get('reference', 'reference')}")
-    for i, column in enumerate(COLUMNS):
-        table.add_column(column, justify="left" if i == 0 else "right")
-    for row in rows:
-        table.add_row(*row)
-    console = Console(file=io.StringIO(), width=200, color_system=None)
-    console.print(table)
-    return console.file.getvalue().rstrip("\n")
+    """The scores and the paired differences as aligned plain-text tables, for the terminal."""
+    text = (f"Scores against the fp32 reference over {report['samples']} samples: mean [95% bootstrap interval]\n"
+            + _aligned(*table_rows(report)))
+    columns, rows = paired_rows(report)
+    if rows:
+        text += "\n\nPaired differences A \u2212 B over the same samples: mean [95% bootstrap interval]\n"
+        text += _aligned(columns, rows)
+    note = _unpaired_note(report)
+    return text + ("\n" + note if note else "")
 
 
-def _plain_table(rows: list[list[str]]) -> str:
-    widths = [max(len(cell) for cell in column) for column in zip(COLUMNS, *rows)]
-
-    def line(cells: list[str] | tuple[str, ...]) -> str:
-        return "  ".join(
-            cell.ljust(width) if i == 0 else cell.rjust(width) for i, (cell, width) in enumerate(zip(cells, widths))
-        ).rstrip()
-
-    return "\n".join([line(COLUMNS), "  ".join("-" * width for width in widths), *(line(row) for row in rows)])
+# ------------------------------------------------------------------------------------------------ markdown
 
 
-def _lpips_notes(backends: dict[str, dict[str, Any]]) -> list[str]:
-    """Footnotes on LPIPS: non-standard labels, and why LPIPS is missing where it is."""
-    scores = {name: entry["scores"] for name, entry in backends.items()}
-    labels = {s["lpips"]["label"] for s in scores.values() if s.get("lpips")}
-    notes = [f"{RANDOM_LPIPS_MARK} {label}" for label in sorted(labels - {LPIPS_LABEL})]
-    missing = {
-        name: s.get("lpips_unavailable", "LPIPS unavailable: no reason recorded")
-        for name, s in scores.items()
-        if not s.get("lpips")
-    }
-    if missing and len(missing) == len(scores):
-        notes += sorted(set(missing.values()))
-    else:
-        notes += [f"{name}: {reason}" for name, reason in missing.items()]
-    return notes
+def _settings_line(report: dict[str, Any]) -> str:
+    s = report["settings"]
+    return (f"{len(s['images'])} image(s) x {len(s['seeds'])} seed(s) = {report['samples']} samples; "
+            f"{s['num_frames']} frames of {s['height']}x{s['width']}, {s['num_inference_steps']} steps; "
+            f"{s['device']}" + (f" ({s['cpu_threads']} threads)" if "cpu_threads" in s else "")
+            + f", model in {s['dtype']}. Every backend and the fp32 reference ran on the same samples "
+            "from the same initial noise.")
 
 
-def format_markdown(report: dict[str, Any], plots: list[str] | tuple[str, ...] = ()) -> str:
-    """The markdown report: title, command, versions, summary table, notes and plot links."""
-    backends = _backends(report)
-    reference = report.get("reference", "reference")
-    lines = [f"# Quality report: {report.get('model', 'unknown model')}", ""]
-    lines += ["## Command", "", "```", str(report.get("command", "")), "```", ""]
-    lines += ["## Versions", ""]
-    lines += [f"- {name}: {version}" for name, version in report.get("versions", {}).items()] or ["- (none recorded)"]
-    lines += ["", f"## Scores against the {reference} reference", ""]
-    lines.append("| " + " | ".join(COLUMNS) + " |")
-    lines.append("|" + "|".join(["---"] + ["---:"] * (len(COLUMNS) - 1)) + "|")
-    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in table_rows(report)]
-    lines += ["", *(f"{note}  " for note in _lpips_notes(backends))]
-    lines += [
-        "",
-        "PSNR: mean over frames with finite PSNR; `+k inf` counts frames identical to the reference "
-        '(PSNR = inf, stored as `"inf"` in report.json). Temporal PSNR compares frame differences '
-        "(data range 2); flicker is mean |frame change| of the backend over that of the reference. "
-        "Frames with non-finite pixels are excluded from every mean and counted under non-finite frames.",
-    ]
-    if report.get("settings"):
-        lines += ["", "## Settings", "", "```json", json.dumps(json_safe(report["settings"]), indent=2), "```"]
-    processors = {name: e["processors"] for name, e in backends.items() if e.get("processors")}
-    if processors:
-        lines += ["", "## Attention processors", ""]
-        lines += [f"- {name}: `{json.dumps(json_safe(summary))}`" for name, summary in processors.items()]
+def _worst_section(report: dict[str, Any]) -> list[str]:
+    rows = [[name, w["sample"], _summary_cell({"mean": w["psnr"], "ci95": None}, ".2f"),
+             _summary_cell({"mean": w["ssim"], "ci95": None}, ".4f"), str(w["nonfinite_frames"]),
+             f"![{w['sample']} {name}]({w['video']})" if w["video"] else NA]
+            for name, entries in report["worst"].items() for w in entries]
+    if not rows:
+        return []
+    return ["", "## Worst samples", "",
+            "Per backend, the samples with the most non-finite frames, then the lowest PSNR; each video is "
+            "[fp32 reference | backend | 10x absolute difference] (magenta: non-finite pixels).", "",
+            markdown_table(["backend", "sample", "PSNR dB", "SSIM", "non-finite frames", "side by side"], rows,
+                           align="llrrrl")]
+
+
+def format_markdown(report: dict[str, Any], plots: Sequence[str] = ()) -> str:
+    """The markdown report: summary, scores, paired differences, worst samples, plots, method, settings."""
+    lines = [f"# pasa compare: {report['model']}, {report['samples']} samples", "", _settings_line(report), "",
+             "## Scores against the fp32 reference", "",
+             "Mean over samples [95% bootstrap interval]; a sample's score is the mean over its frames "
+             "(frames with non-finite pixels are left out and counted).", "",
+             markdown_table(*table_rows(report)), ""]
+    if report["lpips"] and "unavailable" in report["lpips"]:
+        lines += [report["lpips"], ""]
+    lines += ["Temporal PSNR compares frame differences (data range 2); flicker is the mean frame change of the "
+              "backend over the reference's. Attention fallbacks: the share of the attention calls a backend "
+              "targets that were computed another way (e.g. a single key, where softmax is 1), and why."]
+    columns, rows = paired_rows(report)
+    note = _unpaired_note(report)
+    if rows or note:
+        lines += ["", "## Paired differences", "",
+                  "A \u2212 B per sample, then the mean [95% bootstrap interval] over the samples where both have "
+                  "a value. An interval that excludes 0 resolves the difference; one that holds 0 does not.", ""]
+        lines += [markdown_table(columns, rows, align="lr" + "r" * (len(columns) - 3) + "l")] if rows else []
+        lines += ["", note] if note else []
+    lines += _worst_section(report)
     if plots:
-        lines += ["", "## Plots", ""] + [f"![{Path(p).stem}]({p})" for p in plots]
+        lines += ["", "## Plots", "", *(f"![{Path(p).stem}]({p})" for p in plots)]
+    lines += ["", "## Method", "", report["statistics"] + ".", "",
+              f"Per-sample records: [{report['records']}]({report['records']}).",
+              "", "## Settings", "", "```json", dumps(report["settings"], indent=None), "```",
+              "", "## Command", "", "```", str(report["command"]), "```",
+              "", "## Versions", "", *(f"- {k}: {v}" for k, v in (report["versions"] or {}).items())]
     return "\n".join(lines) + "\n"
 
 
-def _values(per_frame: list[Any]) -> np.ndarray:
-    """Per-frame JSON values as floats: ``"inf"`` -> inf, ``null`` -> NaN."""
-    return np.array([math.inf if v == "inf" else math.nan if v is None else float(v) for v in per_frame])
+# --------------------------------------------------------------------------------------------------- plots
 
 
-def _series(backends: dict[str, dict[str, Any]], metric: str) -> dict[str, np.ndarray]:
-    series = {}
-    for name, entry in backends.items():
-        block = entry["scores"].get(metric)
-        if block:
-            series[name] = _values(block["per_frame"])
-    return series
-
-
-def _plot(series: dict[str, np.ndarray], path: Path, *, title: str, ylabel: str) -> Path:
-    fig = Figure(figsize=(7, 4), dpi=100)
+def _figure(width: float, height: float) -> Figure:
+    fig = Figure(figsize=(width, height), dpi=100)
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    for name, values in series.items():
-        ax.plot(np.arange(len(values)), values, marker="o", markersize=3, label=name)
-    ax.set_xlabel("frame index")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend()
+    return fig
+
+
+def _distributions(report: dict[str, Any], records: Sequence[dict[str, Any]], path: Path) -> Path:
+    """Per backend, every sample's PSNR and SSIM (box and points); identical samples drawn at a cap."""
+    names = list(report["aggregate"])
+    fig = _figure(4.0 + 1.2 * len(names), 4.0)
+    rng = np.random.default_rng(0)  # jitter of the points only
+    for panel, metric in enumerate(("psnr", "ssim")):
+        ax = fig.add_subplot(1, 2, panel + 1)
+        values = {n: np.array([_value(r, metric) for r in records if r["backend"] == n]) for n in names}
+        finite = np.concatenate([v[np.isfinite(v)] for v in values.values()] + [np.empty(0)])
+        cap = math.ceil(finite.max() + 5) if finite.size else 100.0
+        capped = False
+        for i, name in enumerate(names):
+            v = values[name][~np.isnan(values[name])]
+            if not v.size:
+                ax.text(i, 0.5, "no finite\nsample", transform=ax.get_xaxis_transform(), ha="center", va="center",
+                        fontsize=8, color="0.4")
+                continue
+            capped |= bool(np.isinf(v).any())
+            v = np.where(np.isinf(v), cap, v)
+            ax.boxplot([v], positions=[i], widths=0.5, showfliers=False)
+            ax.scatter(i + rng.uniform(-0.15, 0.15, v.size), v, s=12, alpha=0.7, zorder=3)
+        ax.set_xticks(range(len(names)), names, rotation=20, fontsize=8)
+        ax.set_xlim(-0.6, len(names) - 0.4)
+        title = METRICS[metric][0] + " per sample"
+        ax.set_title(title + (f"\n(identical to fp32 drawn at {cap:g})" if capped else ""), fontsize=9)
+        ax.grid(alpha=0.3, axis="y")
+    fig.suptitle(f"{report['model']}: {report['samples']} samples against the fp32 reference", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp)
     return path
 
 
-def _psnr_plot(backends: dict[str, dict[str, Any]], path: Path, reference: str) -> Path:
-    series = _series(backends, "psnr")
-    finite = np.concatenate([v[np.isfinite(v)] for v in series.values()] + [np.empty(0)])
-    title = f"PSNR vs {reference} reference"
-    if any(np.isposinf(v).any() for v in series.values()):
-        cap = float(math.ceil(finite.max() + 5.0)) if finite.size else 100.0
-        series = {name: np.where(np.isposinf(v), cap, v) for name, v in series.items()}
-        title += f"\n(identical frames, PSNR = inf, plotted at {cap:g} dB)"
-    return _plot(series, path, title=title + _gap_note(backends), ylabel="PSNR (dB)")
+def _per_frame_plot(report: dict[str, Any], path: Path) -> Path:
+    """Per backend, the mean over samples of each frame's PSNR, with its 95% bootstrap band."""
+    fig = _figure(7.0, 4.0)
+    ax = fig.add_subplot()
+    left_out = []
+    for name, per in report["per_frame"].items():
+        mean = np.array([from_json_float(m) if m is not None else math.nan for m in per["psnr"]["mean"]])
+        if not np.isfinite(mean).any():
+            left_out.append(name)
+            continue
+        frames = np.arange(mean.size)
+        line, = ax.plot(frames, np.where(np.isfinite(mean), mean, np.nan), marker="o", markersize=3, label=name)
+        band = [(t, ci) for t, ci in enumerate(per["psnr"]["ci95"]) if ci is not None]
+        if band:
+            ax.fill_between([t for t, _ in band], [ci[0] for _, ci in band], [ci[1] for _, ci in band],
+                            color=line.get_color(), alpha=0.2, linewidth=0)
+    ax.set_xlabel("frame index")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel("PSNR (dB)")
+    title = f"PSNR per frame vs fp32: mean over {report['samples']} samples, 95% bootstrap band"
+    if left_out:
+        title += f"\n(not drawn, no finite mean: {', '.join(left_out)})"
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp)
+    return path
 
 
-def _gap_note(backends: dict[str, dict[str, Any]]) -> str:
-    if any(e["scores"]["nonfinite"]["count"] for e in backends.values()):
-        return "\n(gaps: frames with non-finite pixels)"
-    return ""
+def write_report(report: dict[str, Any], records: Sequence[dict[str, Any]], out_dir: str | Path) -> dict[str, Path]:
+    """Write ``distributions.png``, ``psnr_per_frame.png``, ``report.md`` and, last, ``report.json``.
 
-
-def write_report(report: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
-    """Write ``report.json``, ``psnr.png``, ``ssim.png``, ``lpips.png`` (if any LPIPS) and ``report.md``.
-
-    Returns ``{"json", "markdown", "psnr", "ssim"[, "lpips"]}`` -> path.
+    Each file is written atomically (temporary file + rename), so ``report.json`` exists only when the
+    whole report does.  Returns ``{"distributions", "psnr_per_frame", "markdown", "json"}`` -> path.
     """
-    backends = _backends(report)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    reference = report.get("reference", "reference")
-    written = {"json": out_dir / "report.json"}
-    written["json"].write_text(json.dumps(json_safe(report), allow_nan=False, indent=2) + "\n")
-    written["psnr"] = _psnr_plot(backends, out_dir / "psnr.png", reference)
-    written["ssim"] = _plot(
-        _series(backends, "ssim"),
-        out_dir / "ssim.png",
-        title=f"SSIM vs {reference} reference" + _gap_note(backends),
-        ylabel="SSIM",
-    )
-    lpips = {name: v for name, v in _series(backends, "lpips").items() if np.isfinite(v).any()}
-    if lpips:
-        labels = sorted({backends[name]["scores"]["lpips"]["label"] for name in lpips})
-        written["lpips"] = _plot(
-            lpips,
-            out_dir / "lpips.png",
-            title=f"{', '.join(labels)} vs {reference} reference" + _gap_note(backends),
-            ylabel="LPIPS (lower is closer)",
-        )
-    plots = [path.name for key, path in written.items() if key != "json"]
-    written["markdown"] = out_dir / "report.md"
-    written["markdown"].write_text(format_markdown(report, plots))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = {"distributions": _distributions(report, records, out / "distributions.png"),
+               "psnr_per_frame": _per_frame_plot(report, out / "psnr_per_frame.png")}
+    written["markdown"] = write_atomic(out / "report.md",
+                                       format_markdown(report, [p.name for p in written.values()]))
+    written["json"] = write_atomic(out / "report.json", dumps(report) + "\n")
     return written

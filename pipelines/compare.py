@@ -1,44 +1,73 @@
-"""``pasa compare``: every attention backend's video scored against the FP32-attention reference.
+"""``pasa compare``: every attention backend's videos scored against the FP32-attention reference, over samples.
 
-One pipeline is loaded once; for each backend its processors are installed with
-``pasa_diffusers.apply``, the same image is animated from the same initial noise, and the frames are
-scored against the reference's with ``metrics.score_video``.  The FP32 reference upcasts q, k and v
-to float32 inside the same model, so only attention differs between runs.
+One pipeline is loaded once per process.  For each sample (a conditioning image and a seed,
+``samples.py``) the FP32 reference and every backend animate the same image from the same initial
+noise (``make_latents``); each backend's processors are installed with ``pasa_diffusers.apply`` for
+its video only.  The FP32 reference upcasts q, k and v to float32 inside the same model, so only
+attention differs between the videos.  Each backend's frames are scored with
+``metrics.score_video`` against the reference's.
+
+``evaluate`` runs a whole evaluation into an output folder: one record per (sample, backend) appended
+to ``samples.jsonl`` as soon as it is scored, resume, refusal of a mixed folder (``runlog.py``),
+sharding over torchrun ranks (``distributed.py``), and at the end the report with statistics over the
+samples (``metrics.report``).  ``run_comparison`` is the same comparison for one sample, in memory.
+
+A record of ``samples.jsonl``::
+
+    {"image", "seed", "sample", "backend",
+     "psnr", "ssim", "lpips", "temporal_psnr", "flicker",   # the video's means (JSON: records.json_float)
+     "frames", "nonfinite_frames", "first_nonfinite", "identical_frames",
+     "psnr_per_frame": [...], "ssim_per_frame": [...],
+     "fallbacks": {"calls", "fallback_calls", "reasons": {reason: calls}},
+     "seconds", "rank"}
+
+A video's PSNR (and temporal PSNR) is the mean over its frames with a finite value, ``inf`` when every
+scored frame is identical to the reference, ``null`` when no frame could be scored (non-finite pixels).
 """
 from __future__ import annotations
 
-import platform
+import math
 import sys
 import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from pasa_diffusers import metrics
-from pasa_diffusers import install
+from pasa_diffusers import install, metrics
+from pasa_diffusers.metrics import records
+from pasa_diffusers.metrics.report import worst_key
 
+from . import runlog
+from .distributed import Dist
+from .samples import Sample, image_identity, make_samples
 from .svd import generate, load_image, load_svd, make_latents
 
-__all__ = ["COMPARE_BACKENDS", "DEFAULT_BACKENDS", "backend_options", "parse_backends", "run_comparison",
-           "write_comparison"]
+__all__ = ["COMPARE_BACKENDS", "DEFAULT_BACKENDS", "FallbackError", "VideoRun", "CompareConfig", "backend_options",
+           "check_backends", "compare_sample", "sample_record", "run_comparison", "evaluate"]
 
 COMPARE_BACKENDS = tuple(b for b in install.BACKENDS if b != "fp32")
-DEFAULT_BACKENDS = ("pasa", "naive-half", "sdpa", "bf16")
+DEFAULT_BACKENDS = ("pasa", "pasa-paper", "naive-half", "bf16")
 
 
-def parse_backends(text: str) -> list[str]:
-    """``"pasa,naive-half"`` -> ``["pasa", "naive-half"]``; unknown or repeated names raise ``ValueError``."""
-    names = [n.strip() for n in text.split(",") if n.strip()]
+class FallbackError(RuntimeError):
+    """A backend computed none of the attention calls it targets itself: every one fell back."""
+
+
+def check_backends(names: Sequence[str]) -> list[str]:
+    """``names`` as a list, checked: known, not ``fp32`` (the reference), none twice; else ``ValueError``."""
+    names = list(names)
     if not names:
-        raise ValueError(f"--backends: no backend named in {text!r}; choose from {', '.join(COMPARE_BACKENDS)}")
+        raise ValueError(f"--backends: no backend named; choose from {', '.join(COMPARE_BACKENDS)}")
     unknown = [n for n in names if n not in COMPARE_BACKENDS]
     if unknown:
         raise ValueError(f"--backends: unknown backend(s) {', '.join(unknown)}; choose from "
                          f"{', '.join(COMPARE_BACKENDS)} (fp32 is always the reference)")
     if len(set(names)) != len(names):
-        raise ValueError(f"--backends: a backend is named twice in {text!r}")
+        raise ValueError(f"--backends: a backend is named twice in {','.join(names)}")
     return names
 
 
@@ -53,96 +82,329 @@ def backend_options(backend: str, model_dtype: torch.dtype) -> dict:
     return {}
 
 
-def _versions() -> dict[str, str]:
-    import diffusers
+@dataclass
+class VideoRun:
+    """One backend's video of one sample: its frames, the seconds it took, its processors' summary."""
 
-    found = {"python": platform.python_version(), "torch": torch.__version__, "diffusers": diffusers.__version__,
-             "numpy": np.__version__}
+    backend: str
+    frames: np.ndarray
+    seconds: float
+    processors: dict[str, Any] = field(default_factory=dict)
+
+
+def _check_fallbacks(backend: str, fallbacks: dict[str, Any]) -> None:
+    calls, fell = fallbacks["calls"], fallbacks["fallback_calls"]
+    if calls and fell == calls:
+        reasons = ", ".join(f"{reason} ({n})" for reason, n in fallbacks["fallbacks"].items())
+        raise FallbackError(f"--backends {backend}: every one of its {calls} attention calls fell back ({reasons}), "
+                            f"so its video would not be {backend}'s; choose another backend or --dtype")
+
+
+def _generate(pipe: Any, backend: str, image: Any, latents: torch.Tensor, settings: dict[str, int],
+              seed: int) -> VideoRun:
+    summary = install.apply(pipe, backend, **backend_options(backend, pipe.unet.dtype))
     try:
-        import triton
-
-        found["triton"] = triton.__version__
-    except ImportError:
-        found["triton"] = "not installed"
-    if torch.cuda.is_available():
-        found["gpu"] = torch.cuda.get_device_name()
-    return found
-
-
-def _run(pipe: Any, backend: str, image: Any, latents: torch.Tensor, settings: dict, options: dict) -> tuple:
-    summary = install.apply(pipe, backend, **options)
-    start = time.perf_counter()
-    frames = generate(pipe, image, latents=latents, progress=False, **settings)
-    seconds = time.perf_counter() - start
-    fallbacks = install.fallback_summary(pipe)
-    install.restore(pipe)
-    options = {key: str(value).removeprefix("torch.") for key, value in summary["options"].items()}
-    return frames, seconds, {"installed": {**summary, "options": options}, "fallbacks": fallbacks}
+        start = time.perf_counter()
+        frames = generate(pipe, image, latents=latents, seed=seed, progress=False, **settings)
+        seconds = time.perf_counter() - start
+        fallbacks = install.fallback_summary(pipe)
+    finally:
+        install.restore(pipe)
+    _check_fallbacks(backend, fallbacks)
+    return VideoRun(backend, frames, seconds, records.json_safe({"installed": summary, "fallbacks": fallbacks}))
 
 
-def run_comparison(*, model: str = "tiny", backends: list[str] | tuple[str, ...] = DEFAULT_BACKENDS,
+def compare_sample(pipe: Any, image: Any, *, seed: int, backends: Sequence[str], num_frames: int,
+                   num_inference_steps: int, height: int, width: int) -> Iterator[VideoRun]:
+    """The FP32 reference's video, then each backend's, of one sample (generated lazily, in that order).
+
+    ``image`` is a PIL image; every video starts from ``make_latents(pipe, seed=seed, ...)``.  A backend
+    whose targeted attention calls all fell back raises ``FallbackError``.
+    """
+    settings = {"num_frames": num_frames, "num_inference_steps": num_inference_steps, "height": height,
+                "width": width}
+    latents = make_latents(pipe, num_frames=num_frames, height=height, width=width, seed=seed)
+    for backend in ("fp32", *backends):
+        yield _generate(pipe, backend, image, latents, settings, seed)
+
+
+def _video_mean(per_frame: list[Any]) -> float:
+    """Mean of the finite per-frame values; ``inf`` if every scored value is ``inf``; NaN if none is scored."""
+    values = np.array([records.from_json_float(v) for v in per_frame])
+    scored = values[~np.isnan(values)]
+    finite = scored[np.isfinite(scored)]
+    return float(finite.mean()) if finite.size else math.inf if scored.size else math.nan
+
+
+def sample_record(sample: Sample, run: VideoRun, scores: dict[str, Any], *, rank: int = 0) -> dict[str, Any]:
+    """The ``samples.jsonl`` record (module docstring) of ``run``'s video of ``sample``, scored as ``scores``."""
+    fallbacks = run.processors["fallbacks"]
+    lpips = scores.get("lpips")
+    return records.json_safe({
+        "image": sample.image, "seed": sample.seed, "sample": sample.label, "backend": run.backend,
+        "psnr": _video_mean(scores["psnr"]["per_frame"]),
+        "ssim": scores["ssim"]["mean"],
+        "lpips": lpips["mean"] if lpips else None,
+        "temporal_psnr": _video_mean(scores["temporal_psnr"]["per_frame"]),
+        "flicker": scores["flicker_ratio"],
+        "frames": scores["frames"],
+        "nonfinite_frames": scores["nonfinite"]["count"],
+        "first_nonfinite": scores["nonfinite"]["first_index"],
+        "identical_frames": scores["psnr"]["identical_frames"],
+        "psnr_per_frame": scores["psnr"]["per_frame"],
+        "ssim_per_frame": scores["ssim"]["per_frame"],
+        "fallbacks": {"calls": fallbacks["calls"], "fallback_calls": fallbacks["fallback_calls"],
+                      "reasons": fallbacks["fallbacks"]},
+        "seconds": run.seconds,
+        "rank": rank,
+    })
+
+
+def _default_dtype(device: str) -> torch.dtype:
+    return torch.float16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def _lpips(weights: str | None, device: str) -> tuple[metrics.LPIPSScorer | None, str]:
+    available, reason = metrics.lpips_status(weights)
+    if not available:
+        return None, reason
+    scorer = metrics.LPIPSScorer(weights, device=device)
+    return scorer, scorer.label
+
+
+def run_comparison(*, model: str = "tiny", backends: Sequence[str] = DEFAULT_BACKENDS,
                    image: str = "builtin:rocket", num_frames: int = 4, num_inference_steps: int = 4,
                    seed: int = 0, height: int = 64, width: int = 64, device: str = "cpu",
                    dtype: torch.dtype | None = None, lpips_weights: str | None = None,
-                   local_files_only: bool = False, progress: bool = True, command: str = "") -> tuple[dict, dict]:
-    """Generate the reference and every backend; return ``(report, videos)``.
+                   local_files_only: bool = False, progress: bool = True
+                   ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """One sample in memory: ``({"backends": {name: {"scores", "seconds", "processors"}}, ...}, videos)``.
 
     ``dtype`` defaults to float16 on CUDA (how SVD is run) and float32 on the CPU, where float16
     convolutions are impractically slow; there the processors cast q, k and v to their own precision,
     so attention still runs in FP16/BF16.  ``videos`` maps ``"fp32"`` and each backend to its frames.
+    ``progress`` shows a tqdm bar over the videos on stderr.
     """
-    names = parse_backends(",".join(backends))
-    if dtype is None:
-        dtype = torch.float16 if torch.device(device).type == "cuda" else torch.float32
-    pipe = load_svd(model, device=device, dtype=dtype, local_files_only=local_files_only)
-    cond = load_image(image, (width, height))
-    latents = make_latents(pipe, num_frames=num_frames, height=height, width=width, seed=seed)
-    settings = {"num_frames": num_frames, "num_inference_steps": num_inference_steps, "seed": seed,
-                "height": height, "width": width}
-
-    available, reason = metrics.lpips_status(lpips_weights)
-    scorer = metrics.LPIPSScorer(lpips_weights, device="cpu") if available else None
-
     from tqdm.auto import tqdm
 
-    runs = ["fp32"] + names
-    videos: dict[str, np.ndarray] = {}
-    results: dict[str, dict] = {}
-    bar = tqdm(runs, desc="compare", unit="video", file=sys.stderr, disable=not progress)
-    for name in bar:
-        bar.set_postfix_str(name)
-        frames, seconds, procs = _run(pipe, name, cond, latents, settings, backend_options(name, dtype))
-        videos[name] = frames
-        if name == "fp32":
-            reference_entry = {"seconds": seconds, "processors": procs}
-            continue
-        scores = metrics.score_video(videos["fp32"], frames, lpips_scorer=scorer, lpips_reason=reason)
-        results[name] = {"scores": scores, "seconds": seconds, "processors": procs}
-    report = {
-        "command": command,
-        "versions": _versions(),
-        "model": model,
-        "reference": "fp32",
-        "settings": {**settings, "image": image, "device": device, "dtype": str(dtype).removeprefix("torch."),
-                     "attention_cast": {n: str(backend_options(n, dtype).get("dtype", "none")).removeprefix("torch.")
-                                       for n in names}},
-        "reference_run": reference_entry,
-        "backends": results,
+    names = check_backends(backends)
+    pipe = load_svd(model, device=device, dtype=dtype or _default_dtype(device), local_files_only=local_files_only)
+    scorer, lpips_note = _lpips(lpips_weights, "cpu")
+    runs = compare_sample(pipe, load_image(image, (width, height)), seed=seed, backends=names, num_frames=num_frames,
+                          num_inference_steps=num_inference_steps, height=height, width=width)
+    bar = iter(tqdm(runs, total=1 + len(names), desc="compare", unit="video", file=sys.stderr, disable=not progress))
+    reference = next(bar)
+    videos = {"fp32": reference.frames}
+    results = {}
+    for run in bar:
+        videos[run.backend] = run.frames
+        scores = metrics.score_video(reference.frames, run.frames, lpips_scorer=scorer, lpips_reason=lpips_note)
+        results[run.backend] = {"scores": scores, "seconds": run.seconds, "processors": run.processors}
+    report = {"model": model, "reference": "fp32", "versions": records.versions(),
+              "settings": {"image": image, "seed": seed, "num_frames": num_frames,
+                           "num_inference_steps": num_inference_steps, "height": height, "width": width,
+                           "device": device, "dtype": pipe.unet.dtype},
+              "reference_run": {"seconds": reference.seconds, "processors": reference.processors},
+              "backends": results}
+    return records.json_safe(report), videos
+
+
+@dataclass(frozen=True)
+class CompareConfig:
+    """What an evaluation computes: the model, the samples, the backends and the generation settings.
+
+    ``images`` are ``builtin:NAME`` specs or image files; ``dtype`` None is float16 on CUDA, float32 on
+    the CPU.  ``fps`` is the frame rate of the side-by-side GIFs; ``worst`` how many worst samples
+    per backend the report lists (with their GIFs).
+    """
+
+    model: str = "tiny-resonant"
+    images: tuple[str, ...] = ("builtin:astronaut", "builtin:coffee", "builtin:rocket")
+    seeds: tuple[int, ...] = (0, 1)
+    backends: tuple[str, ...] = DEFAULT_BACKENDS
+    num_frames: int = 4
+    num_inference_steps: int = 4
+    height: int = 64
+    width: int = 64
+    dtype: torch.dtype | None = None
+    lpips_weights: str | None = None
+    local_files_only: bool = False
+    fps: float = 7.0
+    worst: int = 2
+
+    def samples(self) -> list[Sample]:
+        """Every (image, seed), image-major."""
+        return make_samples(self.images, self.seeds)
+
+
+def _video_name(record: dict[str, Any]) -> str:
+    return f"{runlog.VIDEOS}/{record['sample']}_{record['backend']}.gif"
+
+
+def _run_identity(config: CompareConfig, device: str, dtype: torch.dtype, lpips_note: str) -> dict[str, Any]:
+    """What must match for a folder's records to be resumed: everything that changes a number or a video.
+
+    On the CPU that includes torch's thread count: the order of its reductions, hence the last bits of
+    every video (and about 0.1 dB of a low-precision backend's PSNR), depend on it.
+    """
+    identity = {
+        "model": config.model, "backends": list(config.backends),
+        "images": [image_identity(image) for image in config.images], "seeds": list(config.seeds),
+        "num_frames": config.num_frames, "num_inference_steps": config.num_inference_steps,
+        "height": config.height, "width": config.width, "device": torch.device(device).type, "dtype": dtype,
+        "attention_cast": {b: backend_options(b, dtype).get("dtype", "none") for b in config.backends},
+        "fps": config.fps, "lpips": lpips_note, "versions": records.versions(),
     }
-    return report, videos
+    if torch.device(device).type == "cpu":
+        identity["cpu_threads"] = torch.get_num_threads()
+    return records.json_safe(identity)
 
 
-def write_comparison(report: dict, videos: dict[str, np.ndarray], out_dir: str | Path, *, fps: int = 7) -> dict:
-    """Write the report (json, md, plots), each video (mp4, gif, png frames) and side-by-side gifs."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    written = dict(metrics.write_report(report, out))
-    for name, frames in videos.items():
-        written[f"video:{name}"] = metrics.write_video(frames, out / "videos", name, fps=fps,
-                                                       formats=("mp4", "gif"))
-    for name, frames in videos.items():
-        if name != "fp32":
-            path = metrics.write_gif(metrics.side_by_side(videos["fp32"], frames), out / f"side_by_side_{name}.gif",
-                                     fps=fps)
-            written[f"side_by_side:{name}"] = path
-    return written
+def _pending(samples: list[Sample], backends: Sequence[str], done: set[runlog.Key]) -> list[tuple[Sample, list[str]]]:
+    todo = [(s, [b for b in backends if (s.image, s.seed, b) not in done]) for s in samples]
+    return [(s, names) for s, names in todo if names]
+
+
+PREVIEW_WIDTH = 512
+"""The side-by-side GIFs show frames at most this wide (an integer downscale): a preview, the scores use all pixels."""
+
+
+def _preview(frames: np.ndarray) -> np.ndarray:
+    """``frames`` shrunk by the smallest integer factor ``f`` that makes them at most ``PREVIEW_WIDTH`` wide
+    (mean of ``f x f`` blocks, so a non-finite pixel stays visible)."""
+    f = math.ceil(frames.shape[2] / PREVIEW_WIDTH)
+    if f == 1:
+        return frames
+    n, h, w, c = frames.shape
+    h, w = h // f * f, w // f * f
+    return frames[:, :h, :w].reshape(n, h // f, f, w // f, f, c).mean(axis=(2, 4))
+
+
+class _WorstVideos:
+    """The side-by-side GIFs of the ``count`` worst records per backend that this process computed.
+
+    The report lists the worst ``count`` records overall (``metrics.report.worst_key``, ties in sample
+    order); each of them is among the worst ``count`` of the process (and attempt) that computed it, so
+    its GIF is on disk, while a GIF is written only for a record that enters this process's list.
+    """
+
+    def __init__(self, out: Path, count: int, fps: float) -> None:
+        self.out, self.count, self.fps = out, count, fps
+        self.kept: dict[str, list[tuple[tuple, Path]]] = {}
+
+    def offer(self, record: dict[str, Any], position: int, reference: np.ndarray, frames: np.ndarray) -> list[Path]:
+        """Write ``record``'s GIF if it is among the worst so far; return the GIFs it pushed out of the list."""
+        key = worst_key(record)
+        if self.count == 0 or key is None:
+            return []
+        kept = self.kept.setdefault(record["backend"], [])
+        rank_key = (*key, position)
+        if len(kept) == self.count and rank_key >= kept[-1][0]:
+            return []
+        path = self.out / _video_name(record)
+        metrics.write_gif(metrics.side_by_side(_preview(reference), _preview(frames)), path, fps=self.fps)
+        kept.append((rank_key, path))
+        kept.sort(key=lambda entry: entry[0])
+        pushed = [p for _, p in kept[self.count:]]
+        del kept[self.count:]
+        return pushed
+
+
+def _run_shard(pipe: Any, config: CompareConfig, work: list[tuple[Sample, list[str]]], positions: dict[Any, int],
+               out: Path, dist: Dist, scorer: metrics.LPIPSScorer | None, lpips_note: str, progress: bool) -> None:
+    """Generate, score and log this rank's samples; each record is on disk before the next video starts."""
+    from tqdm.auto import tqdm
+
+    worst = _WorstVideos(out, config.worst, config.fps)
+    total = sum(1 + len(names) for _, names in work)
+    desc = "compare" if dist.world_size == 1 else f"compare rank {dist.rank}/{dist.world_size}"
+    with runlog.LogWriter(runlog.log_path(out, dist.rank, dist.world_size)) as log, \
+            tqdm(total=total, desc=desc, unit="video", file=sys.stderr, disable=not progress,
+                 position=dist.rank) as bar:
+        for sample, names in work:
+            bar.set_postfix_str(f"{sample.label} fp32")
+            runs = compare_sample(pipe, load_image(sample.image, (config.width, config.height)), seed=sample.seed,
+                                  backends=names, num_frames=config.num_frames,
+                                  num_inference_steps=config.num_inference_steps, height=config.height,
+                                  width=config.width)
+            reference = next(runs)
+            bar.update()
+            for run in runs:
+                scores = metrics.score_video(reference.frames, run.frames, lpips_scorer=scorer,
+                                             lpips_reason=lpips_note)
+                record = sample_record(sample, run, scores, rank=dist.rank)
+                pushed = worst.offer(record, positions[sample.key], reference.frames, run.frames)
+                log.append(record)
+                for path in pushed:
+                    path.unlink(missing_ok=True)
+                bar.update()
+                bar.set_postfix_str(f"{sample.label} {run.backend}")
+
+
+def _finish(out: Path, config: CompareConfig, samples: list[Sample], meta: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0, once every rank is done: merge the logs, build the report, keep the worst GIFs, write it."""
+    order = [(s.image, s.seed, b) for s in samples for b in config.backends]
+    logged = runlog.merge_logs(out, order)
+    if len(logged) != len(order):
+        missing = [key for key in order if key not in {runlog.record_key(r) for r in logged}]
+        raise RuntimeError(f"evaluate: {len(missing)} record(s) missing after every rank finished, e.g. {missing[0]}")
+    report = metrics.build_report(logged, backends=config.backends, meta=meta, worst=config.worst,
+                                  video=lambda r: _video_name(r) if (out / _video_name(r)).is_file() else "")
+    keep = {out / w["video"] for entries in report["worst"].values() for w in entries if w["video"]}
+    for gif in (out / runlog.VIDEOS).glob("*.gif"):
+        if gif not in keep:
+            gif.unlink()
+    metrics.write_report(report, logged, out)
+    return report
+
+
+def evaluate(config: CompareConfig, out: str | Path, *, dist: Dist | None = None,
+             load_pipeline: Callable[[str, torch.dtype], Any] | None = None, progress: bool = True,
+             command: str = "") -> dict[str, Any] | None:
+    """Run (or resume) the evaluation ``config`` into the folder ``out``; return the report on rank 0.
+
+    Args:
+        config: the model, samples, backends and settings.
+        out: the run folder (``runlog``): a new or empty folder starts a run, a folder holding the same
+            run resumes it, a folder holding anything else raises ``runlog.MixedRunError``.
+        dist: this process's rank and device (``distributed.session``); default: one process on the CPU.
+            Each rank generates its share of the samples still to do; rank 0 writes the report when
+            every rank is done and returns it, the other ranks return None.
+        load_pipeline: ``(device, dtype) -> pipeline`` (default ``load_svd(config.model, ...)``); called
+            only when there is something left to generate.
+        progress: a tqdm bar per rank on stderr.
+        command: the command line, recorded in the manifest and the report.
+    """
+    dist = dist or Dist()
+    dtype = config.dtype or _default_dtype(dist.device)
+    check_backends(config.backends)
+    samples = config.samples()
+    scorer, lpips_note = _lpips(config.lpips_weights, dist.device)
+    run = _run_identity(config, dist.device, dtype, lpips_note)
+    out = Path(out)
+    runlog.check_folder(out, run)  # every rank, before anyone writes: a mixed folder is refused by all
+    dist.barrier()
+    if dist.is_main:
+        runlog.prepare_folder(out, run, command)
+    dist.barrier()
+    runlog.check_folder(out, run)  # every rank's run is rank 0's (same versions, GPU, threads)
+    work = dist.shard(_pending(samples, config.backends, set(runlog.done_records(out))))
+    dist.barrier()  # everyone has read what is done before anyone appends
+    if work:
+        if load_pipeline is None:
+            pipe = load_svd(config.model, device=dist.device, dtype=dtype, local_files_only=config.local_files_only)
+        else:
+            pipe = load_pipeline(dist.device, dtype)
+        positions = {sample.key: i for i, sample in enumerate(samples)}
+        _run_shard(pipe, config, work, positions, out, dist, scorer, lpips_note, progress)
+    dist.barrier()
+    if not dist.is_main:
+        return None
+    settings = {"images": list(config.images), "seeds": list(config.seeds), "backends": list(config.backends),
+                "num_frames": config.num_frames, "num_inference_steps": config.num_inference_steps,
+                "height": config.height, "width": config.width, "device": torch.device(dist.device).type,
+                "dtype": dtype, "attention_cast": run["attention_cast"], "processes": dist.world_size,
+                **({"cpu_threads": run["cpu_threads"]} if "cpu_threads" in run else {})}
+    meta = {"command": command, "versions": run["versions"], "model": config.model, "lpips": lpips_note,
+            "settings": records.json_safe(settings)}
+    return _finish(out, config, samples, meta)

@@ -1,150 +1,209 @@
-"""Tests of pasa_diffusers.metrics.report: report.json / report.md / PNG plots and the terminal table."""
-
+"""Statistics over samples (metrics.stats) against direct computations, and the report built from records."""
 from __future__ import annotations
 
 import json
-import sys
+import math
+import statistics
 
 import imageio.v3 as iio
 import numpy as np
 import pytest
-import torch
-from skimage import data
-from skimage.transform import resize
 
-from pasa_diffusers.metrics.quality import LPIPS_RANDOM_LABEL, LPIPSScorer, score_video
-from pasa_diffusers.metrics.report import COLUMNS, format_table, json_safe, table_rows, write_report
+from pasa_diffusers.metrics import stats
+from pasa_diffusers.metrics.records import (dumps, from_json_float, json_float, json_safe, markdown_table,
+                                            write_atomic)
+from pasa_diffusers.metrics.report import build_report, format_markdown, format_table, paired_rows, table_rows, \
+    write_report
 
-MD_HEADER = "| backend | PSNR dB (mean) | SSIM | LPIPS | temporal PSNR | flicker | non-finite frames | time s |"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-NO_WEIGHTS = "LPIPS unavailable: no AlexNet ImageNet weights at /nowhere/alexnet-owt-7be5be79.pth"
 
 
-def make_video(frames: int = 5, height: int = 64, width: int = 96, step: int = 6) -> np.ndarray:
-    """A camera pan across scikit-image's astronaut photo: (frames, height, width, 3) float32 in [0, 1]."""
-    big = resize(data.astronaut(), (height, width + step * (frames - 1)), anti_aliasing=True)
-    return np.stack([big[:, i * step : i * step + width] for i in range(frames)]).astype(np.float32)
+def percentile(sorted_values: list[float], q: float) -> float:
+    """numpy's default ('linear') percentile, written out."""
+    position = (len(sorted_values) - 1) * q / 100
+    below = math.floor(position)
+    above = min(below + 1, len(sorted_values) - 1)
+    return sorted_values[below] + (sorted_values[above] - sorted_values[below]) * (position - below)
 
 
-@pytest.fixture(scope="module")
-def random_scorer() -> LPIPSScorer:
-    torch.manual_seed(0)
-    return LPIPSScorer(random_backbone=True)
+def direct_summary(values: list[float]) -> dict:
+    """The documented method, one resample at a time in plain Python."""
+    kept = [v for v in values if not math.isnan(v)]
+    draws = np.random.default_rng(stats.SEED).integers(0, len(kept), size=(stats.RESAMPLES, len(kept)))
+    means = sorted(statistics.fmean(kept[i] for i in row) for row in draws.tolist())
+    return {"mean": statistics.fmean(kept), "std": statistics.stdev(kept),
+            "ci95": [percentile(means, 2.5), percentile(means, 97.5)], "n": len(kept)}
 
 
-def build_report(lpips_scorer: LPIPSScorer | None) -> dict:
-    ref = make_video()
-    rng = np.random.default_rng(3)
-    noisy = np.clip(ref + rng.normal(0, 0.03, ref.shape), 0, 1).astype(np.float32)
-    broken = noisy.copy()
-    broken[2, 4, 4, 0] = np.nan
-    broken[4] = np.inf
-    partly_identical = ref.copy()
-    partly_identical[3] = noisy[3]
-
-    def scores(test):
-        return score_video(ref, test, lpips_scorer=lpips_scorer, lpips_reason=NO_WEIGHTS)
-
-    return {
-        "command": "pasa bench --frames 5",
-        "versions": {"torch": torch.__version__, "numpy": np.__version__},
-        "model": "stabilityai/stable-video-diffusion-img2vid-xt",
-        "reference": "fp32",
-        "settings": {"frames": 5, "seed": 0, "guidance": np.float32(3.0)},
-        "backends": {
-            "fp16-pasa": {"scores": scores(noisy), "seconds": 12.5, "processors": {"PASA": 32}},
-            "fp16-naive": {"scores": scores(broken), "seconds": np.float64(9.25)},
-            "fp32-again": {"scores": scores(partly_identical)},
-        },
-    }
+@pytest.mark.parametrize("n", [2, 5, 17])
+def test_summarize_matches_a_direct_computation(n, gen):
+    values = (30 + 5 * np.random.default_rng(int(gen.initial_seed())).standard_normal(n)).tolist()
+    got, want = stats.summarize(values), direct_summary(values)
+    assert got["n"] == want["n"] == n
+    for key in ("mean", "std"):
+        assert got[key] == pytest.approx(want[key], rel=1e-12)
+    assert got["ci95"] == pytest.approx(want["ci95"], rel=1e-12)
+    assert got["ci95"][0] <= got["mean"] <= got["ci95"][1]
+    assert stats.summarize(values) == got, "the interval must be reproducible"
 
 
-def test_report_files_without_lpips(tmp_path):
-    report = build_report(None)
-    written = write_report(report, tmp_path / "run")
-    assert set(written) == {"json", "markdown", "psnr", "ssim"}
-    assert not (tmp_path / "run" / "lpips.png").exists()
-
-    text = written["json"].read_text()
-    assert "NaN" not in text and "Infinity" not in text
-    loaded = json.loads(text)
-    assert {"command", "versions", "model", "reference", "settings", "backends"} <= set(loaded)
-    assert set(loaded["backends"]) == {"fp16-pasa", "fp16-naive", "fp32-again"}
-    naive = loaded["backends"]["fp16-naive"]["scores"]
-    assert len(naive["psnr"]["per_frame"]) == 5 and len(naive["temporal_psnr"]["per_frame"]) == 4
-    assert naive["psnr"]["per_frame"][2] is None and naive["nonfinite"]["first_index"] == 2
-    assert loaded["backends"]["fp32-again"]["scores"]["psnr"]["per_frame"].count("inf") == 4
-    assert loaded["settings"]["guidance"] == 3.0
-
-    md = written["markdown"].read_text()
-    assert MD_HEADER in md
-    assert "# Quality report: stabilityai/stable-video-diffusion-img2vid-xt" in md
-    assert "pasa bench --frames 5" in md and f"- torch: {torch.__version__}" in md
-    assert NO_WEIGHTS in md
-    assert "| fp16-naive |" in md and "2 (first 2)" in md
-    assert "![psnr](psnr.png)" in md and "lpips.png" not in md
-
-    for name in ("psnr", "ssim"):
-        assert written[name].read_bytes()[:8] == PNG_SIGNATURE
-        image = iio.imread(written[name])
-        assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
-        assert image.std() > 0
+def test_bootstrap_in_chunks_equals_one_draw(monkeypatch):
+    values = np.linspace(0.0, 1.0, 7) ** 2
+    whole = stats.bootstrap_ci(values)
+    monkeypatch.setattr(stats, "_CHUNK", 7 * 3)  # 3 resamples per draw
+    assert stats.bootstrap_ci(values) == whole
 
 
-def test_report_with_lpips_plots_and_labels_random_backbone(tmp_path, random_scorer):
-    written = write_report(build_report(random_scorer), tmp_path)
-    assert written["lpips"] == tmp_path / "lpips.png"
-    assert iio.imread(written["lpips"]).std() > 0
-    md = written["markdown"].read_text()
-    assert f"† {LPIPS_RANDOM_LABEL}" in md
-    assert "LPIPS unavailable" not in md
-    loaded = json.loads(written["json"].read_text())
-    lpips = loaded["backends"]["fp16-pasa"]["scores"]["lpips"]
-    assert lpips["label"] == LPIPS_RANDOM_LABEL and len(lpips["per_frame"]) == 5 and lpips["mean"] > 0
+def test_summarize_missing_infinite_and_single_values():
+    with_missing = [31.0, math.nan, 29.0, 33.5]
+    assert stats.summarize(with_missing) == stats.summarize([31.0, 29.0, 33.5])
+    assert stats.summarize(with_missing)["n"] == 3
+    assert stats.summarize([math.nan, math.nan]) == {"mean": None, "std": None, "ci95": None, "n": 0}
+    assert stats.summarize([12.5]) == {"mean": 12.5, "std": None, "ci95": None, "n": 1}
+    assert stats.summarize([math.inf, 40.0]) == {"mean": math.inf, "std": None, "ci95": None, "n": 2}
 
 
-def test_table_cells():
-    rows = {row[0]: row for row in table_rows(build_report(None))}
-    pasa, naive, again = rows["fp16-pasa"], rows["fp16-naive"], rows["fp32-again"]
-    assert all(len(row) == len(COLUMNS) for row in rows.values())
-    assert pasa[3] == "n/a" and pasa[6] == "0" and pasa[7] == "12.5"
-    assert float(pasa[1]) > 25.0 and 0.0 < float(pasa[2]) < 1.0
-    assert naive[6] == "2 (first 2)" and naive[7] == "9.2"
-    assert again[1].endswith("(+4 inf)") and again[4].endswith("(+2 inf)") and again[7] == "n/a"
+def test_paired_difference_matches_a_direct_computation():
+    a = [40.0, 42.5, math.nan, 39.0, 44.0, 41.0]
+    b = [30.0, 33.0, 31.0, math.nan, 32.5, 35.0]
+    got = stats.paired_difference(a, b)
+    want = direct_summary([x - y for x, y in zip(a, b) if not (math.isnan(x) or math.isnan(y))])
+    assert got["n"] == 4
+    assert got["mean"] == pytest.approx(want["mean"]) and got["std"] == pytest.approx(want["std"])
+    assert got["ci95"] == pytest.approx(want["ci95"])
+    assert stats.paired_difference([math.inf, 3.0], [math.inf, 1.0]) == {"mean": 2.0, "std": None, "ci95": None,
+                                                                         "n": 1}
+    with pytest.raises(ValueError, match="aligned"):
+        stats.paired_difference([1.0, 2.0], [1.0])
 
 
-def test_all_identical_psnr_cell():
-    ref = make_video(frames=3)
-    report = {"backends": {"same": {"scores": score_video(ref, ref.copy(), lpips_reason=NO_WEIGHTS)}}}
-    assert table_rows(report)[0][1] == "inf (all 3)"
+def test_per_frame_summarizes_each_column():
+    matrix = [[30.0, 31.0, math.nan], [32.0, 35.0, 20.0], [34.0, 30.0, 22.0]]
+    got = stats.per_frame(matrix)
+    assert got["n"] == [3, 3, 2]
+    assert got["mean"] == pytest.approx([32.0, 32.0, 21.0])
+    assert got["ci95"][0] == pytest.approx(direct_summary([30.0, 32.0, 34.0])["ci95"])
 
 
-def test_format_table_with_rich_and_plain(monkeypatch):
-    report = build_report(None)
-    rich_text = format_table(report)
-    for text in [*COLUMNS, "fp16-pasa", "fp16-naive", "2 (first 2)"]:
-        assert text in rich_text
-    assert "┃" in rich_text
-
-    for module in ("rich", "rich.console", "rich.table"):
-        monkeypatch.setitem(sys.modules, module, None)
-    plain = format_table(report)
-    assert "┃" not in plain
-    lines = plain.splitlines()
-    assert len(lines) == 2 + len(report["backends"])
-    assert lines[0].split("  ")[0].strip() == "backend" and "non-finite frames" in lines[0]
-    assert len({len(line) for line in lines}) == 1, "columns must be aligned"
-    assert lines[3].startswith("fp16-naive")
-
-
-def test_json_safe_converts_numpy_and_nonfinite_floats(tmp_path):
+def test_records_json_convention_and_tables(tmp_path):
     converted = json_safe({"a": np.float32(np.inf), "b": [float("nan"), -np.inf], "c": np.arange(2), tmp_path: 1})
     assert converted == {"a": "inf", "b": [None, "-inf"], "c": [0, 1], str(tmp_path): 1}
-    json.dumps(converted, allow_nan=False)
+    assert [from_json_float(json_float(v)) for v in (1.5, math.inf, -math.inf)] == [1.5, math.inf, -math.inf]
+    assert math.isnan(from_json_float(json_float(math.nan)))
+    with pytest.raises(ValueError, match="expected a number"):
+        from_json_float("Infinity")
+    assert json.loads(dumps({"x": math.nan})) == {"x": None}
+    assert markdown_table(["a", "b|c"], [["x", 1]]) == "| a | b\\|c |\n|---|---:|\n| x | 1 |"
+    with pytest.raises(ValueError, match="row 0 has 1 cells"):
+        markdown_table(["a", "b"], [["x"]])
+    path = write_atomic(tmp_path / "f.txt", "hello")
+    assert path.read_text() == "hello" and [p.name for p in tmp_path.iterdir()] == ["f.txt"]
 
 
-def test_write_report_rejects_missing_backends_or_scores(tmp_path):
-    with pytest.raises(ValueError, match="backends"):
-        write_report({"command": "x"}, tmp_path)
-    with pytest.raises(ValueError, match="'fp16'"):
-        write_report({"backends": {"fp16": {"seconds": 1.0}}}, tmp_path)
+# ----------------------------------------------------------------------------------------------- the report
+
+BACKENDS = ("pasa", "naive-half", "bf16")
+SAMPLES = [("builtin:rocket", 0), ("builtin:rocket", 1), ("builtin:coffee", 0), ("builtin:coffee", 1)]
+PSNR = {"pasa": [44.0, 41.5, 43.0, 45.25], "bf16": [33.0, 34.5, 31.0, 36.0]}
+
+
+def record(image: str, seed: int, backend: str, index: int) -> dict:
+    broken = backend == "naive-half"
+    psnr = math.nan if broken else PSNR[backend][index]
+    per_frame = [None, None] if broken else [psnr - 0.5, psnr + 0.5]
+    calls, fell = (96, 0) if backend == "bf16" else (96, 48)
+    return json_safe({"image": image, "seed": seed, "sample": f"{image[8:]}-seed{seed}", "backend": backend,
+                      "psnr": psnr, "ssim": math.nan if broken else 1 - (50 - psnr) / 100, "lpips": math.nan,
+                      "temporal_psnr": math.nan if broken else psnr + 2, "flicker": math.nan if broken else 1.0,
+                      "frames": 2, "nonfinite_frames": 2 if broken else 0, "first_nonfinite": 0 if broken else None,
+                      "identical_frames": 0, "psnr_per_frame": per_frame, "ssim_per_frame": [None, None],
+                      "fallbacks": {"calls": calls, "fallback_calls": fell,
+                                    "reasons": {"single key": fell} if fell else {}},
+                      "seconds": 0.25 + index, "rank": 0})
+
+
+def make_records() -> list[dict]:
+    return [record(image, seed, b, i) for i, (image, seed) in enumerate(SAMPLES) for b in BACKENDS]
+
+
+META = {"command": "pasa compare --seeds 0-1", "versions": {"torch": "x"}, "model": "tiny-resonant",
+        "lpips": "LPIPS unavailable: no weights",
+        "settings": {"images": ["builtin:rocket", "builtin:coffee"], "seeds": [0, 1], "num_frames": 2, "height": 16,
+                     "width": 16, "num_inference_steps": 1, "device": "cpu", "dtype": "float32"}}
+
+
+def video(r: dict) -> str:
+    return f"videos/{r['sample']}_{r['backend']}.gif"
+
+
+def test_aggregate_and_paired_equal_direct_computations():
+    report = build_report(make_records(), backends=BACKENDS, meta=META, worst=1, video=video)
+    assert report["samples"] == 4 and report["statistics"] == stats.METHOD
+    pasa = report["aggregate"]["pasa"]
+    assert set(pasa) == {"psnr", "ssim", "temporal_psnr", "flicker", "seconds"}, "LPIPS has no value: no entry"
+    for key, value in direct_summary(PSNR["pasa"]).items():
+        assert pasa["psnr"][key] == pytest.approx(value)
+    assert report["aggregate"]["naive-half"]["psnr"] == {"mean": None, "std": None, "ci95": None, "n": 0}
+    diff = report["paired"]["pasa - bf16"]["psnr"]
+    want = direct_summary([a - b for a, b in zip(PSNR["pasa"], PSNR["bf16"])])
+    assert diff["mean"] == pytest.approx(want["mean"]) and diff["ci95"] == pytest.approx(want["ci95"])
+    assert report["paired"]["pasa - naive-half"]["psnr"]["n"] == 0
+    assert report["per_frame"]["pasa"]["psnr"]["mean"] == pytest.approx([np.mean(PSNR["pasa"]) - 0.5,
+                                                                          np.mean(PSNR["pasa"]) + 0.5])
+    health = report["health"]
+    assert health["naive-half"]["broken_samples"] == 4 and health["naive-half"]["nonfinite_frames"] == 8
+    assert health["pasa"]["fallbacks"] == {"calls": 384, "fallback_calls": 192, "share": 0.5,
+                                           "reasons": {"single key": 192}}
+    assert report["worst"]["pasa"] == [{"sample": "rocket-seed1", "image": "builtin:rocket", "seed": 1, "psnr": 41.5,
+                                        "ssim": pytest.approx(0.915), "nonfinite_frames": 0,
+                                        "video": "videos/rocket-seed1_pasa.gif"}]
+    assert report["worst"]["naive-half"][0]["nonfinite_frames"] == 2
+
+
+def test_tables_show_intervals_fallbacks_and_verdicts():
+    report = build_report(make_records(), backends=BACKENDS, meta=META, video=video)
+    columns, rows = table_rows(report)
+    assert columns[:2] == ["backend", "PSNR dB"] and "LPIPS" not in columns and columns[-1] == "attention fallbacks"
+    pasa, naive, bf16 = rows
+    lo, hi = report["aggregate"]["pasa"]["psnr"]["ci95"]
+    assert pasa[1] == f"43.44 [{lo:.2f}, {hi:.2f}]"
+    assert pasa[-1] == "50% (single key)" and bf16[-1] == "0%"
+    assert naive[1] == "n/a" and naive[-2] == "4 of 4 (8 frames)"
+    _, pairs = paired_rows(report)
+    assert [row[0] for row in pairs] == ["pasa \u2212 bf16"] and pairs[0][-1] == "pasa better"
+    text = format_table(report)
+    assert "Not shown, no sample where both have a finite PSNR: pasa \u2212 naive-half, naive-half \u2212 bf16." in text
+    md = format_markdown(report, ["distributions.png"])
+    assert "| pasa | 43.44 [" in md and "![rocket-seed1 pasa](videos/rocket-seed1_pasa.gif)" in md
+    assert "LPIPS unavailable: no weights" in md and "![distributions](distributions.png)" in md
+
+
+def test_a_backend_that_always_fell_back_is_an_error():
+    records = make_records()
+    for r in records:
+        if r["backend"] == "bf16":
+            r["fallbacks"] = {"calls": 96, "fallback_calls": 96, "reasons": {"dtype": 96}}
+    with pytest.raises(ValueError, match="'bf16' fell back on all 384 attention calls"):
+        build_report(records, backends=BACKENDS, meta=META)
+
+
+def test_report_needs_every_backend_on_every_sample():
+    records = [r for r in make_records() if not (r["backend"] == "bf16" and r["seed"] == 1)]
+    with pytest.raises(ValueError, match="'bf16' has records for 2 samples"):
+        build_report(records, backends=BACKENDS, meta=META)
+
+
+def test_write_report_writes_every_file_and_no_temporary_one(tmp_path):
+    records = make_records()
+    records[0]["psnr"] = "inf"  # an identical sample: drawn at a cap, shown as inf
+    report = build_report(records, backends=BACKENDS, meta=META, video=video)
+    written = write_report(report, records, tmp_path)
+    assert list(written) == ["distributions", "psnr_per_frame", "markdown", "json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["distributions.png", "psnr_per_frame.png", "report.json",
+                                                          "report.md"]
+    loaded = json.loads((tmp_path / "report.json").read_text())
+    assert loaded["aggregate"]["pasa"]["psnr"]["mean"] == "inf" and loaded["health"]["pasa"]["identical_samples"] == 1
+    assert "inf (1 of 4 identical)" in (tmp_path / "report.md").read_text()
+    for name in ("distributions", "psnr_per_frame"):
+        assert written[name].read_bytes()[:8] == PNG_SIGNATURE
+        assert iio.imread(written[name]).std() > 0

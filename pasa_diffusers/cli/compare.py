@@ -1,35 +1,167 @@
-"""``pasa compare``: every backend's video scored against the FP32-attention one."""
+"""``pasa compare``: every backend's videos scored against the FP32-attention ones, over images and seeds.
+
+The samples are every (image, seed) of ``--images`` x ``--seeds``; each finished (sample, backend) is
+appended to ``OUT/samples.jsonl`` at once, the same command resumes a killed run, and the report
+(``report.md``, ``report.json``, plots, the worst samples' side-by-side GIFs) is written at the end.
+Under ``torchrun --standalone --nproc-per-node N --no-python pasa compare ...`` the samples are shared
+out over the N processes (one per GPU with ``--device cuda``); rank 0 writes the report.
+"""
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
 import sys
+from pathlib import Path
 
-from .common import add_generation_args, model_dtype
+from .common import (BACKEND_NAMES, BUILTIN_IMAGES, MAX_SEED, SCORED_MIN_SIZE, UsageError, add_generation_args,
+                     check_device, check_file, check_image, check_model, check_out_dir, int_range, load_model,
+                     model_dtype, positive_float)
 
-__all__ = ["add_parser", "run"]
+__all__ = ["add_parser", "validate", "run", "seed_list", "image_list", "backend_list"]
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
+"""Files of a folder given to ``--images`` that are taken as images (case-insensitive)."""
+MAX_SEEDS = 100_000
+COMPARE_BACKENDS = tuple(name for name in BACKEND_NAMES if name != "fp32")
+
+
+def _items(text: str) -> list[str]:
+    items = [item.strip() for item in text.split(",")]
+    if not all(items):
+        raise argparse.ArgumentTypeError(f"an empty entry in {text!r}")
+    return items
+
+
+def _no_repeats(values: list, what: str) -> list:
+    seen: set = set()
+    repeated = [v for v in values if v in seen or seen.add(v)]
+    if repeated:
+        raise argparse.ArgumentTypeError(f"{what} {repeated[0]} is named more than once")
+    return values
+
+
+def seed_list(text: str) -> list[int]:
+    """An argparse ``type=``: ``0,1,2``, a range ``0-7`` (both ends included) or both (``0-3,10``)."""
+    seeds: list[int] = []
+    for item in _items(text):
+        lo, dash, hi = item.partition("-")
+        try:
+            first, last = int(lo), int(hi if dash else lo)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected seeds like 0,1,2 or 0-7, got {item!r}") from None
+        if not 0 <= first <= last <= MAX_SEED:
+            raise argparse.ArgumentTypeError(f"{item!r}: seeds must lie in [0, 2**63-1], ranges go up (0-7)")
+        if len(seeds) + last - first + 1 > MAX_SEEDS:
+            raise argparse.ArgumentTypeError(f"more than {MAX_SEEDS} seeds in {text!r}")
+        seeds.extend(range(first, last + 1))
+    return _no_repeats(seeds, "seed")
+
+
+def _folder_images(folder: Path, item: str) -> list[str]:
+    files = sorted(str(p.resolve()) for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+    if not files:
+        raise argparse.ArgumentTypeError(f"folder {item!r} holds no image ({', '.join(IMAGE_SUFFIXES)})")
+    return files
+
+
+def image_list(text: str) -> list[str]:
+    """An argparse ``type=``: ``SPEC[,SPEC...]``, each an image file, a folder of images (sorted by name, not
+    recursive), ``builtin:NAME`` or ``builtin:all``; files become absolute paths.  Readability is
+    checked by ``validate``."""
+    images: list[str] = []
+    for item in _items(text):
+        if item == "builtin:all":
+            images += [f"builtin:{name}" for name in BUILTIN_IMAGES]
+        elif item.startswith("builtin:"):
+            if item.removeprefix("builtin:") not in BUILTIN_IMAGES:
+                raise argparse.ArgumentTypeError(f"unknown {item}; expected builtin:all or one of "
+                                                 f"{', '.join('builtin:' + n for n in BUILTIN_IMAGES)}")
+            images.append(item)
+        else:
+            path = Path(item).expanduser()
+            if path.is_dir():
+                images += _folder_images(path, item)
+            elif path.is_file():
+                images.append(str(path.resolve()))
+            else:
+                raise argparse.ArgumentTypeError(f"{item!r}: no such file or folder (or builtin:NAME)")
+    return _no_repeats(images, "image")
+
+
+def backend_list(text: str) -> list[str]:
+    """An argparse ``type=``: comma-separated backends, each once; fp32 is the reference, not a backend."""
+    names = _items(text)
+    unknown = [n for n in names if n not in COMPARE_BACKENDS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown backend(s) {', '.join(unknown)}; choose from "
+                                         f"{', '.join(COMPARE_BACKENDS)} (fp32 is always the reference)")
+    return _no_repeats(names, "backend")
+
+
+def validate(args: argparse.Namespace) -> None:
+    """What ``type=`` cannot check, before any heavy import: model, images, output folder, device, torchrun."""
+    check_model(args.model)
+    for image in args.images:
+        if not image.startswith("builtin:"):
+            check_image(image, "--images")
+    check_out_dir(args.out)
+    if args.lpips_weights is not None:
+        check_file(args.lpips_weights, "--lpips-weights")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and ":" in args.device:
+        raise UsageError(f"--device {args.device}: under torchrun each rank runs on cuda:LOCAL_RANK; "
+                         "pass --device cuda")
+    check_device(args.device)
 
 
 def run(args: argparse.Namespace) -> int:
     from pasa_diffusers import metrics
-    from pasa_diffusers.pipelines.compare import parse_backends, run_comparison, write_comparison
+    from pasa_diffusers.pipelines import compare, distributed, runlog
 
-    backends = parse_backends(args.backends)
-    report, videos = run_comparison(model=args.model, backends=backends, image=args.image, num_frames=args.frames,
-                                    num_inference_steps=args.steps, seed=args.seed, height=args.height,
-                                    width=args.width, device=args.device, dtype=model_dtype(args.device, args.dtype),
-                                    lpips_weights=args.lpips_weights, local_files_only=args.local_files_only,
-                                    command="pasa " + " ".join(sys.argv[1:]))
-    written = write_comparison(report, videos, args.out, fps=args.fps)
-    print(metrics.format_table(report))
-    print(f"wrote {len(written)} outputs under {args.out} (report.md, report.json, plots, videos)")
+    command = "pasa " + shlex.join(sys.argv[1:])
+    with distributed.session(args.device) as dist:
+        config = compare.CompareConfig(
+            model=args.model, images=tuple(args.images), seeds=tuple(args.seeds), backends=tuple(args.backends),
+            num_frames=args.frames, num_inference_steps=args.steps, height=args.height, width=args.width,
+            dtype=model_dtype(dist.device, args.dtype) if args.dtype else None, lpips_weights=args.lpips_weights,
+            local_files_only=args.local_files_only, fps=args.fps, worst=args.worst)
+
+        def load(device: str, dtype: object) -> object:
+            return load_model(argparse.Namespace(**{**vars(args), "device": device}))
+
+        try:
+            report = compare.evaluate(config, args.out, dist=dist, load_pipeline=load, command=command)
+        except (runlog.MixedRunError, compare.FallbackError) as exc:
+            raise UsageError(str(exc)) from exc
+    if report is not None:
+        print(metrics.format_table(report))
+        print(f"wrote {args.out}/report.md, report.json, samples.jsonl, plots and the worst samples' videos")
     return 0
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("compare", help="score each attention backend's video against the FP32-attention one")
-    add_generation_args(p, "out/compare")
-    p.add_argument("--backends", default="pasa,naive-half,sdpa,bf16", help="comma-separated backends")
+    p = sub.add_parser("compare", conflict_handler="resolve",
+                       help="score each attention backend's videos against the FP32-attention ones, over images "
+                            "and seeds, with bootstrap intervals",
+                       description="Score each attention backend's videos against the FP32-attention reference "
+                                   "over every (image, seed). Resumable: the same command continues a killed run. "
+                                   "Under torchrun the samples are shared out over the processes.")
+    add_generation_args(p, "out/compare", size=48, min_size=SCORED_MIN_SIZE)
+    # --images/--seeds take the place of the generation flags --image/--seed (still accepted as aliases)
+    p.add_argument("--images", "--image", type=image_list, default="builtin:all", metavar="SPEC[,SPEC...]",
+                   help="conditioning images: files, folders of images, builtin:NAME "
+                        f"({', '.join(BUILTIN_IMAGES)}) or builtin:all (default builtin:all)")
+    p.add_argument("--seeds", "--seed", type=seed_list, default="0-1", metavar="LIST",
+                   help="seeds of the initial noise: 0,1,2 or a range 0-7 (default 0-1)")
+    p.add_argument("--model", default="tiny-resonant",
+                   help="'tiny-resonant' (default: the tiny SVD with FP16 overflow planted), 'tiny', a hub id or a "
+                        "save_pretrained folder")
+    p.add_argument("--backends", type=backend_list, default="pasa,pasa-paper,naive-half,bf16",
+                   help=f"comma-separated, from {', '.join(COMPARE_BACKENDS)} (default pasa,pasa-paper,naive-half,"
+                        "bf16); fp32 is the reference")
     p.add_argument("--lpips-weights", default=None,
                    help="torchvision AlexNet ImageNet weights (alexnet-owt-7be5be79.pth); default: torch hub cache")
-    p.add_argument("--fps", type=int, default=7)
+    p.add_argument("--fps", type=positive_float, default=7.0, help="frame rate of the side-by-side GIFs (default 7)")
+    p.add_argument("--worst", type=int_range(0), default=2,
+                   help="worst samples listed per backend, with their side-by-side GIFs (default 2)")
     p.set_defaults(func=run)

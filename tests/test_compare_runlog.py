@@ -1,0 +1,141 @@
+"""The run folder of `pasa compare` (pipelines/runlog.py), its samples, and the --images/--seeds flags; no model."""
+from __future__ import annotations
+
+import json
+
+import PIL.Image
+import pytest
+
+from pasa_diffusers.cli import main
+from pasa_diffusers.cli.compare import image_list, seed_list
+from pasa_diffusers.pipelines import runlog
+from pasa_diffusers.pipelines.samples import image_identity, make_samples
+
+RUN = {"model": "tiny", "seeds": [0, 1], "num_frames": 2}
+
+
+def rec(image: str, seed: int, backend: str, value: float = 1.0) -> dict:
+    return {"image": image, "seed": seed, "backend": backend, "psnr": value}
+
+
+def test_seed_list():
+    assert seed_list("0-3,7,9-10") == [0, 1, 2, 3, 7, 9, 10]
+    assert seed_list(" 5 ") == [5]
+    assert seed_list(f"{2**63 - 1}") == [2**63 - 1]
+    for bad, message in [("3-1", "ranges go up"), ("1,,2", "empty entry"), ("a", "expected seeds"),
+                         ("-1", "expected seeds"), ("0-2,2", "seed 2 is named more than once"),
+                         (f"{2**63}", "2\\*\\*63-1"), ("0-100000", "more than 100000 seeds")]:
+        with pytest.raises(Exception, match=message):
+            seed_list(bad)
+
+
+def test_image_list_expands_folders_and_builtins(tmp_path):
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    for name in ("b.png", "a.JPG"):
+        PIL.Image.new("RGB", (8, 8)).save(folder / name, format="PNG")
+    (folder / "notes.txt").write_text("not an image")
+    assert image_list(f"builtin:all,{folder}") == ["builtin:astronaut", "builtin:coffee", "builtin:rocket",
+                                                   str(folder / "a.JPG"), str(folder / "b.png")]
+    with pytest.raises(Exception, match="named more than once"):
+        image_list(f"{folder},{folder / 'b.png'}")
+    with pytest.raises(Exception, match="no such file or folder"):
+        image_list(str(tmp_path / "missing.png"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(Exception, match="holds no image"):
+        image_list(str(empty))
+
+
+def test_flag_errors_are_one_line_naming_the_flag(tmp_path, capsys):
+    bad_image = tmp_path / "bad.png"
+    bad_image.write_text("not a png")
+    cases = [(["--seeds", "4-2"], "argument --seeds/--seed: '4-2'"),
+             (["--images", "builtin:moon"], "argument --images/--image: unknown builtin:moon"),
+             (["--images", str(bad_image)], f"--images {bad_image}: not a readable image"),
+             (["--backends", "pasa,fp32"], "argument --backends: unknown backend(s) fp32"),
+             (["--worst", "-1"], "argument --worst")]
+    for argv, message in cases:
+        assert main(["compare", *argv, "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("pasa compare: error: ") and message in err and err.count("\n") == 1, err
+
+
+def test_make_samples_names_and_order():
+    samples = make_samples(["builtin:rocket", "/a/x.png", "/b/x.png"], [3, 1])
+    assert [s.label for s in samples] == ["rocket-seed3", "rocket-seed1", "x-seed3", "x-seed1", "x-2-seed3",
+                                          "x-2-seed1"]
+    assert samples[2].key == ("/a/x.png", 3)
+    with pytest.raises(ValueError, match="seed"):
+        make_samples(["builtin:rocket"], [1, 1])
+
+
+def test_image_identity_follows_the_file_bytes(tmp_path):
+    path = tmp_path / "x.png"
+    path.write_bytes(b"one")
+    first = image_identity(str(path))
+    path.write_bytes(b"two")
+    assert image_identity(str(path))["sha256"] != first["sha256"]
+    assert image_identity("builtin:rocket") == {"image": "builtin:rocket", "sha256": None}
+
+
+def test_log_writer_appends_and_cuts_a_line_left_unfinished(tmp_path):
+    path = tmp_path / runlog.SAMPLES
+    with runlog.LogWriter(path) as log:
+        log.append(rec("a", 0, "pasa"))
+    with open(path, "a") as f:
+        f.write('{"image": "a", "seed": 1, "back')  # a kill in the middle of a line
+    assert runlog.read_log(path) == [rec("a", 0, "pasa")]
+    with runlog.LogWriter(path) as log:
+        log.append(rec("a", 1, "pasa"))
+    assert runlog.read_log(path) == [rec("a", 0, "pasa"), rec("a", 1, "pasa")]
+    assert path.read_text().count("\n") == 2
+    with open(path, "a") as f:
+        f.write("garbage\n")
+    with pytest.raises(ValueError, match="samples.jsonl:3: not a JSON record"):
+        runlog.read_log(path)
+
+
+def test_check_folder_resumes_the_same_run_and_refuses_others(tmp_path):
+    out = tmp_path / "run"
+    assert runlog.check_folder(out, RUN) is False
+    runlog.prepare_folder(out, RUN, "pasa compare")
+    assert runlog.check_folder(out, RUN) is True
+    with pytest.raises(runlog.MixedRunError, match=r"holds another run \(seeds \[0, 1\] there, \[0, 1, 2\] now\)"):
+        runlog.check_folder(out, {**RUN, "seeds": [0, 1, 2]})
+    with pytest.raises(runlog.MixedRunError, match="model \"tiny\" there, \"tiny-resonant\" now; num_frames"):
+        runlog.check_folder(out, {**RUN, "model": "tiny-resonant", "num_frames": 3})
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "report.json").write_text("{}")
+    with pytest.raises(runlog.MixedRunError, match="holds no run.json"):
+        runlog.check_folder(foreign, RUN)
+
+
+def test_prepare_folder_deletes_the_report_of_an_earlier_attempt(tmp_path):
+    runlog.prepare_folder(tmp_path, RUN, "first")
+    for name in runlog.REPORT_FILES:
+        (tmp_path / name).write_text("old")
+    (tmp_path / runlog.SAMPLES).write_text(json.dumps(rec("a", 0, "pasa")) + "\n")
+    runlog.prepare_folder(tmp_path, RUN, "second")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [runlog.MANIFEST, runlog.SAMPLES]
+    assert json.loads((tmp_path / runlog.MANIFEST).read_text())["command"] == "first"
+
+
+def test_merge_logs_unites_shards_in_order_once_each(tmp_path):
+    order = [("a", 0, "pasa"), ("a", 0, "bf16"), ("a", 1, "pasa"), ("a", 1, "bf16")]
+    with runlog.LogWriter(runlog.log_path(tmp_path, 0, 1)) as log:
+        log.append(rec("a", 1, "bf16", 4.0))
+    with runlog.LogWriter(runlog.log_path(tmp_path, 1, 2)) as log:
+        log.append(rec("a", 0, "bf16", 2.0))
+        log.append(rec("a", 1, "bf16", 99.0))  # a duplicate (a crash between merge and cleanup): the first wins
+    with runlog.LogWriter(runlog.log_path(tmp_path, 0, 2)) as log:
+        log.append(rec("a", 0, "pasa", 1.0))
+    assert set(runlog.done_records(tmp_path)) == {order[0], order[1], order[3]}
+    merged = runlog.merge_logs(tmp_path, order)
+    assert [runlog.record_key(r) for r in merged] == [order[0], order[1], order[3]]
+    assert [r["psnr"] for r in merged] == [1.0, 2.0, 4.0]
+    assert runlog.read_log(tmp_path / runlog.SAMPLES) == merged
+    assert not (tmp_path / runlog.SHARDS).exists()
+    with pytest.raises(ValueError, match="not part of this run"):
+        runlog.merge_logs(tmp_path, order[:2])

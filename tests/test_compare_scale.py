@@ -1,0 +1,182 @@
+"""`pasa compare` over images and seeds on the tiny model: resume after a kill, refusal of a mixed folder, a
+backend that always fell back, a 2-process gloo torchrun equal to one process, and the committed sample."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pasa_diffusers import install
+from pasa_diffusers.cli import build_parser, main
+from pasa_diffusers.metrics.records import dumps
+from pasa_diffusers.pipelines import compare, runlog
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--model", "tiny", "--height", "16", "--width", "16", "--frames", "2", "--steps", "1",
+         "--images", "builtin:rocket,builtin:coffee", "--backends", "pasa,bf16"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+SAMPLE_DIR = ROOT / "samples" / "compare"
+
+
+def pasa_script() -> str:
+    """The `pasa` console script of this interpreter's environment."""
+    found = shutil.which("pasa") or str(Path(sys.executable).parent / "pasa")
+    assert Path(found).is_file(), "the pasa console script is not installed (pip install -e .)"
+    return found
+
+
+def log_lines(out: Path) -> list[dict]:
+    return runlog.read_log(out / runlog.SAMPLES)
+
+
+def without_timing(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in ("seconds", "rank")} for r in records]
+
+
+def assert_worst_videos(out: Path, per_backend: int) -> None:
+    """The report lists per_backend worst samples per backend, each with its GIF, and no other GIF is left."""
+    report = json.loads((out / "report.json").read_text())
+    listed = [w["video"] for entries in report["worst"].values() for w in entries]
+    assert all(listed) and len(listed) == per_backend * len(report["worst"])
+    assert sorted(p.name for p in (out / runlog.VIDEOS).iterdir()) == sorted(Path(v).name for v in listed)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> Path:
+    """A complete single-process run: 2 images x 2 seeds x (pasa, bf16)."""
+    out = tmp_path_factory.mktemp("one") / "run"
+    assert main(["compare", *SMALL, "--seeds", "0-1", "--out", str(out)]) == 0
+    return out
+
+
+def test_a_run_logs_every_record_and_writes_the_report(one_process):
+    records = log_lines(one_process)
+    images = ("builtin:rocket", "builtin:coffee")
+    assert [runlog.record_key(r) for r in records] == [(i, s, b) for i in images for s in (0, 1) for b in ("pasa", "bf16")]
+    report = json.loads((one_process / "report.json").read_text())
+    assert report["aggregate"]["pasa"]["psnr"]["n"] == 4 and len(report["aggregate"]["pasa"]["psnr"]["ci95"]) == 2
+    assert report["health"]["pasa"]["fallbacks"]["share"] > 0 and "pasa \u2212 bf16" in \
+        (one_process / "report.md").read_text()
+    assert_worst_videos(one_process, 2)
+    assert not (one_process / runlog.SHARDS).exists()
+
+
+def test_resume_after_a_kill_loses_nothing_and_duplicates_nothing(tmp_path):
+    out = tmp_path / "run"
+    argv = ["compare", *SMALL, "--seeds", "0-4", "--out", str(out)]
+    process = subprocess.Popen([pasa_script(), *argv], env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not log_lines(out) and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    assert process.wait() == -signal.SIGKILL, "the run ended before it could be killed"
+    before = log_lines(out)
+    assert 1 <= len(before) < 20 and not (out / "report.json").exists()
+    with open(out / runlog.SAMPLES, "a") as f:
+        f.write('{"image": "builtin:coffee", "seed": 4, "backe')  # as if killed while writing a line
+
+    assert main(argv) == 0
+    after = log_lines(out)
+    keys = [runlog.record_key(r) for r in after]
+    assert len(keys) == len(set(keys)) == 20
+    assert all(r in after for r in before), "a record of the killed run was lost or recomputed"
+    assert json.loads((out / "report.json").read_text())["samples"] == 10
+    assert_worst_videos(out, 2)
+
+
+def test_a_finished_run_resumes_without_generating(one_process, tmp_path):
+    out = tmp_path / "copy"
+    shutil.copytree(one_process, out)
+    before = (out / runlog.SAMPLES).read_bytes()
+
+    def no_model(device, dtype):
+        raise AssertionError("nothing is left to generate: the pipeline must not be loaded")
+
+    config = compare.CompareConfig(model="tiny", images=("builtin:rocket", "builtin:coffee"), seeds=(0, 1),
+                                   backends=("pasa", "bf16"), num_frames=2, num_inference_steps=1, height=16, width=16)
+    report = compare.evaluate(config, out, load_pipeline=no_model, progress=False)
+    assert (out / runlog.SAMPLES).read_bytes() == before
+    first = json.loads((one_process / "report.json").read_text())
+    assert json.loads(dumps(report)) == first | {"command": ""}
+
+
+def test_a_different_run_into_the_same_folder_is_refused(one_process, capsys):
+    before = (one_process / runlog.SAMPLES).read_bytes()
+    assert main(["compare", *SMALL, "--seeds", "0-2", "--out", str(one_process)]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"pasa compare: error: --out .* holds another run \(seeds \[0, 1\] there, \[0, 1, 2\] now\)", err)
+    assert (one_process / runlog.SAMPLES).read_bytes() == before and (one_process / "report.json").exists()
+
+
+def test_a_backend_whose_calls_all_fell_back_is_an_error(tmp_path, monkeypatch, capsys):
+    real = install.fallback_summary
+
+    def all_fell_back(pipe):
+        summary = real(pipe)
+        if any(type(p).__name__ == "BF16AttnProcessor" for p in pipe.unet.attn_processors.values()):
+            summary.update(fallback_calls=summary["calls"], fallbacks={"dtype": summary["calls"]})
+        return summary
+
+    monkeypatch.setattr(install, "fallback_summary", all_fell_back)
+    assert main(["compare", *SMALL, "--seeds", "0", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"error: --backends bf16: every one of its \d+ attention calls fell back \(dtype", err)
+    assert [r["backend"] for r in log_lines(tmp_path / "run")] == ["pasa"], "no bf16 row may be written"
+
+
+def test_two_gloo_processes_equal_one(one_process, tmp_path):
+    out = tmp_path / "two"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--no-python",
+               pasa_script(), "compare", *SMALL, "--seeds", "0-1", "--out", str(out)]
+    done = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    merged = log_lines(out)
+    assert {r["rank"] for r in merged} == {0, 1}, "both ranks must have generated samples"
+    assert without_timing(merged) == without_timing(log_lines(one_process))
+    two, one = (json.loads((d / "report.json").read_text()) for d in (out, one_process))
+    for key in ("aggregate", "paired", "per_frame"):
+        drop = (lambda d: {b: {m: v for m, v in per.items() if m != "seconds"} for b, per in d.items()}) \
+            if key == "aggregate" else (lambda d: d)
+        assert drop(two[key]) == drop(one[key])
+    assert two["settings"]["processes"] == 2 and not (out / runlog.SHARDS).exists()
+    assert two["worst"] == one["worst"]
+    assert_worst_videos(out, 2)
+    assert "Scores against the fp32 reference" in done.stdout and done.stdout.count("Paired differences") == 1
+
+
+def test_the_committed_sample_is_the_default_run_and_the_readme_shows_its_table():
+    report = json.loads((SAMPLE_DIR / "report.json").read_text())
+    defaults = build_parser().parse_args(["compare"])
+    settings = report["settings"]
+    assert report["model"] == defaults.model and settings["seeds"] == defaults.seeds
+    assert settings["images"] == defaults.images and settings["backends"] == defaults.backends
+    assert (settings["num_frames"], settings["num_inference_steps"], settings["height"], settings["width"]) == \
+        (defaults.frames, defaults.steps, defaults.height, defaults.width)
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Sample", 1)[1].split("\n## ", 1)[0]
+    tables = re.findall(r"(?:^\|.*\|\n)+", section, flags=re.M)
+    assert tables, "the README's Sample section has no table"
+    md = (SAMPLE_DIR / "report.md").read_text()
+    for table in tables:
+        assert table in md, f"README table not in {SAMPLE_DIR / 'report.md'}:\n{table}"
+    size = sum(p.stat().st_size for p in SAMPLE_DIR.rglob("*") if p.is_file())
+    assert size < 500_000, f"samples/compare holds {size} bytes: keep it small"
+
+
+def test_gif_previews_shrink_wide_frames_by_block_means():
+    frames = np.random.default_rng(0).random((2, 576, 1030, 3), dtype=np.float32)
+    frames[1, 4, 5, 2] = np.nan
+    small = compare._preview(frames)
+    assert small.shape == (2, 192, 343, 3), "factor ceil(1030 / 512) = 3, the 1 px left over cropped"
+    np.testing.assert_allclose(small[0, 10, 20], frames[0, 30:33, 60:63].mean(axis=(0, 1)), rtol=1e-6)
+    assert np.isnan(small[1, 1, 1, 2]) and np.isnan(small).sum() == 1
+    assert compare._preview(frames[:, :, :512]).shape == (2, 576, 512, 3)
