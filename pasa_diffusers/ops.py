@@ -12,7 +12,8 @@
   ``shift="exact"`` the float64 golden attention: the exact shift is exact in real arithmetic).
 
 The op is registered as ``pasa::attention`` with a fake (meta) implementation, so ``torch.compile``
-and CUDA graphs take it without graph breaks.
+and ``torch.export`` trace it without graph breaks; eager calls (and CUDA graph capture) run its
+implementation directly.
 """
 from __future__ import annotations
 
@@ -69,8 +70,7 @@ def _attention_bhnd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
         out.copy_(reference.flash_reference(q, k, v, scale, precision=flash_precision))
 
 
-@torch.library.custom_op("pasa::attention", mutates_args=())
-def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, precision: str, shift: str,
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, precision: str, shift: str,
                   beta: float, layout: str) -> torch.Tensor:
     out_dtype = torch.float64 if precision == "fp64" else q.dtype
     out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
@@ -80,6 +80,10 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
         out_view = out
     _attention_bhnd(q, k, v, out_view, scale, precision, shift, beta)
     return out
+
+
+_attention_op = torch.library.custom_op("pasa::attention", _attention, mutates_args=())
+"""``_attention`` registered as ``pasa::attention``: what ``torch.compile`` and ``torch.export`` trace."""
 
 
 @_attention_op.register_fake
@@ -122,4 +126,8 @@ def pasa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     head_dim = q.shape[-1]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     beta = DEFAULT_BETA if beta is None else float(beta)
-    return _attention_op(q, k, v, scale, precision, rules.shift_mode(shift), beta, layout)
+    if torch.compiler.is_compiling():
+        return _attention_op(q, k, v, scale, precision, rules.shift_mode(shift), beta, layout)
+    # eager: the implementation itself, without the dispatcher's round trip (torch's custom-op wrapper
+    # also imports torch._dynamo on its first call: 2-3 s of cold start)
+    return _attention(q, k, v, scale, precision, rules.shift_mode(shift), beta, layout)

@@ -2,7 +2,7 @@
 
 One Triton kernel, :func:`exact_fwd_tma_kernel`, and its launch wrapper :func:`exact_forward_tma`.  It
 computes the project's default variant (``shift="exact"``, ``precision="hybrid"``; the portable kernel
-is ``pasa_fwd.py`` with ``EXACT_SHIFT=True``) from the outputs of the key pre-pass (``centre_k.py``):
+is ``pasa_fwd.py`` with ``SHIFT="exact"``) from the outputs of the key pre-pass (``centre_k.py``):
 the centred keys ``k_c`` and the centres ``c_j``.  What differs from the portable kernel is only how
 tiles reach shared memory: every tile is a ``tl.make_tensor_descriptor`` load (the copy engine,
 ``cp.async.bulk.tensor``), out-of-range rows and columns arrive as zeros, and ``WARP_SPECIALIZE``
@@ -10,6 +10,9 @@ lets Triton split the key loop into a producer warpgroup (the copies) and consum
 GEMMs and the softmax).  Triton 3.6 on sm_90 crashes on a second loop after a specialised one and on
 pointer loads inside it, so the ragged last key block is masked inside the single loop (``MASK_N``,
 set only when ``Nk`` is not a multiple of ``BLOCK_N``) and every load in the loop is a descriptor load.
+Warp specialisation also needs ``R_ON_TC`` (``q . c_j`` as a small wgmma): the pass aborts on the fp32
+register copy of ``q`` that the FMA form reads, and on any reduction that does not depend on the scores
+(see :func:`_row_shift`).  Without warp specialisation both forms compile.
 
 Under ``TRITON_INTERPRET=1`` (set before ``triton`` is first imported) the kernel runs on CPU tensors
 through Triton's numpy interpreter (descriptors included; fp16 only: numpy cannot multiply bf16).
@@ -22,20 +25,20 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import rules
 from .centre_k import centre_k_kernel
 
 __all__ = ["exact_fwd_tma_kernel", "exact_forward_tma", "exact_attention_tma", "centre_keys", "DEFAULT_CONFIG",
            "SHIFT_BLOCK", "INTERPRET", "kernel_call"]
 
-LOG2E = 1.4426950408889634
-SHIFT_BLOCK = 128
+SHIFT_BLOCK = rules.SHIFT_BLOCK
 """Keys per centre ``c_j`` (the pre-pass's block); ``BLOCK_N`` divides it."""
-R_TILE = 16
-"""Centre rows one ``R_ON_TC`` load brings (the smallest wgmma N that Triton emits for a dot)."""
+R_TILE = tl.constexpr(16)
+"""Centre rows one ``R_ON_TC`` load brings (the N of the (BLOCK_M, 16) wgmma that forms ``r_j``)."""
 
 
 @triton.jit
-def _row_shift(q, q32, desc_c, blk, qk_scale, R_ON_TC: tl.constexpr):
+def _row_shift(q, q32, desc_c, blk, qk_scale, zero, R_ON_TC: tl.constexpr):
     """``r_j = qk_scale (q . c_j)`` (BLOCK_M,) fp32, ``c_j`` the centre of key block ``blk``.
 
     ``R_ON_TC=False``: fp32 products and an fp32 sum over the head dim (as the portable kernel and
@@ -44,15 +47,21 @@ def _row_shift(q, q32, desc_c, blk, qk_scale, R_ON_TC: tl.constexpr):
     centre rows ``blk, blk + 1, ...`` in the GEMM dtype (``c_j`` are values of it, so exact), one
     (BLOCK_M, 16) wgmma with fp32 accumulation, column 0 kept.  Exact products either way; the
     tensor cores' fp32 accumulation truncates (about half an ulp per k-step of 16).
+
+    ``zero`` (BLOCK_M,) is ``0 * m_s``, an exact zero (``m_s`` is finite) added to the products: it
+    makes ``r_j`` depend on the score tile.  Triton 3.6's Hopper warp specialisation splits the rows
+    between two consumer warpgroups by walking forward from the first dot; a reduction it can only
+    reach backwards (``r_j``'s, independent of ``s``) aborts the pass ("Unexpected op",
+    WSDataPartition.cpp).  The zero costs one multiply per row.
     """
     if R_ON_TC:
         c_tile = desc_c.load([blk, 0])
-        rc = tl.dot(q, tl.trans(c_tile))
+        rc = tl.dot(q, tl.trans(c_tile), tl.zeros([q.shape[0], c_tile.shape[0]], tl.float32) + zero[:, None])
         first = tl.arange(0, c_tile.shape[0]) == 0
         return tl.sum(tl.where(first[None, :], rc, 0.0), axis=1) * qk_scale
     else:
         c_j = desc_c.load([blk, 0])
-        return tl.sum(q32 * c_j, axis=1) * qk_scale
+        return tl.sum(tl.fma(q32, c_j, zero[:, None]), axis=1) * qk_scale
 
 
 @triton.jit(do_not_specialize=["N_Q", "N_K"])
@@ -121,7 +130,7 @@ def exact_fwd_tma_kernel(
                                        strides=[stride_vn, 1], block_shape=[BLOCK_N, BLOCK_D])
     desc_o = tl.make_tensor_descriptor(o_ptr + off_z * stride_oz + off_hq * stride_oh, shape=[N_Q, HEAD_DIM],
                                        strides=[stride_om, 1], block_shape=[BLOCK_M, BLOCK_D])
-    c_rows: tl.constexpr = 16 if R_ON_TC else 1
+    c_rows: tl.constexpr = R_TILE if R_ON_TC else 1
     desc_c = tl.make_tensor_descriptor(c_ptr + off_z * stride_cz + off_hk * stride_ch, shape=[N_BLOCKS, HEAD_DIM],
                                        strides=[stride_cj, 1], block_shape=[c_rows, BLOCK_D])
 
@@ -135,11 +144,11 @@ def exact_fwd_tma_kernel(
     for start_n in tl.range(0, N_K, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         k_blk = desc_k.load([start_n, 0])
         v_blk = desc_v.load([start_n, 0])
-        r_j = _row_shift(q, q32, desc_c, start_n // SHIFT_BLOCK_N, qk_scale, R_ON_TC)
         s = tl.dot(q, tl.trans(k_blk))
         if MASK_N:
             s = tl.where((start_n + offs_j < N_K)[None, :], s, float("-inf"))
         m_s = tl.max(s, axis=1) * qk_scale
+        r_j = _row_shift(q, q32, desc_c, start_n // SHIFT_BLOCK_N, qk_scale, m_s * 0.0, R_ON_TC)
         m_blk = m_s + r_j
         m_new = tl.maximum(m_i, m_blk)
         p = tl.math.exp2(tl.fma(s, qk_scale, -(m_s - (m_blk - m_new))[:, None])).to(q.dtype)
@@ -269,9 +278,9 @@ def exact_forward_tma(q: torch.Tensor, k_c: torch.Tensor, v: torch.Tensor, centr
         centres: ``(B, Hk, ceil(Nk / 128), D)`` fp32, the exact centres (``centre_keys``).
         scale: softmax scale.
         config: ``BLOCK_M`` (64 / 128), ``BLOCK_N`` (64 / 128), ``num_warps``, ``num_stages``,
-            ``warp_specialize`` (Triton's automatic warp specialisation of the key loop), ``r_on_tc``
-            (``q . c_j`` on the tensor cores); missing keys from ``DEFAULT_CONFIG`` (the
-            interpreter's own small config under ``TRITON_INTERPRET=1``).
+            ``warp_specialize`` (Triton's automatic warp specialisation of the key loop; needs
+            ``r_on_tc``), ``r_on_tc`` (``q . c_j`` on the tensor cores); missing keys from
+            ``DEFAULT_CONFIG`` (the interpreter's own small config under ``TRITON_INTERPRET=1``).
     """
     _validate(q, k_c, v, centres, out)
     if q.device.type == "cuda":
@@ -293,10 +302,15 @@ def kernel_call(q, k_c, v, centres, out, *, scale: float, config: dict | None = 
     if config:
         unknown = set(config) - _CONFIG_KEYS
         if unknown:
-            raise ValueError(f"exact_forward_tma: unknown config keys {sorted(unknown)}; expected {sorted(_CONFIG_KEYS)}")
+            raise ValueError(f"exact_forward_tma: unknown config keys {sorted(unknown)}; "
+                             f"expected {sorted(_CONFIG_KEYS)}")
         cfg.update(config)
+    if cfg["warp_specialize"] and not cfg["r_on_tc"]:
+        raise ValueError("exact_forward_tma: config warp_specialize=True needs r_on_tc=True (Triton 3.6's Hopper "
+                         "warp specialisation aborts on the fp32 register copy of q that the FMA row shift reads)")
     if SHIFT_BLOCK % cfg["BLOCK_N"] != 0 or cfg["BLOCK_N"] < 16:
-        raise ValueError(f"exact_forward_tma: config BLOCK_N={cfg['BLOCK_N']} must divide the shift block {SHIFT_BLOCK}")
+        raise ValueError(f"exact_forward_tma: config BLOCK_N={cfg['BLOCK_N']} must divide the shift block "
+                         f"{SHIFT_BLOCK}")
     batch, h_q, n_q, head_dim = q.shape
     h_k, n_k = k_c.shape[1], k_c.shape[2]
     block_d = max(16, triton.next_power_of_2(head_dim))
@@ -309,7 +323,7 @@ def kernel_call(q, k_c, v, centres, out, *, scale: float, config: dict | None = 
     grid = (triton.cdiv(n_q, cfg["BLOCK_M"]) * batch * h_q,)
     args = (q, k_c, v, c_src, out,
             *q.stride()[:3], *k_c.stride()[:3], *v.stride()[:3], *out.stride()[:3], *c_src.stride()[:3],
-            h_q, h_q // h_k, n_q, n_k, c_src.shape[2], float(scale) * LOG2E)
+            h_q, h_q // h_k, n_q, n_k, c_src.shape[2], float(scale) * math.log2(math.e))
     meta = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                 SHIFT_BLOCK_N=SHIFT_BLOCK, MASK_N=n_k % cfg["BLOCK_N"] != 0, R_ON_TC=bool(cfg["r_on_tc"]),
                 WARP_SPECIALIZE=bool(cfg["warp_specialize"]), num_warps=cfg["num_warps"],

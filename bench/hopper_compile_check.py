@@ -1,0 +1,236 @@
+"""Compile the Hopper exact-shift kernel (``kernels/attn_fwd_tma.py``) for sm_90 on a CPU, per config.
+
+    .venv36/bin/python bench/hopper_compile_check.py            # every config, (50, 5, 9216, 64) and a ragged Nk
+    .venv36/bin/python bench/hopper_compile_check.py --quick    # the main grid only, Nk = 9216
+
+Needs triton==3.6.0 (the GPU machine's version) and torch (CPU) in the environment; no GPU.  Each config
+is compiled in its own process (a compiler crash is reported, not fatal) exactly as the wrapper would
+launch it: the argument list comes from ``attn_fwd_tma.kernel_call`` on meta tensors of the shape
+(diffusers' (B, N, H, D) layout viewed as (B, H, N, D)), and Triton's own specialisation rules turn it
+into the signature (which ints are constexpr 1, which are divisible by 16).
+
+Per config it reports, from the IR and the machine code:
+- ``ws``: warp-specialised (``ttg.warp_specialize`` in the TTGIR) and the ``setmaxnreg`` values in the PTX;
+- ``wgmma``: ``wgmma.mma_async`` instructions in the PTX (``HGMMA`` in the SASS);
+- ``tma``: ``cp.async.bulk.tensor`` instructions in the PTX;
+- ``spill``: ptxas's spill stores/loads (bytes) and ``st.local`` / ``ld.local`` in the PTX;
+- ``regs``: registers per thread (ptxas), ``threads``: warps x 32 as launched (producer included);
+- ``smem``: shared memory bytes (Triton's metadata);
+- ``mufu``: ``MUFU.EX2`` in the SASS (exponentials per instruction issue: a sanity count).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize, r_on_tc).  Warp specialisation needs r_on_tc
+# (the wrapper refuses the other combination: Triton 3.6's pass aborts on it).
+_GRID = [(bm, w, s) for bm in (128, 64) for s in (2, 3) for w in (4, 8)]
+MAIN_GRID = ([(bm, 128, w, s, False, False) for bm, w, s in _GRID]
+             + [(bm, 128, w, s, True, True) for bm, w, s in _GRID]
+             + [(128, 128, 8, 2, False, True), (128, 128, 8, 3, False, True), (128, 128, 4, 3, False, True),
+                (64, 128, 4, 3, False, True)])
+EXTRA = [(128, 64, 4, 3, False, False), (128, 64, 8, 3, False, False), (128, 64, 4, 2, True, True),
+         (128, 64, 4, 3, True, True)]
+# (B, H, Nq, Nk, D): SVD-XT's largest spatial attention; the same with a ragged Nk (MASK_N)
+SHAPE = (50, 5, 9216, 9216, 64)
+RAGGED = (50, 20, 576, 576, 64)
+HEAD_DIMS = (16, 32, 40, 80, 128)
+
+
+def _signature(fn, args, meta):
+    """Triton's specialisation of ``args`` for ``fn``: (signature, constexprs, attrs)."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    signature, constexprs, attrs = {}, {}, {}
+    values = iter(args)
+    for p in fn.params:
+        if p.is_constexpr:
+            signature[p.name] = "constexpr"
+            constexprs[p.name] = meta[p.name]
+            continue
+        value = next(values)
+        ty, spec = native_specialize_impl(BaseBackend, value, False, not p.do_not_specialize,
+                                          not p.do_not_specialize_on_alignment)
+        if ty == "constexpr":
+            signature[p.name] = "constexpr"
+            constexprs[p.name] = value
+        else:
+            signature[p.name] = ty
+            if spec == "D":
+                attrs[(p.num,)] = [["tt.divisibility", 16]]
+    return signature, constexprs, attrs
+
+
+def _ptxas_report(ptx: str) -> dict:
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        res = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", src, "-o", os.path.join(tmp, "k.cubin")],
+                             capture_output=True, text=True)
+    log = res.stdout + res.stderr
+    regs = re.findall(r"Used (\d+) registers", log)
+    spill_st = re.findall(r"(\d+) bytes spill stores", log)
+    spill_ld = re.findall(r"(\d+) bytes spill loads", log)
+    stack = re.findall(r"(\d+) bytes stack frame", log)
+    return {"regs": int(regs[0]) if regs else None, "spill_st": int(spill_st[0]) if spill_st else None,
+            "spill_ld": int(spill_ld[0]) if spill_ld else None, "stack": int(stack[0]) if stack else None,
+            "ptxas_warnings": [ln for ln in log.splitlines() if "warning" in ln.lower()][:3]}
+
+
+def _sass_counts(cubin: bytes) -> dict:
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    nvdisasm = os.path.join(os.path.dirname(get_ptxas(90).path), "nvdisasm")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        res = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True)
+    sass = res.stdout
+    return {"hgmma": len(re.findall(r"\bHGMMA\b", sass)), "mufu_ex2": len(re.findall(r"MUFU\.EX2", sass)),
+            "sass_local": len(re.findall(r"\b(?:STL|LDL)\b", sass)), "utmaldg": len(re.findall(r"UTMALDG", sass))}
+
+
+def compile_one(case: dict) -> dict:
+    """Compile one (config, shape) for sm_90; return what the IR and the machine code show."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from pasa_diffusers.kernels import attn_fwd_tma as K
+
+    b, h, n_q, n_k, d = case["shape"]
+    bm, bn, warps, stages, ws, r_tc = case["config"]
+    dt = torch.float16
+
+    def bnhd(n):  # diffusers' (B, N, H, D) contiguous, viewed as (B, H, N, D)
+        return torch.empty(b, n, h, d, dtype=dt, device="meta").transpose(1, 2)
+
+    q, k_c, v, out = bnhd(n_q), torch.empty(b, h, n_k, d, dtype=dt, device="meta"), bnhd(n_k), bnhd(n_q)
+    centres = torch.empty(b, h, triton.cdiv(n_k, K.SHIFT_BLOCK), d, dtype=torch.float32, device="meta")
+    cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "warp_specialize": ws,
+           "r_on_tc": r_tc}
+    row = dict(case)
+    t0 = time.time()
+    try:
+        _, args, meta = K.kernel_call(q, k_c, v, centres, out, scale=d ** -0.5, config=cfg)
+        options = {"num_warps": meta.pop("num_warps"), "num_stages": meta.pop("num_stages")}
+        signature, constexprs, attrs = _signature(K.exact_fwd_tma_kernel, args, meta)
+        src = ASTSource(fn=K.exact_fwd_tma_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+        kern = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    except Exception as e:  # noqa: BLE001 - a compiler failure is a result here
+        msg = str(e).strip().splitlines()
+        row.update(ok=False, error=(type(e).__name__ + ": " + (msg[0] if msg else ""))[:160],
+                   seconds=round(time.time() - t0, 1))
+        return row
+    ttgir, ptx = kern.asm["ttgir"], kern.asm["ptx"]
+    row.update(
+        ok=True, seconds=round(time.time() - t0, 1),
+        ws="ttg.warp_specialize" in ttgir,
+        setmaxnreg=sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
+        wgmma=len(re.findall(r"wgmma\.mma_async", ptx)),
+        tma=len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
+        ptx_local=len(re.findall(r"\b(?:st|ld)\.local", ptx)),
+        smem=kern.metadata.shared,
+        threads=32 * kern.metadata.num_warps,
+        scratch=getattr(kern.metadata, "global_scratch_size", None),
+    )
+    row.update(_ptxas_report(ptx))
+    row.update(_sass_counts(kern.asm["cubin"]))
+    return row
+
+
+def _run_isolated(case: dict) -> dict:
+    """``compile_one`` in a child process, so that a crashing compiler is a row, not the end of the run."""
+    t0 = time.time()
+    res = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", json.dumps(case)],
+                         capture_output=True, text=True, timeout=900)
+    for line in res.stdout.splitlines():
+        if line.startswith("ROW "):
+            row = json.loads(line[4:])
+            row["config"], row["shape"] = tuple(row["config"]), tuple(row["shape"])
+            return row
+    tail = (res.stderr.strip().splitlines() or ["no output"])[-1]
+    return dict(case, ok=False, error=f"process died (rc {res.returncode}): {tail}"[:160],
+                seconds=round(time.time() - t0, 1))
+
+
+def _cases(quick: bool) -> list[dict]:
+    cases = [{"config": c, "shape": SHAPE} for c in MAIN_GRID]
+    if quick:
+        return cases
+    cases += [{"config": c, "shape": RAGGED} for c in MAIN_GRID]
+    cases += [{"config": c, "shape": SHAPE} for c in EXTRA]
+    for d in HEAD_DIMS:
+        for c in [(128, 128, 8, 2, False, False), (128, 128, 4, 2, True, True)]:
+            cases.append({"config": c, "shape": (2, 4, 1000, 1000, d)})
+    return cases
+
+
+def _fmt(row: dict) -> str:
+    bm, bn, warps, stages, ws, r_tc = row["config"]
+    b, h, n_q, n_k, d = row["shape"]
+    cfg = f"{bm:>3} {bn:>3} {warps} {stages} {'WS' if ws else '--'} {'tc ' if r_tc else 'fma'}"
+    shape = f"Nk={n_k:<5} d={d:<3}"
+    if not row["ok"]:
+        return f"| {cfg} | {shape} | FAILED ({row['seconds']} s): {row['error']} |"
+    spill = f"{row['spill_st']}/{row['spill_ld']} B" if row["spill_st"] is not None else "?"
+    ws_txt = ("yes " + "/".join(map(str, row["setmaxnreg"]))) if row["ws"] else "no"
+    return (f"| {cfg} | {shape} | {ws_txt} | {row['wgmma']} ({row['hgmma']}) | {row['tma']} | "
+            f"{spill}, local {row['ptx_local']}/{row['sass_local']} | {row['regs']} | {row['threads']} | "
+            f"{row['smem']} | {row['mufu_ex2']} | {row['seconds']} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="the main grid on (50, 5, 9216, 64) only")
+    ap.add_argument("--jobs", type=int, default=1, help="compiles in parallel (default 1: the CPU is shared)")
+    ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: compile one JSON case, print its row
+    args = ap.parse_args()
+    if args.one:
+        case = json.loads(args.one)
+        case = {"config": tuple(case["config"]), "shape": tuple(case["shape"])}
+        print("ROW " + json.dumps(compile_one(case), default=str))
+        return
+
+    import triton
+
+    print(f"triton {triton.__version__}, target cuda sm_90 (warp size 32)", flush=True)
+    cases = _cases(args.quick)
+    header = ("| BM  BN  w s ws r_j | shape | warp-specialised (setmaxnreg) | wgmma PTX (HGMMA SASS) | TMA copies | "
+              "spills st/ld, local PTX/SASS | regs | threads | smem B | MUFU.EX2 | compile s |\n"
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(header, flush=True)
+    rows = []
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        for row in pool.map(_run_isolated, cases):
+            rows.append(row)
+            print(_fmt(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1, default=str)
+    ok = sum(r["ok"] for r in rows)
+    print(f"\n{ok} of {len(rows)} compiled; warp-specialised: "
+          f"{sum(1 for r in rows if r.get('ws'))}; with spills: "
+          f"{sum(1 for r in rows if r.get('spill_st') or r.get('ptx_local'))}")
+
+
+if __name__ == "__main__":
+    main()
