@@ -33,6 +33,9 @@ __all__ = ["AUTOTUNE_KEY", "INTERPRET_CONFIG", "SMEM_LIMIT", "autotuned", "bucke
 SMEM_LIMIT = 232448
 """Bytes of shared memory one block may use on sm_90."""
 
+SMALL_TILE = 64
+"""The largest key-tile extent (keys and head dim) a config of fewer than 4 warps may take."""
+
 AUTOTUNE_KEY = ["HEAD_DIM", "NQ_BUCKET", "NK_BUCKET", "HALF_STATE", "SHIFT", "SHIFT_IN_LOOP", "ONE_BLOCK", "BLOCK_N"]
 """The kernel arguments a tuned config is chosen by (plain FA tunes BLOCK_N, so it drops the last one)."""
 
@@ -66,12 +69,20 @@ def _smem_bytes(cfg: triton.Config, block_n: int, block_d: int) -> int:
     return 2 * block_d * (cfg.kwargs["BLOCK_M"] + 2 * bn * cfg.num_stages)
 
 
+def _fits(cfg: triton.Config, block_n: int, block_d: int) -> bool:
+    """Whether a config's tiles fit shared memory, and, with fewer than 4 warps, a 64 x 64 key tile
+    (a one-warp program with a 128 x 128 tile spills and takes ptxas minutes to compile)."""
+    bn = cfg.kwargs.get("BLOCK_N", block_n)
+    small_tile = bn <= SMALL_TILE and block_d <= SMALL_TILE
+    return _smem_bytes(cfg, block_n, block_d) <= SMEM_LIMIT and (cfg.num_warps >= 4 or small_tile)
+
+
 def _prune(configs, named_args, **kwargs):
-    """The short- or long-query configs that fit shared memory; the single-stage fallbacks if none."""
+    """The short- or long-query configs that fit (``_fits``); the single-stage fallbacks if none."""
     table = _FLASH_CONFIGS if "BLOCK_N" in configs[0].kwargs else _SHIFT_CONFIGS
     block_d, block_n = kwargs["BLOCK_D"], kwargs.get("BLOCK_N", 64)
     pool = table["short"] if named_args["NQ_BUCKET"] <= 32 else table["long"]
-    fitting = [c for c in pool if _smem_bytes(c, block_n, block_d) <= SMEM_LIMIT]
+    fitting = [c for c in pool if _fits(c, block_n, block_d)]
     if fitting:
         return fitting
     return [c for c in table["fallback"] if _smem_bytes(c, block_n, block_d) <= SMEM_LIMIT] or table["fallback"][:1]
