@@ -78,7 +78,7 @@ def attention_share(fn, inputs: dict) -> tuple[float, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--frames", type=int, nargs="+", default=[14, 25])
-    parser.add_argument("--backends", nargs="+", default=["sdpa", "pasa", "pasa-hybrid"])
+    parser.add_argument("--backends", nargs="+", default=["sdpa", "pasa", "pasa-paper"])
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--out", default="out/bench_unet")

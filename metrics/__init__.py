@@ -11,7 +11,6 @@ from .quality import (
     LPIPSUnavailableError,
     default_alexnet_weights_path,
     flicker_ratio,
-    json_float,
     lpips_status,
     nonfinite_frames,
     psnr_frame,
@@ -23,7 +22,7 @@ from .quality import (
     validate_frame,
     validate_video,
 )
-from .records import json_safe
+from .records import json_float, json_safe
 from .report import build_report, format_markdown, format_table, table_rows, write_report
 from .video import pad_even, side_by_side, to_uint8, write_gif, write_mp4, write_png_frames, write_video
 

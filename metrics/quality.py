@@ -27,6 +27,8 @@ import numpy as np
 import torch
 from skimage.metrics import peak_signal_noise_ratio, structural_similarity
 
+from .records import json_float
+
 SSIM_SIGMA = 1.5
 SSIM_MIN_SIZE = 2 * int(3.5 * SSIM_SIGMA + 0.5) + 1
 """11: the side of skimage's Gaussian SSIM window (truncated at 3.5 sigma), the smallest frame SSIM takes."""
@@ -296,16 +298,6 @@ class LPIPSScorer:
     def _tensor(self, frames: np.ndarray) -> torch.Tensor:
         nchw = np.ascontiguousarray(frames.transpose(0, 3, 1, 2), dtype=np.float32)
         return torch.from_numpy(nchw).to(self.device)
-
-
-def json_float(value: float) -> float | str | None:
-    """A float as JSON-safe value: finite as is, ``inf`` as ``"inf"``, ``-inf`` as ``"-inf"``, NaN as None."""
-    value = float(value)
-    if np.isnan(value):
-        return None
-    if np.isinf(value):
-        return "inf" if value > 0 else "-inf"
-    return value
 
 
 def _finite_mean(values: np.ndarray) -> float | None:
