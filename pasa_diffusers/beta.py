@@ -28,6 +28,8 @@ import math
 
 import torch
 
+from .rules import SHIFT_BLOCK
+
 __all__ = ["shift_entries", "gamma", "optimal_beta", "DEFAULT_BETA", "FP64"]
 
 FP64 = torch.float64
@@ -49,7 +51,7 @@ def _check(beta: float, block_n: int, dtype: torch.dtype, scale: float) -> None:
         raise ValueError(f"scale must be a positive finite float, got scale={scale!r}")
 
 
-def shift_entries(beta: float, block_n: int = 128, dtype: torch.dtype = torch.float16,
+def shift_entries(beta: float, block_n: int = SHIFT_BLOCK, dtype: torch.dtype = torch.float16,
                   scale: float = 1.0) -> tuple[float, float]:
     """The stored ``(diag, off)`` entries of ``scale * (I - beta/n 11^T)`` rounded to ``dtype``."""
     _check(beta, block_n, dtype, scale)
@@ -58,7 +60,7 @@ def shift_entries(beta: float, block_n: int = 128, dtype: torch.dtype = torch.fl
     return diag, off
 
 
-def gamma(beta: float, block_n: int = 128, dtype: torch.dtype = torch.float16,
+def gamma(beta: float, block_n: int = SHIFT_BLOCK, dtype: torch.dtype = torch.float16,
           scale: float = 1.0) -> float:
     """Recovery factor: the removed pseudo-average is ``gamma * mu`` (see the module docstring).
 
@@ -73,7 +75,7 @@ def gamma(beta: float, block_n: int = 128, dtype: torch.dtype = torch.float16,
     return (scale - a) / a + scale * c * n / (a * (a - c * n))
 
 
-def optimal_beta(block_n: int = 128, dtype: torch.dtype = torch.float16, scale: float = 1.0, *,
+def optimal_beta(block_n: int = SHIFT_BLOCK, dtype: torch.dtype = torch.float16, scale: float = 1.0, *,
                  start: float = 1.0 - 2.0 ** -6, tol: float = 1e-8, max_iter: int = 100) -> float:
     """Solve the rounding fixed point ``beta / (1 - beta) = gamma(beta)`` by ``beta <- f / (1 + f)``.
 
@@ -95,5 +97,5 @@ def optimal_beta(block_n: int = 128, dtype: torch.dtype = torch.float16, scale: 
     raise ValueError(f"the beta fixed point did not converge in {max_iter} iterations from start={start!r}")
 
 
-DEFAULT_BETA = optimal_beta(128, torch.float16, 1.0, start=1.0 - 2.0 ** -4)
+DEFAULT_BETA = optimal_beta(SHIFT_BLOCK, torch.float16, 1.0, start=1.0 - 2.0 ** -4)
 """0.9375: the fp16 fixed point for 128-key blocks (every entry of M exactly representable)."""

@@ -19,6 +19,7 @@ import torch
 
 from . import reference
 from .beta import shift_entries
+from .rules import SHIFT_BLOCK
 
 __all__ = [
     "paper_inputs",
@@ -146,7 +147,7 @@ INPUT_CLASSES = ("benign", "uniform(30,0.5)", "uniform(80,5)", "drift(0->40)", "
 
 
 def input_classes(shape: tuple[int, ...], *, seed: int = 0, dtype: torch.dtype = torch.float16,
-                  block_n: int = 128) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+                  block_n: int = SHIFT_BLOCK) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Named ``(q, k, v)`` cases, ``(B, H, N, D)`` on the CPU in ``dtype``, V ~ N(0, 1) (zero mean: errors
     in the attention weights are not hidden by V's mean).  ``block_n`` is the shift block the jumps
     refer to.
@@ -205,7 +206,7 @@ def max_score(q: torch.Tensor, k: torch.Tensor) -> float:
 
 
 def pasa_half_overflow_margin(q: torch.Tensor, k: torch.Tensor, *, beta: float, scale: float | None = None,
-                              block_n: int = 128) -> float:
+                              block_n: int = SHIFT_BLOCK) -> float:
     """``max |q . k_shift| / 65504`` for the paper's fully-FP16 PASA, with ``k_shift = fp16(scale M_j) k_j``
     per key block as the kernel and ``reference.pasa_reference`` form it (stored entries from ``beta.py``).
 
@@ -226,7 +227,7 @@ def pasa_half_overflow_margin(q: torch.Tensor, k: torch.Tensor, *, beta: float, 
 
 
 def exact_half_overflow_margin(q: torch.Tensor, k: torch.Tensor, *, scale: float | None = None,
-                               block_n: int = 128) -> float:
+                               block_n: int = SHIFT_BLOCK) -> float:
     """``max |q_s . k_c| / 65504`` for the exact shift in half: ``q_s = fp16(scale q)``, ``k_c = fp16(k -
     fp16(block mean))`` as the kernel and ``reference.exact_shift_reference`` form them.  Above 1 its
     fp16 score tile overflows (one key far from its block's mean), as PASA half's does."""

@@ -112,7 +112,7 @@ def _key_blocks(n: int, block_n: int):
 
 
 def flash_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, *,
-                    block_m: int = 128, block_n: int = 128, precision: str = "fp32") -> torch.Tensor:
+                    block_m: int = 128, block_n: int = rules.SHIFT_BLOCK, precision: str = "fp32") -> torch.Tensor:
     """Online-softmax FlashAttention over key blocks of ``block_n``.
 
     ``"fp32"``: scores ``fp32(q k^T) * scale``, softmax state and accumulator in fp32, ``P`` rounded to
@@ -147,7 +147,7 @@ def flash_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
 
 def pasa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, *,
-                   beta: float | None = None, block_m: int = 128, block_n: int = 128,
+                   beta: float | None = None, block_m: int = 128, block_n: int = rules.SHIFT_BLOCK,
                    precision: str = "half") -> torch.Tensor:
     """PASA (Online Pseudo-Average Shifting Attention), step by step as the paper's algorithm.
 
@@ -227,7 +227,7 @@ def pasa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
 
 
 def smooth_k_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, *,
-                       block_m: int = 128, block_n: int = 128, precision: str = "half") -> torch.Tensor:
+                       block_m: int = 128, block_n: int = rules.SHIFT_BLOCK, precision: str = "half") -> torch.Tensor:
     """SageAttention's smooth-K, then :func:`flash_reference`.
 
     ``k - mean_tokens(k)`` (per batch, head and channel; computed in fp32 and rounded back to the
@@ -275,7 +275,7 @@ def exact_centre(k_blk: torch.Tensor, g: torch.dtype) -> torch.Tensor:
 
 
 def exact_shift_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, *,
-                          block_m: int = 128, block_n: int = 128, precision: str = "hybrid") -> torch.Tensor:
+                          block_m: int = 128, block_n: int = rules.SHIFT_BLOCK, precision: str = "hybrid") -> torch.Tensor:
     """The exact shift: each key block's mean is removed exactly and its logit carried in fp32.
 
     Per key block ``j`` of ``n_j`` valid keys (the ragged last block uses its ``n_j``):

@@ -1,0 +1,46 @@
+"""``pasa_attention``'s options and errors (the kernel itself: ``test_kernel_interpret.py``)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pasa_diffusers import pasa_attention
+from pasa_diffusers.reference import exact_shift_reference
+
+
+def _qkv(gen, dtype=torch.float16):
+    return tuple((torch.randn(1, 2, 40, 32, generator=gen) + 2).to(dtype) for _ in range(3))
+
+
+def test_default_is_the_exact_shift_in_hybrid(gen):
+    q, k, v = _qkv(gen)
+    out = pasa_attention(q, k, v)
+    torch.testing.assert_close(out, pasa_attention(q, k, v, shift="exact", precision="hybrid"), rtol=0, atol=0)
+    torch.testing.assert_close(out.float(), exact_shift_reference(q, k, v).float(), rtol=0, atol=2e-3)
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"scale": True}, r"scale must be a positive finite number, got scale=True"),
+    ({"scale": -1.0}, r"scale must be a positive finite number, got scale=-1.0"),
+    ({"shift": "bogus"}, r"unknown shift='bogus'"),
+    ({"beta": 5.0}, r"beta must be a number in \(0, 1\), got beta=5.0"),
+    ({"precision": "fp8"}, r"unknown precision='fp8'"),
+    ({"layout": "nhd"}, r"unknown layout='nhd'"),
+])
+def test_bad_options_name_the_argument(options, match, gen):
+    with pytest.raises(ValueError, match=r"^pasa_attention: " + match):
+        pasa_attention(*_qkv(gen), **options)
+
+
+def test_forward_only_with_grad(gen):
+    q, k, v = _qkv(gen)
+    q.requires_grad_(True)
+    with pytest.raises(RuntimeError, match=r"^pasa_attention: the op has no backward"):
+        pasa_attention(q, k, v)
+    with torch.no_grad():
+        assert torch.isfinite(pasa_attention(q, k, v)).all()
+
+
+def test_half_needs_float16(gen):
+    with pytest.raises(ValueError, match=r"dtype torch.bfloat16 is not supported for precision='half'"):
+        pasa_attention(*_qkv(gen, torch.bfloat16), precision="half")
