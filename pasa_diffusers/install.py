@@ -131,8 +131,7 @@ def _check_head_dim(processor: CountedAttnProcessor, module: torch.nn.Module, mo
     if not isinstance(processor, PASAAttnProcessor):
         return
     head_dim = module.to_k.out_features // module.heads
-    probe = torch.empty((1, 1, 1, head_dim), dtype=processor.attention_dtype(model_dtype), device="meta")
-    reason = rules.unsupported_reason(probe, processor.precision)
+    reason = rules.unsupported_reason(head_dim, processor.attention_dtype(model_dtype), processor.precision)
     if reason is not None:
         raise ValueError(
             f"apply: backend={processor.backend!r} cannot run {processor.name} ({reason}; the PASA op takes "

@@ -282,7 +282,7 @@ class PASAAttnProcessor(CountedAttnProcessor):
         attn: Attention,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        unsupported = rules.unsupported_reason(query, self.precision)
+        unsupported = rules.unsupported_reason(query.shape[-1], query.dtype, self.precision)
         if unsupported is not None:
             raise ValueError(
                 f"{type(self).__name__}(precision={self.precision!r}): {self.name or 'an attention module'} has "

@@ -145,12 +145,11 @@ def check_kernel_tensors(fn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                          f"{out.dtype} {out.device} for q.shape={_shape(q)} {q.dtype} {q.device}")
 
 
-def unsupported_reason(q: torch.Tensor, precision: str) -> str | None:
-    """Why the op cannot take a query of this dtype and head dim in ``precision``, or ``None`` (for the
-    processors, which decide per call whether to run the op)."""
-    head_dim = q.shape[-1]
+def unsupported_reason(head_dim: int, dtype: torch.dtype, precision: str) -> str | None:
+    """Why the op cannot take queries of this head dim and dtype in ``precision``, or ``None`` (for the
+    processors and their installation, which decide per module whether the op can serve it)."""
     if precision != "fp64" and not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
         return f"head dim {head_dim}"
-    if q.dtype not in PRECISION_DTYPES[precision]:
-        return f"dtype {str(q.dtype).removeprefix('torch.')}"
+    if dtype not in PRECISION_DTYPES[precision]:
+        return f"dtype {str(dtype).removeprefix('torch.')}"
     return None
