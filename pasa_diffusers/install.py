@@ -26,7 +26,7 @@ from . import rules
 from .processors import (BF16AttnProcessor, CountedAttnProcessor, FP32AttnProcessor, NaiveHalfAttnProcessor,
                          PASAAttnProcessor, SDPAAttnProcessor)
 
-__all__ = ["BACKENDS", "KINDS", "AllCallsFellBackError", "module_kind", "apply", "restore", "fallback_summary"]
+__all__ = ["BACKENDS", "KINDS", "cast_dtype", "AllCallsFellBackError", "module_kind", "apply", "restore", "fallback_summary"]
 
 KINDS = ("spatial-self", "spatial-cross", "temporal-self", "temporal-cross", "other")
 """Module kinds ``apply`` distinguishes, by processor key (see ``module_kind``)."""
@@ -124,6 +124,12 @@ def _processor_arguments(backend: str, options: dict[str, Any], model_dtype: tor
     if dtype is None and model_dtype not in taken:
         arguments["dtype"] = torch.float16
     return arguments
+
+
+def cast_dtype(backend: str, model_dtype: torch.dtype, **options: Any) -> torch.dtype | None:
+    """The dtype ``apply(model, backend, **options)`` casts q, k and v to in a model of ``model_dtype``
+    (``None``: attention runs in the model's dtype)."""
+    return _processor_arguments(backend, options, model_dtype).get("dtype")
 
 
 def _check_head_dim(processor: CountedAttnProcessor, module: torch.nn.Module, model_dtype: torch.dtype) -> None:

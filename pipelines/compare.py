@@ -46,15 +46,11 @@ from .distributed import Dist
 from .samples import Sample, image_identity, make_samples
 from .svd import generate, load_image, load_svd, make_latents
 
-__all__ = ["COMPARE_BACKENDS", "DEFAULT_BACKENDS", "FallbackError", "VideoRun", "CompareConfig", "backend_options",
+__all__ = ["COMPARE_BACKENDS", "DEFAULT_BACKENDS", "VideoRun", "CompareConfig",
            "check_backends", "compare_sample", "sample_record", "run_comparison", "evaluate"]
 
 COMPARE_BACKENDS = tuple(b for b in install.BACKENDS if b != "fp32")
 DEFAULT_BACKENDS = ("pasa", "pasa-paper", "naive-half", "bf16")
-
-
-class FallbackError(RuntimeError):
-    """A backend computed none of the attention calls it targets itself: every one fell back."""
 
 
 def check_backends(names: Sequence[str]) -> list[str]:
@@ -71,17 +67,6 @@ def check_backends(names: Sequence[str]) -> list[str]:
     return names
 
 
-def backend_options(backend: str, model_dtype: torch.dtype) -> dict:
-    """Processor options for ``backend`` in a model of ``model_dtype``.
-
-    In a float32 model (the CPU default) the low-precision backends cast q, k and v to float16
-    themselves, so attention is what runs in FP16; the FP32 reference, SDPA and BF16 need nothing.
-    """
-    if model_dtype == torch.float32 and backend.startswith("pasa") or backend == "naive-half":
-        return {"dtype": torch.float16}
-    return {}
-
-
 @dataclass
 class VideoRun:
     """One backend's video of one sample: its frames, the seconds it took, its processors' summary."""
@@ -92,25 +77,16 @@ class VideoRun:
     processors: dict[str, Any] = field(default_factory=dict)
 
 
-def _check_fallbacks(backend: str, fallbacks: dict[str, Any]) -> None:
-    calls, fell = fallbacks["calls"], fallbacks["fallback_calls"]
-    if calls and fell == calls:
-        reasons = ", ".join(f"{reason} ({n})" for reason, n in fallbacks["fallbacks"].items())
-        raise FallbackError(f"--backends {backend}: every one of its {calls} attention calls fell back ({reasons}), "
-                            f"so its video would not be {backend}'s; choose another backend or --dtype")
-
-
 def _generate(pipe: Any, backend: str, image: Any, latents: torch.Tensor, settings: dict[str, int],
               seed: int) -> VideoRun:
-    summary = install.apply(pipe, backend, **backend_options(backend, pipe.unet.dtype))
+    summary = install.apply(pipe, backend)
     try:
         start = time.perf_counter()
         frames = generate(pipe, image, latents=latents, seed=seed, progress=False, **settings)
         seconds = time.perf_counter() - start
-        fallbacks = install.fallback_summary(pipe)
+        fallbacks = install.fallback_summary(pipe, strict=True)
     finally:
         install.restore(pipe)
-    _check_fallbacks(backend, fallbacks)
     return VideoRun(backend, frames, seconds, records.json_safe({"installed": summary, "fallbacks": fallbacks}))
 
 
@@ -119,7 +95,7 @@ def compare_sample(pipe: Any, image: Any, *, seed: int, backends: Sequence[str],
     """The FP32 reference's video, then each backend's, of one sample (generated lazily, in that order).
 
     ``image`` is a PIL image; every video starts from ``make_latents(pipe, seed=seed, ...)``.  A backend
-    whose targeted attention calls all fell back raises ``FallbackError``.
+    whose targeted attention calls all fell back raises ``install.AllCallsFellBackError``.
     """
     settings = {"num_frames": num_frames, "num_inference_steps": num_inference_steps, "height": height,
                 "width": width}
@@ -252,7 +228,7 @@ def _run_identity(config: CompareConfig, device: str, dtype: torch.dtype, lpips_
         "images": [image_identity(image) for image in config.images], "seeds": list(config.seeds),
         "num_frames": config.num_frames, "num_inference_steps": config.num_inference_steps,
         "height": config.height, "width": config.width, "device": torch.device(device).type, "dtype": dtype,
-        "attention_cast": {b: backend_options(b, dtype).get("dtype", "none") for b in config.backends},
+        "attention_cast": {b: install.cast_dtype(b, dtype) or "none" for b in config.backends},
         "fps": config.fps, "lpips": lpips_note, "versions": records.versions(),
     }
     if torch.device(device).type == "cpu":

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pasa_diffusers import install
+from pasa_diffusers import processors
 from pasa_diffusers.cli import build_parser, main
 from pasa_diffusers.metrics.records import dumps
 from pasa_diffusers.pipelines import compare, runlog
@@ -118,18 +118,10 @@ def test_a_different_run_into_the_same_folder_is_refused(one_process, capsys):
 
 
 def test_a_backend_whose_calls_all_fell_back_is_an_error(tmp_path, monkeypatch, capsys):
-    real = install.fallback_summary
-
-    def all_fell_back(pipe):
-        summary = real(pipe)
-        if any(type(p).__name__ == "BF16AttnProcessor" for p in pipe.unet.attn_processors.values()):
-            summary.update(fallback_calls=summary["calls"], fallbacks={"dtype": summary["calls"]})
-        return summary
-
-    monkeypatch.setattr(install, "fallback_summary", all_fell_back)
+    monkeypatch.setattr(processors.BF16AttnProcessor, "fallback_reason", lambda self, q, k, mask: "dtype")
     assert main(["compare", *SMALL, "--seeds", "0", "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
-    assert re.search(r"error: --backends bf16: every one of its \d+ attention calls fell back \(dtype", err)
+    assert re.search(r"error: --backends: backend bf16: all \d+ attention calls fell back \(dtype", err)
     assert [r["backend"] for r in log_lines(tmp_path / "run")] == ["pasa"], "no bf16 row may be written"
 
 

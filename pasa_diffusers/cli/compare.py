@@ -115,7 +115,7 @@ def validate(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pasa_diffusers import metrics
+    from pasa_diffusers import install, metrics
     from pasa_diffusers.pipelines import compare, distributed, runlog
 
     command = "pasa " + shlex.join(sys.argv[1:])
@@ -131,8 +131,10 @@ def run(args: argparse.Namespace) -> int:
 
         try:
             report = compare.evaluate(config, args.out, dist=dist, load_pipeline=load, command=command)
-        except (runlog.MixedRunError, compare.FallbackError) as exc:
+        except runlog.MixedRunError as exc:
             raise UsageError(str(exc)) from exc
+        except install.AllCallsFellBackError as exc:
+            raise UsageError(f"--backends: {exc}; choose another backend or --dtype") from exc
     if report is not None:
         print(metrics.format_table(report))
         print(f"wrote {args.out}/report.md, report.json, samples.jsonl, plots and the worst samples' videos")
