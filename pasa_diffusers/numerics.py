@@ -205,6 +205,12 @@ def max_score(q: torch.Tensor, k: torch.Tensor) -> float:
     return float((q.double() @ k64.transpose(-1, -2)).abs().max())
 
 
+def _blockwise_max_score(q: torch.Tensor, k: torch.Tensor, block_n: int,
+                         keys_of: Callable[[torch.Tensor], torch.Tensor]) -> float:
+    """``max |q . keys_of(k_j)|`` over key blocks ``k_j`` of ``block_n`` keys, in float64."""
+    return max(max_score(q, keys_of(k[:, :, start:start + block_n])) for start in range(0, k.shape[2], block_n))
+
+
 def pasa_half_overflow_margin(q: torch.Tensor, k: torch.Tensor, *, beta: float, scale: float | None = None,
                               block_n: int = SHIFT_BLOCK) -> float:
     """``max |q . k_shift| / 65504`` for the paper's fully-FP16 PASA, with ``k_shift = fp16(scale M_j) k_j``
@@ -215,15 +221,13 @@ def pasa_half_overflow_margin(q: torch.Tensor, k: torch.Tensor, *, beta: float, 
     from its block's mean (``"far key"``), not where all keys share a bias.
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    group = q.shape[1] // k.shape[1]
-    worst = 0.0
-    for start in range(0, k.shape[2], block_n):
-        k_blk = k[:, :, start:start + block_n].double()
+
+    def shifted(k_blk: torch.Tensor) -> torch.Tensor:
         diag, off = shift_entries(beta, k_blk.shape[2], torch.float16, scale)
-        k_shift = ((diag - off) * k_blk + off * k_blk.sum(-2, keepdim=True)).to(torch.float16).double()
-        s = q.double() @ k_shift.repeat_interleave(group, dim=1).transpose(-1, -2)
-        worst = max(worst, float(s.abs().max()))
-    return worst / FP16_MAX
+        k64 = k_blk.double()
+        return ((diag - off) * k64 + off * k64.sum(-2, keepdim=True)).to(torch.float16)
+
+    return _blockwise_max_score(q, k, block_n, shifted) / FP16_MAX
 
 
 def exact_half_overflow_margin(q: torch.Tensor, k: torch.Tensor, *, scale: float | None = None,
@@ -232,15 +236,12 @@ def exact_half_overflow_margin(q: torch.Tensor, k: torch.Tensor, *, scale: float
     fp16(block mean))`` as the kernel and ``reference.exact_shift_reference`` form them.  Above 1 its
     fp16 score tile overflows (one key far from its block's mean), as PASA half's does."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    group = q.shape[1] // k.shape[1]
-    q_s = (q.float() * scale).half().double()
-    worst = 0.0
-    for start in range(0, k.shape[2], block_n):
-        k_blk = k[:, :, start:start + block_n].float()
-        k_c = (k_blk - k_blk.mean(-2, keepdim=True).half().float()).half().double()
-        s = q_s @ k_c.repeat_interleave(group, dim=1).transpose(-1, -2)
-        worst = max(worst, float(s.abs().max()))
-    return worst / FP16_MAX
+
+    def centred(k_blk: torch.Tensor) -> torch.Tensor:
+        k32 = k_blk.float()
+        return (k32 - k32.mean(-2, keepdim=True).half().float()).half()
+
+    return _blockwise_max_score((q.float() * scale).half(), k, block_n, centred) / FP16_MAX
 
 
 def rmse(out: torch.Tensor, gold: torch.Tensor) -> float:

@@ -1,4 +1,4 @@
-"""diffusers attention processors that route attention through PASA, their comparison twins, and apply/restore.
+"""diffusers attention processors that route attention through PASA, and their comparison twins.
 
 Every processor here runs the body of diffusers' ``AttnProcessor2_0`` (the default processor of the
 legacy ``Attention`` module that Stable Video Diffusion uses) and differs only in the attention call,
