@@ -134,12 +134,6 @@ def _check(case, out, ref, gold, kind, precision, k_bound=None):
     assert err <= bound, f"{case} {kind}-{precision}: kernel error {err:.3e} > {bound:.3e} (reference {err_ref:.3e})"
 
 
-def _max_abs_score(q, k):
-    group = q.shape[1] // k.shape[1]
-    kk = k.double().repeat_interleave(group, dim=1)
-    return (q.double() @ kk.transpose(-1, -2)).abs().max().item()
-
-
 @pytest.mark.parametrize("shape", list(SVD_SHAPES.values()), ids=list(SVD_SHAPES))
 @pytest.mark.parametrize("kind,precision", VARIANTS, ids=VARIANT_IDS)
 def test_svd_shapes_match_golden(kind, precision, shape, gen):
@@ -231,7 +225,7 @@ def test_paper_stress_grid(stress_cells, dist, mean, amplitude, kind, precision)
     if (kind, precision) != ("flash", "half"):
         _check(case, out, _reference(q, k, v, kind, precision), gold, kind, precision)
         return
-    max_score = _max_abs_score(q, k)
+    max_score = numerics.max_score(q, k)
     if max_score > 1.02 * FP16_OVERFLOW:
         assert numerics.nonfinite_count(out) > 0, f"{case}: max|q.k|={max_score:.0f} but naive half is finite"
     elif max_score < 0.98 * FP16_OVERFLOW:
@@ -288,7 +282,7 @@ def _half_overflow_margin(q, k, kind):
         return numerics.exact_half_overflow_margin(q, k)
     if kind == "pasa":
         return numerics.pasa_half_overflow_margin(q, k, beta=DEFAULT_BETA)
-    return _max_abs_score(q, k) / numerics.FP16_MAX
+    return numerics.max_score(q, k) / numerics.FP16_MAX
 
 
 @pytest.mark.filterwarnings("ignore")
@@ -325,7 +319,7 @@ def test_input_classes(input_class_cells, shape_name, case, variant):
 @pytest.mark.parametrize("precision", ["half", "hybrid"])
 def test_resonance_overflow(precision):
     q, k, v = _cuda(*numerics.resonance_inputs((1, 8, 8, 4096, 64), phase="in", bias=50.0, seed=5))
-    assert _max_abs_score(q, k) > 1.02 * FP16_OVERFLOW
+    assert numerics.max_score(q, k) > 1.02 * FP16_OVERFLOW
     assert numerics.nonfinite_count(_op(q, k, v, "flash", "half")) > 0
     _check("resonance(50)", _op(q, k, v, "pasa", precision), _reference(q, k, v, "pasa", precision),
            golden_attention(q, k, v), "pasa", precision)
