@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pasa_diffusers import install  # noqa: E402
 
-ATTENTION_KERNELS = ("pasa_fwd", "flash", "fmha", "cudnn", "attention", "sdpa", "mha")
+ATTENTION_KERNELS = ("pasa_fwd", "packed_fwd", "flash", "fmha", "cudnn", "attention", "sdpa", "mha")
 
 
 def make_unet() -> torch.nn.Module:

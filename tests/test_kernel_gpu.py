@@ -170,7 +170,8 @@ def test_more_than_65535_batch_heads(kind, precision, gen):
 
 
 POISON_CASES = [("pasa", s, m) for s in list(RAGGED_SHAPES)[:2] for m in ("fused", "prepass")] + [
-    ("exact", "gqa,d80,ragged", "prepass"), ("exact", "temporal-25", "fused"), ("exact", "temporal-25", "prepass")]
+    ("exact", "gqa,d80,ragged", "prepass"), ("exact", "temporal-25", "fused"), ("exact", "temporal-25", "prepass"),
+    ("exact", "temporal-25", "packed")]
 
 
 @pytest.mark.parametrize("kind,shape_name,shift_k", POISON_CASES, ids=["-".join(c) for c in POISON_CASES])

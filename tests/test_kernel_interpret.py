@@ -231,6 +231,39 @@ def test_exact_centring_in_the_loop_equals_the_prepass(precision, shape, gen):
                          precision)
 
 
+@pytest.mark.parametrize("shape", [(3, 3, 3, 25, 25, 64), (2, 4, 2, 14, 9, 80), (1, 3, 3, 1, 40, 16),
+                                   (1, 1, 1, 64, 64, 32)],
+                         ids=["temporal-25,odd-seqs", "gqa,nq!=nk,d80", "one-row,d16", "nk=64"])
+@pytest.mark.parametrize("precision,dtype", [("half", torch.float16), ("hybrid", torch.float16),
+                                             ("hybrid", torch.bfloat16)], ids=["half", "hybrid", "hybrid-bf16"])
+def test_packed_sequences_equal_the_loop(precision, dtype, shape, gen):
+    """Several whole sequences per program (``packed_fwd.py``, what "auto" picks for short one-block
+    sequences) give the loop's bits: the same centres, the same roundings.  The odd batch x heads
+    leaves the last program with a padded sequence slot; inputs are (B, N, H, D) memory, as diffusers'."""
+    b, hq, hk, nq, nk, d = shape
+    q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2)
+               for t in _biased_inputs(shape, gen, bias=20.0, dtype=dtype))
+    packed = _kernel(q, k, v, "exact", precision)
+    fused = _kernel(q, k, v, "exact", precision, shift_k="fused")
+    assert torch.isfinite(packed).all()
+    assert torch.equal(packed, fused)
+    assert torch.equal(_kernel(q, k, v, "exact", precision, shift_k="packed"), packed)
+    _assert_within_bound(packed, _reference(q, k, v, "exact", precision), golden_attention(q, k, v), "exact",
+                         precision)
+
+
+@pytest.mark.parametrize("shape,shift,block_n,match", [
+    ((1, 1, 1, 65, 65, 32), "exact", None, "at most 64 queries and keys in one key block; got 65 queries"),
+    ((1, 1, 1, 8, 40, 32), "exact", 16, r"got 8 queries and 40 keys \(block_n=16\)"),
+    ((1, 1, 1, 8, 8, 32), True, None, "shift_k='packed' is the exact shift's; got shift=True"),
+])
+def test_packed_refuses_what_it_cannot_take(shape, shift, block_n, match, gen):
+    q, k, v = _biased_inputs(shape, gen)
+    with pytest.raises(ValueError, match=match):
+        pasa_forward(q, k, v, torch.empty_like(q), scale=0.125, precision="hybrid", shift=shift, beta=DEFAULT_BETA,
+                     shift_k="packed", block_n=block_n)
+
+
 def test_exact_centring_in_the_loop_needs_one_block(gen):
     q, k, v = _biased_inputs((1, 1, 1, 16, 130, 32), gen)
     with pytest.raises(ValueError, match="shift_k='fused' centres keys inside the loop only when all 130 keys"):

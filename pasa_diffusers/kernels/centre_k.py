@@ -51,7 +51,7 @@ def centre_k_kernel(
     g_ty = k_blk.dtype
     k32 = k_blk.to(tl.float32)
     n_j = tl.minimum(N_K - start_n, BLOCK_N)
-    c = centre_tile(k32, n_valid, n_j, G_ULP, g_ty, EXACT_CENTRE, INTERPRET_BF16)
+    c = centre_tile(k32, n_valid[:, None], n_j, G_ULP, g_ty, EXACT_CENTRE, INTERPRET_BF16, 0, False)
     k_c = round_to(k32 - c[None, :], g_ty, INTERPRET_BF16)
 
     kc_ptrs = kc_ptr + off_z * stride_xz + off_h * stride_xh + offs_n[:, None] * stride_xn + offs_d[None, :]

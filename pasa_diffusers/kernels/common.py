@@ -1,13 +1,13 @@
-"""Triton helpers shared by the kernels: rounding, the tensor-core product, the exact centre of a key tile.
-
-Every helper is ``@triton.jit`` and inlined into its caller; none launches anything.
+"""Helpers shared by the kernels: rounding, the tensor-core product, the exact centre of a key tile
+(``@triton.jit``, inlined into their callers), and the launchers' stride helper (host side).
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-__all__ = ["LOG2E", "round_to", "mma", "binade", "centre_tile"]
+__all__ = ["LOG2E", "round_to", "mma", "binade", "centre_tile", "strides3"]
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -41,10 +41,13 @@ def binade(x):
 
 
 @triton.jit
-def centre_tile(k32, n_valid, n_j, G_ULP, g_ty: tl.constexpr, EXACT_CENTRE: tl.constexpr,
-                INTERPRET_BF16: tl.constexpr):
-    """The exact shift's centre ``c`` (BLOCK_D,) fp32 of one key tile ``k32`` (BLOCK_N, BLOCK_D) fp32
-    holding ``g`` values, rows past the ``n_j`` valid ones (``n_valid`` false) loaded as zero.
+def centre_tile(k32, key_valid, n_j, G_ULP, g_ty: tl.constexpr, EXACT_CENTRE: tl.constexpr,
+                INTERPRET_BF16: tl.constexpr, KEY_AXIS: tl.constexpr, PAD_IS_KEY: tl.constexpr):
+    """The exact shift's centre ``c`` fp32 of key tiles ``k32`` fp32 holding ``g`` values, keys along
+    ``KEY_AXIS``: one tile (BLOCK_N, BLOCK_D) with ``KEY_AXIS = 0``, or one tile per sequence
+    (SEQS, BLOCK_K, BLOCK_D) with ``KEY_AXIS = 1``; ``c`` has the key axis reduced away.  Keys past the
+    ``n_j`` valid ones (``key_valid`` false, broadcast against ``k32``) are loaded as zero, or, with
+    ``PAD_IS_KEY``, as copies of a valid key (then the extremes need no mask, only the mean does).
 
         mean = colsum(k32) / n_j
         c    = round_g(mean)                      (EXACT_CENTRE=False: "half")
@@ -57,10 +60,17 @@ def centre_tile(k32, n_valid, n_j, G_ULP, g_ty: tl.constexpr, EXACT_CENTRE: tl.c
     whose interval is empty (``b / 2 > a + 2^(e+1)``: keys spread over more than a factor of about 4),
     gets ``c = 0``.  No per-key check is needed: inside the interval every difference is exact.
     """
-    mean = tl.sum(k32, axis=0) / n_j
+    if PAD_IS_KEY:
+        mean = tl.sum(tl.where(key_valid, k32, 0.0), axis=KEY_AXIS) / n_j
+    else:
+        mean = tl.sum(k32, axis=KEY_AXIS) / n_j
     if EXACT_CENTRE:
-        lo_key = tl.min(tl.where(n_valid[:, None], k32, float("inf")), axis=0)
-        hi_key = tl.max(tl.where(n_valid[:, None], k32, float("-inf")), axis=0)
+        if PAD_IS_KEY:
+            lo_key = tl.min(k32, axis=KEY_AXIS)
+            hi_key = tl.max(k32, axis=KEY_AXIS)
+        else:
+            lo_key = tl.min(tl.where(key_valid, k32, float("inf")), axis=KEY_AXIS)
+            hi_key = tl.max(tl.where(key_valid, k32, float("-inf")), axis=KEY_AXIS)
         positive = lo_key > 0.0
         negative = hi_key < 0.0
         sign = tl.where(negative, -1.0, 1.0)
@@ -75,3 +85,8 @@ def centre_tile(k32, n_valid, n_j, G_ULP, g_ty: tl.constexpr, EXACT_CENTRE: tl.c
     else:
         c = round_to(mean, g_ty, INTERPRET_BF16).to(tl.float32)
     return c
+
+
+def strides3(t: torch.Tensor) -> tuple[int, int, int]:
+    """The strides of a (B, H, N, D) tensor's first three axes (the head dim's is 1)."""
+    return t.stride(0), t.stride(1), t.stride(2)

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import triton
 
-__all__ = ["AUTOTUNE_KEY", "INTERPRET_CONFIG", "SMEM_LIMIT", "autotuned", "bucket", "pow2_tile"]
+__all__ = ["AUTOTUNE_KEY", "INTERPRET_CONFIG", "PACKED_INTERPRET_CONFIG", "SMEM_LIMIT", "autotuned", "autotuned_packed",
+           "bucket", "pow2_tile"]
 
 SMEM_LIMIT = 232448
 """Bytes of shared memory one block may use on sm_90."""
@@ -96,6 +97,35 @@ def autotuned(kernel, *, tune_block_n: bool):
     key = AUTOTUNE_KEY[:-1] if tune_block_n else AUTOTUNE_KEY
     return triton.autotune(pool, key=key, prune_configs_by={"early_config_prune": _prune},
                            cache_results=True)(kernel)
+
+
+PACKED_AUTOTUNE_KEY = ["HEAD_DIM", "BLOCK_Q", "BLOCK_K", "HALF_STATE", "NSEQ_BUCKET"]
+PACKED_INTERPRET_CONFIG = {"SEQS": 2, "num_warps": 4, "num_stages": 1}
+"""The packed kernel's interpreter configuration: two sequences per program (the 3-D tiles' batch axis)."""
+
+PACKED_TILE_PER_WARP = 2048
+"""The most elements of one (SEQS, tokens, BLOCK_D) tile a warp of the packed kernel holds: 64 fp32
+registers per thread for the fp32 key tile (twice that spills, compiled for sm_90)."""
+
+# (SEQS, num_warps): sequences per program and its warps; no loop, so one stage.  Measured on the H200
+# (bench/temporal_packed.py, 2026-11-30): one warp per program wins (25 frames: one sequence, 14: two);
+# programs of 2-8 warps holding 2-8 sequences ran 1.4-2.5x slower.
+_PACKED_CONFIGS = [triton.Config({"SEQS": seqs}, num_warps=w, num_stages=1)
+                   for seqs, w in [(1, 1), (2, 1), (1, 2), (1, 4), (1, 8)]]
+
+
+def _prune_packed(configs, named_args, **kwargs):
+    """The packed configs whose tiles fit ``PACKED_TILE_PER_WARP``, of those the ones with the fewest warps."""
+    per_seq = max(kwargs["BLOCK_Q"], kwargs["BLOCK_K"]) * kwargs["BLOCK_D"]
+    fitting = [c for c in _PACKED_CONFIGS if c.kwargs["SEQS"] * per_seq <= PACKED_TILE_PER_WARP * c.num_warps]
+    fewest = min(c.num_warps for c in fitting)
+    return [c for c in fitting if c.num_warps == fewest]
+
+
+def autotuned_packed(kernel):
+    """The packed kernel (``packed_fwd.py``) under Triton's autotuner, results cached on disk."""
+    return triton.autotune(_PACKED_CONFIGS, key=PACKED_AUTOTUNE_KEY,
+                           prune_configs_by={"early_config_prune": _prune_packed}, cache_results=True)(kernel)
 
 
 def pow2_tile(n: int) -> int:

@@ -32,13 +32,14 @@ from .. import rules
 from ..beta import gamma as recovery_gamma
 from ..beta import shift_entries
 from .centre_k import centre_k_kernel
-from .common import LOG2E, centre_tile, mma, round_to
+from .common import LOG2E, centre_tile, mma, round_to, strides3
 from .configs import INTERPRET_CONFIG, autotuned, bucket, pow2_tile
+from .packed_fwd import PACKED_MAX_TOKENS, packed_forward, packs
 from .shift_k import shift_k_kernel
 
 __all__ = ["pasa_fwd_kernel", "pasa_forward", "SHIFT_K_MODES", "INTERPRET"]
 
-SHIFT_K_MODES = ("auto", "fused", "prepass")
+SHIFT_K_MODES = ("auto", "fused", "prepass", "packed")
 
 
 @triton.jit
@@ -63,7 +64,7 @@ def _logits_exact(q, q32, k_blk, m_i, c_base, stride_cj, start_n, n_valid, offs_
     if SHIFT_IN_LOOP:
         k32 = k_blk.to(tl.float32)
         n_j = tl.minimum(N_K - start_n, BLOCK_N)
-        c_j = centre_tile(k32, n_valid, n_j, G_ULP, g_ty, not HALF_STATE, INTERPRET_BF16)
+        c_j = centre_tile(k32, n_valid[:, None], n_j, G_ULP, g_ty, not HALF_STATE, INTERPRET_BF16, 0, False)
         k_blk = round_to(k32 - c_j[None, :], g_ty, INTERPRET_BF16)
     else:
         c_j = tl.load(c_base + (start_n // BLOCK_N) * stride_cj + offs_d, mask=d_valid, other=0.0)
@@ -272,7 +273,7 @@ def pasa_fwd_kernel(
     Loop invariant: ``acc / l_i == softmax(scale q K^T) V`` over the keys seen so far, with ``m_i``,
     ``l_i`` and ``acc`` kept relative to a per-row reference: the running maximum of the true logits
     (the exact shift, plain FA) or ``gamma * avg_j`` plus the maximum of the shifted ones (PASA).  The
-    reference cancels in ``acc / l_i``; at the end ``out = acc / l_i``.  The logits helpers state each
+    reference cancels in ``acc / l_i``; at the end ``out = acc * (1 / l_i)`` (one division per row).  The logits helpers state each
     algorithm's math, ``_merge`` each precision's.
 
     Tiles (``st`` = fp16 for PASA and plain FA in half, fp32 otherwise; ``g`` = the GEMM dtype, fp16
@@ -349,7 +350,8 @@ def pasa_fwd_kernel(
         scale_st, qk_scale, a_tail, c_tail, gamma_st, tail_ratio_st, G_ULP,
         HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, SHIFT, SHIFT_IN_LOOP, HALF_STATE, ONE_BLOCK, True, INTERPRET_BF16)
 
-    out = round_to(acc.to(tl.float32) / l_i.to(tl.float32)[:, None], o_ptr.dtype.element_ty, INTERPRET_BF16)
+    inv_l = 1.0 / l_i.to(tl.float32)  # one division per row, then products
+    out = round_to(acc.to(tl.float32) * inv_l[:, None], o_ptr.dtype.element_ty, INTERPRET_BF16)
     o_ptrs = o_base + offs_m[:, None] * stride_om + offs_d[None, :]
     if BLOCK_D == HEAD_DIM:
         tl.store(o_ptrs, out, mask=m_valid[:, None])
@@ -384,10 +386,6 @@ def _shift_constants(beta: float, n_keys: int, block_n: int, dtype: torch.dtype,
     return a_full, c_full, diag - off, -off, gam, recovery_gamma(beta, n_tail, dtype, scale) / gam
 
 
-def _strides3(t: torch.Tensor) -> tuple[int, int, int]:
-    return t.stride(0), t.stride(1), t.stride(2)
-
-
 def pasa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, scale: float,
                  precision: str, shift: bool | str, beta: float, shift_k: str = "auto", block_n: int | None = None,
                  config: dict | None = None) -> torch.Tensor:
@@ -400,15 +398,19 @@ def pasa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
             shift, ``True`` PASA, ``False`` plain FA (key blocks of ``block_n`` for the first two);
         beta: PASA's shift strength in (0, 1) (unused by plain FA and the exact shift).
         shift_k: how keys are shifted (PASA) or centred (the exact shift): ``"fused"`` inside the loop,
-            ``"prepass"`` once per head by ``shift_k.py`` / ``centre_k.py`` into a buffer, ``"auto"``:
-            PASA uses the pre-pass when a head has more than 128 query rows (several query blocks
-            reuse every shifted tile) or the head dim is above 128 (an fp32 key tile of 128 x 256 does
-            not fit the registers); the exact shift centres in the loop when all keys form one block
-            (the only case ``"fused"`` allows it), and by the pre-pass otherwise.
+            ``"prepass"`` once per head by ``shift_k.py`` / ``centre_k.py`` into a buffer, ``"packed"``
+            (the exact shift only) by ``packed_fwd.py``, which takes several whole sequences of at
+            most ``PACKED_MAX_TOKENS`` queries and keys per program in one pass; ``"auto"``: PASA
+            uses the pre-pass when a head has more than 128 query rows (several query blocks reuse
+            every shifted tile) or the head dim is above 128 (an fp32 key tile of 128 x 256 does not
+            fit the registers); the exact shift packs short one-block sequences (temporal
+            attention), centres in the loop when all keys form one block otherwise (the only case
+            ``"fused"`` allows it), and by the pre-pass otherwise.
         block_n: the shift block n (default ``rules.SHIFT_BLOCK`` = 128, as the reference); changes
             the result.
         config: fixed meta-parameters (``BLOCK_M``, ``num_warps``, ``num_stages``, and ``BLOCK_N`` for
-            plain FA) instead of autotuning (ignored under the interpreter).
+            plain FA; ``SEQS`` and ``num_warps`` for the packed kernel) instead of autotuning (ignored
+            under the interpreter).
     """
     fn = "pasa_forward"
     rules.check_options(fn, precision=precision, shift=shift, beta=beta, scale=scale)
@@ -419,6 +421,8 @@ def pasa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
     rules.check_qkv(fn, q, k, v, precision)
     rules.check_kernel_tensors(fn, q, k, v, out, interpret=INTERPRET)
     mode = rules.shift_mode(shift)
+    if shift_k == "packed" and mode != "exact":
+        raise ValueError(f"{fn}: shift_k='packed' is the exact shift's; got shift={shift!r}")
     if mode == "none" and block_n is not None:
         raise ValueError(f"{fn}: block_n is the shift block; it needs shift=True or 'exact', got shift={shift!r}")
 
@@ -445,11 +449,17 @@ def pasa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
         if shift_k == "prepass" or (shift_k == "auto" and (n_q > 128 or block_d > 128)):
             k_src = torch.empty((batch, h_k, n_k, head_dim), dtype=k.dtype, device=k.device)
             shift_k_kernel[(batch * h_k, triton.cdiv(n_k, block_n))](
-                k, k_src, *_strides3(k), *_strides3(k_src), h_k, n_k, a_full, c_full, a_tail, c_tail,
+                k, k_src, *strides3(k), *strides3(k_src), h_k, n_k, a_full, c_full, a_tail, c_tail,
                 HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, INTERPRET_BF16=interpret_bf16,
                 num_warps=prepass_warps)
             meta["SHIFT_IN_LOOP"] = False
     elif mode == "exact":
+        one_tile = meta["ONE_BLOCK"] and packs(n_q, n_k)
+        if shift_k == "packed" and not one_tile:
+            raise ValueError(f"{fn}: shift_k='packed' takes sequences of at most {PACKED_MAX_TOKENS} queries and "
+                             f"keys in one key block; got {n_q} queries and {n_k} keys (block_n={block_n})")
+        if shift_k == "packed" or (shift_k == "auto" and one_tile):
+            return packed_forward(q, k, v, out, scale=scale, precision=precision, config=config)
         if shift_k == "fused" and not meta["ONE_BLOCK"]:
             raise ValueError(f"{fn}: shift_k='fused' centres keys inside the loop only when all {n_k} keys form one "
                              f"block of at most {block_n}; use 'prepass' or 'auto'")
@@ -458,13 +468,13 @@ def pasa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
             k_src = torch.empty((batch, h_k, n_k, head_dim), dtype=k.dtype, device=k.device)
             centres = torch.empty((batch, h_k, n_blocks, head_dim), dtype=torch.float32, device=k.device)
             centre_k_kernel[(batch * h_k, n_blocks)](
-                k, k_src, centres, *_strides3(k), *_strides3(k_src), *_strides3(centres), h_k, n_k,
+                k, k_src, centres, *strides3(k), *strides3(k_src), *strides3(centres), h_k, n_k,
                 torch.finfo(k.dtype).eps, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
                 EXACT_CENTRE=precision == "hybrid", INTERPRET_BF16=interpret_bf16, num_warps=prepass_warps)
             meta["SHIFT_IN_LOOP"] = False
 
-    args = (q, k_src, v, out, *_strides3(q), *_strides3(k_src), *_strides3(v), *_strides3(out),
-            centres, *_strides3(centres),
+    args = (q, k_src, v, out, *strides3(q), *strides3(k_src), *strides3(v), *strides3(out),
+            centres, *strides3(centres),
             h_q, h_q // h_k, n_q, n_k, bucket(n_q), bucket(n_k), float(scale),
             consts["a_full"], consts["c_full"], consts["a_tail"], consts["c_tail"], consts["gamma"],
             consts["tail_ratio"], torch.finfo(q.dtype).eps)

@@ -1,0 +1,159 @@
+"""The exact shift for short sequences: several whole (batch, head) sequences per program, one pass.
+
+Temporal attention in a video UNet is tens of thousands of sequences of 14-25 tokens (one per pixel
+and head).  Each one is a single key block, so its softmax needs no running state: a program loads
+``SEQS`` whole sequences as 3-D tiles, centres each sequence's keys, and computes scores, softmax and
+``P V`` with batched tile products.  Every byte of q, k, v is read once and o written once; the work
+is bandwidth-bound, and packing gives each program enough rows (``SEQS x BLOCK_Q``) to keep its
+loads wide while every reduction stays inside one sequence's tile.
+
+Same result as ``pasa_fwd.pasa_fwd_kernel`` with ``SHIFT="exact"`` on one key block (and as
+``reference.exact_shift_reference``): the same centre (``common.centre_tile``), the same roundings;
+only the summation order inside the tile products may differ.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import LOG2E, centre_tile, mma, round_to, strides3
+from .configs import PACKED_INTERPRET_CONFIG, autotuned_packed, bucket, pow2_tile
+
+__all__ = ["packed_fwd_kernel", "packed_forward", "PACKED_MAX_TOKENS", "packs"]
+
+PACKED_MAX_TOKENS = 64
+"""The longest query and key sequences the packed kernel takes (one 64-row tile per sequence)."""
+
+
+def packs(n_q: int, n_k: int) -> bool:
+    """Whether sequences of ``n_q`` queries and ``n_k`` keys fit the packed kernel."""
+    return n_q <= PACKED_MAX_TOKENS and n_k <= PACKED_MAX_TOKENS
+
+
+@triton.jit(do_not_specialize=["N_SEQ", "N_Q", "N_K"])
+def packed_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr,
+    stride_qz, stride_qh, stride_qm,
+    stride_kz, stride_kh, stride_kn,
+    stride_vz, stride_vh, stride_vn,
+    stride_oz, stride_oh, stride_om,
+    H_Q, KV_GROUP, N_SEQ, N_Q, N_K,
+    NSEQ_BUCKET,  # autotune key only
+    scale, G_ULP,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+    SEQS: tl.constexpr, HALF_STATE: tl.constexpr, INTERPRET_BF16: tl.constexpr,
+):
+    """``out = softmax(scale q k^T) v`` for ``SEQS`` whole sequences: flat (batch, head) indices
+    ``pid * SEQS ...``, each with all its ``N_Q`` queries and ``N_K`` keys in one tile.
+
+    Tiles (``g`` = the GEMM dtype, fp16 or bf16; one leading axis of ``SEQS`` sequences):
+        q (SEQS, BLOCK_Q, BLOCK_D) g;  v (SEQS, BLOCK_K, BLOCK_D) g
+        k32 (SEQS, BLOCK_D, BLOCK_K) fp32 (g values): the keys, loaded transposed (the product's B operand)
+        c (SEQS, BLOCK_D) fp32: each sequence's centre, ``common.centre_tile`` over its keys (the exact
+            centre in hybrid, the rounded mean in half), so ``k_c^T = k32 - c`` is exact in g
+        s (SEQS, BLOCK_Q, BLOCK_K): fp32(q k_c^T) (hybrid)  |  fp16(q_s k_c^T), q_s = round_fp16(scale q) (half)
+        x = unit s - unit rowmax(s)   (fp32, one FMA; unit = scale log2(e) in hybrid, log2(e) in half)
+        p = exp2(x) rounded to g (hybrid) | fp16 (half);  l = rowsum(p) fp32
+        o = (p v) * (1 / l): ``p v`` with fp32 accumulators (hybrid) or fp16 ones (half)
+
+    ``q . c`` is the same for every key of a row, so softmax drops it: one key block needs no offset
+    and no running maximum.  Rows past ``N_Q``, values past ``N_K`` and sequences past ``N_SEQ`` load
+    as zero, keys past ``N_K`` as copies of the last key; padded keys get ``-inf`` scores; padded rows
+    and sequences are not stored.
+    """
+    pid = tl.program_id(0)
+    offs_s = pid * SEQS + tl.arange(0, SEQS)
+    s_valid = offs_s < N_SEQ
+    off_z = (offs_s // H_Q).to(tl.int64)
+    off_hq = (offs_s % H_Q).to(tl.int64)
+    off_hk = off_hq // KV_GROUP
+
+    offs_i = tl.arange(0, BLOCK_Q)
+    offs_j = tl.arange(0, BLOCK_K)
+    offs_d = tl.arange(0, BLOCK_D)
+    i_valid = offs_i < N_Q
+    j_valid = offs_j < N_K
+    q_mask = s_valid[:, None, None] & i_valid[None, :, None]
+    kv_mask = s_valid[:, None, None] & j_valid[None, :, None]
+    kt_mask = s_valid[:, None, None]
+    if BLOCK_D != HEAD_DIM:
+        d_valid = offs_d < HEAD_DIM
+        q_mask = q_mask & d_valid[None, None, :]
+        kv_mask = kv_mask & d_valid[None, None, :]
+        kt_mask = kt_mask & d_valid[None, :, None]
+
+    q_rows = (off_z * stride_qz + off_hq * stride_qh)[:, None, None] + offs_i[None, :, None] * stride_qm
+    # keys past N_K load key N_K - 1 again: the centre's extremes then need no mask
+    k_cols = ((off_z * stride_kz + off_hk * stride_kh)[:, None, None]
+              + tl.minimum(offs_j, N_K - 1)[None, None, :] * stride_kn)
+    v_rows = (off_z * stride_vz + off_hk * stride_vh)[:, None, None] + offs_j[None, :, None] * stride_vn
+    q = tl.load(q_ptr + q_rows + offs_d[None, None, :], mask=q_mask, other=0.0)
+    k32 = tl.load(k_ptr + k_cols + offs_d[None, :, None], mask=kt_mask, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + v_rows + offs_d[None, None, :], mask=kv_mask, other=0.0)
+    g_ty = v.dtype
+
+    c = centre_tile(k32, j_valid[None, None, :], N_K, G_ULP, g_ty, not HALF_STATE, INTERPRET_BF16, 2, True)
+    k_t = round_to(k32 - c[:, :, None], g_ty, INTERPRET_BF16)
+    if HALF_STATE:
+        q_s = (q.to(tl.float32) * scale).to(tl.float16)
+        s = tl.dot(q_s, k_t, out_dtype=tl.float16).to(tl.float32)
+        unit = LOG2E
+    else:
+        s = mma(q, k_t, tl.zeros([SEQS, BLOCK_Q, BLOCK_K], tl.float32), INTERPRET_BF16)
+        unit = scale * LOG2E
+    s = tl.where(j_valid[None, None, :], s, float("-inf"))
+    m = tl.max(s, axis=2) * unit
+    x = tl.fma(s, unit, -m[:, :, None])
+    if HALF_STATE:
+        p = tl.math.exp2(x).to(tl.float16)
+        pv = tl.dot(p, v, out_dtype=tl.float16).to(tl.float32)
+    else:
+        p = round_to(tl.math.exp2(x), g_ty, INTERPRET_BF16)
+        pv = mma(p, v, tl.zeros([SEQS, BLOCK_Q, BLOCK_D], tl.float32), INTERPRET_BF16)
+    inv_l = 1.0 / tl.sum(p.to(tl.float32), axis=2)
+    out = round_to(pv * inv_l[:, :, None], o_ptr.dtype.element_ty, INTERPRET_BF16)
+
+    o_rows = (off_z * stride_oz + off_hq * stride_oh)[:, None, None] + offs_i[None, :, None] * stride_om
+    tl.store(o_ptr + o_rows + offs_d[None, None, :], out, mask=q_mask)
+
+
+INTERPRET = not isinstance(packed_fwd_kernel, triton.runtime.jit.JITFunction)
+
+if not INTERPRET:
+    _packed_fwd_tuned = autotuned_packed(packed_fwd_kernel)
+
+
+def packed_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, scale: float,
+                   precision: str, config: dict | None = None) -> torch.Tensor:
+    """Write the exact shift's ``softmax(scale q k^T) v`` into ``out`` and return it.
+
+    The caller checks the inputs: ``pasa_fwd.pasa_forward`` (``shift_k="packed"``, or ``"auto"`` where
+    ``packs(Nq, Nk)`` and all keys form one shift block) is the entry point.
+
+    Args:
+        q: ``(B, Hq, Nq, D)``; k, v: ``(B, Hk, Nk, D)`` with ``Hq % Hk == 0`` and ``packs(Nq, Nk)``;
+            out: ``(B, Hq, Nq, D)``; any strides with unit stride in the head dim.
+        scale: softmax scale; precision: ``"hybrid"`` or ``"half"``.
+        config: fixed ``SEQS`` (sequences per program, a power of two) and ``num_warps`` instead of
+            autotuning (ignored under the interpreter).
+    """
+    batch, h_q, n_q, head_dim = q.shape
+    h_k, n_k = k.shape[1], k.shape[2]
+    n_seq = batch * h_q
+    args = (q, k, v, out, *strides3(q), *strides3(k), *strides3(v), *strides3(out),
+            h_q, h_q // h_k, n_seq, n_q, n_k, bucket(n_seq), float(scale), torch.finfo(q.dtype).eps)
+    meta = dict(HEAD_DIM=head_dim, BLOCK_D=pow2_tile(head_dim), BLOCK_Q=pow2_tile(n_q), BLOCK_K=pow2_tile(n_k),
+                HALF_STATE=precision == "half", INTERPRET_BF16=INTERPRET and q.dtype == torch.bfloat16)
+
+    def grid(meta_):
+        return (triton.cdiv(n_seq, meta_["SEQS"]),)
+
+    if INTERPRET or config is not None:
+        fixed = dict(PACKED_INTERPRET_CONFIG if INTERPRET else config)
+        if not isinstance(fixed.get("SEQS"), int) or fixed["SEQS"] < 1 or fixed["SEQS"] & (fixed["SEQS"] - 1):
+            raise ValueError(f"packed_forward: config['SEQS'] must be a power of two, got {fixed.get('SEQS')!r}")
+        packed_fwd_kernel[grid](*args, **meta, **fixed)
+    else:
+        _packed_fwd_tuned[grid](*args, **meta)
+    return out
