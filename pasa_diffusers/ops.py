@@ -2,7 +2,8 @@
 
 ``pasa_attention`` reads like ``torch.nn.functional.scaled_dot_product_attention``.  Dispatch:
 
-- CUDA tensors run the fused Triton kernel (``kernels/pasa_fwd.py``);
+- CUDA tensors run the fused Triton kernel (``kernels/pasa_fwd.py``; the exact shift's short one-block
+  sequences, temporal attention, through ``kernels/packed_fwd.py``);
 - CPU tensors run the kernel itself when ``TRITON_INTERPRET=1`` is set (Triton's numpy
   interpreter: slow, for tests), and otherwise the exact PyTorch reference of the same variant
   (``reference.py``), which rounds to the same dtypes at the same points as the kernel (it evaluates

@@ -18,6 +18,9 @@ Tuned on the H200 (triton 3.6, fp16, head dim 64; bench/bench_attention.py, 2026
   (18432, 5, 25, 64): exact hybrid 2.06 ms with 4 warps -> 0.66 ms with one, PASA half 0.74 -> 0.42 ms
   (bench/README.md, "temporal configs").
 
+The packed kernel (``packed_fwd.py``: the exact shift on short one-block sequences) has its own
+pool: sequences per program and warps, pruned to the fewest warps whose tiles fit the registers.
+
 Autotuning results persist across processes (``cache_results=True``): Triton stores each tuning
 key's timings in its cache directory (``TRITON_CACHE_DIR``, default ``~/.triton/cache``), keyed by
 the Triton version, the GPU target (e.g. ``cuda:90``), the kernel source, the key and the config

@@ -15,7 +15,9 @@ and the new row maximum) and each precision in its merge helper (``_merge``).  S
   inside the loop, or read from the pre-pass's buffer (``shift_k.py``, ``centre_k.py``);
 - ``ONE_BLOCK``: every key in one shift block (``N_K <= BLOCK_N``: temporal attention, short spatial
   sequences): PASA's offsets ``delta_1 = eps_1 = 0`` and its block mean is skipped; the exact shift
-  centres its one key tile itself.
+  centres its one key tile itself.  ``pasa_forward`` sends the exact shift's short one-block sequences
+  (at most ``packed_fwd.PACKED_MAX_TOKENS`` queries and keys) to ``packed_fwd.py`` instead, which
+  takes several whole sequences per program in one pass.
 
 Under ``TRITON_INTERPRET=1`` (set before ``triton`` is first imported) the kernel runs on CPU
 tensors through Triton's numpy interpreter with one fixed small configuration.
