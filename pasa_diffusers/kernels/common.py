@@ -44,8 +44,8 @@ def binade(x):
 def centre_tile(k32, key_valid, n_j, G_ULP, g_ty: tl.constexpr, EXACT_CENTRE: tl.constexpr,
                 INTERPRET_BF16: tl.constexpr, KEY_AXIS: tl.constexpr, PAD_IS_KEY: tl.constexpr):
     """The exact shift's centre ``c`` fp32 of key tiles ``k32`` fp32 holding ``g`` values, keys along
-    ``KEY_AXIS``: one tile (BLOCK_N, BLOCK_D) with ``KEY_AXIS = 0``, or one tile per sequence
-    (SEQS, BLOCK_K, BLOCK_D) with ``KEY_AXIS = 1``; ``c`` has the key axis reduced away.  Keys past the
+    ``KEY_AXIS``: one tile (BLOCK_N, BLOCK_D) with ``KEY_AXIS = 0``, or one transposed tile per
+    sequence (SEQS, BLOCK_D, BLOCK_K) with ``KEY_AXIS = 2``; ``c`` has the key axis reduced away.  Keys past the
     ``n_j`` valid ones (``key_valid`` false, broadcast against ``k32``) are loaded as zero, or, with
     ``PAD_IS_KEY``, as copies of a valid key (then the extremes need no mask, only the mean does).
 
