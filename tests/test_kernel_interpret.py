@@ -252,6 +252,20 @@ def test_packed_sequences_equal_the_loop(precision, dtype, shape, gen):
                          precision)
 
 
+@pytest.mark.parametrize("tokens,head_dim", [(16, 64), (32, 64), (64, 64), (32, 128), (64, 256), (16, 16)])
+def test_packed_configs_fit_and_use_the_fewest_warps(tokens, head_dim):
+    """The packed kernel's autotune pool, pruned: every config's tiles fit ``PACKED_TILE_PER_WARP``
+    elements per warp, no config that fits has fewer warps, and some config fits every legal shape."""
+    from pasa_diffusers.kernels import configs
+
+    kept = configs._prune_packed(configs._PACKED_CONFIGS, {}, BLOCK_Q=tokens, BLOCK_K=tokens, BLOCK_D=head_dim)
+    per_warp = [c.kwargs["SEQS"] * tokens * head_dim / c.num_warps for c in kept]
+    assert kept and max(per_warp) <= configs.PACKED_TILE_PER_WARP
+    fitting = [c for c in configs._PACKED_CONFIGS
+               if c.kwargs["SEQS"] * tokens * head_dim <= configs.PACKED_TILE_PER_WARP * c.num_warps]
+    assert {c.num_warps for c in kept} == {min(c.num_warps for c in fitting)}
+
+
 @pytest.mark.parametrize("shape,shift,block_n,match", [
     ((1, 1, 1, 65, 65, 32), "exact", None, "at most 64 queries and keys in one key block; got 65 queries"),
     ((1, 1, 1, 8, 40, 32), "exact", 16, r"got 8 queries and 40 keys \(block_n=16\)"),
