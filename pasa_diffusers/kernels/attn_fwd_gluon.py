@@ -1,0 +1,520 @@
+"""The exact shift in hybrid precision for Hopper (sm_90), by hand in Gluon: FA3's warp-specialised structure.
+
+One Gluon kernel, :func:`exact_fwd_gluon_kernel`, its launch wrapper :func:`exact_forward_gluon` and the
+op with the pre-pass, :func:`exact_attention_gluon`.  Same variant and same arithmetic as
+``attn_fwd_tma.py`` (``shift="exact"``, ``precision="hybrid"``), from the key pre-pass's outputs
+(``centre_k.py`` through ``attn_fwd_tma.centre_keys``): the centred keys ``k_c`` and the centres ``c_j``,
+one per 128 keys.  Per key tile of ``BLOCK_N`` keys inside block ``j`` (``qk_scale = scale log2(e)``):
+
+    r_j    = qk_scale (q . c_j)                 (fp32, per row: a (64, 16) wgmma, column 0 kept)
+    s      = fp32(q k_c^T)                      (wgmma, fp32 accumulation; -inf past N_K)
+    m_s    = qk_scale rowmax(s),  m_blk = m_s + r_j,  m_new = max(m_i, m_blk)
+    p      = round_fp16(exp2(fma(s, qk_scale, -(m_s - (m_blk - m_new)))))
+    alpha  = exp2(m_i - m_new)
+    l_i    = alpha l_i + rowsum(p),  acc = alpha acc + p v_blk,  m_i = m_new
+
+and ``out = round_fp16(acc (1 / l_i))``.  Loop invariant: ``acc / l_i == softmax(scale q K^T) V`` over the
+keys seen so far, ``m_i`` the running maximum logit in log2 units.
+
+Partitions (``gl.warp_specialize``; one program = ``BLOCK_M = 64 NUM_CONSUMERS`` query rows of one
+(batch, head), grid axis 0 = query blocks fastest, then batch x head):
+
+- producer (the default partition, one warpgroup, few registers): the TMA copies.  First each consumer's
+  q tile, then per key tile ``i`` into stage ``i % NUM_STAGES`` of the rings: k_c and the centre tile
+  (one barrier), then v (its own barrier, so that ``S = q k_c^T`` starts before v lands);
+- ``NUM_CONSUMERS`` consumer warpgroups (worker partitions of 4 warps, most of the registers), each with
+  its own 64 query rows: both GEMMs (``warpgroup_mma``, async, then ``warpgroup_mma_wait``), the softmax
+  in registers and the output (registers -> shared memory -> TMA store).  They share the K/V ring and
+  never wait on each other.  ``OVERLAP`` (config ``overlap``) adds FA3's intra-warpgroup pipelining:
+  tile ``i``'s ``S`` is issued before tile ``i - 1``'s ``P V``, and the softmax of tile ``i`` runs while
+  that ``P V`` is on the tensor cores (:func:`_key_loop_overlapped`).
+
+Shared memory (fp16 unless said; NVMMA-swizzled, TMA destinations, wgmma operands): q, one (64, D) tile
+per consumer (reused for its output tile at the end); the rings k_c (NUM_STAGES, BLOCK_N, D),
+c (NUM_STAGES, 16, D) (centre rows ``j .. j + 15``, zeros past the last block), v (NUM_STAGES, BLOCK_N, D);
+mbarriers (int64).  Registers per consumer (NVMMA layout v3, 64 rows): s (64, BLOCK_N) fp32, p the same
+in fp16 (the A operand of ``P V``, read from registers: FA3's choice), acc (64, D) fp32, m_i, l_i,
+r_j, alpha (64,) fp32.  Rows past ``N_Q`` and keys past ``N_K`` arrive from TMA as zeros; the keys get
+``s = -inf`` (``MASK_N``), the rows are computed and dropped by the TMA store.
+
+Barrier protocol (an mbarrier's phase ``k`` completes at its ``k``-th count of arrivals; waiting on parity
+``k & 1``; a fresh barrier counts as having completed "phase -1", so a wait on parity 1 passes):
+
+- ``q_ready[w]`` (count 1): producer ``expect`` (arrive + q bytes) and the q copy; consumer ``w`` waits
+  parity 0 once.
+- ``k_ready[s]`` / ``v_ready[s]`` (count 1): producer ``expect`` + copies for tile ``i`` (stage
+  ``s = i % NUM_STAGES``); every consumer waits parity ``(i // NUM_STAGES) & 1``.
+- ``k_empty[s]`` / ``v_empty[s]`` (count NUM_CONSUMERS): each consumer arrives once per tile after the
+  wgmma reading that buffer has completed (``warpgroup_mma_wait``); the producer waits parity
+  ``((i // NUM_STAGES) & 1) ^ 1`` before refilling, so its first pass over the ring does not wait.
+
+Gluon 3.6 notes.  ``warp_specialize(functions_and_args, worker_num_warps, worker_num_regs)``: the
+default partition runs with the kernel's ``num_warps`` and gets the registers the workers leave from
+``maxnreg`` (which the launch sets: the 256 default is more than an SM has for 3-4 warpgroups), worker
+partitions cannot take distributed tensors, and the list of partitions is written out per constexpr
+``NUM_CONSUMERS``: a tuple bound to a name turns the constexprs in it into int32 scalars
+("int32[] used as tl.static_range start value is not a constexpr"), so the partitions' argument
+tuples are literals and the partitions read tile sizes from the buffers' shapes.  Host descriptors are 4-d (B, H, N, D) boxes ``[1, 1, rows, D]`` (TMA bounds every
+dim, so any 16-byte-aligned strides serve: diffusers' (B, N, H, D) views too); the shared tiles are
+4-d and ``reshape``d to 2-d for the wgmma.  ``q . c_j`` is a wgmma rather than FMAs: the FMA form
+needs an fp32 copy of q in a blocked layout and a layout conversion (through shared memory, with a
+barrier) of every ``r_j`` into the scores' row layout; the wgmma's rows already sit where the
+scores' do.  Only head dim 64 and fp16 in this first version.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from .. import rules
+from .attn_fwd_tma import centre_keys
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    _GLUON_IMPORT_ERROR = None
+    gluon_jit = gluon.jit
+except ImportError as exc:  # an older or newer triton without these names: importing still works
+    _GLUON_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+    gl = fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = TensorDescriptor = None
+
+    def gluon_jit(fn):
+        return fn
+
+__all__ = ["exact_fwd_gluon_kernel", "exact_forward_gluon", "exact_attention_gluon", "kernel_call",
+           "DEFAULT_CONFIG", "GLUON_VERSION", "gluon_unavailable_reason"]
+
+GLUON_VERSION = "3.6"
+"""The Triton release whose Gluon API this file is written for (``warp_specialize``'s signature changed in 3.6)."""
+SHIFT_BLOCK = rules.SHIFT_BLOCK
+"""Keys per centre ``c_j``; ``BLOCK_N`` divides it."""
+HEAD_DIM = 64
+"""The one head dim of this first version."""
+ROWS_PER_CONSUMER = 64
+"""Query rows per consumer warpgroup (the M of one wgmma)."""
+CENTRE_ROWS = 16
+"""Centre rows per copy: the N of the (64, 16) wgmma that forms ``r_j`` (column 0 kept)."""
+PRODUCER_WARPS = 4
+"""The producer is the default partition: the kernel's ``num_warps``, one warpgroup."""
+REGISTERS_PER_SM = 65536
+
+
+@gluon_jit
+def _producer(descs, q_bufs, q_ready, ring, bars, off_z, off_hq, off_hk, start_m, N_K, SHIFT_BLOCK_N: gl.constexpr):
+    """TMA copies only: each consumer's q tile, then per key tile ``i`` into stage ``i % NUM_STAGES``:
+    k_c and the centre rows ``j, j + 1, ...`` (``j = start_n // SHIFT_BLOCK_N``) on ``k_ready``, v on
+    ``v_ready``, each after the consumers have released the stage (``k_empty`` / ``v_empty``).
+
+    ``descs = (q, k_c, v, centres)``, ``ring = (k_bufs, v_bufs, c_bufs)``, ``bars = (k_ready, k_empty,
+    v_ready, v_empty)``; the tile sizes are read from the buffers' shapes.
+    """
+    desc_q, desc_k, desc_v, desc_c = descs
+    k_bufs, v_bufs, c_bufs = ring
+    k_ready, k_empty, v_ready, v_empty = bars
+    NUM_CONSUMERS: gl.constexpr = q_bufs.shape[0]
+    NUM_STAGES: gl.constexpr = k_bufs.shape[0]
+    BLOCK_N: gl.constexpr = k_bufs.shape[3]
+    rows: gl.constexpr = q_bufs.shape[3]
+    for w in gl.static_range(NUM_CONSUMERS):
+        mbarrier.expect(q_ready.index(w), desc_q.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc_q, [off_z, off_hq, start_m + w * rows, 0], q_ready.index(w),
+                                        q_bufs.index(w))
+    kc_bytes: gl.constexpr = desc_k.block_type.nbytes + desc_c.block_type.nbytes
+    for i in range(gl.cdiv(N_K, BLOCK_N)):
+        stage = i % NUM_STAGES
+        phase = (i // NUM_STAGES) & 1
+        start_n = i * BLOCK_N
+        mbarrier.wait(k_empty.index(stage), phase ^ 1)
+        mbarrier.expect(k_ready.index(stage), kc_bytes)
+        tma.async_copy_global_to_shared(desc_k, [off_z, off_hk, start_n, 0], k_ready.index(stage), k_bufs.index(stage))
+        tma.async_copy_global_to_shared(desc_c, [off_z, off_hk, start_n // SHIFT_BLOCK_N, 0], k_ready.index(stage),
+                                        c_bufs.index(stage))
+        mbarrier.wait(v_empty.index(stage), phase ^ 1)
+        mbarrier.expect(v_ready.index(stage), desc_v.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc_v, [off_z, off_hk, start_n, 0], v_ready.index(stage), v_bufs.index(stage))
+
+
+@gluon_jit
+def _row_shift(rc, qk_scale, row_layout: gl.constexpr):
+    """``r_j = qk_scale (q . c_j)`` (64,) fp32 in ``row_layout`` from ``rc = q c^T`` (64, 16) fp32, whose
+    column 0 is ``q . c_j`` (exact fp16 products; the tensor cores' fp32 sum over the head dim)."""
+    cols = gl.arange(0, rc.shape[1], layout=gl.SliceLayout(0, rc.type.layout))
+    r = gl.sum(gl.where((cols == 0)[None, :], rc, 0.0), axis=1) * qk_scale
+    return gl.convert_layout(r, row_layout)
+
+
+@gluon_jit
+def _softmax_step(s, r_j, m_i, l_i, start_n, N_K, qk_scale, MASK_N: gl.constexpr):
+    """One tile's online softmax (the module docstring's lines for ``m_s`` .. ``l_i``):
+    ``(p fp16, alpha, m_new, l_new)``, ``s`` (64, BLOCK_N) fp32 unscaled, ``r_j``, ``m_i``, ``l_i`` (64,)."""
+    if MASK_N:
+        cols = start_n + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
+        s = gl.where((cols < N_K)[None, :], s, float("-inf"))
+    m_s = gl.max(s, axis=1) * qk_scale
+    m_blk = m_s + r_j
+    m_new = gl.maximum(m_i, m_blk)
+    p = gl.exp2(gl.fma(s, qk_scale, -(m_s - (m_blk - m_new))[:, None])).to(gl.float16)
+    alpha = gl.exp2(m_i - m_new)
+    l_new = alpha * l_i + gl.sum(p.to(gl.float32), axis=1)
+    return p, alpha, m_new, l_new
+
+
+@gluon_jit
+def _issue_scores(q, ring, k_ready, i, s_zero, r_zero):
+    """Wait until key tile ``i``'s k_c and centre rows have landed; issue ``s = q k_c^T`` and ``rc = q c^T``
+    (async wgmma, q and both tiles from shared memory); return their tokens."""
+    k_bufs, v_bufs, c_bufs = ring
+    NUM_STAGES: gl.constexpr = k_bufs.shape[0]
+    stage = i % NUM_STAGES
+    k_blk = k_bufs.index(stage).reshape([k_bufs.shape[3], k_bufs.shape[4]])
+    c_blk = c_bufs.index(stage).reshape([c_bufs.shape[3], c_bufs.shape[4]])
+    mbarrier.wait(k_ready.index(stage), (i // NUM_STAGES) & 1)
+    s = warpgroup_mma(q, k_blk.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    rc = warpgroup_mma(q, c_blk.permute((1, 0)), r_zero, use_acc=False, is_async=True)
+    return s, rc
+
+
+@gluon_jit
+def _issue_pv(p, acc, alpha, ring, v_ready, i):
+    """Wait until key tile ``i``'s v has landed; issue ``acc = alpha acc + p v_blk`` (async wgmma, ``p``
+    (64, BLOCK_N) fp16 from registers in the A-operand layout); return its token."""
+    k_bufs, v_bufs, c_bufs = ring
+    NUM_STAGES: gl.constexpr = v_bufs.shape[0]
+    stage = i % NUM_STAGES
+    v_blk = v_bufs.index(stage).reshape([v_bufs.shape[3], v_bufs.shape[4]])
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+    mbarrier.wait(v_ready.index(stage), (i // NUM_STAGES) & 1)
+    return warpgroup_mma(p, v_blk, acc, is_async=True)
+
+
+@gluon_jit
+def _release(empty, i):
+    """This consumer is done with stage ``i % NUM_STAGES`` of a ring: one arrival on its ``empty`` barrier."""
+    mbarrier.arrive(empty.index(i % empty.shape[0]))
+
+
+@gluon_jit
+def _tile_softmax(s, rc, m_i, l_i, i, N_K, qk_scale, p_layout: gl.constexpr, MASK_N: gl.constexpr):
+    """Tile ``i``'s softmax from its finished ``s`` and ``rc``: ``(p in p_layout, alpha, m_i, l_i)``."""
+    row_layout: gl.constexpr = gl.SliceLayout(1, s.type.layout)
+    r_j = _row_shift(rc, qk_scale, row_layout)
+    p, alpha, m_i, l_i = _softmax_step(s, r_j, m_i, l_i, i * s.shape[1], N_K, qk_scale, MASK_N)
+    return gl.convert_layout(p, p_layout), alpha, m_i, l_i
+
+
+@gluon_jit
+def _key_loop(q, ring, bars, m_i, l_i, acc, s_zero, r_zero, N_K, qk_scale, p_layout: gl.constexpr,
+              MASK_N: gl.constexpr):
+    """The key loop without overlap: per tile ``S``, wait, softmax, ``P V``, wait.  Returns ``(acc, l_i)``."""
+    k_ready, k_empty, v_ready, v_empty = bars
+    for i in range(gl.cdiv(N_K, s_zero.shape[1])):
+        s, rc = _issue_scores(q, ring, k_ready, i, s_zero, r_zero)
+        s, rc = warpgroup_mma_wait(0, deps=(s, rc))
+        _release(k_empty, i)
+        p, alpha, m_i, l_i = _tile_softmax(s, rc, m_i, l_i, i, N_K, qk_scale, p_layout, MASK_N)
+        acc = _issue_pv(p, acc, alpha, ring, v_ready, i)
+        acc, p = warpgroup_mma_wait(0, deps=(acc, p))
+        _release(v_empty, i)
+    return acc, l_i
+
+
+@gluon_jit
+def _key_loop_overlapped(q, ring, bars, m_i, l_i, acc, s_zero, r_zero, N_K, qk_scale, p_layout: gl.constexpr,
+                         MASK_N: gl.constexpr):
+    """The key loop with FA3's intra-warpgroup overlap: tile ``i``'s softmax runs while the tensor cores do
+    tile ``i - 1``'s ``P V``.  Order per tile ``i >= 1``: issue ``S_i``; issue ``P_{i-1} V_{i-1}``; wait
+    until one wgmma group is left (``S_i`` done: groups finish in order); softmax ``i``; wait for ``P V``.
+    Same arithmetic as :func:`_key_loop` (``alpha_i`` scales ``acc`` when ``P_i V_i`` is issued).
+    """
+    k_ready, k_empty, v_ready, v_empty = bars
+    n_tiles = gl.cdiv(N_K, s_zero.shape[1])
+    s, rc = _issue_scores(q, ring, k_ready, 0, s_zero, r_zero)
+    s, rc = warpgroup_mma_wait(0, deps=(s, rc))
+    _release(k_empty, 0)
+    p, alpha, m_i, l_i = _tile_softmax(s, rc, m_i, l_i, 0, N_K, qk_scale, p_layout, MASK_N)
+    for i in range(1, n_tiles):
+        s, rc = _issue_scores(q, ring, k_ready, i, s_zero, r_zero)
+        acc = _issue_pv(p, acc, alpha, ring, v_ready, i - 1)
+        s, rc = warpgroup_mma_wait(1, deps=(s, rc))
+        _release(k_empty, i)
+        p_prev = p
+        p, alpha, m_i, l_i = _tile_softmax(s, rc, m_i, l_i, i, N_K, qk_scale, p_layout, MASK_N)
+        acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
+        _release(v_empty, i - 1)
+    acc = _issue_pv(p, acc, alpha, ring, v_ready, n_tiles - 1)
+    acc, p = warpgroup_mma_wait(0, deps=(acc, p))
+    _release(v_empty, n_tiles - 1)
+    return acc, l_i
+
+
+@gluon_jit
+def _consumer(desc_o, q_tile, q_ready, ring, bars, off_z, off_hq, start_row, N_K, qk_scale, MASK_N: gl.constexpr,
+              OVERLAP: gl.constexpr):
+    """One consumer warpgroup: query rows ``start_row ..`` (its own q tile, (1, 1, 64, D), and ``q_ready``).
+
+    Per key tile: wait ``k_ready``; issue ``s = q k_c^T`` and ``rc = q c^T`` (async), wait, release the
+    stage's k_c / centres (``k_empty``); softmax; wait ``v_ready``; ``acc = alpha acc + p v`` (p from
+    registers), wait, release v (``v_empty``); ``OVERLAP`` reorders this as :func:`_key_loop_overlapped`.
+    Then ``out = acc / l_i`` into the q tile and a TMA store (rows past N_Q are clipped by the copy
+    engine).  ``ring``, ``bars`` as for :func:`_producer`.
+    """
+    k_bufs, v_bufs, c_bufs = ring
+    BLOCK_N: gl.constexpr = k_bufs.shape[3]
+    HEAD_DIM: gl.constexpr = k_bufs.shape[4]
+    rows: gl.constexpr = q_tile.shape[2]
+    C_ROWS: gl.constexpr = c_bufs.shape[3]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    r_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, C_ROWS, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    q = q_tile.reshape([rows, HEAD_DIM])
+    m_i = gl.full([rows], float("-inf"), gl.float32, layout=row_layout)
+    l_i = gl.zeros([rows], gl.float32, layout=row_layout)
+    acc = gl.zeros([rows, HEAD_DIM], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([rows, BLOCK_N], gl.float32, layout=s_layout)
+    r_zero = gl.zeros([rows, C_ROWS], gl.float32, layout=r_layout)
+    mbarrier.wait(q_ready, 0)
+    if OVERLAP:
+        acc, l_i = _key_loop_overlapped(q, ring, bars, m_i, l_i, acc, s_zero, r_zero, N_K, qk_scale, p_layout, MASK_N)
+    else:
+        acc, l_i = _key_loop(q, ring, bars, m_i, l_i, acc, s_zero, r_zero, N_K, qk_scale, p_layout, MASK_N)
+
+    inv_l = gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, o_layout))
+    q.store((acc * inv_l[:, None]).to(gl.float16))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(desc_o, [off_z, off_hq, start_row, 0], q_tile)
+    tma.store_wait(0)
+
+
+@gluon_jit(do_not_specialize=["N_Q", "N_K"])
+def exact_fwd_gluon_kernel(
+    desc_q, desc_k, desc_v, desc_c, desc_o,
+    H_Q, KV_GROUP, N_Q, N_K, qk_scale,
+    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
+    SHIFT_BLOCK_N: gl.constexpr, MASK_N: gl.constexpr, OVERLAP: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+):
+    """``out = softmax(scale q k^T) v`` for ``BLOCK_M = 64 NUM_CONSUMERS`` query rows of one (batch, head).
+
+    The module docstring states the math (the same as ``attn_fwd_tma.exact_fwd_tma_kernel``), the
+    tiles and the barrier protocol.  Descriptors (host, 4-d (B, H, N, D), fp16): q and out boxes
+    (1, 1, 64, HEAD_DIM); k_c and v (1, 1, BLOCK_N, HEAD_DIM); centres (B, Hk, ceil(N_K / 128), HEAD_DIM)
+    in fp16 (exact: the centres are fp16 values), boxes (1, 1, 16, HEAD_DIM).  This function allocates
+    the shared tiles and the barriers and forks into the producer and the consumers.
+    """
+    rows: gl.constexpr = desc_q.block_type.shape[2]
+    pid = gl.program_id(0)
+    num_m_blocks = gl.cdiv(N_Q, rows * NUM_CONSUMERS)
+    pid_m = pid % num_m_blocks
+    pid_bh = pid // num_m_blocks
+    off_z = pid_bh // H_Q
+    off_hq = pid_bh % H_Q
+    off_hk = off_hq // KV_GROUP
+    start_m = pid_m * (rows * NUM_CONSUMERS)
+
+    q_bufs = gl.allocate_shared_memory(desc_q.dtype, [NUM_CONSUMERS] + desc_q.block_type.shape, desc_q.layout)
+    k_bufs = gl.allocate_shared_memory(desc_k.dtype, [NUM_STAGES] + desc_k.block_type.shape, desc_k.layout)
+    v_bufs = gl.allocate_shared_memory(desc_v.dtype, [NUM_STAGES] + desc_v.block_type.shape, desc_v.layout)
+    c_bufs = gl.allocate_shared_memory(desc_c.dtype, [NUM_STAGES] + desc_c.block_type.shape, desc_c.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for w in gl.static_range(NUM_CONSUMERS):
+        mbarrier.init(q_ready.index(w), count=1)
+    for st in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_ready.index(st), count=1)
+        mbarrier.init(k_empty.index(st), count=NUM_CONSUMERS)
+        mbarrier.init(v_ready.index(st), count=1)
+        mbarrier.init(v_empty.index(st), count=NUM_CONSUMERS)
+
+    descs = (desc_q, desc_k, desc_v, desc_c)
+    ring = (k_bufs, v_bufs, c_bufs)
+    bars = (k_ready, k_empty, v_ready, v_empty)
+    # Constexprs keep their kind only inside the literal argument tuples (a tuple bound to a name in a
+    # Gluon 3.6 function turns them into int32 scalars), hence one literal list per consumer count.
+    if NUM_CONSUMERS == 1:
+        gl.warp_specialize([
+            (_producer, (descs, q_bufs, q_ready, ring, bars, off_z, off_hq, off_hk, start_m, N_K, SHIFT_BLOCK_N)),
+            (_consumer, (desc_o, q_bufs.index(0), q_ready.index(0), ring, bars, off_z, off_hq, start_m, N_K,
+                         qk_scale, MASK_N, OVERLAP)),
+        ], [4], [CONSUMER_REGS])
+    elif NUM_CONSUMERS == 2:
+        gl.warp_specialize([
+            (_producer, (descs, q_bufs, q_ready, ring, bars, off_z, off_hq, off_hk, start_m, N_K, SHIFT_BLOCK_N)),
+            (_consumer, (desc_o, q_bufs.index(0), q_ready.index(0), ring, bars, off_z, off_hq, start_m, N_K,
+                         qk_scale, MASK_N, OVERLAP)),
+            (_consumer, (desc_o, q_bufs.index(1), q_ready.index(1), ring, bars, off_z, off_hq, start_m + rows, N_K,
+                         qk_scale, MASK_N, OVERLAP)),
+        ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+    else:
+        gl.static_assert(NUM_CONSUMERS == 3, "NUM_CONSUMERS must be 1, 2 or 3")
+        gl.warp_specialize([
+            (_producer, (descs, q_bufs, q_ready, ring, bars, off_z, off_hq, off_hk, start_m, N_K, SHIFT_BLOCK_N)),
+            (_consumer, (desc_o, q_bufs.index(0), q_ready.index(0), ring, bars, off_z, off_hq, start_m, N_K,
+                         qk_scale, MASK_N, OVERLAP)),
+            (_consumer, (desc_o, q_bufs.index(1), q_ready.index(1), ring, bars, off_z, off_hq, start_m + rows, N_K,
+                         qk_scale, MASK_N, OVERLAP)),
+            (_consumer, (desc_o, q_bufs.index(2), q_ready.index(2), ring, bars, off_z, off_hq, start_m + 2 * rows,
+                         N_K, qk_scale, MASK_N, OVERLAP)),
+        ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
+
+# ---------------------------------------------------------------------------------------------------
+# Configurations.  Not yet run on a GPU (bench/bench_gluon.py checks and times them); compiled for sm_90
+# with triton 3.6 by bench/gluon_compile_check.py.  BLOCK_M = 64 x num_consumers (FA3 at d = 64: 3).
+# ---------------------------------------------------------------------------------------------------
+DEFAULT_CONFIG = {"num_consumers": 2, "BLOCK_N": 128, "num_stages": 2, "overlap": False}
+_CONFIG_KEYS = set(DEFAULT_CONFIG)
+_PRODUCER_REGS = 24
+
+
+def gluon_unavailable_reason() -> str | None:
+    """Why this triton cannot run the kernel (no Gluon, or a release other than 3.6), or ``None``."""
+    if _GLUON_IMPORT_ERROR is not None:
+        return f"triton {triton.__version__} has no usable Gluon ({_GLUON_IMPORT_ERROR})"
+    if not triton.__version__.startswith(GLUON_VERSION + "."):
+        return f"written for Gluon in triton {GLUON_VERSION}.x, found triton {triton.__version__}"
+    return None
+
+
+def _registers(num_consumers: int) -> tuple[int, int]:
+    """``(maxnreg, consumer registers)``: the launch's per-thread cap so that all warpgroups fit in one
+    SM's register file, and the consumers' share after the producer's ``_PRODUCER_REGS``."""
+    threads = 128 * (1 + num_consumers)
+    maxnreg = min(255, REGISTERS_PER_SM // threads) // 8 * 8
+    consumer = (maxnreg * threads - 128 * _PRODUCER_REGS) // (128 * num_consumers) // 8 * 8
+    return maxnreg, min(consumer, 240)
+
+
+def _validate(q, k_c, v, centres, out) -> None:
+    """Raise ``ValueError`` (naming the argument) for what the descriptors or the kernel cannot take."""
+    fn = "exact_forward_gluon"
+    rules.check_qkv(fn, q, k_c, v, precision="hybrid")
+    for name, t in (("q", q), ("k_c", k_c), ("v", v), ("out", out), ("centres", centres)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{fn}: {name} must be a 4-d (B, H, N, D) tensor, got "
+                             f"{getattr(t, 'shape', type(t).__name__)}")
+        if t.device.type != "cuda":
+            raise ValueError(f"{fn}: {name} is on {t.device}; the Gluon kernel runs on CUDA tensors only")
+    rules.check_kernel_tensors(fn, q, k_c, v, out, interpret=False)
+    if q.dtype != torch.float16:
+        raise ValueError(f"{fn}: q, k_c, v must be float16 (this first Gluon version), got {q.dtype}")
+    if out.shape != q.shape or out.dtype != q.dtype:
+        raise ValueError(f"{fn}: out must match q in shape and dtype, got out.shape={tuple(out.shape)} {out.dtype} "
+                         f"for q.shape={tuple(q.shape)} {q.dtype}")
+    b, h_k, n_k, d = k_c.shape
+    if d != HEAD_DIM:
+        raise ValueError(f"{fn}: head dim {d} is not supported: this first Gluon version takes head dim {HEAD_DIM} "
+                         f"only (q.shape={tuple(q.shape)}); use attn_fwd_tma.exact_forward_tma")
+    n_blocks = triton.cdiv(n_k, SHIFT_BLOCK)
+    if centres.dtype != torch.float32 or tuple(centres.shape) != (b, h_k, n_blocks, d):
+        raise ValueError(f"{fn}: centres must be float32 (B, Hk, ceil(Nk / {SHIFT_BLOCK}), D) = {(b, h_k, n_blocks, d)}, "
+                         f"got centres.shape={tuple(centres.shape)} {centres.dtype}")
+    # A TMA descriptor needs a 16-byte-aligned base and 16-byte multiples for every stride but the last (1).
+    for name, t in (("q", q), ("k_c", k_c), ("v", v), ("out", out)):
+        bad = [i for i in range(3) if (t.stride(i) * t.element_size()) % 16 != 0 and t.shape[i] > 1]
+        if t.stride(-1) != 1 or t.data_ptr() % 16 != 0 or bad:
+            raise ValueError(f"{fn}: {name} does not suit a TMA descriptor: it needs unit stride in D, a 16-byte-aligned "
+                             f"base and B, H, N strides that are multiples of 16 bytes, got {name}.stride()="
+                             f"{tuple(t.stride())}, data_ptr % 16 = {t.data_ptr() % 16}")
+    if q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] != 9:
+        raise ValueError(f"{fn}: warpgroup MMA needs sm_90 (Hopper), got "
+                         f"sm_{''.join(map(str, torch.cuda.get_device_capability(q.device)))}; "
+                         "use attn_fwd_tma.exact_forward_tma")
+
+
+def _config(config: dict | None) -> dict:
+    """``DEFAULT_CONFIG`` updated by ``config``; ``ValueError`` for unknown keys or values."""
+    cfg = dict(DEFAULT_CONFIG)
+    if config:
+        unknown = set(config) - _CONFIG_KEYS
+        if unknown:
+            raise ValueError(f"exact_forward_gluon: unknown config keys {sorted(unknown)}; expected {sorted(_CONFIG_KEYS)}")
+        cfg.update(config)
+    if cfg["num_consumers"] not in (1, 2, 3):
+        raise ValueError(f"exact_forward_gluon: config num_consumers={cfg['num_consumers']} must be 1, 2 or 3")
+    if cfg["BLOCK_N"] not in (64, 128):
+        raise ValueError(f"exact_forward_gluon: config BLOCK_N={cfg['BLOCK_N']} must be 64 or 128 (it divides the "
+                         f"shift block {SHIFT_BLOCK})")
+    if not isinstance(cfg["overlap"], bool):
+        raise ValueError(f"exact_forward_gluon: config overlap={cfg['overlap']!r} must be a bool")
+    if not 1 <= cfg["num_stages"] <= 4:
+        raise ValueError(f"exact_forward_gluon: config num_stages={cfg['num_stages']} must be 1..4")
+    return cfg
+
+
+def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A 4-d (B, H, N, D) TMA descriptor of ``t`` with boxes (1, 1, rows, D), NVMMA-swizzled for the wgmma."""
+    block = [1, 1, rows, t.shape[3]]
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float16)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def kernel_call(q, k_c, v, centres, out, *, scale: float, config: dict | None = None):
+    """``(grid, args, meta)`` of the launch ``exact_fwd_gluon_kernel[grid](*args, **meta)`` (no validation).
+
+    Split from :func:`exact_forward_gluon` so that ``bench/gluon_compile_check.py`` compiles exactly what
+    the wrapper launches (from meta tensors, without a GPU).
+    """
+    cfg = _config(config)
+    batch, h_q, n_q, head_dim = q.shape
+    h_k, n_k = k_c.shape[1], k_c.shape[2]
+    c16 = centres.to(torch.float16)  # exact: the centres are fp16 values
+    block_m = ROWS_PER_CONSUMER * cfg["num_consumers"]
+    maxnreg, consumer_regs = _registers(cfg["num_consumers"])
+    grid = (triton.cdiv(n_q, block_m) * batch * h_q, )
+    args = (_descriptor(q, ROWS_PER_CONSUMER), _descriptor(k_c, cfg["BLOCK_N"]), _descriptor(v, cfg["BLOCK_N"]),
+            _descriptor(c16, CENTRE_ROWS), _descriptor(out, ROWS_PER_CONSUMER),
+            h_q, h_q // h_k, n_q, n_k, float(scale) * math.log2(math.e))
+    meta = dict(HEAD_DIM=head_dim, BLOCK_N=cfg["BLOCK_N"], NUM_STAGES=cfg["num_stages"],
+                NUM_CONSUMERS=cfg["num_consumers"], SHIFT_BLOCK_N=SHIFT_BLOCK, MASK_N=n_k % cfg["BLOCK_N"] != 0,
+                OVERLAP=bool(cfg["overlap"]),
+                CONSUMER_REGS=consumer_regs, num_warps=PRODUCER_WARPS, maxnreg=maxnreg)
+    return grid, args, meta
+
+
+def exact_forward_gluon(q: torch.Tensor, k_c: torch.Tensor, v: torch.Tensor, centres: torch.Tensor,
+                        out: torch.Tensor, *, scale: float, config: dict | None = None) -> torch.Tensor:
+    """Write ``softmax(scale q k^T) v`` into ``out`` from the pre-pass's ``k_c`` and ``centres``; return it.
+
+    Args:
+        q: ``(B, Hq, Nq, 64)``; k_c, v: ``(B, Hk, Nk, 64)`` with ``Hq % Hk == 0``; out: ``(B, Hq, Nq, 64)``;
+            float16 CUDA tensors on an sm_90 GPU, unit stride in D, B/H/N strides multiples of 16 bytes
+            on a 16-byte-aligned base (contiguous (B, H, N, D), or diffusers' (B, N, H, D) transposed).
+        centres: ``(B, Hk, ceil(Nk / 128), 64)`` fp32, the exact centres (``attn_fwd_tma.centre_keys``).
+        scale: softmax scale.
+        config: ``num_consumers`` (1..3 consumer warpgroups of 64 query rows), ``BLOCK_N`` (64 / 128),
+            ``num_stages`` (K/V ring depth), ``overlap`` (softmax of tile ``i`` under ``P V`` of tile
+            ``i - 1``, FA3's intra-warpgroup pipelining); missing keys from ``DEFAULT_CONFIG``.
+
+    Raises ``ValueError`` naming the argument for input the kernel cannot take and ``RuntimeError`` when
+    this triton has no Gluon of the 3.6 API.
+    """
+    reason = gluon_unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(f"exact_forward_gluon: {reason}; use attn_fwd_tma.exact_forward_tma")
+    _config(config)
+    _validate(q, k_c, v, centres, out)
+    grid, args, meta = kernel_call(q, k_c, v, centres, out, scale=scale, config=config)
+    exact_fwd_gluon_kernel[grid](*args, **meta)
+    return out
+
+
+def exact_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
+                          config: dict | None = None) -> torch.Tensor:
+    """The pre-pass and the kernel: ``softmax(scale q k^T) v`` for (B, H, N, 64) fp16 views; ``out`` contiguous."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    rules.check_options("exact_attention_gluon", precision="hybrid", shift="exact", scale=scale)
+    k_c, centres = centre_keys(k)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    return exact_forward_gluon(q, k_c, v, centres, out, scale=scale, config=config)
