@@ -21,17 +21,14 @@ Per config it reports, from the IR and the machine code:
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import re
-import subprocess
 import sys
-import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+import sm90_tools  # noqa: E402  (bench/, beside this script)
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize, r_on_tc).  Warp specialisation needs r_on_tc
 # (the wrapper refuses the other combination: Triton 3.6's pass aborts on it).
@@ -46,64 +43,6 @@ EXTRA = [(128, 64, 4, 3, False, False), (128, 64, 8, 3, False, False), (128, 64,
 SHAPE = (50, 5, 9216, 9216, 64)
 RAGGED = (50, 20, 576, 576, 64)
 HEAD_DIMS = (16, 32, 40, 80, 128)
-
-
-def _signature(fn, args, meta):
-    """Triton's specialisation of ``args`` for ``fn``: (signature, constexprs, attrs)."""
-    from triton._C.libtriton import native_specialize_impl
-    from triton.backends.compiler import BaseBackend
-
-    signature, constexprs, attrs = {}, {}, {}
-    values = iter(args)
-    for p in fn.params:
-        if p.is_constexpr:
-            signature[p.name] = "constexpr"
-            constexprs[p.name] = meta[p.name]
-            continue
-        value = next(values)
-        ty, spec = native_specialize_impl(BaseBackend, value, False, not p.do_not_specialize,
-                                          not p.do_not_specialize_on_alignment)
-        if ty == "constexpr":
-            signature[p.name] = "constexpr"
-            constexprs[p.name] = value
-        else:
-            signature[p.name] = ty
-            if spec == "D":
-                attrs[(p.num,)] = [["tt.divisibility", 16]]
-    return signature, constexprs, attrs
-
-
-def _ptxas_report(ptx: str) -> dict:
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "k.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        res = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", src, "-o", os.path.join(tmp, "k.cubin")],
-                             capture_output=True, text=True)
-    log = res.stdout + res.stderr
-    regs = re.findall(r"Used (\d+) registers", log)
-    spill_st = re.findall(r"(\d+) bytes spill stores", log)
-    spill_ld = re.findall(r"(\d+) bytes spill loads", log)
-    stack = re.findall(r"(\d+) bytes stack frame", log)
-    return {"regs": int(regs[0]) if regs else None, "spill_st": int(spill_st[0]) if spill_st else None,
-            "spill_ld": int(spill_ld[0]) if spill_ld else None, "stack": int(stack[0]) if stack else None,
-            "ptxas_warnings": [ln for ln in log.splitlines() if "warning" in ln.lower()][:3]}
-
-
-def _sass_counts(cubin: bytes) -> dict:
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    nvdisasm = os.path.join(os.path.dirname(get_ptxas(90).path), "nvdisasm")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(cubin)
-        res = subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True)
-    sass = res.stdout
-    return {"hgmma": len(re.findall(r"\bHGMMA\b", sass)), "mufu_ex2": len(re.findall(r"MUFU\.EX2", sass)),
-            "sass_local": len(re.findall(r"\b(?:STL|LDL)\b", sass)), "utmaldg": len(re.findall(r"UTMALDG", sass))}
 
 
 def compile_one(case: dict) -> dict:
@@ -131,44 +70,14 @@ def compile_one(case: dict) -> dict:
     try:
         _, args, meta = K.kernel_call(q, k_c, v, centres, out, scale=d ** -0.5, config=cfg)
         options = {"num_warps": meta.pop("num_warps"), "num_stages": meta.pop("num_stages")}
-        signature, constexprs, attrs = _signature(K.exact_fwd_tma_kernel, args, meta)
+        signature, constexprs, attrs = sm90_tools.specialization(K.exact_fwd_tma_kernel, args, meta)
         src = ASTSource(fn=K.exact_fwd_tma_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
         kern = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     except Exception as e:  # noqa: BLE001 - a compiler failure is a result here
-        msg = str(e).strip().splitlines()
-        row.update(ok=False, error=(type(e).__name__ + ": " + (msg[0] if msg else ""))[:160],
-                   seconds=round(time.time() - t0, 1))
+        row.update(ok=False, error=sm90_tools.compile_error(e), seconds=round(time.time() - t0, 1))
         return row
-    ttgir, ptx = kern.asm["ttgir"], kern.asm["ptx"]
-    row.update(
-        ok=True, seconds=round(time.time() - t0, 1),
-        ws="ttg.warp_specialize" in ttgir,
-        setmaxnreg=sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
-        wgmma=len(re.findall(r"wgmma\.mma_async", ptx)),
-        tma=len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
-        ptx_local=len(re.findall(r"\b(?:st|ld)\.local", ptx)),
-        smem=kern.metadata.shared,
-        threads=32 * kern.metadata.num_warps,
-        scratch=getattr(kern.metadata, "global_scratch_size", None),
-    )
-    row.update(_ptxas_report(ptx))
-    row.update(_sass_counts(kern.asm["cubin"]))
+    row.update(ok=True, seconds=round(time.time() - t0, 1), **sm90_tools.kernel_report(kern))
     return row
-
-
-def _run_isolated(case: dict) -> dict:
-    """``compile_one`` in a child process, so that a crashing compiler is a row, not the end of the run."""
-    t0 = time.time()
-    res = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", json.dumps(case)],
-                         capture_output=True, text=True, timeout=900)
-    for line in res.stdout.splitlines():
-        if line.startswith("ROW "):
-            row = json.loads(line[4:])
-            row["config"], row["shape"] = tuple(row["config"]), tuple(row["shape"])
-            return row
-    tail = (res.stderr.strip().splitlines() or ["no output"])[-1]
-    return dict(case, ok=False, error=f"process died (rc {res.returncode}): {tail}"[:160],
-                seconds=round(time.time() - t0, 1))
 
 
 def _cases(quick: bool) -> list[dict]:
@@ -205,9 +114,7 @@ def main() -> None:
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: compile one JSON case, print its row
     args = ap.parse_args()
     if args.one:
-        case = json.loads(args.one)
-        case = {"config": tuple(case["config"]), "shape": tuple(case["shape"])}
-        print("ROW " + json.dumps(compile_one(case), default=str))
+        sm90_tools.print_one(args.one, compile_one)
         return
 
     import triton
@@ -218,19 +125,7 @@ def main() -> None:
               "spills st/ld, local PTX/SASS | regs | threads | smem B | MUFU.EX2 | compile s |\n"
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     print(header, flush=True)
-    rows = []
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        for row in pool.map(_run_isolated, cases):
-            rows.append(row)
-            print(_fmt(row), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1, default=str)
-    ok = sum(r["ok"] for r in rows)
-    print(f"\n{ok} of {len(rows)} compiled; warp-specialised: "
-          f"{sum(1 for r in rows if r.get('ws'))}; with spills: "
-          f"{sum(1 for r in rows if r.get('spill_st') or r.get('ptx_local'))}")
-
+    sm90_tools.run_cases(os.path.abspath(__file__), cases, _fmt, jobs=args.jobs, json_path=args.json)
 
 if __name__ == "__main__":
     main()
