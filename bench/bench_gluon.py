@@ -42,9 +42,9 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import triton  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
 
 from pasa_diffusers import numerics  # noqa: E402
+from run_log import Log, median_ms, tflops  # noqa: E402  (bench/, beside this script)
 from pasa_diffusers.kernels import attn_fwd_gluon as glu  # noqa: E402
 from pasa_diffusers.kernels import attn_fwd_tma as tma  # noqa: E402
 from pasa_diffusers.ops import pasa_attention  # noqa: E402
@@ -143,37 +143,9 @@ def _synchronize_or_exit(what: str) -> None:
         timer.cancel()
 
 
-def tflops(shape, ms) -> float:
-    b, h, n, d = shape
-    return 4.0 * b * h * n * n * d / (ms * 1e-3) / 1e12
-
-
-def bench(fn, warmup, rep) -> float:
-    fn()
-    torch.cuda.synchronize()
-    return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-
-
-class Log:
-    """print, flushed, and appended to ``<out>/bench_gluon.log`` as it goes (survives a timeout or a hang)."""
-
-    def __init__(self, out_dir):
-        self.path = None
-        if out_dir:
-            os.makedirs(out_dir, exist_ok=True)
-            self.path = os.path.join(out_dir, "bench_gluon.log")
-            open(self.path, "w").close()
-
-    def __call__(self, text=""):
-        print(text, flush=True)
-        if self.path:
-            with open(self.path, "a") as f:
-                f.write(text + "\n")
-
-
 def _time(shape, method, fn, args, extra=None) -> dict:
     try:
-        ms = bench(fn, args.warmup, args.rep)
+        ms = median_ms(fn, args.warmup, args.rep)
         return {"shape": shape, "method": method, "ms": ms, "tflops": tflops(shape, ms), **(extra or {})}
     except Exception as e:  # noqa: BLE001 - an unavailable backend is a result
         first = (str(e).splitlines() or [""])[0][:120]
@@ -241,7 +213,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
     t_start = time.time()
-    log = LOG = Log(args.out)
+    log = LOG = Log(args.out, "bench_gluon.log")
 
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
     configs = [parse_config(c) for c in args.configs] if args.configs else CONFIGS

@@ -42,9 +42,9 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import triton  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
 
 from pasa_diffusers import numerics  # noqa: E402
+from run_log import Log, median_ms, tflops  # noqa: E402  (bench/, beside this script)
 from pasa_diffusers.kernels import attn_fwd_tma as tma  # noqa: E402
 from pasa_diffusers.ops import pasa_attention  # noqa: E402
 from pasa_diffusers.reference import exact_shift_reference, golden_attention  # noqa: E402
@@ -156,34 +156,6 @@ class Case:
                 "err_portable": self.err_port, "diff_portable": diff}
 
 
-def tflops(shape, ms):
-    b, h, n, d = shape
-    return 4.0 * b * h * n * n * d / (ms * 1e-3) / 1e12
-
-
-def bench(fn, warmup, rep):
-    fn()
-    torch.cuda.synchronize()
-    return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-
-
-class Log:
-    """print, flushed, and appended to ``$OUT/bench_hopper.log`` as it goes (survives a timeout or a hang)."""
-
-    def __init__(self, out_dir):
-        self.path = None
-        if out_dir:
-            os.makedirs(out_dir, exist_ok=True)
-            self.path = os.path.join(out_dir, "bench_hopper.log")
-            open(self.path, "w").close()
-
-    def __call__(self, text=""):
-        print(text, flush=True)
-        if self.path:
-            with open(self.path, "a") as f:
-                f.write(text + "\n")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="*", default=None, help="B,H,N,D ... (default: the SVD-XT shapes)")
@@ -203,7 +175,7 @@ def main() -> None:
         if not tma.INTERPRET:
             raise SystemExit("--cpu-dry-run needs TRITON_INTERPRET=1 set before the run")
         DEVICE = "cpu"
-    log = Log(args.out)
+    log = Log(args.out, "bench_hopper.log")
 
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
     configs = [parse_config(c) for c in args.configs] if args.configs else CONFIGS
@@ -295,7 +267,7 @@ def main() -> None:
 
 def _time(shape, method, fn, args, extra=None) -> dict:
     try:
-        ms = bench(fn, args.warmup, args.rep)
+        ms = median_ms(fn, args.warmup, args.rep)
         return {"shape": shape, "method": method, "ms": ms, "tflops": tflops(shape, ms), **(extra or {})}
     except Exception as e:  # noqa: BLE001 - an unavailable backend is a result
         first = (str(e).splitlines() or [""])[0][:100]
