@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The GPU test suite (tests/test_kernel_gpu.py, marker gpu) in SHARDS parallel pytest processes on one
+# machine: a cold machine spends most of the suite compiling and autotuning Triton kernels, which is CPU
+# work, so shards sharing one GPU finish in about 1 / SHARDS of the time (the GPU is far from busy).
+#
+#     OUT=/some/folder SHARDS=4 bash bench/gpu_suite.sh [extra pytest arguments, e.g. -k temporal]
+#
+# Writes $OUT/gpu_suite_<i>.log and $OUT/ratios_<i>/gpu_error_ratios.md (the kernel / reference error
+# ratios) per shard and prints each shard's summary line; the exit status is
+# non-zero if any shard failed.  The test ids are split round-robin, so every shard gets a mix of
+# shapes and variants.
+set -uo pipefail
+
+OUT=${OUT:-$PWD/out/gpu_suite}
+SHARDS=${SHARDS:-4}
+mkdir -p "$OUT"
+ids="$OUT/test_ids.txt"
+python -m pytest tests/test_kernel_gpu.py -m gpu --collect-only -q -p no:cacheprovider "$@" \
+  | grep '::' > "$ids"
+echo "$(wc -l < "$ids") tests in $SHARDS shards"
+
+pids=()
+for ((i = 0; i < SHARDS; i++)); do
+  awk -v n="$SHARDS" -v i="$i" 'NR % n == i' "$ids" > "$OUT/shard_$i.txt"
+  if [[ -s "$OUT/shard_$i.txt" ]]; then
+    mapfile -t shard < "$OUT/shard_$i.txt"
+    PASA_REPORT_DIR="$OUT/ratios_$i" python -m pytest -q -p no:cacheprovider -rf "$@" "${shard[@]}" \
+      > "$OUT/gpu_suite_$i.log" 2>&1 &
+    pids+=($!)
+  fi
+done
+
+status=0
+for pid in "${pids[@]}"; do
+  wait "$pid" || status=1
+done
+for ((i = 0; i < SHARDS; i++)); do
+  [[ -f "$OUT/gpu_suite_$i.log" ]] && echo "shard $i: $(tail -1 "$OUT/gpu_suite_$i.log")"
+done
+exit $status
