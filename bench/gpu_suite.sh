@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU test suite (tests/test_kernel_gpu.py, marker gpu) in SHARDS parallel pytest processes on one
-# machine: a cold machine spends most of the suite compiling and autotuning Triton kernels, which is CPU
-# work, so shards sharing one GPU finish in about 1 / SHARDS of the time (the GPU is far from busy).
+# machine: a cold machine spends most of the suite compiling and autotuning Triton kernels, mostly CPU
+# work, so shards sharing one GPU are expected to finish in a fraction of the time (not yet measured).
 #
 #     OUT=/some/folder SHARDS=4 bash bench/gpu_suite.sh [extra pytest arguments, e.g. -k temporal]
 #
