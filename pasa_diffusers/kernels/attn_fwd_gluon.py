@@ -69,7 +69,7 @@ import torch
 import triton
 
 from .. import rules
-from .attn_fwd_tma import centre_keys
+from .attn_fwd_tma import centre_keys, check_centres, check_descriptor_layout
 
 try:
     from triton.experimental import gluon
@@ -400,34 +400,15 @@ def _validate(q, k_c, v, centres, out) -> None:
     """Raise ``ValueError`` (naming the argument) for what the descriptors or the kernel cannot take."""
     fn = "exact_forward_gluon"
     rules.check_qkv(fn, q, k_c, v, precision="hybrid")
-    for name, t in (("q", q), ("k_c", k_c), ("v", v), ("out", out), ("centres", centres)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{fn}: {name} must be a 4-d (B, H, N, D) tensor, got "
-                             f"{getattr(t, 'shape', type(t).__name__)}")
-        if t.device.type != "cuda":
-            raise ValueError(f"{fn}: {name} is on {t.device}; the Gluon kernel runs on CUDA tensors only")
     rules.check_kernel_tensors(fn, q, k_c, v, out, interpret=False)
     if q.dtype != torch.float16:
         raise ValueError(f"{fn}: q, k_c, v must be float16 (this first Gluon version), got {q.dtype}")
-    if out.shape != q.shape or out.dtype != q.dtype:
-        raise ValueError(f"{fn}: out must match q in shape and dtype, got out.shape={tuple(out.shape)} {out.dtype} "
-                         f"for q.shape={tuple(q.shape)} {q.dtype}")
-    b, h_k, n_k, d = k_c.shape
-    if d != HEAD_DIM:
-        raise ValueError(f"{fn}: head dim {d} is not supported: this first Gluon version takes head dim {HEAD_DIM} "
-                         f"only (q.shape={tuple(q.shape)}); use attn_fwd_tma.exact_forward_tma")
-    n_blocks = triton.cdiv(n_k, SHIFT_BLOCK)
-    if centres.dtype != torch.float32 or tuple(centres.shape) != (b, h_k, n_blocks, d):
-        raise ValueError(f"{fn}: centres must be float32 (B, Hk, ceil(Nk / {SHIFT_BLOCK}), D) = {(b, h_k, n_blocks, d)}, "
-                         f"got centres.shape={tuple(centres.shape)} {centres.dtype}")
-    # A TMA descriptor needs a 16-byte-aligned base and 16-byte multiples for every stride but the last (1).
-    for name, t in (("q", q), ("k_c", k_c), ("v", v), ("out", out)):
-        bad = [i for i in range(3) if (t.stride(i) * t.element_size()) % 16 != 0 and t.shape[i] > 1]
-        if t.stride(-1) != 1 or t.data_ptr() % 16 != 0 or bad:
-            raise ValueError(f"{fn}: {name} does not suit a TMA descriptor: it needs unit stride in D, a 16-byte-aligned "
-                             f"base and B, H, N strides that are multiples of 16 bytes, got {name}.stride()="
-                             f"{tuple(t.stride())}, data_ptr % 16 = {t.data_ptr() % 16}")
-    if q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] != 9:
+    if q.shape[-1] != HEAD_DIM:
+        raise ValueError(f"{fn}: head dim {q.shape[-1]} is not supported: this first Gluon version takes head dim "
+                         f"{HEAD_DIM} only (q.shape={tuple(q.shape)}); use attn_fwd_tma.exact_forward_tma")
+    check_centres(fn, k_c, centres)
+    check_descriptor_layout(fn, (("q", q), ("k_c", k_c), ("v", v), ("out", out)))
+    if torch.cuda.get_device_capability(q.device)[0] != 9:
         raise ValueError(f"{fn}: warpgroup MMA needs sm_90 (Hopper), got "
                          f"sm_{''.join(map(str, torch.cuda.get_device_capability(q.device)))}; "
                          "use attn_fwd_tma.exact_forward_tma")

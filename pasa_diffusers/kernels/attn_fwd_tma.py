@@ -187,6 +187,35 @@ def _ensure_allocator() -> None:
         triton.set_allocator(_scratch)
 
 
+def check_centres(fn: str, k_c: torch.Tensor, centres: torch.Tensor) -> None:
+    """``centres`` as the pre-pass writes them for ``k_c``: float32 (B, Hk, ceil(Nk / SHIFT_BLOCK), D) on
+    ``k_c``'s device; ``ValueError`` naming it otherwise."""
+    b, h_k, n_k, d = k_c.shape
+    n_blocks = triton.cdiv(n_k, SHIFT_BLOCK)
+    if centres.dtype != torch.float32 or tuple(centres.shape) != (b, h_k, n_blocks, d) or centres.device != k_c.device:
+        raise ValueError(f"{fn}: centres must be float32 (B, Hk, ceil(Nk / {SHIFT_BLOCK}), D) = {(b, h_k, n_blocks, d)} "
+                         f"on {k_c.device} (centre_keys' output), got centres.shape={tuple(centres.shape)} "
+                         f"{centres.dtype} on {centres.device}")
+
+
+def check_descriptor_layout(fn: str, tensors) -> None:
+    """What a TMA descriptor needs of each ``(name, tensor)``: unit stride in the head dim, a 16-byte-aligned
+    base and B, H, N strides that are multiples of 16 bytes (the (batch, head) strides enter the base
+    address, so they count too); ``ValueError`` naming the tensor otherwise."""
+    for name, t in tensors:
+        size, d = t.element_size(), t.shape[-1]
+        if t.stride(-1) != 1:
+            raise ValueError(f"{fn}: {name} must have unit stride in the head dim, got "
+                             f"{name}.stride()={tuple(t.stride())} for {name}.shape={tuple(t.shape)}")
+        bad = [i for i in range(3) if (t.stride(i) * size) % 16 != 0 and t.shape[i] > 1]
+        if t.data_ptr() % 16 != 0 or bad:
+            raise ValueError(
+                f"{fn}: {name} does not suit a TMA descriptor: its base address and its B, H, N strides "
+                f"must be multiples of 16 bytes, got data_ptr % 16 = {t.data_ptr() % 16}, "
+                f"{name}.stride()={tuple(t.stride())} ({t.dtype}, head dim {d}: contiguous (B, H, N, D) or "
+                f"(B, N, H, D) tensors qualify when D * {size} is a multiple of 16)")
+
+
 def _validate(q, k_c, v, centres, out) -> None:
     """Raise ``ValueError`` (naming the argument) for what the descriptors or the kernel cannot take."""
     fn = "exact_forward_tma"
@@ -200,10 +229,8 @@ def _validate(q, k_c, v, centres, out) -> None:
     if q.dtype not in (torch.float16, torch.bfloat16) or not (q.dtype == k_c.dtype == v.dtype == out.dtype):
         raise ValueError(f"{fn}: q, k_c, v, out must share dtype float16 or bfloat16, got "
                          f"{q.dtype}, {k_c.dtype}, {v.dtype}, {out.dtype}")
-    if centres.dtype != torch.float32:
-        raise ValueError(f"{fn}: centres must be float32 (centre_k's output), got {centres.dtype}")
     b, h_q, n_q, d = q.shape
-    h_k, n_k = k_c.shape[1], k_c.shape[2]
+    h_k = k_c.shape[1]
     if out.shape != q.shape:
         raise ValueError(f"{fn}: out.shape={tuple(out.shape)} must equal q.shape={tuple(q.shape)}")
     if k_c.shape != v.shape or k_c.shape[0] != b or k_c.shape[3] != d:
@@ -211,27 +238,11 @@ def _validate(q, k_c, v, centres, out) -> None:
                          f"k_c.shape={tuple(k_c.shape)}, v.shape={tuple(v.shape)}")
     if h_q % h_k != 0:
         raise ValueError(f"{fn}: q heads ({h_q}) must be a multiple of k/v heads ({h_k})")
-    n_blocks = triton.cdiv(n_k, SHIFT_BLOCK)
-    if centres.shape != (b, h_k, n_blocks, d):
-        raise ValueError(f"{fn}: centres must be (B, Hk, ceil(Nk / {SHIFT_BLOCK}), D) = {(b, h_k, n_blocks, d)}, "
-                         f"got centres.shape={tuple(centres.shape)}")
+    check_centres(fn, k_c, centres)
     if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
         raise ValueError(f"{fn}: head dim {d} is outside {MIN_HEAD_DIM}..{MAX_HEAD_DIM} (q.shape={tuple(q.shape)}); "
                          "use pasa_fwd.pasa_forward")
-    # A TMA descriptor needs a 16-byte-aligned base and 16-byte multiples for every stride but the
-    # last, which must be 1.  The (batch, head) strides enter the base address, so they count too.
-    for name, t in tensors:
-        size = t.element_size()
-        if t.stride(-1) != 1:
-            raise ValueError(f"{fn}: {name} must have unit stride in the head dim, got "
-                             f"{name}.stride()={tuple(t.stride())} for {name}.shape={tuple(t.shape)}")
-        bad = [i for i in range(3) if (t.stride(i) * size) % 16 != 0 and t.shape[i] > 1]
-        if t.data_ptr() % 16 != 0 or bad:
-            raise ValueError(
-                f"{fn}: {name} does not suit a TMA descriptor: its base address and its B, H, N strides "
-                f"must be multiples of 16 bytes, got data_ptr % 16 = {t.data_ptr() % 16}, "
-                f"{name}.stride()={tuple(t.stride())} ({t.dtype}, head dim {d}: contiguous (B, H, N, D) or "
-                f"(B, N, H, D) tensors qualify when D * {size} is a multiple of 16)")
+    check_descriptor_layout(fn, tensors)
     if q.device.type == "cpu" and not INTERPRET:
         raise RuntimeError(f"{fn}: CPU tensors run only under Triton's interpreter: set TRITON_INTERPRET=1 "
                            "before triton is first imported")
