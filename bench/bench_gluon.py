@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import triton  # noqa: E402
 
 from pasa_diffusers import numerics  # noqa: E402
-from run_log import Log, median_ms, tflops  # noqa: E402  (bench/, beside this script)
+from hopper_bench_common import Log, row_line, timed_row  # noqa: E402  (bench/, beside this script)
 from pasa_diffusers.kernels import attn_fwd_gluon as glu  # noqa: E402
 from pasa_diffusers.kernels import attn_fwd_tma as tma  # noqa: E402
 from pasa_diffusers.ops import pasa_attention  # noqa: E402
@@ -143,21 +143,6 @@ def _synchronize_or_exit(what: str) -> None:
         timer.cancel()
 
 
-def _time(shape, method, fn, args, extra=None) -> dict:
-    try:
-        ms = median_ms(fn, args.warmup, args.rep)
-        return {"shape": shape, "method": method, "ms": ms, "tflops": tflops(shape, ms), **(extra or {})}
-    except Exception as e:  # noqa: BLE001 - an unavailable backend is a result
-        first = (str(e).splitlines() or [""])[0][:120]
-        return {"shape": shape, "method": method, "error": f"{type(e).__name__}: {first}"}
-
-
-def _line(r) -> str:
-    if "ms" in r:
-        return f"time {str(r['shape']):<20} {r['method']:<40} {r['ms']:8.3f} ms {r['tflops']:6.0f} TFLOP/s"
-    return f"time {str(r['shape']):<20} {r['method']:<40} {r['error']}"
-
-
 def _baselines(shapes, gen, args, log) -> tuple[list, dict]:
     """SDPA cuDNN / flash, the portable op, the TMA kernel with its pre-pass, the pre-pass alone."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -179,8 +164,8 @@ def _baselines(shapes, gen, args, log) -> tuple[list, dict]:
                          ("portable pasa_attention (pre-pass incl.)", portable),
                          ("tma exact_attention_tma (pre-pass incl.)", tma.exact_attention_tma),
                          ("pre-pass (centre_keys) alone", lambda q, k, v: tma.centre_keys(k))):
-            results.append(_time(shape, name, lambda fn=fn: fn(q, k, v), args))
-            log(_line(results[-1]))
+            results.append(timed_row(shape, name, lambda fn=fn: fn(q, k, v), args.warmup, args.rep))
+            log(row_line(results[-1]))
     return results, inputs
 
 
@@ -248,12 +233,12 @@ def main() -> None:
         cfg = cfg_dict(c)
         for shape, (q, k, v, k_c, centres, out) in inputs.items():
             scale = shape[-1] ** -0.5
-            results.append(_time(shape, f"gluon {name}", lambda: glu.exact_forward_gluon(
-                q, k_c, v, centres, out, scale=scale, config=cfg), args, {"config": cfg}))
-            log(_line(results[-1]))
-            results.append(_time(shape, f"gluon {name} + pre-pass", lambda: glu.exact_attention_gluon(
-                q, k, v, config=cfg), args, {"config": cfg}))
-            log(_line(results[-1]))
+            results.append(timed_row(shape, f"gluon {name}", lambda: glu.exact_forward_gluon(
+                q, k_c, v, centres, out, scale=scale, config=cfg), args.warmup, args.rep, {"config": cfg}))
+            log(row_line(results[-1]))
+            results.append(timed_row(shape, f"gluon {name} + pre-pass", lambda: glu.exact_attention_gluon(
+                q, k, v, config=cfg), args.warmup, args.rep, {"config": cfg}))
+            log(row_line(results[-1]))
     _report(log, args, dev, shapes, configs, status, checks, results, t_start)
 
 

@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import triton  # noqa: E402
 
 from pasa_diffusers import numerics  # noqa: E402
-from run_log import Log, median_ms, tflops  # noqa: E402  (bench/, beside this script)
+from hopper_bench_common import Log, row_line, tflops, timed_row  # noqa: E402  (bench/, beside this script)
 from pasa_diffusers.kernels import attn_fwd_tma as tma  # noqa: E402
 from pasa_diffusers.ops import pasa_attention  # noqa: E402
 from pasa_diffusers.reference import exact_shift_reference, golden_attention  # noqa: E402
@@ -220,8 +220,8 @@ def main() -> None:
                              ("sdpa-efficient", sdpa(SDPBackend.EFFICIENT_ATTENTION)),
                              ("portable exact-hybrid (op, pre-pass incl.)", portable),
                              ("pre-pass (centre_k) alone", lambda q, k, v: tma.centre_keys(k))):
-                results.append(_time(shape, name, lambda fn=fn: fn(q, k, v), args))
-                log(_line(results[-1]))
+                results.append(timed_row(shape, name, lambda fn=fn: fn(q, k, v), args.warmup, args.rep))
+                log(row_line(results[-1]))
 
     # ---- per config: check, then time (one config at a time: a hang loses only what follows) ----
     checks, status = {}, {}
@@ -255,29 +255,14 @@ def main() -> None:
             continue
         cfg = cfg_dict(c)
         for shape, (q, k, v, k_c, centres, out) in timing_inputs.items():
-            results.append(_time(shape, f"tma {name}", lambda: tma.exact_forward_tma(
-                q, k_c, v, centres, out, scale=shape[-1] ** -0.5, config=cfg), args, {"config": cfg}))
-            log(_line(results[-1]))
+            results.append(timed_row(shape, f"tma {name}", lambda: tma.exact_forward_tma(
+                q, k_c, v, centres, out, scale=shape[-1] ** -0.5, config=cfg), args.warmup, args.rep, {"config": cfg}))
+            log(row_line(results[-1]))
 
     if DEVICE != "cuda":
         log("dry run: no timing on the CPU")
         return
     _report(log, args, dev, shapes, configs, status, checks, results, t_start)
-
-
-def _time(shape, method, fn, args, extra=None) -> dict:
-    try:
-        ms = median_ms(fn, args.warmup, args.rep)
-        return {"shape": shape, "method": method, "ms": ms, "tflops": tflops(shape, ms), **(extra or {})}
-    except Exception as e:  # noqa: BLE001 - an unavailable backend is a result
-        first = (str(e).splitlines() or [""])[0][:100]
-        return {"shape": shape, "method": method, "error": f"{type(e).__name__}: {first}"}
-
-
-def _line(r) -> str:
-    if "ms" in r:
-        return f"time {str(r['shape']):<20} {r['method']:<44} {r['ms']:8.3f} ms {r['tflops']:6.0f} TFLOP/s"
-    return f"time {str(r['shape']):<20} {r['method']:<44} {r['error']}"
 
 
 def _report(log, args, dev, shapes, configs, status, checks, results, t_start) -> None:

@@ -26,7 +26,6 @@ import argparse
 import os
 import re
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -54,37 +53,19 @@ def _mbarrier_counts(ptx: str) -> dict:
 
 def compile_one(case: dict) -> dict:
     """Compile one (config, shape) for sm_90; return what the IR and the machine code show."""
-    import torch
-    import triton
-    from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from pasa_diffusers.kernels import attn_fwd_gluon as G
 
-    b, h, n_q, n_k, d = case["shape"]
     consumers, block_n, stages, overlap = case["config"]
-    dt = torch.float16
-
-    def bnhd(n):  # diffusers' (B, N, H, D) contiguous, viewed as (B, H, N, D)
-        return torch.empty(b, n, h, d, dtype=dt, device="meta").transpose(1, 2)
-
-    q, k_c, v, out = bnhd(n_q), torch.empty(b, h, n_k, d, dtype=dt, device="meta"), bnhd(n_k), bnhd(n_q)
-    centres = torch.empty(b, h, triton.cdiv(n_k, G.SHIFT_BLOCK), d, dtype=torch.float32, device="meta")
+    q, k_c, v, out, centres = sm90_tools.meta_inputs(case["shape"], G.SHIFT_BLOCK)
     cfg = {"num_consumers": consumers, "BLOCK_N": block_n, "num_stages": stages, "overlap": overlap}
-    row = dict(case)
-    t0 = time.time()
-    try:
-        _, args, meta = G.kernel_call(q, k_c, v, centres, out, scale=d ** -0.5, config=cfg)
-        options = {"num_warps": meta.pop("num_warps"), "maxnreg": meta.pop("maxnreg")}
-        signature, constexprs, attrs = sm90_tools.specialization(G.exact_fwd_gluon_kernel, args, meta)
-        src = GluonASTSource(fn=G.exact_fwd_gluon_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-        kern = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    except Exception as e:  # noqa: BLE001 - a compiler failure is a result here
-        row.update(ok=False, error=sm90_tools.compile_error(e), seconds=round(time.time() - t0, 1))
-        return row
-    row.update(ok=True, seconds=round(time.time() - t0, 1), maxnreg=options["maxnreg"],
-               consumer_regs=meta["CONSUMER_REGS"], partitions=_partitions(kern.asm["ttgir"]),
-               mbar=_mbarrier_counts(kern.asm["ptx"]), **sm90_tools.kernel_report(kern))
+    row, kern, meta = sm90_tools.compile_case(
+        case, G.exact_fwd_gluon_kernel, GluonASTSource,
+        lambda: G.kernel_call(q, k_c, v, centres, out, scale=q.shape[-1] ** -0.5, config=cfg), ("num_warps", "maxnreg"))
+    if kern is not None:
+        row.update(maxnreg=meta["maxnreg"], consumer_regs=meta["CONSUMER_REGS"], partitions=_partitions(kern.asm["ttgir"]),
+                   mbar=_mbarrier_counts(kern.asm["ptx"]))
     return row
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -47,36 +46,17 @@ HEAD_DIMS = (16, 32, 40, 80, 128)
 
 def compile_one(case: dict) -> dict:
     """Compile one (config, shape) for sm_90; return what the IR and the machine code show."""
-    import torch
-    import triton
-    from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from pasa_diffusers.kernels import attn_fwd_tma as K
 
-    b, h, n_q, n_k, d = case["shape"]
     bm, bn, warps, stages, ws, r_tc = case["config"]
-    dt = torch.float16
-
-    def bnhd(n):  # diffusers' (B, N, H, D) contiguous, viewed as (B, H, N, D)
-        return torch.empty(b, n, h, d, dtype=dt, device="meta").transpose(1, 2)
-
-    q, k_c, v, out = bnhd(n_q), torch.empty(b, h, n_k, d, dtype=dt, device="meta"), bnhd(n_k), bnhd(n_q)
-    centres = torch.empty(b, h, triton.cdiv(n_k, K.SHIFT_BLOCK), d, dtype=torch.float32, device="meta")
+    q, k_c, v, out, centres = sm90_tools.meta_inputs(case["shape"], K.SHIFT_BLOCK)
     cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "warp_specialize": ws,
            "r_on_tc": r_tc}
-    row = dict(case)
-    t0 = time.time()
-    try:
-        _, args, meta = K.kernel_call(q, k_c, v, centres, out, scale=d ** -0.5, config=cfg)
-        options = {"num_warps": meta.pop("num_warps"), "num_stages": meta.pop("num_stages")}
-        signature, constexprs, attrs = sm90_tools.specialization(K.exact_fwd_tma_kernel, args, meta)
-        src = ASTSource(fn=K.exact_fwd_tma_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-        kern = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    except Exception as e:  # noqa: BLE001 - a compiler failure is a result here
-        row.update(ok=False, error=sm90_tools.compile_error(e), seconds=round(time.time() - t0, 1))
-        return row
-    row.update(ok=True, seconds=round(time.time() - t0, 1), **sm90_tools.kernel_report(kern))
+    row, _, _ = sm90_tools.compile_case(
+        case, K.exact_fwd_tma_kernel, ASTSource,
+        lambda: K.kernel_call(q, k_c, v, centres, out, scale=q.shape[-1] ** -0.5, config=cfg), ("num_warps", "num_stages"))
     return row
 
 

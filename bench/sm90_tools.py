@@ -40,6 +40,22 @@ def specialization(fn, args, meta) -> tuple[dict, dict, dict]:
     return signature, constexprs, attrs
 
 
+def meta_inputs(shape, shift_block: int):
+    """``(q, k_c, v, out, centres)`` on the meta device for ``shape = (B, H, Nq, Nk, D)``, fp16: q, v and
+    out as diffusers holds them ((B, N, H, D) contiguous viewed as (B, H, N, D)), the pre-pass's
+    contiguous ``k_c`` and its fp32 centres, one per ``shift_block`` keys: what a launcher's
+    ``kernel_call`` takes to build the argument list without a GPU."""
+    import torch
+
+    b, h, n_q, n_k, d = shape
+
+    def bnhd(n):
+        return torch.empty(b, n, h, d, dtype=torch.float16, device="meta").transpose(1, 2)
+
+    centres = torch.empty(b, h, -(-n_k // shift_block), d, dtype=torch.float32, device="meta")
+    return bnhd(n_q), torch.empty(b, h, n_k, d, dtype=torch.float16, device="meta"), bnhd(n_k), bnhd(n_q), centres
+
+
 def nvidia_tool(name: str) -> str:
     """The path of one of the CUDA tools Triton ships beside ptxas (``cuobjdump``, ``nvdisasm``)."""
     from triton.backends.nvidia.compiler import get_ptxas
@@ -99,6 +115,29 @@ def kernel_report(kern) -> dict:
     report.update(ptxas_report(ptx))
     report.update(cubin_report(kern.asm["cubin"]))
     return report
+
+
+def compile_case(case: dict, kernel, source_cls, kernel_call, option_names) -> tuple[dict, object, dict]:
+    """Compile one launch for sm_90 without a GPU: ``kernel_call()`` gives ``(grid, args, meta)`` as the
+    launcher would launch it, ``option_names`` are the meta entries that are compile options
+    (``num_warps``, ...), ``source_cls`` is ``ASTSource`` or Gluon's.  Returns ``(row, kern, meta)``:
+    the case with ``ok``, ``seconds`` and :func:`kernel_report` (or the error), the compiled kernel or
+    ``None``, and the meta-parameters with the options still in them."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    row, t0 = dict(case), time.time()
+    try:
+        _, args, meta = kernel_call()
+        constexpr_meta = {k: v for k, v in meta.items() if k not in option_names}
+        signature, constexprs, attrs = specialization(kernel, args, constexpr_meta)
+        src = source_cls(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+        kern = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={k: meta[k] for k in option_names})
+    except Exception as e:  # noqa: BLE001 - a compiler failure is a result here
+        row.update(ok=False, error=compile_error(e), seconds=round(time.time() - t0, 1))
+        return row, None, {}
+    row.update(ok=True, seconds=round(time.time() - t0, 1), **kernel_report(kern))
+    return row, kern, meta
 
 
 def compile_error(e: Exception) -> str:

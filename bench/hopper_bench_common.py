@@ -1,4 +1,5 @@
-"""Helpers the GPU benchmarks of the Hopper kernels share: timing, TFLOP/s and a log that survives a kill."""
+"""Helpers the GPU benchmarks of the Hopper kernels share (``bench_hopper.py``, ``bench_gluon.py``): timing rows,
+TFLOP/s and a log that survives a kill."""
 from __future__ import annotations
 
 import os
@@ -35,3 +36,21 @@ class Log:
         if self.path:
             with open(self.path, "a") as f:
                 f.write(text + "\n")
+
+
+def timed_row(shape, method: str, fn, warmup: int, rep: int, extra: dict | None = None) -> dict:
+    """``{shape, method, ms, tflops, **extra}`` for ``fn`` timed by :func:`median_ms`, or ``{shape, method,
+    error}`` when it raises (an unavailable backend is a result, not the end of the run)."""
+    try:
+        ms = median_ms(fn, warmup, rep)
+        return {"shape": shape, "method": method, "ms": ms, "tflops": tflops(shape, ms), **(extra or {})}
+    except Exception as e:  # noqa: BLE001
+        first = (str(e).splitlines() or [""])[0][:120]
+        return {"shape": shape, "method": method, "error": f"{type(e).__name__}: {first}"}
+
+
+def row_line(r: dict) -> str:
+    """One log line of a :func:`timed_row`."""
+    if "ms" in r:
+        return f"time {str(r['shape']):<20} {r['method']:<44} {r['ms']:8.3f} ms {r['tflops']:6.0f} TFLOP/s"
+    return f"time {str(r['shape']):<20} {r['method']:<44} {r['error']}"
