@@ -14,22 +14,31 @@ import triton
 
 from pasa_diffusers.kernels.pasa_fwd import pasa_forward
 
-gen = torch.Generator(device="cuda").manual_seed(0)
-for (b, h, n) in [(18432, 5, 14), (4608, 10, 14), (18432, 5, 25), (4608, 10, 25)]:
-    q, k, v = (torch.randn(b, n, h, 64, device="cuda", generator=gen, dtype=torch.float16).transpose(1, 2)
-               for _ in range(3))
-    out = torch.empty_like(q)
-    fns = {"default": lambda: pasa_forward(q, k, v, out, scale=0.125, precision="hybrid", shift="exact", beta=0.9),
-           "packed 4 seq/1w": lambda: pasa_forward(q, k, v, out, scale=0.125, precision="hybrid", shift="exact",
-                                                   beta=0.9, config={"SEQS": 4, "num_warps": 1, "num_stages": 1}),
-           "pasa-half": lambda: pasa_forward(q, k, v, out, scale=0.125, precision="half", shift=True, beta=0.9)}
-    for f in fns.values():
-        f()
-    torch.cuda.synchronize()
-    t = {name: [] for name in fns}
-    for _ in range(7):
-        for name, f in fns.items():
-            t[name].append(triton.testing.do_bench(f, warmup=10, rep=60, return_mode="median"))
-    med = {name: statistics.median(x) for name, x in t.items()}
-    print(f"({b},{h},{n}): " + " | ".join(f"{nm} {m:.4f} ms [{min(t[nm]):.4f}-{max(t[nm]):.4f}]" for nm, m in med.items())
-          + f" | pasa-half/default {med['pasa-half'] / med['default']:.3f}", flush=True)
+SHAPES = [(18432, 5, 14), (4608, 10, 14), (18432, 5, 25), (4608, 10, 25)]
+ROUNDS = 7
+
+
+def main() -> None:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for (b, h, n) in SHAPES:
+        q, k, v = (torch.randn(b, n, h, 64, device="cuda", generator=gen, dtype=torch.float16).transpose(1, 2)
+                   for _ in range(3))
+        out = torch.empty_like(q)
+        fns = {"default": lambda: pasa_forward(q, k, v, out, scale=0.125, precision="hybrid", shift="exact", beta=0.9),
+               "packed 4 seq/1w": lambda: pasa_forward(q, k, v, out, scale=0.125, precision="hybrid", shift="exact",
+                                                       beta=0.9, config={"SEQS": 4, "num_warps": 1, "num_stages": 1}),
+               "pasa-half": lambda: pasa_forward(q, k, v, out, scale=0.125, precision="half", shift=True, beta=0.9)}
+        for f in fns.values():
+            f()
+        torch.cuda.synchronize()
+        t = {name: [] for name in fns}
+        for _ in range(ROUNDS):
+            for name, f in fns.items():
+                t[name].append(triton.testing.do_bench(f, warmup=10, rep=60, return_mode="median"))
+        med = {name: statistics.median(x) for name, x in t.items()}
+        print(f"({b},{h},{n}): " + " | ".join(f"{nm} {m:.4f} ms [{min(t[nm]):.4f}-{max(t[nm]):.4f}]" for nm, m in med.items())
+              + f" | pasa-half/default {med['pasa-half'] / med['default']:.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
