@@ -107,5 +107,6 @@ def main() -> None:
     print(header, flush=True)
     sm90_tools.run_cases(os.path.abspath(__file__), cases, _fmt, jobs=args.jobs, json_path=args.json)
 
+
 if __name__ == "__main__":
     main()
