@@ -275,8 +275,8 @@ def pasa_fwd_kernel(
     Loop invariant: ``acc / l_i == softmax(scale q K^T) V`` over the keys seen so far, with ``m_i``,
     ``l_i`` and ``acc`` kept relative to a per-row reference: the running maximum of the true logits
     (the exact shift, plain FA) or ``gamma * avg_j`` plus the maximum of the shifted ones (PASA).  The
-    reference cancels in ``acc / l_i``; at the end ``out = acc * (1 / l_i)`` (one division per row).  The logits helpers state each
-    algorithm's math, ``_merge`` each precision's.
+    reference cancels in ``acc / l_i``; at the end ``out = acc * (1 / l_i)`` (one division per row).
+    The logits helpers state each algorithm's math, ``_merge`` each precision's.
 
     Tiles (``st`` = fp16 for PASA and plain FA in half, fp32 otherwise; ``g`` = the GEMM dtype, fp16
     or bf16):
