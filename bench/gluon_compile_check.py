@@ -64,7 +64,8 @@ def compile_one(case: dict) -> dict:
         case, G.exact_fwd_gluon_kernel, GluonASTSource,
         lambda: G.kernel_call(q, k_c, v, centres, out, scale=q.shape[-1] ** -0.5, config=cfg), ("num_warps", "maxnreg"))
     if kern is not None:
-        row.update(maxnreg=meta["maxnreg"], consumer_regs=meta["CONSUMER_REGS"], partitions=_partitions(kern.asm["ttgir"]),
+        row.update(maxnreg=meta["maxnreg"], consumer_regs=meta["CONSUMER_REGS"],
+                   partitions=_partitions(kern.asm["ttgir"]),
                    mbar=_mbarrier_counts(kern.asm["ptx"]))
     return row
 

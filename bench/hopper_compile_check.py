@@ -56,7 +56,8 @@ def compile_one(case: dict) -> dict:
            "r_on_tc": r_tc}
     row, _, _ = sm90_tools.compile_case(
         case, K.exact_fwd_tma_kernel, ASTSource,
-        lambda: K.kernel_call(q, k_c, v, centres, out, scale=q.shape[-1] ** -0.5, config=cfg), ("num_warps", "num_stages"))
+        lambda: K.kernel_call(q, k_c, v, centres, out, scale=q.shape[-1] ** -0.5, config=cfg),
+        ("num_warps", "num_stages"))
     return row
 
 

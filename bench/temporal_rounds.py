@@ -36,7 +36,8 @@ def main() -> None:
             for name, f in fns.items():
                 t[name].append(triton.testing.do_bench(f, warmup=10, rep=60, return_mode="median"))
         med = {name: statistics.median(x) for name, x in t.items()}
-        print(f"({b},{h},{n}): " + " | ".join(f"{nm} {m:.4f} ms [{min(t[nm]):.4f}-{max(t[nm]):.4f}]" for nm, m in med.items())
+        ranges = " | ".join(f"{nm} {m:.4f} ms [{min(t[nm]):.4f}-{max(t[nm]):.4f}]" for nm, m in med.items())
+        print(f"({b},{h},{n}): " + ranges
               + f" | pasa-half/default {med['pasa-half'] / med['default']:.3f}", flush=True)
 
 

@@ -54,7 +54,8 @@ default partition runs with the kernel's ``num_warps`` and gets the registers th
 partitions cannot take distributed tensors, and the list of partitions is written out per constexpr
 ``NUM_CONSUMERS``: a tuple bound to a name turns the constexprs in it into int32 scalars
 ("int32[] used as tl.static_range start value is not a constexpr"), so the partitions' argument
-tuples are literals and the partitions read tile sizes from the buffers' shapes.  Host descriptors are 4-d (B, H, N, D) boxes ``[1, 1, rows, D]`` (TMA bounds every
+tuples are literals and the partitions read tile sizes from the buffers' shapes.  Host descriptors
+are 4-d (B, H, N, D) boxes ``[1, 1, rows, D]`` (TMA bounds every
 dim, so any 16-byte-aligned strides serve: diffusers' (B, N, H, D) views too); the shared tiles are
 4-d and ``reshape``d to 2-d for the wgmma.  ``q . c_j`` is a wgmma rather than FMAs: the FMA form
 needs an fp32 copy of q in a blocked layout and a layout conversion (through shared memory, with a
@@ -420,7 +421,8 @@ def _config(config: dict | None) -> dict:
     if config:
         unknown = set(config) - _CONFIG_KEYS
         if unknown:
-            raise ValueError(f"exact_forward_gluon: unknown config keys {sorted(unknown)}; expected {sorted(_CONFIG_KEYS)}")
+            raise ValueError(f"exact_forward_gluon: unknown config keys {sorted(unknown)}; "
+                             f"expected {sorted(_CONFIG_KEYS)}")
         cfg.update(config)
     if cfg["num_consumers"] not in (1, 2, 3):
         raise ValueError(f"exact_forward_gluon: config num_consumers={cfg['num_consumers']} must be 1, 2 or 3")

@@ -193,7 +193,8 @@ def check_centres(fn: str, k_c: torch.Tensor, centres: torch.Tensor) -> None:
     b, h_k, n_k, d = k_c.shape
     n_blocks = triton.cdiv(n_k, SHIFT_BLOCK)
     if centres.dtype != torch.float32 or tuple(centres.shape) != (b, h_k, n_blocks, d) or centres.device != k_c.device:
-        raise ValueError(f"{fn}: centres must be float32 (B, Hk, ceil(Nk / {SHIFT_BLOCK}), D) = {(b, h_k, n_blocks, d)} "
+        raise ValueError(f"{fn}: centres must be float32 (B, Hk, ceil(Nk / {SHIFT_BLOCK}), D) = "
+                         f"{(b, h_k, n_blocks, d)} "
                          f"on {k_c.device} (centre_keys' output), got centres.shape={tuple(centres.shape)} "
                          f"{centres.dtype} on {centres.device}")
 
