@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import triton  # noqa: E402
 
-from pasa_diffusers.kernels import pasa_fwd  # noqa: E402
+from pasa_diffusers.kernels import packed_fwd, pasa_fwd  # noqa: E402
 from pasa_diffusers.ops import pasa_attention  # noqa: E402
 from pasa_diffusers.reference import DEFAULT_BETA  # noqa: E402
 
@@ -144,10 +144,17 @@ def methods(s: Shape):
     return out
 
 
-def _tuned_config(name: str) -> str:
+def _tuned_config(name: str, packed: bool) -> str:
+    """The autotuner's choice for one of our methods (``packed``: the exact shift's default goes to the
+    packed kernel at this shape); the exact shift with pre-centred keys tunes its tile like plain FA."""
     if not name.startswith("ours") or pasa_fwd.INTERPRET:
         return ""
-    tuner = pasa_fwd._flash_fwd_tuned if "fa-" in name else pasa_fwd._shift_fwd_tuned
+    if packed and "exact" in name and "[" not in name:
+        tuner = packed_fwd._packed_fwd_tuned
+    elif "fa-" in name or "exact" in name:
+        tuner = pasa_fwd._tiled_fwd_tuned
+    else:
+        tuner = pasa_fwd._shift_fwd_tuned
     cfg = getattr(tuner, "best_config", None)
     return "" if cfg is None else str(cfg)
 
@@ -165,7 +172,7 @@ def bench_shape(s: Shape, gen: torch.Generator, warmup: int, rep: int) -> list[R
             row.extra["finite"] = bool(torch.isfinite(out).all().item())
             ms = triton.testing.do_bench(lambda: fn(q, k, v), warmup=warmup, rep=rep, return_mode="median")
             row.ms, row.tflops, row.gbps = ms, flops / ms * 1e-9, nbytes / ms * 1e-6
-            row.config = _tuned_config(name)
+            row.config = _tuned_config(name, packed_fwd.packs(s.n, s.n))
         except Exception as e:  # a backend that cannot run this shape: report it
             row.error = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
         row.extra["kind"] = kind

@@ -278,6 +278,27 @@ def test_packed_refuses_what_it_cannot_take(shape, shift, block_n, match, gen):
                      shift_k="packed", block_n=block_n)
 
 
+@pytest.mark.parametrize("tile", [16, 32, 64])
+@pytest.mark.parametrize("precision", ["half", "hybrid"])
+def test_exact_tiles_smaller_than_the_centre_block(precision, tile, gen):
+    """Keys centred per block of 128 by the pre-pass, attended in tiles of 16-64 keys (what the tiled
+    autotune pool may pick): each tile reads its block's centre; the same math as one tile per block,
+    only the online softmax rescales at other points."""
+    q, k, v = _biased_inputs((1, 4, 2, 70, 300, 80), gen, bias=20.0)
+    out = _kernel(q, k, v, "exact", precision, shift_k="prepass", config={"BLOCK_N": tile})
+    whole = _kernel(q, k, v, "exact", precision, shift_k="prepass")
+    gold = golden_attention(q, k, v)
+    _assert_within_bound(out, _reference(q, k, v, "exact", precision), gold, "exact", precision)
+    assert numerics.rel_rmse(out, whole) <= K_BOUND["exact", precision] * numerics.rel_rmse(whole, gold)
+
+
+@pytest.mark.parametrize("tile", [48, 256])
+def test_exact_tile_must_divide_the_centre_block(tile, gen):
+    q, k, v = _biased_inputs((1, 1, 1, 16, 300, 32), gen)
+    with pytest.raises(ValueError, match=f"config\\['BLOCK_N'\\]={tile} must be a power of two >= 16 that divides"):
+        _kernel(q, k, v, "exact", "hybrid", shift_k="prepass", config={"BLOCK_N": tile})
+
+
 def test_exact_centring_in_the_loop_needs_one_block(gen):
     q, k, v = _biased_inputs((1, 1, 1, 16, 130, 32), gen)
     with pytest.raises(ValueError, match="shift_k='fused' centres keys inside the loop only when all 130 keys"):

@@ -1,8 +1,12 @@
 """Launch configurations of the attention kernel: autotune pools, their pruning and the tuned-result cache.
 
-PASA's and the exact shift's ``BLOCK_N`` is not tuned: it is the shift block (``rules.SHIFT_BLOCK``),
-which changes the result (and the beta fixed point is solved for n = 128); the autotuner picks
-``BLOCK_M``, warps and stages.  Plain FlashAttention also tunes ``BLOCK_N``.  Configs whose tiles do
+PASA's ``BLOCK_N`` is not tuned: it is the shift block (``rules.SHIFT_BLOCK``), which changes the
+result (and the beta fixed point is solved for n = 128); nor is the exact shift's when it centres its
+one key block inside the loop.  The autotuner picks ``BLOCK_M``, warps and stages.  Plain
+FlashAttention also tunes ``BLOCK_N``, and so does the exact shift with keys centred by its pre-pass:
+its tiles divide the centre block (each tile reads its block's centre), which does not change the
+math, only the order of the online softmax's rescalings (2026-11-30, a candidate: a 128-key tile
+took 250 registers per thread where plain FA's 64-key tile takes 117, compiled for sm_90).  Configs whose tiles do
 not fit the 227 KB of shared memory of an sm_90 SM are pruned before compiling (head dims above
 128); the single-stage fallbacks serve head dim 256.  "short" configs serve at most 32 query rows
 (SVD's temporal attention, N = 14 or 25), where 128-row tiles would be mostly padding.
@@ -40,11 +44,13 @@ SMEM_LIMIT = 232448
 SMALL_TILE = 64
 """The largest key-tile extent (keys and head dim) a config of fewer than 4 warps may take."""
 
-AUTOTUNE_KEY = ["HEAD_DIM", "NQ_BUCKET", "NK_BUCKET", "HALF_STATE", "SHIFT", "SHIFT_IN_LOOP", "ONE_BLOCK", "BLOCK_N"]
-"""The kernel arguments a tuned config is chosen by (plain FA tunes BLOCK_N, so it drops the last one)."""
+AUTOTUNE_KEY = ["HEAD_DIM", "NQ_BUCKET", "NK_BUCKET", "HALF_STATE", "SHIFT", "SHIFT_IN_LOOP", "ONE_BLOCK",
+                "CENTRE_BLOCK", "BLOCK_N"]
+"""The kernel arguments a tuned config is chosen by (the tiled pool tunes BLOCK_N, so it drops the last one)."""
 
 INTERPRET_CONFIG = {"BLOCK_M": 64, "num_warps": 4, "num_stages": 1}
-"""The interpreter's fixed configuration (plus BLOCK_N: the shift block, or 64 for plain FA)."""
+"""The interpreter's fixed configuration (plus BLOCK_N: the shift block, or 64 for plain FA), which a
+``config`` given to ``pasa_forward`` overrides."""
 
 
 def _configs(entries, with_block_n: bool) -> list[triton.Config]:
@@ -60,7 +66,7 @@ _SHIFT_CONFIGS = {
     "short": _configs([(32, 1, 2), (16, 1, 2), (32, 2, 2), (64, 4, 2)], False),
     "fallback": _configs([(64, 4, 1), (64, 8, 1)], False),
 }
-_FLASH_CONFIGS = {
+_TILED_CONFIGS = {
     "long": _configs([(128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3)], True),
     "short": _configs([(32, 32, 1, 2), (16, 32, 1, 2), (32, 32, 2, 2), (64, 64, 4, 2)], True),
     "fallback": _configs([(64, 64, 4, 2), (64, 64, 8, 2)], True),
@@ -82,20 +88,33 @@ def _fits(cfg: triton.Config, block_n: int, block_d: int) -> bool:
 
 
 def _prune(configs, named_args, **kwargs):
-    """The short- or long-query configs that fit (``_fits``); the single-stage fallbacks if none."""
-    table = _FLASH_CONFIGS if "BLOCK_N" in configs[0].kwargs else _SHIFT_CONFIGS
+    """The short- or long-query configs that fit (``_fits``); the single-stage fallbacks if none.  The
+    exact shift's tiles divide its centre block (``CENTRE_BLOCK``); tiles of the whole block if none do."""
+    tiled = "BLOCK_N" in configs[0].kwargs
+    table = _TILED_CONFIGS if tiled else _SHIFT_CONFIGS
     block_d, block_n = kwargs["BLOCK_D"], kwargs.get("BLOCK_N", 64)
     pool = table["short"] if named_args["NQ_BUCKET"] <= 32 else table["long"]
+    if tiled and kwargs["SHIFT"] == "exact":
+        centre = kwargs["CENTRE_BLOCK"]
+        pool = ([c for c in pool if centre % c.kwargs["BLOCK_N"] == 0]
+                or [triton.Config({**c.kwargs, "BLOCK_N": centre}, num_warps=c.num_warps, num_stages=c.num_stages)
+                    for c in pool])
     fitting = [c for c in pool if _fits(c, block_n, block_d)]
     if fitting:
         return fitting
-    return [c for c in table["fallback"] if _smem_bytes(c, block_n, block_d) <= SMEM_LIMIT] or table["fallback"][:1]
+    fallback = table["fallback"]
+    if tiled and kwargs["SHIFT"] == "exact":
+        fallback = [triton.Config({**c.kwargs, "BLOCK_N": min(c.kwargs["BLOCK_N"], kwargs["CENTRE_BLOCK"])},
+                                  num_warps=c.num_warps, num_stages=c.num_stages) for c in fallback]
+    return [c for c in fallback if _smem_bytes(c, block_n, block_d) <= SMEM_LIMIT] or fallback[:1]
 
 
 def autotuned(kernel, *, tune_block_n: bool):
-    """``kernel`` under Triton's autotuner: the shift variants' pool (``tune_block_n=False``) or plain
-    FlashAttention's, which also tunes ``BLOCK_N``; results cached on disk across processes."""
-    table = _FLASH_CONFIGS if tune_block_n else _SHIFT_CONFIGS
+    """``kernel`` under Triton's autotuner: the pool of the variants whose tile is their shift block
+    (``tune_block_n=False``: PASA, the exact shift centring in the loop) or the tiled pool, which also
+    tunes ``BLOCK_N`` (plain FlashAttention, the exact shift with pre-centred keys); results cached on
+    disk across processes."""
+    table = _TILED_CONFIGS if tune_block_n else _SHIFT_CONFIGS
     pool = [c for cs in table.values() for c in cs]
     key = AUTOTUNE_KEY[:-1] if tune_block_n else AUTOTUNE_KEY
     return triton.autotune(pool, key=key, prune_configs_by={"early_config_prune": _prune},

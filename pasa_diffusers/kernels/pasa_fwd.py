@@ -46,11 +46,13 @@ SHIFT_K_MODES = ("auto", "fused", "prepass", "packed")
 
 @triton.jit
 def _logits_exact(q, q32, k_blk, m_i, c_base, stride_cj, start_n, n_valid, offs_d, d_valid, N_K, qk_scale, G_ULP,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF_STATE: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CENTRE_BLOCK: tl.constexpr, HALF_STATE: tl.constexpr,
                   SHIFT_IN_LOOP: tl.constexpr, MASKED: tl.constexpr, INTERPRET_BF16: tl.constexpr):
-    """The exact shift, in log2 units (``qk_scale = scale log2(e)``).  Keys centred per block:
-    ``k_c = round_g(k_blk - c_j)`` (by the pre-pass, or here when ``SHIFT_IN_LOOP``), ``c_j`` the block
-    mean in half and the exact centre in hybrid (``k_blk - c_j`` exact in ``g``):
+    """The exact shift, in log2 units (``qk_scale = scale log2(e)``).  Keys centred per block of
+    ``CENTRE_BLOCK`` keys: ``k_c = round_g(k - c_j)`` (by the pre-pass, or here when ``SHIFT_IN_LOOP``:
+    then the tile is the block), ``c_j`` the block mean in half and the exact centre in hybrid
+    (``k - c_j`` exact in ``g``); a tile of ``BLOCK_N`` keys lies in one block (``BLOCK_N`` divides
+    ``CENTRE_BLOCK``) and reads that block's ``c_j``:
 
         r_j    = qk_scale * (q . c_j)                  (fp32 products and sum, per row)
         s      = fp32(q k_c^T) (hybrid)  |  fp16(q_s k_c^T), q_s = round_fp16(scale q) (half)
@@ -69,7 +71,7 @@ def _logits_exact(q, q32, k_blk, m_i, c_base, stride_cj, start_n, n_valid, offs_
         c_j = centre_tile(k32, n_valid[:, None], n_j, G_ULP, g_ty, not HALF_STATE, INTERPRET_BF16, 0, False)
         k_blk = round_to(k32 - c_j[None, :], g_ty, INTERPRET_BF16)
     else:
-        c_j = tl.load(c_base + (start_n // BLOCK_N) * stride_cj + offs_d, mask=d_valid, other=0.0)
+        c_j = tl.load(c_base + (start_n // CENTRE_BLOCK) * stride_cj + offs_d, mask=d_valid, other=0.0)
     r_j = tl.sum(q32 * c_j[None, :], axis=1) * qk_scale
     if HALF_STATE:
         s = tl.dot(q, tl.trans(k_blk), out_dtype=tl.float16).to(tl.float32)
@@ -215,8 +217,9 @@ def _attn_inner(acc, l_i, m_i, avg_j, q, q32, k_base, v_base, c_base, stride_kn,
                 lo, hi, N_K, offs_j, offs_d, d_valid,
                 scale_st, qk_scale, a_shift, c_shift, gamma_st, tail_ratio_st, G_ULP,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                SHIFT: tl.constexpr, SHIFT_IN_LOOP: tl.constexpr, HALF_STATE: tl.constexpr,
-                ONE_BLOCK: tl.constexpr, MASKED: tl.constexpr, INTERPRET_BF16: tl.constexpr):
+                CENTRE_BLOCK: tl.constexpr, SHIFT: tl.constexpr, SHIFT_IN_LOOP: tl.constexpr,
+                HALF_STATE: tl.constexpr, ONE_BLOCK: tl.constexpr, MASKED: tl.constexpr,
+                INTERPRET_BF16: tl.constexpr):
     """The key loop over ``[lo, hi)`` in steps of ``BLOCK_N``: load a K/V tile (masking rows past
     ``N_K`` when ``MASKED``), the algorithm's logits, the precision's merge."""
     for start_n in range(lo, hi, BLOCK_N):
@@ -240,8 +243,8 @@ def _attn_inner(acc, l_i, m_i, avg_j, q, q32, k_base, v_base, c_base, stride_kn,
 
         if SHIFT == "exact":
             x, alpha, m_new = _logits_exact(q, q32, k_blk, m_i, c_base, stride_cj, start_n, n_valid, offs_d,
-                                            d_valid, N_K, qk_scale, G_ULP, BLOCK_M, BLOCK_N, HALF_STATE,
-                                            SHIFT_IN_LOOP, MASKED, INTERPRET_BF16)
+                                            d_valid, N_K, qk_scale, G_ULP, BLOCK_M, BLOCK_N, CENTRE_BLOCK,
+                                            HALF_STATE, SHIFT_IN_LOOP, MASKED, INTERPRET_BF16)
         elif SHIFT == "pasa":
             x, alpha, m_new, avg_j = _logits_pasa(q, k_blk, m_i, avg_j, start_n, n_valid, N_K, a_shift, c_shift,
                                                   gamma_st, tail_ratio_st, BLOCK_M, BLOCK_N, HALF_STATE,
@@ -266,7 +269,7 @@ def pasa_fwd_kernel(
     NQ_BUCKET, NK_BUCKET,  # autotune keys only
     scale, a_full, c_full, a_tail, c_tail, gamma, tail_ratio, G_ULP,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CENTRE_BLOCK: tl.constexpr,
     SHIFT: tl.constexpr, SHIFT_IN_LOOP: tl.constexpr, HALF_STATE: tl.constexpr,
     ONE_BLOCK: tl.constexpr, INTERPRET_BF16: tl.constexpr,
 ):
@@ -284,7 +287,7 @@ def pasa_fwd_kernel(
         copy ``q32`` for the exact shift's ``q . c_j``;  k_blk, v_blk (BLOCK_N, BLOCK_D) g;
         s (BLOCK_M, BLOCK_N): fp16 in half, fp32 in hybrid; the exp2 argument x fp32;  p (BLOCK_M, BLOCK_N) fp16 in half, fp32 rounded to g in hybrid;
         m_i, l_i, avg_j (BLOCK_M,) st;  acc (BLOCK_M, BLOCK_D) fp16 in half, fp32 in hybrid;
-        c_j (BLOCK_D,) fp32 (the exact shift's centre of the current key block).
+        c_j (BLOCK_D,) fp32 (the exact shift's centre of the ``CENTRE_BLOCK`` keys that hold the tile).
     ``BLOCK_D`` is ``HEAD_DIM`` rounded up to a power of two >= 16; padded columns load as zero.
 
     The key loop runs twice: the full blocks without masks, then the ragged last block (if any) with
@@ -345,12 +348,14 @@ def pasa_fwd_kernel(
         acc, l_i, m_i, avg_j, q, q32, k_base, v_base, c_base, stride_kn, stride_vn, stride_cj,
         0, n_full_keys, N_K, offs_j, offs_d, d_valid,
         scale_st, qk_scale, a_full, c_full, gamma_st, tail_ratio_st, G_ULP,
-        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, SHIFT, SHIFT_IN_LOOP, HALF_STATE, ONE_BLOCK, False, INTERPRET_BF16)
+        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CENTRE_BLOCK, SHIFT, SHIFT_IN_LOOP, HALF_STATE, ONE_BLOCK, False,
+        INTERPRET_BF16)
     acc, l_i, m_i, avg_j = _attn_inner(
         acc, l_i, m_i, avg_j, q, q32, k_base, v_base, c_base, stride_kn, stride_vn, stride_cj,
         n_full_keys, N_K, N_K, offs_j, offs_d, d_valid,
         scale_st, qk_scale, a_tail, c_tail, gamma_st, tail_ratio_st, G_ULP,
-        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, SHIFT, SHIFT_IN_LOOP, HALF_STATE, ONE_BLOCK, True, INTERPRET_BF16)
+        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CENTRE_BLOCK, SHIFT, SHIFT_IN_LOOP, HALF_STATE, ONE_BLOCK, True,
+        INTERPRET_BF16)
 
     inv_l = 1.0 / l_i.to(tl.float32)  # one division per row, then products
     out = round_to(acc.to(tl.float32) * inv_l[:, None], o_ptr.dtype.element_ty, INTERPRET_BF16)
@@ -366,7 +371,7 @@ INTERPRET = not isinstance(pasa_fwd_kernel, triton.runtime.jit.JITFunction)
 
 if not INTERPRET:
     _shift_fwd_tuned = autotuned(pasa_fwd_kernel, tune_block_n=False)
-    _flash_fwd_tuned = autotuned(pasa_fwd_kernel, tune_block_n=True)
+    _tiled_fwd_tuned = autotuned(pasa_fwd_kernel, tune_block_n=True)
 
 
 @functools.lru_cache(maxsize=256)
@@ -411,8 +416,9 @@ def pasa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
         block_n: the shift block n (default ``rules.SHIFT_BLOCK`` = 128, as the reference); changes
             the result.
         config: fixed meta-parameters (``BLOCK_M``, ``num_warps``, ``num_stages``, and ``BLOCK_N`` for
-            plain FA; ``SEQS`` and ``num_warps`` for the packed kernel) instead of autotuning (ignored
-            under the interpreter).
+            plain FA and for the exact shift with pre-centred keys, where it divides ``block_n``;
+            ``SEQS`` and ``num_warps`` for the packed kernel) instead of autotuning (under the
+            interpreter: over its fixed configuration, whose ``num_warps`` and ``num_stages`` it ignores).
     """
     fn = "pasa_forward"
     rules.check_options(fn, precision=precision, shift=shift, beta=beta, scale=scale)
@@ -434,7 +440,7 @@ def pasa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
     interpret_bf16 = INTERPRET and q.dtype == torch.bfloat16
     consts = dict(a_full=0.0, c_full=0.0, a_tail=0.0, c_tail=0.0, gamma=0.0, tail_ratio=1.0)
     meta = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, SHIFT=mode, HALF_STATE=precision == "half", SHIFT_IN_LOOP=True,
-                ONE_BLOCK=False, INTERPRET_BF16=interpret_bf16)
+                ONE_BLOCK=False, CENTRE_BLOCK=0, INTERPRET_BF16=interpret_bf16)
     k_src = k
     centres = q  # read only by the exact shift's pre-pass path
     prepass_warps = 4 if block_d <= 64 else 8
@@ -474,7 +480,13 @@ def pasa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
                 torch.finfo(k.dtype).eps, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
                 EXACT_CENTRE=precision == "hybrid", INTERPRET_BF16=interpret_bf16, num_warps=prepass_warps)
             meta["SHIFT_IN_LOOP"] = False
+        meta["CENTRE_BLOCK"] = block_n
 
+    # Plain FA and the exact shift with pre-centred keys tune their tile of keys (the exact shift's
+    # divides its centre block); PASA's tile is its shift block, and so is the in-loop centring's.
+    tiled = mode == "none" or (mode == "exact" and not meta["SHIFT_IN_LOOP"])
+    if tiled and mode == "exact":
+        del meta["BLOCK_N"]
     args = (q, k_src, v, out, *strides3(q), *strides3(k_src), *strides3(v), *strides3(out),
             centres, *strides3(centres),
             h_q, h_q // h_k, n_q, n_k, bucket(n_q), bucket(n_k), float(scale),
@@ -485,15 +497,19 @@ def pasa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
         return (triton.cdiv(n_q, meta_["BLOCK_M"]) * batch * h_q,)
 
     if INTERPRET or config is not None:
-        fixed = dict(INTERPRET_CONFIG if INTERPRET else config)
+        fixed = {**INTERPRET_CONFIG, **(config or {})} if INTERPRET else dict(config)
         if mode == "none":
             fixed.setdefault("BLOCK_N", 64)
+        elif tiled:
+            tile = fixed.setdefault("BLOCK_N", block_n)
+            if not (isinstance(tile, int) and tile >= 16 and block_n % tile == 0):
+                raise ValueError(f"{fn}: config['BLOCK_N']={tile!r} must be a power of two >= 16 that divides the "
+                                 f"exact shift's centre block block_n={block_n}")
         elif fixed.pop("BLOCK_N", meta["BLOCK_N"]) != meta["BLOCK_N"]:
-            raise ValueError(f"{fn}: the shift variants' BLOCK_N is their shift block; pass block_n, not "
-                             "config['BLOCK_N']")
+            raise ValueError(f"{fn}: this variant's BLOCK_N is its shift block; pass block_n, not config['BLOCK_N']")
         pasa_fwd_kernel[grid](*args, **meta, **fixed)
-    elif mode == "none":
-        _flash_fwd_tuned[grid](*args, **meta)
+    elif tiled:
+        _tiled_fwd_tuned[grid](*args, **meta)
     else:  # the shift block is BLOCK_N: not tuned
         _shift_fwd_tuned[grid](*args, **meta)
     return out
