@@ -50,8 +50,10 @@ def packed_fwd_kernel(
     Tiles (``g`` = the GEMM dtype, fp16 or bf16; one leading axis of ``SEQS`` sequences):
         q (SEQS, BLOCK_Q, BLOCK_D) g;  v (SEQS, BLOCK_K, BLOCK_D) g
         k32 (SEQS, BLOCK_D, BLOCK_K) fp32 (g values): the keys, loaded transposed (the product's B operand)
-        c (SEQS, BLOCK_D) fp32: each sequence's centre, ``common.centre_tile`` over its keys (the exact
-            centre in hybrid, the rounded mean in half), so ``k_c^T = k32 - c`` is exact in g
+        c (SEQS, BLOCK_D) fp32 (g values): each sequence's centre, ``common.centre_tile`` over its keys
+            (the exact centre in hybrid, the rounded mean in half);  k_c^T = k - c, subtracted in g
+            (exact in hybrid; in half the correctly rounded difference, what round_g(fp32(k - c))
+            gives too: fp32 has at least 2p + 2 bits of g's p, so the double rounding is innocuous)
         s (SEQS, BLOCK_Q, BLOCK_K): fp32(q k_c^T) (hybrid)  |  fp16(q_s k_c^T), q_s = round_fp16(scale q) (half)
         x = unit s - unit rowmax(s)   (fp32, one FMA; unit = scale log2(e) in hybrid, log2(e) in half)
         p = exp2(x) rounded to g (hybrid) | fp16 (half);  l = rowsum(p) fp32
@@ -89,12 +91,16 @@ def packed_fwd_kernel(
               + tl.minimum(offs_j, N_K - 1)[None, None, :] * stride_kn)
     v_rows = (off_z * stride_vz + off_hk * stride_vh)[:, None, None] + offs_j[None, :, None] * stride_vn
     q = tl.load(q_ptr + q_rows + offs_d[None, None, :], mask=q_mask, other=0.0)
-    k32 = tl.load(k_ptr + k_cols + offs_d[None, :, None], mask=kt_mask, other=0.0).to(tl.float32)
+    k_g = tl.load(k_ptr + k_cols + offs_d[None, :, None], mask=kt_mask, other=0.0)
+    k32 = k_g.to(tl.float32)
     v = tl.load(v_ptr + v_rows + offs_d[None, None, :], mask=kv_mask, other=0.0)
     g_ty = v.dtype
 
     c = centre_tile(k32, j_valid[None, None, :], N_K, G_ULP, g_ty, not HALF_STATE, INTERPRET_BF16, 2, True)
-    k_t = round_to(k32 - c[:, :, None], g_ty, INTERPRET_BF16)
+    if INTERPRET_BF16:  # the interpreter cannot subtract bf16
+        k_t = round_to(k32 - c[:, :, None], g_ty, INTERPRET_BF16)
+    else:
+        k_t = k_g - c.to(g_ty)[:, :, None]
     if HALF_STATE:
         q_s = (q.to(tl.float32) * scale).to(tl.float16)
         s = tl.dot(q_s, k_t, out_dtype=tl.float16).to(tl.float32)
