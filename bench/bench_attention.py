@@ -29,9 +29,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import triton  # noqa: E402
 
-from pasa_diffusers.kernels import packed_fwd, pasa_fwd  # noqa: E402
+from pasa_diffusers.kernels import attn_fwd_gluon, packed_fwd, pasa_fwd  # noqa: E402
 from pasa_diffusers.ops import pasa_attention  # noqa: E402
 from pasa_diffusers.reference import DEFAULT_BETA  # noqa: E402
+from pasa_diffusers.rules import SHIFT_BLOCK  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -120,11 +121,11 @@ def methods(s: Shape):
             ("ours pasa-half", op("half", True), "ours"), ("ours pasa-hybrid", op("hybrid", True), "ours"),
             ("ours exact-half", op("half", "exact"), "ours"), ("ours exact-hybrid", op("hybrid", "exact"), "ours")]
 
-    def wrapper(precision, shift, shift_k):
+    def wrapper(precision, shift, shift_k, kernel="auto"):
         def run(q, k, v):
             out = torch.empty_like(q)  # keeps q's (B, N, H, D) memory layout, as the op's output
             return pasa_fwd.pasa_forward(q, k, v, out, scale=1.0 / math.sqrt(q.shape[-1]), precision=precision,
-                                         shift=shift, beta=DEFAULT_BETA, shift_k=shift_k)
+                                         shift=shift, beta=DEFAULT_BETA, shift_k=shift_k, kernel=kernel)
         return run
 
     for precision in ("half", "hybrid"):
@@ -133,6 +134,8 @@ def methods(s: Shape):
     if s.n <= 128:  # one key block: the exact shift centres in the loop ("auto") or by its pre-pass
         for precision in ("half", "hybrid"):
             out.append((f"ours exact-{precision} [prepass]", wrapper(precision, "exact", "prepass"), "ablation"))
+    else:  # several key blocks: the default runs the Gluon kernel on sm_90 (fp16, d = 64), else the portable one
+        out.append(("ours exact-hybrid [portable]", wrapper("hybrid", "exact", "auto", "portable"), "ablation"))
 
     try:
         from sageattention import sageattn
@@ -144,11 +147,14 @@ def methods(s: Shape):
     return out
 
 
-def _tuned_config(name: str, packed: bool) -> str:
+def _tuned_config(name: str, packed: bool, gluon_keys: int | None) -> str:
     """The autotuner's choice for one of our methods (``packed``: the exact shift's default goes to the
-    packed kernel at this shape); the exact shift with pre-centred keys tunes its tile like plain FA."""
+    packed kernel at this shape; ``gluon_keys``: its hybrid goes to the Gluon kernel with that many
+    keys, whose config is a measured table); the exact shift with pre-centred keys tunes its tile like plain FA."""
     if not name.startswith("ours") or pasa_fwd.INTERPRET:
         return ""
+    if gluon_keys is not None and name == "ours exact-hybrid":
+        return f"gluon {attn_fwd_gluon.tuned_config(gluon_keys)}"
     if packed and "exact" in name and "[" not in name:
         tuner = packed_fwd._packed_fwd_tuned
     elif "fa-" in name or "exact" in name:
@@ -164,6 +170,8 @@ def bench_shape(s: Shape, gen: torch.Generator, warmup: int, rep: int) -> list[R
     flops = 4.0 * s.b * s.hq * s.n * s.n * s.d
     nbytes = 2 * (2 * s.b * s.hq * s.n * s.d + 2 * s.b * s.hk * s.n * s.d)
     rows = []
+    gluon = s.n > SHIFT_BLOCK and attn_fwd_gluon.unsuitable_reason(q, v, q, precision="hybrid",
+                                                                    block_n=SHIFT_BLOCK) is None
     for name, fn, kind in methods(s):
         row = Row(f"{s.group} {s.name}", s.group, f"({s.b}, {s.hq}/{s.hk}, {s.n}, {s.d})", name)
         try:
@@ -172,7 +180,7 @@ def bench_shape(s: Shape, gen: torch.Generator, warmup: int, rep: int) -> list[R
             row.extra["finite"] = bool(torch.isfinite(out).all().item())
             ms = triton.testing.do_bench(lambda: fn(q, k, v), warmup=warmup, rep=rep, return_mode="median")
             row.ms, row.tflops, row.gbps = ms, flops / ms * 1e-9, nbytes / ms * 1e-6
-            row.config = _tuned_config(name, packed_fwd.packs(s.n, s.n))
+            row.config = _tuned_config(name, packed_fwd.packs(s.n, s.n), s.n if gluon else None)
         except Exception as e:  # a backend that cannot run this shape: report it
             row.error = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
         row.extra["kind"] = kind

@@ -61,10 +61,10 @@ def _methods(q, k, v, out):
             ("exact-half [packed, tuned]", ours("half", "exact", shift_k="packed")),
             ("exact-hybrid [packed, tuned]", ours("hybrid", "exact", shift_k="packed"))]
     for cfg in configs._PACKED_CONFIGS:
-        seqs, warps = cfg.kwargs["SEQS"], cfg.num_warps
-        rows.append((f"exact-hybrid [packed {seqs} seq / {warps} w]",
-                     ours("hybrid", "exact", shift_k="packed", config={"SEQS": seqs, "num_warps": warps,
-                                                                       "num_stages": 1})))
+        seqs, in_g, warps = cfg.kwargs["SEQS"], cfg.kwargs["CENTRE_IN_G"], cfg.num_warps
+        rows.append((f"exact-hybrid [packed {seqs} seq / {warps} w{', centred in g' if in_g else ''}]",
+                     ours("hybrid", "exact", shift_k="packed", config={"SEQS": seqs, "CENTRE_IN_G": in_g,
+                                                                       "num_warps": warps, "num_stages": 1})))
     return rows
 
 

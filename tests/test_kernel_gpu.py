@@ -361,3 +361,43 @@ def test_cuda_graph_replay_matches_eager(precision, gen):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, pasa_attention(*fresh, precision=precision, layout="bnhd"))
+
+
+def _gluon_skip_reason():
+    from pasa_diffusers.kernels import attn_fwd_gluon
+
+    reason = attn_fwd_gluon.gluon_unavailable_reason()
+    if reason is None and torch.cuda.get_device_capability()[0] != 9:
+        reason = "the Gluon kernel needs sm_90"
+    return reason
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("kernel", ["portable", "gluon"])
+@pytest.mark.parametrize("case", numerics.INPUT_CLASSES)
+def test_default_kernels_on_input_classes(input_class_cells, case, kernel):
+    """Both kernels of the default's spatial path (the exact shift in hybrid from the pre-pass: this
+    file's portable loop and FA3's structure in Gluon) on every input class at a ragged GQA spatial
+    shape: within the hybrid bound of the reference and within 1.5x SDPA fp16's error or 3x FP32-score
+    FlashAttention's, through ``pasa_forward(kernel=...)``; on sm_90 ``"auto"`` gives Gluon's bits."""
+    from pasa_diffusers.kernels.pasa_fwd import pasa_forward
+
+    if kernel == "gluon" and _gluon_skip_reason():
+        pytest.skip(_gluon_skip_reason())
+    q, k, v, gold, err_sdpa, err_fp32 = input_class_cells("spatial-ragged,gqa", case)
+    q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+
+    def run(which):
+        out = torch.full_like(q, float("nan"))
+        return pasa_forward(q, k, v, out, scale=1.0 / math.sqrt(q.shape[-1]), precision="hybrid", shift="exact",
+                            beta=DEFAULT_BETA, kernel=which)
+
+    out = run(kernel)
+    label = f"spatial-ragged,gqa {case} [{kernel}]"
+    _check(label, out, _reference(q, k, v, "exact", "hybrid"), gold, "exact", "hybrid")
+    err = numerics.rel_rmse(out, gold)
+    _RATIOS.append((label, "default vs SDPA fp16", err, err_sdpa))
+    assert err <= DEFAULT_VS_SDPA * err_sdpa or err <= DEFAULT_VS_FP32 * err_fp32, (
+        f"{label}: {err:.3e}, SDPA fp16 {err_sdpa:.3e}, FP32-score {err_fp32:.3e}")
+    if kernel == "gluon":
+        assert torch.equal(run("auto"), out)

@@ -238,7 +238,8 @@ def test_exact_centring_in_the_loop_equals_the_prepass(precision, shape, gen):
                                              ("hybrid", torch.bfloat16)], ids=["half", "hybrid", "hybrid-bf16"])
 def test_packed_sequences_equal_the_loop(precision, dtype, shape, gen):
     """Several whole sequences per program (``packed_fwd.py``, what "auto" picks for short one-block
-    sequences) give the loop's bits: the same centres, the same roundings.  The odd batch x heads
+    sequences) give the loop's bits: the same centres, the same roundings, with the centred keys
+    subtracted in fp32 or in the GEMM dtype (``CENTRE_IN_G``).  The odd batch x heads
     leaves the last program with a padded sequence slot; inputs are (B, N, H, D) memory, as diffusers'."""
     b, hq, hk, nq, nk, d = shape
     q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2)
@@ -248,6 +249,7 @@ def test_packed_sequences_equal_the_loop(precision, dtype, shape, gen):
     assert torch.isfinite(packed).all()
     assert torch.equal(packed, fused)
     assert torch.equal(_kernel(q, k, v, "exact", precision, shift_k="packed"), packed)
+    assert torch.equal(_kernel(q, k, v, "exact", precision, config={"CENTRE_IN_G": True}), packed)
     _assert_within_bound(packed, _reference(q, k, v, "exact", precision), golden_attention(q, k, v), "exact",
                          precision)
 
@@ -276,6 +278,26 @@ def test_packed_refuses_what_it_cannot_take(shape, shift, block_n, match, gen):
     with pytest.raises(ValueError, match=match):
         pasa_forward(q, k, v, torch.empty_like(q), scale=0.125, precision="hybrid", shift=shift, beta=DEFAULT_BETA,
                      shift_k="packed", block_n=block_n)
+
+
+@pytest.mark.parametrize("shape,shift,kernel,match", [
+    ((1, 2, 2, 300, 300, 64), "exact", "gluon", "kernel='gluon' cannot run this call: Triton's interpreter runs no Gluon"),
+    ((1, 2, 2, 30, 30, 64), "exact", "gluon", "kernel='gluon' cannot run this call: all keys form one block"),
+    ((1, 2, 2, 300, 300, 64), True, "gluon", "kernel='gluon' is the exact shift's; got shift=True"),
+    ((1, 2, 2, 300, 300, 64), "exact", "cudnn", r"unknown kernel='cudnn'; expected one of \('auto', 'portable', 'gluon'\)"),
+])
+def test_kernel_choice_refuses_what_it_cannot_run(shape, shift, kernel, match, gen):
+    """``kernel="gluon"`` says why it cannot run a call rather than running another kernel."""
+    q, k, v = _biased_inputs(shape, gen)
+    with pytest.raises(ValueError, match=match):
+        pasa_forward(q, k, v, torch.empty_like(q), scale=0.125, precision="hybrid", shift=shift, beta=DEFAULT_BETA,
+                     kernel=kernel)
+
+
+def test_auto_and_portable_kernels_agree_off_hopper(gen):
+    """Where Gluon cannot run (here: the interpreter), ``kernel="auto"`` is the portable kernel."""
+    q, k, v = _biased_inputs((1, 2, 2, 300, 300, 64), gen)
+    assert torch.equal(_kernel(q, k, v, "exact", "hybrid"), _kernel(q, k, v, "exact", "hybrid", kernel="portable"))
 
 
 @pytest.mark.parametrize("tile", [16, 32, 64])

@@ -70,7 +70,7 @@ import torch
 import triton
 
 from .. import rules
-from .attn_fwd_tma import centre_keys, check_centres, check_descriptor_layout
+from .attn_fwd_tma import centre_keys, check_centres, check_descriptor_layout, descriptor_layout_problem
 
 try:
     from triton.experimental import gluon
@@ -87,8 +87,9 @@ except ImportError as exc:  # an older or newer triton without these names: impo
     def gluon_jit(fn):
         return fn
 
-__all__ = ["exact_fwd_gluon_kernel", "exact_forward_gluon", "exact_attention_gluon", "kernel_call",
-           "DEFAULT_CONFIG", "GLUON_VERSION", "gluon_unavailable_reason"]
+__all__ = ["exact_fwd_gluon_kernel", "exact_forward_gluon", "exact_attention_gluon", "kernel_call", "launch",
+           "unsuitable_reason", "tuned_config", "DEFAULT_CONFIG", "SHORT_KEYS_CONFIG", "GLUON_VERSION",
+           "gluon_unavailable_reason"]
 
 GLUON_VERSION = "3.6"
 """The Triton release whose Gluon API this file is written for (``warp_specialize``'s signature changed in 3.6)."""
@@ -374,7 +375,13 @@ def exact_fwd_gluon_kernel(
 # Configurations.  Not yet run on a GPU (bench/bench_gluon.py checks and times them); compiled for sm_90
 # with triton 3.6 by bench/gluon_compile_check.py.  BLOCK_M = 64 x num_consumers (FA3 at d = 64: 3).
 # ---------------------------------------------------------------------------------------------------
-DEFAULT_CONFIG = {"num_consumers": 2, "BLOCK_N": 128, "num_stages": 2, "overlap": False}
+DEFAULT_CONFIG = {"num_consumers": 3, "BLOCK_N": 128, "num_stages": 2, "overlap": False}
+"""The config for long key sequences: the fastest of the eight checked by ``bench/bench_gluon.py`` on the
+H200 at 2304 and 9216 keys (2026-12-01: 0.94x and 1.00x cuDNN without the pre-pass)."""
+SHORT_KEYS_CONFIG = {"num_consumers": 3, "BLOCK_N": 64, "num_stages": 3, "overlap": True}
+"""The config for at most ``SHORT_KEYS`` keys: the fastest at 576 keys in the same run (0.96x cuDNN; the
+long-key config 0.88x): smaller key tiles, a deeper ring and the softmax under ``P V``."""
+SHORT_KEYS = 1024
 _CONFIG_KEYS = set(DEFAULT_CONFIG)
 _PRODUCER_REGS = 24
 
@@ -415,9 +422,14 @@ def _validate(q, k_c, v, centres, out) -> None:
                          "use attn_fwd_tma.exact_forward_tma")
 
 
-def _config(config: dict | None) -> dict:
-    """``DEFAULT_CONFIG`` updated by ``config``; ``ValueError`` for unknown keys or values."""
-    cfg = dict(DEFAULT_CONFIG)
+def tuned_config(n_k: int) -> dict:
+    """The measured config for ``n_k`` keys: ``SHORT_KEYS_CONFIG`` up to ``SHORT_KEYS``, else ``DEFAULT_CONFIG``."""
+    return dict(SHORT_KEYS_CONFIG if n_k <= SHORT_KEYS else DEFAULT_CONFIG)
+
+
+def _config(config: dict | None, n_k: int) -> dict:
+    """:func:`tuned_config` updated by ``config``; ``ValueError`` for unknown keys or values."""
+    cfg = tuned_config(n_k)
     if config:
         unknown = set(config) - _CONFIG_KEYS
         if unknown:
@@ -449,7 +461,7 @@ def kernel_call(q, k_c, v, centres, out, *, scale: float, config: dict | None = 
     Split from :func:`exact_forward_gluon` so that ``bench/gluon_compile_check.py`` compiles exactly what
     the wrapper launches (from meta tensors, without a GPU).
     """
-    cfg = _config(config)
+    cfg = _config(config, k_c.shape[2])
     batch, h_q, n_q, head_dim = q.shape
     h_k, n_k = k_c.shape[1], k_c.shape[2]
     c16 = centres.to(torch.float16)  # exact: the centres are fp16 values
@@ -478,7 +490,7 @@ def exact_forward_gluon(q: torch.Tensor, k_c: torch.Tensor, v: torch.Tensor, cen
         scale: softmax scale.
         config: ``num_consumers`` (1..3 consumer warpgroups of 64 query rows), ``BLOCK_N`` (64 / 128),
             ``num_stages`` (K/V ring depth), ``overlap`` (softmax of tile ``i`` under ``P V`` of tile
-            ``i - 1``, FA3's intra-warpgroup pipelining); missing keys from ``DEFAULT_CONFIG``.
+            ``i - 1``, FA3's intra-warpgroup pipelining); missing keys from :func:`tuned_config`.
 
     Raises ``ValueError`` naming the argument for input the kernel cannot take and ``RuntimeError`` when
     this triton has no Gluon of the 3.6 API.
@@ -486,11 +498,44 @@ def exact_forward_gluon(q: torch.Tensor, k_c: torch.Tensor, v: torch.Tensor, cen
     reason = gluon_unavailable_reason()
     if reason is not None:
         raise RuntimeError(f"exact_forward_gluon: {reason}; use attn_fwd_tma.exact_forward_tma")
-    _config(config)
     _validate(q, k_c, v, centres, out)
+    return launch(q, k_c, v, centres, out, scale=scale, config=config)
+
+
+def launch(q: torch.Tensor, k_c: torch.Tensor, v: torch.Tensor, centres: torch.Tensor, out: torch.Tensor, *,
+           scale: float, config: dict | None = None) -> torch.Tensor:
+    """:func:`exact_forward_gluon` without its checks, for callers that made them
+    (``pasa_fwd.pasa_forward`` through :func:`unsuitable_reason`)."""
     grid, args, meta = kernel_call(q, k_c, v, centres, out, scale=scale, config=config)
     exact_fwd_gluon_kernel[grid](*args, **meta)
     return out
+
+
+def unsuitable_reason(q: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, precision: str,
+                      block_n: int) -> str | None:
+    """Why this kernel cannot take a call of ``pasa_fwd.pasa_forward`` with the exact shift, or ``None``.
+
+    ``q``, ``v``, ``out`` are the caller's checked tensors (the keys come from its pre-pass, contiguous);
+    the kernel takes fp16, head dim 64, the hybrid precision and centre blocks of ``SHIFT_BLOCK`` keys,
+    on an sm_90 GPU with Triton's Gluon 3.6, in layouts a TMA descriptor can address.
+    """
+    reason = gluon_unavailable_reason()
+    if reason is not None:
+        return reason
+    if q.device.type != "cuda":
+        return f"it runs on CUDA GPUs, got {q.device}"
+    major, minor = torch.cuda.get_device_capability(q.device)
+    if major != 9:
+        return f"it needs sm_90 (Hopper), got sm_{major}{minor}"
+    if precision != "hybrid":
+        return f"it has the hybrid precision only, got precision={precision!r}"
+    if q.dtype != torch.float16:
+        return f"it takes float16 only, got {q.dtype}"
+    if q.shape[-1] != HEAD_DIM:
+        return f"it takes head dim {HEAD_DIM} only, got {q.shape[-1]}"
+    if block_n != SHIFT_BLOCK:
+        return f"its centre blocks are {SHIFT_BLOCK} keys, got block_n={block_n}"
+    return descriptor_layout_problem((("q", q), ("v", v), ("out", out)))
 
 
 def exact_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,

@@ -199,22 +199,29 @@ def check_centres(fn: str, k_c: torch.Tensor, centres: torch.Tensor) -> None:
                          f"{centres.dtype} on {centres.device}")
 
 
-def check_descriptor_layout(fn: str, tensors) -> None:
+def descriptor_layout_problem(tensors) -> str | None:
     """What a TMA descriptor needs of each ``(name, tensor)``: unit stride in the head dim, a 16-byte-aligned
     base and B, H, N strides that are multiples of 16 bytes (the (batch, head) strides enter the base
-    address, so they count too); ``ValueError`` naming the tensor otherwise."""
+    address, so they count too).  The first unmet need, naming the tensor, or ``None``."""
     for name, t in tensors:
         size, d = t.element_size(), t.shape[-1]
         if t.stride(-1) != 1:
-            raise ValueError(f"{fn}: {name} must have unit stride in the head dim, got "
-                             f"{name}.stride()={tuple(t.stride())} for {name}.shape={tuple(t.shape)}")
+            return (f"{name} must have unit stride in the head dim, got "
+                    f"{name}.stride()={tuple(t.stride())} for {name}.shape={tuple(t.shape)}")
         bad = [i for i in range(3) if (t.stride(i) * size) % 16 != 0 and t.shape[i] > 1]
         if t.data_ptr() % 16 != 0 or bad:
-            raise ValueError(
-                f"{fn}: {name} does not suit a TMA descriptor: its base address and its B, H, N strides "
-                f"must be multiples of 16 bytes, got data_ptr % 16 = {t.data_ptr() % 16}, "
-                f"{name}.stride()={tuple(t.stride())} ({t.dtype}, head dim {d}: contiguous (B, H, N, D) or "
-                f"(B, N, H, D) tensors qualify when D * {size} is a multiple of 16)")
+            return (f"{name} does not suit a TMA descriptor: its base address and its B, H, N strides "
+                    f"must be multiples of 16 bytes, got data_ptr % 16 = {t.data_ptr() % 16}, "
+                    f"{name}.stride()={tuple(t.stride())} ({t.dtype}, head dim {d}: contiguous (B, H, N, D) or "
+                    f"(B, N, H, D) tensors qualify when D * {size} is a multiple of 16)")
+    return None
+
+
+def check_descriptor_layout(fn: str, tensors) -> None:
+    """:func:`descriptor_layout_problem` as a ``ValueError`` prefixed by ``fn``."""
+    problem = descriptor_layout_problem(tensors)
+    if problem is not None:
+        raise ValueError(f"{fn}: {problem}")
 
 
 def _validate(q, k_c, v, centres, out) -> None:

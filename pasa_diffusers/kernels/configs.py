@@ -131,9 +131,11 @@ registers per thread for the fp32 key tile (twice that spills, compiled for sm_9
 
 # (SEQS, num_warps): sequences per program and its warps; no loop, so one stage.  Measured on the H200
 # (bench/temporal_packed.py, 2026-11-30): one warp per program wins (25 frames: one sequence, 14: two);
-# programs of 2-8 warps holding 2-8 sequences ran 1.4-2.5x slower.
-_PACKED_CONFIGS = [triton.Config({"SEQS": seqs}, num_warps=w, num_stages=1)
-                   for seqs, w in [(1, 1), (2, 1), (1, 2), (1, 4), (1, 8)]]
+# programs of 2-8 warps holding 2-8 sequences ran 1.4-2.5x slower.  CENTRE_IN_G (the centred keys
+# subtracted in fp16/bf16 rather than fp32) is tuned too: on the H200 (2026-12-01) it made 14 frames
+# 1 % faster and 25 frames 15 % slower.
+_PACKED_CONFIGS = [triton.Config({"SEQS": seqs, "CENTRE_IN_G": in_g}, num_warps=w, num_stages=1)
+                   for seqs, w in [(1, 1), (2, 1), (1, 2), (1, 4), (1, 8)] for in_g in (False, True)]
 
 
 def _prune_packed(configs, named_args, **kwargs):

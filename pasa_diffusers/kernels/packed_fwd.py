@@ -42,7 +42,7 @@ def packed_fwd_kernel(
     NSEQ_BUCKET,  # autotune key only
     scale, G_ULP,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-    SEQS: tl.constexpr, HALF_STATE: tl.constexpr, INTERPRET_BF16: tl.constexpr,
+    SEQS: tl.constexpr, CENTRE_IN_G: tl.constexpr, HALF_STATE: tl.constexpr, INTERPRET_BF16: tl.constexpr,
 ):
     """``out = softmax(scale q k^T) v`` for ``SEQS`` whole sequences: flat (batch, head) indices
     ``pid * SEQS ...``, each with all its ``N_Q`` queries and ``N_K`` keys in one tile.
@@ -52,8 +52,10 @@ def packed_fwd_kernel(
         k32 (SEQS, BLOCK_D, BLOCK_K) fp32 (g values): the keys, loaded transposed (the product's B operand)
         c (SEQS, BLOCK_D) fp32 (g values): each sequence's centre, ``common.centre_tile`` over its keys
             (the exact centre in hybrid, the rounded mean in half);  k_c^T = k - c, subtracted in g
-            (exact in hybrid; in half the correctly rounded difference, what round_g(fp32(k - c))
-            gives too: fp32 has at least 2p + 2 bits of g's p, so the double rounding is innocuous)
+            when ``CENTRE_IN_G`` (a tuned switch: fewer instructions and registers, but a layout the
+            compiler handles worse for some tiles) or as round_g(fp32(k - c)) otherwise: the same
+            values (exact in hybrid; in half both are the correctly rounded difference, since fp32
+            has at least 2p + 2 bits of g's p and the double rounding is innocuous)
         s (SEQS, BLOCK_Q, BLOCK_K): fp32(q k_c^T) (hybrid)  |  fp16(q_s k_c^T), q_s = round_fp16(scale q) (half)
         x = unit s - unit rowmax(s)   (fp32, one FMA; unit = scale log2(e) in hybrid, log2(e) in half)
         p = exp2(x) rounded to g (hybrid) | fp16 (half);  l = rowsum(p) fp32
@@ -97,10 +99,10 @@ def packed_fwd_kernel(
     g_ty = v.dtype
 
     c = centre_tile(k32, j_valid[None, None, :], N_K, G_ULP, g_ty, not HALF_STATE, INTERPRET_BF16, 2, True)
-    if INTERPRET_BF16:  # the interpreter cannot subtract bf16
-        k_t = round_to(k32 - c[:, :, None], g_ty, INTERPRET_BF16)
-    else:
+    if CENTRE_IN_G and not INTERPRET_BF16:  # the interpreter cannot subtract bf16
         k_t = k_g - c.to(g_ty)[:, :, None]
+    else:
+        k_t = round_to(k32 - c[:, :, None], g_ty, INTERPRET_BF16)
     if HALF_STATE:
         q_s = (q.to(tl.float32) * scale).to(tl.float16)
         s = tl.dot(q_s, k_t, out_dtype=tl.float16).to(tl.float32)
@@ -141,8 +143,9 @@ def packed_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
         q: ``(B, Hq, Nq, D)``; k, v: ``(B, Hk, Nk, D)`` with ``Hq % Hk == 0`` and ``packs(Nq, Nk)``;
             out: ``(B, Hq, Nq, D)``; any strides with unit stride in the head dim.
         scale: softmax scale; precision: ``"hybrid"`` or ``"half"``.
-        config: fixed ``SEQS`` (sequences per program, a power of two) and ``num_warps`` instead of
-            autotuning (ignored under the interpreter).
+        config: fixed ``SEQS`` (sequences per program, a power of two), ``CENTRE_IN_G`` (bool, default
+            False) and ``num_warps`` instead of autotuning (under the interpreter: over its fixed
+            configuration, whose ``num_warps`` it ignores).
     """
     batch, h_q, n_q, head_dim = q.shape
     h_k, n_k = k.shape[1], k.shape[2]
@@ -156,9 +159,11 @@ def packed_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
         return (triton.cdiv(n_seq, meta_["SEQS"]),)
 
     if INTERPRET or config is not None:
-        fixed = dict(PACKED_INTERPRET_CONFIG if INTERPRET else config)
+        fixed = {"CENTRE_IN_G": False, **(PACKED_INTERPRET_CONFIG if INTERPRET else {}), **(config or {})}
         if not isinstance(fixed.get("SEQS"), int) or fixed["SEQS"] < 1 or fixed["SEQS"] & (fixed["SEQS"] - 1):
             raise ValueError(f"packed_forward: config['SEQS'] must be a power of two, got {fixed.get('SEQS')!r}")
+        if not isinstance(fixed["CENTRE_IN_G"], bool):
+            raise ValueError(f"packed_forward: config['CENTRE_IN_G'] must be a bool, got {fixed['CENTRE_IN_G']!r}")
         packed_fwd_kernel[grid](*args, **meta, **fixed)
     else:
         _packed_fwd_tuned[grid](*args, **meta)

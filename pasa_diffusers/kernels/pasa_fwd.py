@@ -19,6 +19,11 @@ and the new row maximum) and each precision in its merge helper (``_merge``).  S
   (at most ``packed_fwd.PACKED_MAX_TOKENS`` queries and keys) to ``packed_fwd.py`` instead, which
   takes several whole sequences per program in one pass.
 
+On an sm_90 GPU with Triton's Gluon 3.6, ``pasa_forward`` runs the exact shift in hybrid (the default
+variant) on fp16, head dim 64 and several key blocks (spatial attention) through
+``attn_fwd_gluon.py`` instead (FA3's warp-specialised kernel, from the same pre-pass); ``kernel``
+picks explicitly.
+
 Under ``TRITON_INTERPRET=1`` (set before ``triton`` is first imported) the kernel runs on CPU
 tensors through Triton's numpy interpreter with one fixed small configuration.
 """
@@ -33,15 +38,17 @@ import triton.language as tl
 from .. import rules
 from ..beta import gamma as recovery_gamma
 from ..beta import shift_entries
+from . import attn_fwd_gluon
 from .centre_k import centre_k_kernel
 from .common import LOG2E, centre_tile, mma, round_to, strides3
 from .configs import INTERPRET_CONFIG, autotuned, bucket, pow2_tile
 from .packed_fwd import PACKED_MAX_TOKENS, packed_forward, packs
 from .shift_k import shift_k_kernel
 
-__all__ = ["pasa_fwd_kernel", "pasa_forward", "SHIFT_K_MODES", "INTERPRET"]
+__all__ = ["pasa_fwd_kernel", "pasa_forward", "SHIFT_K_MODES", "KERNELS", "INTERPRET"]
 
 SHIFT_K_MODES = ("auto", "fused", "prepass", "packed")
+KERNELS = ("auto", "portable", "gluon")
 
 
 @triton.jit
@@ -393,9 +400,23 @@ def _shift_constants(beta: float, n_keys: int, block_n: int, dtype: torch.dtype,
     return a_full, c_full, diag - off, -off, gam, recovery_gamma(beta, n_tail, dtype, scale) / gam
 
 
+def _gluon_reason(kernel: str, config: dict | None, q: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                  precision: str, block_n: int, prepass: bool, interpret: bool) -> str | None:
+    """Why the exact shift's call does not go to ``attn_fwd_gluon.py`` under ``kernel``, or ``None``."""
+    if kernel == "portable":
+        return "kernel='portable'"
+    if kernel == "auto" and config is not None:
+        return "a config tunes the portable kernel"
+    if not prepass:
+        return "all keys form one block, centred inside the portable kernel (no pre-pass)"
+    if interpret:
+        return "Triton's interpreter runs no Gluon"
+    return attn_fwd_gluon.unsuitable_reason(q, v, out, precision=precision, block_n=block_n)
+
+
 def pasa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, scale: float,
                  precision: str, shift: bool | str, beta: float, shift_k: str = "auto", block_n: int | None = None,
-                 config: dict | None = None) -> torch.Tensor:
+                 config: dict | None = None, kernel: str = "auto") -> torch.Tensor:
     """Write ``softmax(scale q k^T) v`` into ``out`` and return it.
 
     Args:
@@ -418,7 +439,12 @@ def pasa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
         config: fixed meta-parameters (``BLOCK_M``, ``num_warps``, ``num_stages``, and ``BLOCK_N`` for
             plain FA and for the exact shift with pre-centred keys, where it divides ``block_n``;
             ``SEQS`` and ``num_warps`` for the packed kernel) instead of autotuning (under the
-            interpreter: over its fixed configuration, whose ``num_warps`` and ``num_stages`` it ignores).
+            interpreter: over its fixed configuration, whose ``num_warps`` and ``num_stages`` it ignores);
+            with ``kernel="gluon"``, the Gluon kernel's (``attn_fwd_gluon.exact_forward_gluon``).
+        kernel: ``"portable"`` this file's kernels; ``"gluon"`` the exact shift's pre-centred path
+            through ``attn_fwd_gluon.py`` (``ValueError`` with the reason where it cannot run);
+            ``"auto"``: Gluon wherever it can run that path (``attn_fwd_gluon.unsuitable_reason``)
+            unless ``config`` is given (a config tunes the portable kernel), portable otherwise.
     """
     fn = "pasa_forward"
     rules.check_options(fn, precision=precision, shift=shift, beta=beta, scale=scale)
@@ -426,11 +452,15 @@ def pasa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
         raise ValueError(f"{fn}: precision={precision!r} has no kernel; expected one of {rules.KERNEL_PRECISIONS}")
     if shift_k not in SHIFT_K_MODES:
         raise ValueError(f"{fn}: unknown shift_k={shift_k!r}; expected one of {SHIFT_K_MODES}")
+    if kernel not in KERNELS:
+        raise ValueError(f"{fn}: unknown kernel={kernel!r}; expected one of {KERNELS}")
     rules.check_qkv(fn, q, k, v, precision)
     rules.check_kernel_tensors(fn, q, k, v, out, interpret=INTERPRET)
     mode = rules.shift_mode(shift)
     if shift_k == "packed" and mode != "exact":
         raise ValueError(f"{fn}: shift_k='packed' is the exact shift's; got shift={shift!r}")
+    if kernel == "gluon" and mode != "exact":
+        raise ValueError(f"{fn}: kernel='gluon' is the exact shift's; got shift={shift!r}")
     if mode == "none" and block_n is not None:
         raise ValueError(f"{fn}: block_n is the shift block; it needs shift=True or 'exact', got shift={shift!r}")
 
@@ -466,12 +496,16 @@ def pasa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
         if shift_k == "packed" and not one_tile:
             raise ValueError(f"{fn}: shift_k='packed' takes sequences of at most {PACKED_MAX_TOKENS} queries and "
                              f"keys in one key block; got {n_q} queries and {n_k} keys (block_n={block_n})")
+        prepass = shift_k == "prepass" or not meta["ONE_BLOCK"]
+        gluon_reason = _gluon_reason(kernel, config, q, v, out, precision, block_n, prepass, INTERPRET)
+        if kernel == "gluon" and gluon_reason is not None:
+            raise ValueError(f"{fn}: kernel='gluon' cannot run this call: {gluon_reason}")
         if shift_k == "packed" or (shift_k == "auto" and one_tile):
             return packed_forward(q, k, v, out, scale=scale, precision=precision, config=config)
         if shift_k == "fused" and not meta["ONE_BLOCK"]:
             raise ValueError(f"{fn}: shift_k='fused' centres keys inside the loop only when all {n_k} keys form one "
                              f"block of at most {block_n}; use 'prepass' or 'auto'")
-        if shift_k == "prepass" or not meta["ONE_BLOCK"]:
+        if prepass:
             n_blocks = triton.cdiv(n_k, block_n)
             k_src = torch.empty((batch, h_k, n_k, head_dim), dtype=k.dtype, device=k.device)
             centres = torch.empty((batch, h_k, n_blocks, head_dim), dtype=torch.float32, device=k.device)
@@ -480,6 +514,8 @@ def pasa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
                 torch.finfo(k.dtype).eps, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
                 EXACT_CENTRE=precision == "hybrid", INTERPRET_BF16=interpret_bf16, num_warps=prepass_warps)
             meta["SHIFT_IN_LOOP"] = False
+            if gluon_reason is None:
+                return attn_fwd_gluon.launch(q, k_src, v, centres, out, scale=scale, config=config)
         meta["CENTRE_BLOCK"] = block_n
 
     # Plain FA and the exact shift with pre-centred keys tune their tile of keys (the exact shift's
