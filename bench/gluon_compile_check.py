@@ -33,7 +33,8 @@ sys.path.insert(0, ROOT)
 import sm90_tools  # noqa: E402  (bench/, beside this script)
 
 # (num_consumers, BLOCK_N, num_stages, overlap)
-_POOL = [(2, 128, 2), (2, 128, 3), (3, 128, 2), (1, 128, 2), (2, 64, 3), (3, 64, 3)]
+_POOL = [(2, 128, 2), (2, 128, 3), (3, 128, 2), (3, 128, 3), (1, 128, 2), (2, 64, 3), (3, 64, 2), (3, 64, 3),
+         (3, 64, 4)]
 CONFIGS = [c + (overlap, ) for overlap in (False, True) for c in _POOL]
 # (B, H, Nq, Nk, D): SVD-XT's largest spatial attention; a ragged one (MASK_N, rows past Nq)
 SHAPES = [(50, 5, 9216, 9216, 64), (2, 5, 1000, 1000, 64)]

@@ -21,6 +21,9 @@ call the op cannot take (a head dim outside ``[rules.MIN_HEAD_DIM, rules.MAX_HEA
 dtype the precision does not take) raises ``ValueError`` naming the module; ``install.apply`` checks
 both before installing and casts q, k, v to a dtype the backend takes.  The op is forward-only: a
 call with inputs that require grad raises (wrap inference in ``torch.no_grad()``).
+The counters and the warning are eager-only: inside ``torch.compile`` they are skipped (a Python
+counter mutated in a compiled region is guarded on and would recompile the model at every call;
+a logging call breaks the graph), so a compiled model's counters show its eager calls only.
 ``install.py`` puts the processors on a model (``apply``/``restore``) and adds up their counters.
 """
 from __future__ import annotations
@@ -87,8 +90,8 @@ class CountedAttnProcessor:
             the model's dtype; ``torch.float16`` lets an fp32 model feed the half variants fp16 tensors.
 
     Attributes:
-        calls: attention calls served (fallbacks included).
-        fallbacks: number of fallback calls per reason.
+        calls: attention calls served (fallbacks included), in eager mode.
+        fallbacks: number of fallback calls per reason, in eager mode.
         name: module path, set by ``apply``; used in the fallback warning and in errors.
         backend: the ``install.BACKENDS`` name it was installed as, set by ``apply`` (``None`` otherwise).
     """
@@ -206,15 +209,19 @@ class CountedAttnProcessor:
         attn: Attention,
         attention_mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Count the call, cast to ``dtype``, then run ``attention`` or the fallback its reason calls for."""
-        self.calls += 1
+        """Count the call (eager mode), cast to ``dtype``, then run ``attention`` or the fallback its
+        reason calls for."""
+        eager = not torch.compiler.is_compiling()
+        if eager:
+            self.calls += 1
         if self.dtype is not None:
             query, key, value = query.to(self.dtype), key.to(self.dtype), value.to(self.dtype)
         reason = self.fallback_reason(query, key, attention_mask)
         if reason is None:
             return self.attention(query, key, value, attn, attention_mask)
-        self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
-        if reason not in self._warned:
+        if eager:
+            self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+        if eager and reason not in self._warned:
             self._warned.add(reason)
             logger.warning(
                 "%s: %s in %s; computing it without the PASA op (counted in .fallbacks, logged once)",

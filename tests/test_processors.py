@@ -325,6 +325,29 @@ def test_single_key_fallback_counted_and_logged_once(pipe, caplog, gen):
     assert "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn2;" in message  # the first one called
 
 
+@pytest.mark.parametrize("backend,options", [("sdpa", {}), ("pasa", {"precision": "fp64"})], ids=["sdpa", "pasa"])
+def test_compiled_unet_traces_once_and_matches_eager(pipe, gen, backend, options):
+    """``torch.compile(fullgraph=True)`` traces the processors once: new inputs do not recompile the
+    UNet (the counters are eager-only, so no guard sits on them; a counter mutated in the compiled
+    region recompiled the full-size UNet at every step, 12.9 s per step on the H200) and the compiled
+    UNet gives eager's output."""
+    from torch._dynamo.testing import CompileCounter
+
+    I.apply(pipe, backend, **options)
+    counter = CompileCounter()
+    compiled = torch.compile(pipe.unet, backend=counter, fullgraph=True)
+    try:
+        for _ in range(3):
+            inputs = unet_inputs(gen)
+            with torch.no_grad():
+                out = compiled(**inputs).sample
+            torch.testing.assert_close(out, unet_forward(pipe.unet, inputs))
+    finally:
+        torch._dynamo.reset()
+    assert counter.frame_count == 1
+    assert I.fallback_summary(pipe)["calls"] == 3 * 24  # the eager calls only
+
+
 @pytest.mark.parametrize("dim, heads", [(512, 1), (16, 2)], ids=["head-dim-512", "head-dim-8"])
 def test_head_dim_out_of_range_is_an_error_not_a_fallback(dim, heads, gen):
     """A VAE-style attention (4-D input, group norm, residual) with D outside [16, 256]."""
