@@ -14,11 +14,12 @@ For the GPU machine (an H200; Python 3.12, torch 2.11, triton 3.6).  Inputs are 
      must be <= 2 x the error of the FP32-accumulating reference of the same variant
      (``reference.exact_shift_reference(precision="hybrid")``) + 1e-6: the project's rule;
    - over the whole output, ``rel_rmse(out, portable)`` against the portable kernel
-     (``pasa_attention(q, k, v)``, whose default is this variant) must be <= 3 x that reference error
+     (``pasa_forward(..., kernel="portable")``, the same variant) must be <= 3 x that reference error
      + 1e-6 (the rows the golden subset does not see).
    A config that fails any check is WRONG and is not timed.
-2. Timing: ``triton.testing.do_bench`` medians of SDPA's cuDNN and flash backends, the portable op, the
-   Triton TMA kernel with its pre-pass (``attn_fwd_tma.exact_attention_tma``, default config), the key
+2. Timing: ``triton.testing.do_bench`` medians of SDPA's cuDNN and flash backends, the op's default
+   (``pasa_attention(q, k, v)``: on sm_90 the pre-pass and the Gluon kernel's table config), the
+   portable kernel, the Triton TMA kernel with its pre-pass (``attn_fwd_tma.exact_attention_tma``, default config), the key
    pre-pass alone, and each correct Gluon config alone (its launch converts the centres to fp16: included)
    and with the pre-pass (``exact_attention_gluon``).  TFLOP/s = 4 B H N N D / t.
 
@@ -48,7 +49,8 @@ from hopper_bench_common import Log, row_line, timed_row  # noqa: E402  (bench/,
 from pasa_diffusers.kernels import attn_fwd_gluon as glu  # noqa: E402
 from pasa_diffusers.kernels import attn_fwd_tma as tma  # noqa: E402
 from pasa_diffusers.ops import pasa_attention  # noqa: E402
-from pasa_diffusers.reference import exact_shift_reference, golden_attention  # noqa: E402
+from pasa_diffusers.kernels.pasa_fwd import pasa_forward  # noqa: E402
+from pasa_diffusers.reference import DEFAULT_BETA, exact_shift_reference, golden_attention  # noqa: E402
 
 # (num_consumers, BLOCK_N, num_stages, overlap): from the pool of bench/gluon_compile_check.py (all compile
 # for sm_90 without spills with triton 3.6); the default first.
@@ -86,8 +88,10 @@ def bnhd_view(b, h, n, d, gen, *, mean=0.0):
 
 
 def portable(q, k, v):
-    """The portable kernel through the op (its defaults: the exact shift, hybrid); returns (B, H, N, D)."""
-    return pasa_attention(q, k, v)
+    """The exact shift in hybrid through the portable kernel (pre-pass incl.); returns (B, H, N, D)."""
+    out = torch.empty_like(q)
+    return pasa_forward(q, k, v, out, scale=1.0 / math.sqrt(q.shape[-1]), precision="hybrid", shift="exact",
+                        beta=DEFAULT_BETA, kernel="portable")
 
 
 class Draw:
@@ -144,7 +148,8 @@ def _synchronize_or_exit(what: str) -> None:
 
 
 def _baselines(shapes, gen, args, log) -> tuple[list, dict]:
-    """SDPA cuDNN / flash, the portable op, the TMA kernel with its pre-pass, the pre-pass alone."""
+    """SDPA cuDNN / flash, the op's default, the portable kernel, the TMA kernel with its pre-pass, the
+    pre-pass alone."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     def sdpa(backend):
@@ -161,7 +166,8 @@ def _baselines(shapes, gen, args, log) -> tuple[list, dict]:
         inputs[shape] = (q, k, v, k_c, centres, torch.empty_like(q))
         for name, fn in (("sdpa-cudnn", sdpa(SDPBackend.CUDNN_ATTENTION)),
                          ("sdpa-flash", sdpa(SDPBackend.FLASH_ATTENTION)),
-                         ("portable pasa_attention (pre-pass incl.)", portable),
+                         ("default pasa_attention (pre-pass incl.)", pasa_attention),
+                         ("portable kernel (pre-pass incl.)", portable),
                          ("tma exact_attention_tma (pre-pass incl.)", tma.exact_attention_tma),
                          ("pre-pass (centre_keys) alone", lambda q, k, v: tma.centre_keys(k))):
             results.append(timed_row(shape, name, lambda fn=fn: fn(q, k, v), args.warmup, args.rep))

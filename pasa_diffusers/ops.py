@@ -119,6 +119,12 @@ def pasa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     Returns:
         The attention output in ``q.dtype`` (float64 for ``precision="fp64"``), head dim 16 to 256.
 
+    Kernels (CUDA): ``kernels.pasa_fwd.pasa_forward`` picks them; the default's keys of several blocks
+    (spatial attention) go through the pre-pass and, on sm_90 with Triton's Gluon 3.6 for fp16 and
+    head dim 64, FlashAttention-3's structure (``kernels/attn_fwd_gluon.py``), else the portable loop;
+    short one-block sequences (temporal attention) through ``kernels/packed_fwd.py``.  All give the
+    same variant's result within its bound (``tests/test_kernel_gpu.py``).
+
     Raises:
         ValueError: an argument out of ``rules``' ranges (named in the message).
         RuntimeError: an input requires grad while grad mode is on: the op is forward-only.
