@@ -5,10 +5,11 @@ result (and the beta fixed point is solved for n = 128); nor is the exact shift'
 one key block inside the loop.  The autotuner picks ``BLOCK_M``, warps and stages.  Plain
 FlashAttention also tunes ``BLOCK_N``, and so does the exact shift with keys centred by its pre-pass:
 its tiles divide the centre block (each tile reads its block's centre), which does not change the
-math, only the order of the online softmax's rescalings (2026-11-30, a candidate: a 128-key tile
-took 250 registers per thread where plain FA's 64-key tile takes 117, compiled for sm_90).  Configs whose tiles do
-not fit the 227 KB of shared memory of an sm_90 SM are pruned before compiling (head dims above
-128); the single-stage fallbacks serve head dim 256.  "short" configs serve at most 32 query rows
+math, only the order of the online softmax's rescalings (a 128-key tile takes 250 registers per thread
+where a 64-key tile takes 166, compiled for sm_90; on the H200, 2026-12-01: 0.65x -> 0.76x cuDNN at
+576 keys, 9216 keys unchanged within the spread of runs).  Configs whose tiles do not fit the 227 KB
+of shared memory of an sm_90 SM are pruned before compiling (head dims above 128); the single-stage
+fallbacks serve head dim 256.  "short" configs serve at most 32 query rows
 (SVD's temporal attention, N = 14 or 25), where 128-row tiles would be mostly padding.
 
 Tuned on the H200 (triton 3.6, fp16, head dim 64; bench/bench_attention.py, 2026-11-29), winners:
