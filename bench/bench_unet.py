@@ -24,7 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pasa_diffusers import install  # noqa: E402
 
-ATTENTION_KERNELS = ("pasa_fwd", "packed_fwd", "flash", "fmha", "cudnn", "attention", "sdpa", "mha")
+ATTENTION_KERNELS = ("pasa_fwd", "packed_fwd", "exact_fwd", "centre_k", "shift_k", "flash", "fmha", "cudnn",
+                     "attention", "sdpa", "mha")
+"""Substrings of the CUDA kernel names counted as attention: ours (the loop, packed, Gluon and TMA kernels and
+the key pre-passes) and SDPA's backends."""
 
 
 def make_unet() -> torch.nn.Module:
