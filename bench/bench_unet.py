@@ -6,7 +6,8 @@ channels 320/640/1280/1280, heads 5/10/20/20, head dim 64), random weights, fp16
 reports the step time (median of CUDA-event timings after warm-up), the share of the step spent in
 attention kernels (torch.profiler, kernels whose name matches an attention kernel), whether the
 output is finite, and the output difference to SDPA's.  ``--compile`` adds ``torch.compile``d steps
-(``fullgraph=True``: a graph break is an error).
+(``fullgraph=True``: a graph break is an error) for every backend, ``--compile pasa`` for the named
+ones only (compiling the full UNet takes minutes per backend).
 
     python bench/bench_unet.py --frames 14 25 --out $OUT
 """
@@ -82,7 +83,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--frames", type=int, nargs="+", default=[14, 25])
     parser.add_argument("--backends", nargs="+", default=["sdpa", "pasa", "pasa-paper"])
-    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--compile", nargs="*", default=None, metavar="BACKEND",
+                        help="also time torch.compile'd steps: of every backend, or of the named ones")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--out", default="out/bench_unet")
     args = parser.parse_args()
@@ -97,7 +99,7 @@ def main() -> int:
         for backend in args.backends:
             install.apply(unet, backend)
             modes = [("eager", unet)]
-            if args.compile:
+            if args.compile is not None and (not args.compile or backend in args.compile):
                 modes.append(("compile", torch.compile(unet, fullgraph=True)))
             for mode, fn in modes:
                 ms, out = time_step(fn, inputs, iters=args.iters)
