@@ -70,7 +70,8 @@ import torch
 import triton
 
 from .. import rules
-from .attn_fwd_tma import centre_keys, check_centres, check_descriptor_layout, descriptor_layout_problem
+from .attn_fwd_tma import (centre_keys, check_centres, check_descriptor_layout, descriptor_layout_problem,
+                           merged_config)
 
 try:
     from triton.experimental import gluon
@@ -382,7 +383,6 @@ SHORT_KEYS_CONFIG = {"num_consumers": 3, "BLOCK_N": 64, "num_stages": 3, "overla
 """The config for at most ``SHORT_KEYS`` keys: the fastest at 576 keys in the same run (0.96x cuDNN; the
 long-key config 0.88x): smaller key tiles, a deeper ring and the softmax under ``P V``."""
 SHORT_KEYS = 1024
-_CONFIG_KEYS = set(DEFAULT_CONFIG)
 _PRODUCER_REGS = 24
 
 
@@ -429,13 +429,7 @@ def tuned_config(n_k: int) -> dict:
 
 def _config(config: dict | None, n_k: int) -> dict:
     """:func:`tuned_config` updated by ``config``; ``ValueError`` for unknown keys or values."""
-    cfg = tuned_config(n_k)
-    if config:
-        unknown = set(config) - _CONFIG_KEYS
-        if unknown:
-            raise ValueError(f"exact_forward_gluon: unknown config keys {sorted(unknown)}; "
-                             f"expected {sorted(_CONFIG_KEYS)}")
-        cfg.update(config)
+    cfg = merged_config("exact_forward_gluon", tuned_config(n_k), config)
     if cfg["num_consumers"] not in (1, 2, 3):
         raise ValueError(f"exact_forward_gluon: config num_consumers={cfg['num_consumers']} must be 1, 2 or 3")
     if cfg["BLOCK_N"] not in (64, 128):

@@ -170,7 +170,6 @@ INTERPRET = not isinstance(exact_fwd_tma_kernel, triton.runtime.jit.JITFunction)
 DEFAULT_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2, "warp_specialize": False,
                   "r_on_tc": False}
 INTERPRET_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1, "warp_specialize": False}
-_CONFIG_KEYS = set(DEFAULT_CONFIG)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 128
 
 
@@ -185,6 +184,14 @@ def _ensure_allocator() -> None:
 
     if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
         triton.set_allocator(_scratch)
+
+
+def merged_config(fn: str, base: dict, config: dict | None) -> dict:
+    """``base`` updated by ``config``, whose keys must be ``base``'s; ``ValueError`` naming ``fn`` otherwise."""
+    unknown = set(config or {}) - set(base)
+    if unknown:
+        raise ValueError(f"{fn}: unknown config keys {sorted(unknown)}; expected {sorted(base)}")
+    return {**base, **(config or {})}
 
 
 def check_centres(fn: str, k_c: torch.Tensor, centres: torch.Tensor) -> None:
@@ -315,15 +322,7 @@ def kernel_call(q, k_c, v, centres, out, *, scale: float, config: dict | None = 
     Split from :func:`exact_forward_tma` so that ``bench/hopper_compile_check.py`` compiles exactly
     what the wrapper launches (from meta tensors, without a GPU).
     """
-    cfg = dict(DEFAULT_CONFIG)
-    if INTERPRET:
-        cfg.update(INTERPRET_CONFIG)
-    if config:
-        unknown = set(config) - _CONFIG_KEYS
-        if unknown:
-            raise ValueError(f"exact_forward_tma: unknown config keys {sorted(unknown)}; "
-                             f"expected {sorted(_CONFIG_KEYS)}")
-        cfg.update(config)
+    cfg = merged_config("exact_forward_tma", {**DEFAULT_CONFIG, **(INTERPRET_CONFIG if INTERPRET else {})}, config)
     if cfg["warp_specialize"] and not cfg["r_on_tc"]:
         raise ValueError("exact_forward_tma: config warp_specialize=True needs r_on_tc=True (Triton 3.6's Hopper "
                          "warp specialisation aborts on the fp32 register copy of q that the FMA row shift reads)")
