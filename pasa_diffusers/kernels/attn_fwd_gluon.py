@@ -70,8 +70,7 @@ import torch
 import triton
 
 from .. import rules
-from .attn_fwd_tma import (centre_keys, check_centres, check_descriptor_layout, descriptor_layout_problem,
-                           merged_config)
+from .attn_fwd_tma import centre_keys, check_centres, descriptor_layout_problem, merged_config
 
 try:
     from triton.experimental import gluon
@@ -405,21 +404,16 @@ def _registers(num_consumers: int) -> tuple[int, int]:
 
 
 def _validate(q, k_c, v, centres, out) -> None:
-    """Raise ``ValueError`` (naming the argument) for what the descriptors or the kernel cannot take."""
+    """Raise ``ValueError`` (naming the argument) for what the descriptors or the kernel cannot take: the
+    op's rules, the pre-pass's centres, then :func:`unsuitable_reason` (and ``k_c``'s layout)."""
     fn = "exact_forward_gluon"
     rules.check_qkv(fn, q, k_c, v, precision="hybrid")
     rules.check_kernel_tensors(fn, q, k_c, v, out, interpret=False)
-    if q.dtype != torch.float16:
-        raise ValueError(f"{fn}: q, k_c, v must be float16 (this first Gluon version), got {q.dtype}")
-    if q.shape[-1] != HEAD_DIM:
-        raise ValueError(f"{fn}: head dim {q.shape[-1]} is not supported: this first Gluon version takes head dim "
-                         f"{HEAD_DIM} only (q.shape={tuple(q.shape)}); use attn_fwd_tma.exact_forward_tma")
     check_centres(fn, k_c, centres)
-    check_descriptor_layout(fn, (("q", q), ("k_c", k_c), ("v", v), ("out", out)))
-    if torch.cuda.get_device_capability(q.device)[0] != 9:
-        raise ValueError(f"{fn}: warpgroup MMA needs sm_90 (Hopper), got "
-                         f"sm_{''.join(map(str, torch.cuda.get_device_capability(q.device)))}; "
-                         "use attn_fwd_tma.exact_forward_tma")
+    problem = (unsuitable_reason(q, v, out, precision="hybrid", block_n=SHIFT_BLOCK)
+               or descriptor_layout_problem((("k_c", k_c),)))
+    if problem is not None:
+        raise ValueError(f"{fn}: {problem}")
 
 
 def tuned_config(n_k: int) -> dict:
