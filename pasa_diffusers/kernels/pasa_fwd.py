@@ -401,7 +401,7 @@ def _shift_constants(beta: float, n_keys: int, block_n: int, dtype: torch.dtype,
 
 
 def _gluon_reason(kernel: str, config: dict | None, q: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                  precision: str, block_n: int, prepass: bool, interpret: bool) -> str | None:
+                  precision: str, block_n: int, prepass: bool) -> str | None:
     """Why the exact shift's call does not go to ``attn_fwd_gluon.py`` under ``kernel``, or ``None``."""
     if kernel == "portable":
         return "kernel='portable'"
@@ -409,7 +409,7 @@ def _gluon_reason(kernel: str, config: dict | None, q: torch.Tensor, v: torch.Te
         return "a config tunes the portable kernel"
     if not prepass:
         return "all keys form one block, centred inside the portable kernel (no pre-pass)"
-    if interpret:
+    if INTERPRET:
         return "Triton's interpreter runs no Gluon"
     return attn_fwd_gluon.unsuitable_reason(q, v, out, precision=precision, block_n=block_n)
 
@@ -497,7 +497,7 @@ def pasa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
             raise ValueError(f"{fn}: shift_k='packed' takes sequences of at most {PACKED_MAX_TOKENS} queries and "
                              f"keys in one key block; got {n_q} queries and {n_k} keys (block_n={block_n})")
         prepass = shift_k == "prepass" or not meta["ONE_BLOCK"]
-        gluon_reason = _gluon_reason(kernel, config, q, v, out, precision, block_n, prepass, INTERPRET)
+        gluon_reason = _gluon_reason(kernel, config, q, v, out, precision, block_n, prepass)
         if kernel == "gluon" and gluon_reason is not None:
             raise ValueError(f"{fn}: kernel='gluon' cannot run this call: {gluon_reason}")
         if shift_k == "packed" or (shift_k == "auto" and one_tile):
