@@ -22,7 +22,6 @@ Per config it reports, from the IR and the machine code:
 """
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import sys
@@ -89,23 +88,13 @@ def _fmt(row: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--jobs", type=int, default=2, help="compiles in parallel")
-    ap.add_argument("--json", help="also write the rows to this file")
-    ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: compile one JSON case, print its row
-    args = ap.parse_args()
-    if args.one:
-        sm90_tools.print_one(args.one, compile_one)
-        return
-
-    import triton
-
-    print(f"triton {triton.__version__}, target cuda sm_90 (warp size 32), Gluon", flush=True)
-    cases = [{"config": c, "shape": s} for s in SHAPES for c in CONFIGS]
-    print("| BLOCK_M (consumers) BLOCK_N stages loop | shape | warp-specialised | wgmma PTX (HGMMA SASS) | "
-          "TMA PTX (SASS) | mbarrier PTX ops | spills st/ld | regs/thread | threads | smem B | MUFU.EX2 | "
-          "compile s |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
-    sm90_tools.run_cases(os.path.abspath(__file__), cases, _fmt, jobs=args.jobs, json_path=args.json)
+    sm90_tools.check_main(
+        os.path.abspath(__file__), __doc__.splitlines()[0], compile_one,
+        lambda args: [{"config": c, "shape": s} for s in SHAPES for c in CONFIGS],
+        "| BLOCK_M (consumers) BLOCK_N stages loop | shape | warp-specialised | wgmma PTX (HGMMA SASS) | "
+        "TMA PTX (SASS) | mbarrier PTX ops | spills st/ld | regs/thread | threads | smem B | MUFU.EX2 | "
+        "compile s |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        _fmt, title=", Gluon", jobs=2)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ Per config it reports, from the IR and the machine code:
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -88,25 +87,15 @@ def _fmt(row: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="the main grid on (50, 5, 9216, 64) only")
-    ap.add_argument("--jobs", type=int, default=1, help="compiles in parallel (default 1: the CPU is shared)")
-    ap.add_argument("--json", help="also write the rows to this file")
-    ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: compile one JSON case, print its row
-    args = ap.parse_args()
-    if args.one:
-        sm90_tools.print_one(args.one, compile_one)
-        return
+    def add_arguments(ap):
+        ap.add_argument("--quick", action="store_true", help="the main grid on (50, 5, 9216, 64) only")
 
-    import triton
-
-    print(f"triton {triton.__version__}, target cuda sm_90 (warp size 32)", flush=True)
-    cases = _cases(args.quick)
-    header = ("| BM  BN  w s ws r_j | shape | warp-specialised (setmaxnreg) | wgmma PTX (HGMMA SASS) | TMA copies | "
-              "spills st/ld, local PTX/SASS | regs | threads | smem B | MUFU.EX2 | compile s |\n"
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    print(header, flush=True)
-    sm90_tools.run_cases(os.path.abspath(__file__), cases, _fmt, jobs=args.jobs, json_path=args.json)
+    sm90_tools.check_main(
+        os.path.abspath(__file__), __doc__.splitlines()[0], compile_one, lambda args: _cases(args.quick),
+        "| BM  BN  w s ws r_j | shape | warp-specialised (setmaxnreg) | wgmma PTX (HGMMA SASS) | TMA copies | "
+        "spills st/ld, local PTX/SASS | regs | threads | smem B | MUFU.EX2 | compile s |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        _fmt, add_arguments=add_arguments)
 
 
 if __name__ == "__main__":

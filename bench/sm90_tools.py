@@ -5,6 +5,7 @@ triton 3.6, the GPU machine's version).  Nothing here needs a GPU.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -187,3 +188,26 @@ def run_cases(script: str, cases: list[dict], fmt, *, jobs: int, json_path: str 
     print(f"\n{sum(r['ok'] for r in rows)} of {len(rows)} compiled; warp-specialised: "
           f"{sum(1 for r in rows if r.get('ws'))}; with spills: {spilled}")
     return rows
+
+
+def check_main(script: str, description: str, compile_one, make_cases, header: str, fmt, *, title: str = "",
+               jobs: int = 1, add_arguments=None) -> None:
+    """The command line of both compile checks: ``--jobs``, ``--json``, the script's own arguments
+    (``add_arguments(parser)``) and the internal ``--one`` (a child process compiling one case); then the
+    triton version, ``header`` and one row per case of ``make_cases(args)`` through :func:`run_cases`."""
+    ap = argparse.ArgumentParser(description=description)
+    if add_arguments is not None:
+        add_arguments(ap)
+    ap.add_argument("--jobs", type=int, default=jobs, help=f"compiles in parallel (default {jobs})")
+    ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        print_one(args.one, compile_one)
+        return
+
+    import triton
+
+    print(f"triton {triton.__version__}, target cuda sm_90 (warp size 32){title}", flush=True)
+    print(header, flush=True)
+    run_cases(script, make_cases(args), fmt, jobs=args.jobs, json_path=args.json)
