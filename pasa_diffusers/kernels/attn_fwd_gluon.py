@@ -142,11 +142,11 @@ def _producer(descs, q_bufs, q_ready, ring, bars, off_z, off_hq, off_hk, start_m
 
 
 @gluon_jit
-def _row_shift(rc, qk_scale, row_layout: gl.constexpr):
+def _row_shift(rc, col, qk_scale, row_layout: gl.constexpr):
     """``r_j = qk_scale (q . c_j)`` (64,) fp32 in ``row_layout`` from ``rc = q c^T`` (64, 16) fp32, whose
-    column 0 is ``q . c_j`` (exact fp16 products; the tensor cores' fp32 sum over the head dim)."""
+    column ``col`` is ``q . c_j`` (exact fp16 products; the tensor cores' fp32 sum over the head dim)."""
     cols = gl.arange(0, rc.shape[1], layout=gl.SliceLayout(0, rc.type.layout))
-    r = gl.sum(gl.where((cols == 0)[None, :], rc, 0.0), axis=1) * qk_scale
+    r = gl.sum(gl.where((cols == col)[None, :], rc, 0.0), axis=1) * qk_scale
     return gl.convert_layout(r, row_layout)
 
 
@@ -167,17 +167,24 @@ def _softmax_step(s, r_j, m_i, l_i, start_n, N_K, qk_scale, MASK_N: gl.constexpr
 
 
 @gluon_jit
-def _issue_scores(q, ring, k_ready, i, s_zero, r_zero):
-    """Wait until key tile ``i``'s k_c and centre rows have landed; issue ``s = q k_c^T`` and ``rc = q c^T``
-    (async wgmma, q and both tiles from shared memory); return their tokens."""
+def _issue_scores(q, ring, k_ready, i, s_zero, rc, SHIFT_BLOCK_N: gl.constexpr):
+    """Wait until key tile ``i``'s k_c and centre rows have landed; issue ``s = q k_c^T`` (async wgmma, q and
+    k_c from shared memory) and return its token with ``rc``.
+
+    ``rc = q c^T`` (64, 16) holds ``q . c_j`` for 16 consecutive centre blocks, so it is recomputed (a
+    synchronous wgmma on the centre rows ``j .. j + 15`` copied with the tile) only on the first tile
+    of every 16th block, and carried between: 1/16 of the (64, 16) products, the same values."""
     k_bufs, v_bufs, c_bufs = ring
     NUM_STAGES: gl.constexpr = k_bufs.shape[0]
+    BLOCK_N: gl.constexpr = k_bufs.shape[3]
+    REFRESH: gl.constexpr = c_bufs.shape[3] * SHIFT_BLOCK_N // BLOCK_N
     stage = i % NUM_STAGES
-    k_blk = k_bufs.index(stage).reshape([k_bufs.shape[3], k_bufs.shape[4]])
-    c_blk = c_bufs.index(stage).reshape([c_bufs.shape[3], c_bufs.shape[4]])
+    k_blk = k_bufs.index(stage).reshape([BLOCK_N, k_bufs.shape[4]])
     mbarrier.wait(k_ready.index(stage), (i // NUM_STAGES) & 1)
+    if i % REFRESH == 0:
+        c_blk = c_bufs.index(stage).reshape([c_bufs.shape[3], c_bufs.shape[4]])
+        rc = warpgroup_mma(q, c_blk.permute((1, 0)), gl.zeros_like(rc), use_acc=False)
     s = warpgroup_mma(q, k_blk.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    rc = warpgroup_mma(q, c_blk.permute((1, 0)), r_zero, use_acc=False, is_async=True)
     return s, rc
 
 
@@ -201,24 +208,26 @@ def _release(empty, i):
 
 
 @gluon_jit
-def _tile_softmax(s, rc, m_i, l_i, i, N_K, qk_scale, p_layout: gl.constexpr, MASK_N: gl.constexpr):
+def _tile_softmax(s, rc, m_i, l_i, i, N_K, qk_scale, p_layout: gl.constexpr, MASK_N: gl.constexpr,
+                  SHIFT_BLOCK_N: gl.constexpr):
     """Tile ``i``'s softmax from its finished ``s`` and ``rc``: ``(p in p_layout, alpha, m_i, l_i)``."""
     row_layout: gl.constexpr = gl.SliceLayout(1, s.type.layout)
-    r_j = _row_shift(rc, qk_scale, row_layout)
-    p, alpha, m_i, l_i = _softmax_step(s, r_j, m_i, l_i, i * s.shape[1], N_K, qk_scale, MASK_N)
+    BLOCK_N: gl.constexpr = s.shape[1]
+    r_j = _row_shift(rc, (i * BLOCK_N // SHIFT_BLOCK_N) % rc.shape[1], qk_scale, row_layout)
+    p, alpha, m_i, l_i = _softmax_step(s, r_j, m_i, l_i, i * BLOCK_N, N_K, qk_scale, MASK_N)
     return gl.convert_layout(p, p_layout), alpha, m_i, l_i
 
 
 @gluon_jit
-def _key_loop(q, ring, bars, m_i, l_i, acc, s_zero, r_zero, N_K, qk_scale, p_layout: gl.constexpr,
-              MASK_N: gl.constexpr):
+def _key_loop(q, ring, bars, m_i, l_i, acc, s_zero, rc, N_K, qk_scale, p_layout: gl.constexpr,
+              MASK_N: gl.constexpr, SHIFT_BLOCK_N: gl.constexpr):
     """The key loop without overlap: per tile ``S``, wait, softmax, ``P V``, wait.  Returns ``(acc, l_i)``."""
     k_ready, k_empty, v_ready, v_empty = bars
     for i in range(gl.cdiv(N_K, s_zero.shape[1])):
-        s, rc = _issue_scores(q, ring, k_ready, i, s_zero, r_zero)
-        s, rc = warpgroup_mma_wait(0, deps=(s, rc))
+        s, rc = _issue_scores(q, ring, k_ready, i, s_zero, rc, SHIFT_BLOCK_N)
+        s = warpgroup_mma_wait(0, deps=(s, ))
         _release(k_empty, i)
-        p, alpha, m_i, l_i = _tile_softmax(s, rc, m_i, l_i, i, N_K, qk_scale, p_layout, MASK_N)
+        p, alpha, m_i, l_i = _tile_softmax(s, rc, m_i, l_i, i, N_K, qk_scale, p_layout, MASK_N, SHIFT_BLOCK_N)
         acc = _issue_pv(p, acc, alpha, ring, v_ready, i)
         acc, p = warpgroup_mma_wait(0, deps=(acc, p))
         _release(v_empty, i)
@@ -226,8 +235,8 @@ def _key_loop(q, ring, bars, m_i, l_i, acc, s_zero, r_zero, N_K, qk_scale, p_lay
 
 
 @gluon_jit
-def _key_loop_overlapped(q, ring, bars, m_i, l_i, acc, s_zero, r_zero, N_K, qk_scale, p_layout: gl.constexpr,
-                         MASK_N: gl.constexpr):
+def _key_loop_overlapped(q, ring, bars, m_i, l_i, acc, s_zero, rc, N_K, qk_scale, p_layout: gl.constexpr,
+                         MASK_N: gl.constexpr, SHIFT_BLOCK_N: gl.constexpr):
     """The key loop with FA3's intra-warpgroup overlap: tile ``i``'s softmax runs while the tensor cores do
     tile ``i - 1``'s ``P V``.  Order per tile ``i >= 1``: issue ``S_i``; issue ``P_{i-1} V_{i-1}``; wait
     until one wgmma group is left (``S_i`` done: groups finish in order); softmax ``i``; wait for ``P V``.
@@ -235,17 +244,17 @@ def _key_loop_overlapped(q, ring, bars, m_i, l_i, acc, s_zero, r_zero, N_K, qk_s
     """
     k_ready, k_empty, v_ready, v_empty = bars
     n_tiles = gl.cdiv(N_K, s_zero.shape[1])
-    s, rc = _issue_scores(q, ring, k_ready, 0, s_zero, r_zero)
-    s, rc = warpgroup_mma_wait(0, deps=(s, rc))
+    s, rc = _issue_scores(q, ring, k_ready, 0, s_zero, rc, SHIFT_BLOCK_N)
+    s = warpgroup_mma_wait(0, deps=(s, ))
     _release(k_empty, 0)
-    p, alpha, m_i, l_i = _tile_softmax(s, rc, m_i, l_i, 0, N_K, qk_scale, p_layout, MASK_N)
+    p, alpha, m_i, l_i = _tile_softmax(s, rc, m_i, l_i, 0, N_K, qk_scale, p_layout, MASK_N, SHIFT_BLOCK_N)
     for i in range(1, n_tiles):
-        s, rc = _issue_scores(q, ring, k_ready, i, s_zero, r_zero)
+        s, rc = _issue_scores(q, ring, k_ready, i, s_zero, rc, SHIFT_BLOCK_N)
         acc = _issue_pv(p, acc, alpha, ring, v_ready, i - 1)
-        s, rc = warpgroup_mma_wait(1, deps=(s, rc))
+        s = warpgroup_mma_wait(1, deps=(s, ))
         _release(k_empty, i)
         p_prev = p
-        p, alpha, m_i, l_i = _tile_softmax(s, rc, m_i, l_i, i, N_K, qk_scale, p_layout, MASK_N)
+        p, alpha, m_i, l_i = _tile_softmax(s, rc, m_i, l_i, i, N_K, qk_scale, p_layout, MASK_N, SHIFT_BLOCK_N)
         acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
         _release(v_empty, i - 1)
     acc = _issue_pv(p, acc, alpha, ring, v_ready, n_tiles - 1)
@@ -256,7 +265,7 @@ def _key_loop_overlapped(q, ring, bars, m_i, l_i, acc, s_zero, r_zero, N_K, qk_s
 
 @gluon_jit
 def _consumer(desc_o, q_tile, q_ready, ring, bars, off_z, off_hq, start_row, N_K, qk_scale, MASK_N: gl.constexpr,
-              OVERLAP: gl.constexpr):
+              OVERLAP: gl.constexpr, SHIFT_BLOCK_N: gl.constexpr):
     """One consumer warpgroup: query rows ``start_row ..`` (its own q tile, (1, 1, 64, D), and ``q_ready``).
 
     Per key tile: wait ``k_ready``; issue ``s = q k_c^T`` and ``rc = q c^T`` (async), wait, release the
@@ -287,9 +296,11 @@ def _consumer(desc_o, q_tile, q_ready, ring, bars, off_z, off_hq, start_row, N_K
     r_zero = gl.zeros([rows, C_ROWS], gl.float32, layout=r_layout)
     mbarrier.wait(q_ready, 0)
     if OVERLAP:
-        acc, l_i = _key_loop_overlapped(q, ring, bars, m_i, l_i, acc, s_zero, r_zero, N_K, qk_scale, p_layout, MASK_N)
+        acc, l_i = _key_loop_overlapped(q, ring, bars, m_i, l_i, acc, s_zero, r_zero, N_K, qk_scale, p_layout, MASK_N,
+                                        SHIFT_BLOCK_N)
     else:
-        acc, l_i = _key_loop(q, ring, bars, m_i, l_i, acc, s_zero, r_zero, N_K, qk_scale, p_layout, MASK_N)
+        acc, l_i = _key_loop(q, ring, bars, m_i, l_i, acc, s_zero, r_zero, N_K, qk_scale, p_layout, MASK_N,
+                             SHIFT_BLOCK_N)
 
     inv_l = gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, o_layout))
     q.store((acc * inv_l[:, None]).to(gl.float16))
@@ -349,26 +360,26 @@ def exact_fwd_gluon_kernel(
         gl.warp_specialize([
             (_producer, (descs, q_bufs, q_ready, ring, bars, off_z, off_hq, off_hk, start_m, N_K, SHIFT_BLOCK_N)),
             (_consumer, (desc_o, q_bufs.index(0), q_ready.index(0), ring, bars, off_z, off_hq, start_m, N_K,
-                         qk_scale, MASK_N, OVERLAP)),
+                         qk_scale, MASK_N, OVERLAP, SHIFT_BLOCK_N)),
         ], [4], [CONSUMER_REGS])
     elif NUM_CONSUMERS == 2:
         gl.warp_specialize([
             (_producer, (descs, q_bufs, q_ready, ring, bars, off_z, off_hq, off_hk, start_m, N_K, SHIFT_BLOCK_N)),
             (_consumer, (desc_o, q_bufs.index(0), q_ready.index(0), ring, bars, off_z, off_hq, start_m, N_K,
-                         qk_scale, MASK_N, OVERLAP)),
+                         qk_scale, MASK_N, OVERLAP, SHIFT_BLOCK_N)),
             (_consumer, (desc_o, q_bufs.index(1), q_ready.index(1), ring, bars, off_z, off_hq, start_m + rows, N_K,
-                         qk_scale, MASK_N, OVERLAP)),
+                         qk_scale, MASK_N, OVERLAP, SHIFT_BLOCK_N)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.static_assert(NUM_CONSUMERS == 3, "NUM_CONSUMERS must be 1, 2 or 3")
         gl.warp_specialize([
             (_producer, (descs, q_bufs, q_ready, ring, bars, off_z, off_hq, off_hk, start_m, N_K, SHIFT_BLOCK_N)),
             (_consumer, (desc_o, q_bufs.index(0), q_ready.index(0), ring, bars, off_z, off_hq, start_m, N_K,
-                         qk_scale, MASK_N, OVERLAP)),
+                         qk_scale, MASK_N, OVERLAP, SHIFT_BLOCK_N)),
             (_consumer, (desc_o, q_bufs.index(1), q_ready.index(1), ring, bars, off_z, off_hq, start_m + rows, N_K,
-                         qk_scale, MASK_N, OVERLAP)),
+                         qk_scale, MASK_N, OVERLAP, SHIFT_BLOCK_N)),
             (_consumer, (desc_o, q_bufs.index(2), q_ready.index(2), ring, bars, off_z, off_hq, start_m + 2 * rows,
-                         N_K, qk_scale, MASK_N, OVERLAP)),
+                         N_K, qk_scale, MASK_N, OVERLAP, SHIFT_BLOCK_N)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
 
 # ---------------------------------------------------------------------------------------------------
