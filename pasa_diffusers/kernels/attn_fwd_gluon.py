@@ -6,7 +6,7 @@ op with the pre-pass, :func:`exact_attention_gluon`.  Same variant and same arit
 (``centre_k.py`` through ``attn_fwd_tma.centre_keys``): the centred keys ``k_c`` and the centres ``c_j``,
 one per 128 keys.  Per key tile of ``BLOCK_N`` keys inside block ``j`` (``qk_scale = scale log2(e)``):
 
-    r_j    = qk_scale (q . c_j)                 (fp32, per row: a (64, 16) wgmma, column 0 kept)
+    r_j    = qk_scale (q . c_j)                 (fp32, per row: column j mod 16 of a (64, 16) wgmma)
     s      = fp32(q k_c^T)                      (wgmma, fp32 accumulation; -inf past N_K)
     m_s    = qk_scale rowmax(s),  m_blk = m_s + r_j,  m_new = max(m_i, m_blk)
     p      = round_fp16(exp2(fma(s, qk_scale, -(m_s - (m_blk - m_new)))))
@@ -33,7 +33,8 @@ Shared memory (fp16 unless said; NVMMA-swizzled, TMA destinations, wgmma operand
 per consumer (reused for its output tile at the end); the rings k_c (NUM_STAGES, BLOCK_N, D),
 c (NUM_STAGES, 16, D) (centre rows ``j .. j + 15``, zeros past the last block), v (NUM_STAGES, BLOCK_N, D);
 mbarriers (int64).  Registers per consumer (NVMMA layout v3, 64 rows): s (64, BLOCK_N) fp32, p the same
-in fp16 (the A operand of ``P V``, read from registers: FA3's choice), acc (64, D) fp32, m_i, l_i,
+in fp16 (the A operand of ``P V``, read from registers: FA3's choice), acc (64, D) fp32, rc (64, 16)
+fp32 (``q . c`` of 16 centre blocks, computed on the first tile of every 16th block and carried), m_i, l_i,
 r_j, alpha (64,) fp32.  Rows past ``N_Q`` and keys past ``N_K`` arrive from TMA as zeros; the keys get
 ``s = -inf`` (``MASK_N``), the rows are computed and dropped by the TMA store.
 
@@ -100,7 +101,7 @@ HEAD_DIM = 64
 ROWS_PER_CONSUMER = 64
 """Query rows per consumer warpgroup (the M of one wgmma)."""
 CENTRE_ROWS = 16
-"""Centre rows per copy: the N of the (64, 16) wgmma that forms ``r_j`` (column 0 kept)."""
+"""Centre rows per copy: the N of the (64, 16) wgmma that forms ``r_j`` for 16 consecutive centre blocks."""
 PRODUCER_WARPS = 4
 """The producer is the default partition: the kernel's ``num_warps``, one warpgroup."""
 REGISTERS_PER_SM = 65536
@@ -268,9 +269,10 @@ def _consumer(desc_o, q_tile, q_ready, ring, bars, off_z, off_hq, start_row, N_K
               OVERLAP: gl.constexpr, SHIFT_BLOCK_N: gl.constexpr):
     """One consumer warpgroup: query rows ``start_row ..`` (its own q tile, (1, 1, 64, D), and ``q_ready``).
 
-    Per key tile: wait ``k_ready``; issue ``s = q k_c^T`` and ``rc = q c^T`` (async), wait, release the
-    stage's k_c / centres (``k_empty``); softmax; wait ``v_ready``; ``acc = alpha acc + p v`` (p from
-    registers), wait, release v (``v_empty``); ``OVERLAP`` reorders this as :func:`_key_loop_overlapped`.
+    Per key tile: wait ``k_ready``; issue ``s = q k_c^T`` (async; ``rc = q c^T`` first, every 16th
+    centre block), wait, release the stage's k_c / centres (``k_empty``); softmax; wait ``v_ready``;
+    ``acc = alpha acc + p v`` (p from registers), wait, release v (``v_empty``); ``OVERLAP`` reorders
+    this as :func:`_key_loop_overlapped`.
     Then ``out = acc / l_i`` into the q tile and a TMA store (rows past N_Q are clipped by the copy
     engine).  ``ring``, ``bars`` as for :func:`_producer`.
     """
@@ -386,12 +388,14 @@ def exact_fwd_gluon_kernel(
 # Configurations.  Not yet run on a GPU (bench/bench_gluon.py checks and times them); compiled for sm_90
 # with triton 3.6 by bench/gluon_compile_check.py.  BLOCK_M = 64 x num_consumers (FA3 at d = 64: 3).
 # ---------------------------------------------------------------------------------------------------
-DEFAULT_CONFIG = {"num_consumers": 3, "BLOCK_N": 128, "num_stages": 2, "overlap": False}
-"""The config for long key sequences: the fastest of the eight checked by ``bench/bench_gluon.py`` on the
-H200 at 2304 and 9216 keys (2026-12-01: 0.94x and 1.00x cuDNN without the pre-pass)."""
-SHORT_KEYS_CONFIG = {"num_consumers": 3, "BLOCK_N": 64, "num_stages": 3, "overlap": True}
-"""The config for at most ``SHORT_KEYS`` keys: the fastest at 576 keys in the same run (0.96x cuDNN; the
-long-key config 0.88x): smaller key tiles, a deeper ring and the softmax under ``P V``."""
+DEFAULT_CONFIG = {"num_consumers": 3, "BLOCK_N": 128, "num_stages": 3, "overlap": False}
+"""The config for long key sequences: the fastest checked by ``bench/bench_gluon.py`` on the H200 at 2304
+and 9216 keys (2026-12-02, ``q . c`` once per 16 centre blocks: 0.94x and 1.03x cuDNN without the
+pre-pass; 2 stages 0.93x and 1.02x)."""
+SHORT_KEYS_CONFIG = {"num_consumers": 3, "BLOCK_N": 64, "num_stages": 4, "overlap": True}
+"""The config for at most ``SHORT_KEYS`` keys: the fastest at 576 keys in the same run (0.97x cuDNN; 3
+stages 0.96x, the long-key tiles 0.83-0.84x): smaller key tiles, a deeper ring and the softmax under
+``P V``."""
 SHORT_KEYS = 1024
 _PRODUCER_REGS = 24
 
