@@ -390,7 +390,7 @@ def exact_fwd_gluon_kernel(
 # ---------------------------------------------------------------------------------------------------
 DEFAULT_CONFIG = {"num_consumers": 3, "BLOCK_N": 128, "num_stages": 3, "overlap": False}
 """The config for long key sequences: the fastest checked by ``bench/bench_gluon.py`` on the H200 at 2304
-and 9216 keys (2026-12-02, ``q . c`` once per 16 centre blocks: 0.94x and 1.03x cuDNN without the
+and 9216 keys (2026-12-01, run 3, ``q . c`` once per 16 centre blocks: 0.94x and 1.03x cuDNN without the
 pre-pass; 2 stages 0.93x and 1.02x)."""
 SHORT_KEYS_CONFIG = {"num_consumers": 3, "BLOCK_N": 64, "num_stages": 4, "overlap": True}
 """The config for at most ``SHORT_KEYS`` keys: the fastest at 576 keys in the same run (0.97x cuDNN; 3
