@@ -111,7 +111,9 @@ REGISTERS_PER_SM = 65536
 def _producer(descs, q_bufs, q_ready, ring, bars, off_z, off_hq, off_hk, start_m, N_K, SHIFT_BLOCK_N: gl.constexpr):
     """TMA copies only: each consumer's q tile, then per key tile ``i`` into stage ``i % NUM_STAGES``:
     k_c and the centre rows ``j, j + 1, ...`` (``j = start_n // SHIFT_BLOCK_N``) on ``k_ready``, v on
-    ``v_ready``, each after the consumers have released the stage (``k_empty`` / ``v_empty``).
+    ``v_ready``, each after the consumers have released the stage (``k_empty`` / ``v_empty``).  The
+    centre rows (2 KB) come with every tile; the consumers read them on the first tile of every 16th
+    centre block only (:func:`_issue_scores`).
 
     ``descs = (q, k_c, v, centres)``, ``ring = (k_bufs, v_bufs, c_bufs)``, ``bars = (k_ready, k_empty,
     v_ready, v_empty)``; the tile sizes are read from the buffers' shapes.
