@@ -16,13 +16,14 @@ one per 128 keys.  Per key tile of ``BLOCK_N`` keys inside block ``j`` (``qk_sca
 and ``out = round_fp16(acc (1 / l_i))``.  Loop invariant: ``acc / l_i == softmax(scale q K^T) V`` over the
 keys seen so far, ``m_i`` the running maximum logit in log2 units.
 
-Partitions (``gl.warp_specialize``; one program = ``BLOCK_M = 64 NUM_CONSUMERS`` query rows of one
+Partitions (``gl.warp_specialize``; one program = ``BLOCK_M = 64 NUM_CONSUMERS = 192`` query rows of one
 (batch, head), grid axis 0 = query blocks fastest, then batch x head):
 
 - producer (the default partition, one warpgroup, few registers): the TMA copies.  First each consumer's
   q tile, then per key tile ``i`` into stage ``i % NUM_STAGES`` of the rings: k_c and the centre tile
   (one barrier), then v (its own barrier, so that ``S = q k_c^T`` starts before v lands);
-- ``NUM_CONSUMERS`` consumer warpgroups (worker partitions of 4 warps, most of the registers), each with
+- ``NUM_CONSUMERS = 3`` consumer warpgroups (worker partitions of 4 warps, most of the registers; FA3's
+  count at head dim 64: with one or two the kernel ran at 0.60-0.85x cuDNN on the H200), each with
   its own 64 query rows: both GEMMs (``warpgroup_mma``, async, then ``warpgroup_mma_wait``), the softmax
   in registers and the output (registers -> shared memory -> TMA store).  They share the K/V ring and
   never wait on each other.  ``OVERLAP`` (config ``overlap``) adds FA3's intra-warpgroup pipelining:
@@ -52,10 +53,10 @@ Barrier protocol (an mbarrier's phase ``k`` completes at its ``k``-th count of a
 Gluon 3.6 notes.  ``warp_specialize(functions_and_args, worker_num_warps, worker_num_regs)``: the
 default partition runs with the kernel's ``num_warps`` and gets the registers the workers leave from
 ``maxnreg`` (which the launch sets: the 256 default is more than an SM has for 3-4 warpgroups), worker
-partitions cannot take distributed tensors, and the list of partitions is written out per constexpr
-``NUM_CONSUMERS``: a tuple bound to a name turns the constexprs in it into int32 scalars
-("int32[] used as tl.static_range start value is not a constexpr"), so the partitions' argument
-tuples are literals and the partitions read tile sizes from the buffers' shapes.  Host descriptors
+partitions cannot take distributed tensors, and the list of partitions is written out for three
+consumers: a tuple bound to a name turns the constexprs in it into int32 scalars ("int32[] used as
+tl.static_range start value is not a constexpr"), so the partitions' argument tuples are literals and
+the partitions read tile sizes from the buffers' shapes.  Host descriptors
 are 4-d (B, H, N, D) boxes ``[1, 1, rows, D]`` (TMA bounds every
 dim, so any 16-byte-aligned strides serve: diffusers' (B, N, H, D) views too); the shared tiles are
 4-d and ``reshape``d to 2-d for the wgmma.  ``q . c_j`` is a wgmma rather than FMAs: the FMA form
@@ -100,6 +101,8 @@ HEAD_DIM = 64
 """The one head dim of this first version."""
 ROWS_PER_CONSUMER = 64
 """Query rows per consumer warpgroup (the M of one wgmma)."""
+NUM_CONSUMERS = 3
+"""Consumer warpgroups per program: :func:`exact_fwd_gluon_kernel`'s partition list is written for three."""
 CENTRE_ROWS = 16
 """Centre rows per copy: the N of the (64, 16) wgmma that forms ``r_j`` for 16 consecutive centre blocks."""
 PRODUCER_WARPS = 4
@@ -359,42 +362,28 @@ def exact_fwd_gluon_kernel(
     ring = (k_bufs, v_bufs, c_bufs)
     bars = (k_ready, k_empty, v_ready, v_empty)
     # Constexprs keep their kind only inside the literal argument tuples (a tuple bound to a name in a
-    # Gluon 3.6 function turns them into int32 scalars), hence one literal list per consumer count.
-    if NUM_CONSUMERS == 1:
-        gl.warp_specialize([
-            (_producer, (descs, q_bufs, q_ready, ring, bars, off_z, off_hq, off_hk, start_m, N_K, SHIFT_BLOCK_N)),
-            (_consumer, (desc_o, q_bufs.index(0), q_ready.index(0), ring, bars, off_z, off_hq, start_m, N_K,
-                         qk_scale, MASK_N, OVERLAP, SHIFT_BLOCK_N)),
-        ], [4], [CONSUMER_REGS])
-    elif NUM_CONSUMERS == 2:
-        gl.warp_specialize([
-            (_producer, (descs, q_bufs, q_ready, ring, bars, off_z, off_hq, off_hk, start_m, N_K, SHIFT_BLOCK_N)),
-            (_consumer, (desc_o, q_bufs.index(0), q_ready.index(0), ring, bars, off_z, off_hq, start_m, N_K,
-                         qk_scale, MASK_N, OVERLAP, SHIFT_BLOCK_N)),
-            (_consumer, (desc_o, q_bufs.index(1), q_ready.index(1), ring, bars, off_z, off_hq, start_m + rows, N_K,
-                         qk_scale, MASK_N, OVERLAP, SHIFT_BLOCK_N)),
-        ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
-    else:
-        gl.static_assert(NUM_CONSUMERS == 3, "NUM_CONSUMERS must be 1, 2 or 3")
-        gl.warp_specialize([
-            (_producer, (descs, q_bufs, q_ready, ring, bars, off_z, off_hq, off_hk, start_m, N_K, SHIFT_BLOCK_N)),
-            (_consumer, (desc_o, q_bufs.index(0), q_ready.index(0), ring, bars, off_z, off_hq, start_m, N_K,
-                         qk_scale, MASK_N, OVERLAP, SHIFT_BLOCK_N)),
-            (_consumer, (desc_o, q_bufs.index(1), q_ready.index(1), ring, bars, off_z, off_hq, start_m + rows, N_K,
-                         qk_scale, MASK_N, OVERLAP, SHIFT_BLOCK_N)),
-            (_consumer, (desc_o, q_bufs.index(2), q_ready.index(2), ring, bars, off_z, off_hq, start_m + 2 * rows,
-                         N_K, qk_scale, MASK_N, OVERLAP, SHIFT_BLOCK_N)),
-        ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
+    # Gluon 3.6 function turns them into int32 scalars), hence the list written out.
+    gl.static_assert(NUM_CONSUMERS == 3, "the partition list is written for three consumer warpgroups")
+    gl.warp_specialize([
+        (_producer, (descs, q_bufs, q_ready, ring, bars, off_z, off_hq, off_hk, start_m, N_K, SHIFT_BLOCK_N)),
+        (_consumer, (desc_o, q_bufs.index(0), q_ready.index(0), ring, bars, off_z, off_hq, start_m, N_K,
+                     qk_scale, MASK_N, OVERLAP, SHIFT_BLOCK_N)),
+        (_consumer, (desc_o, q_bufs.index(1), q_ready.index(1), ring, bars, off_z, off_hq, start_m + rows, N_K,
+                     qk_scale, MASK_N, OVERLAP, SHIFT_BLOCK_N)),
+        (_consumer, (desc_o, q_bufs.index(2), q_ready.index(2), ring, bars, off_z, off_hq, start_m + 2 * rows,
+                     N_K, qk_scale, MASK_N, OVERLAP, SHIFT_BLOCK_N)),
+    ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
+
 
 # ---------------------------------------------------------------------------------------------------
 # Configurations.  Not yet run on a GPU (bench/bench_gluon.py checks and times them); compiled for sm_90
-# with triton 3.6 by bench/gluon_compile_check.py.  BLOCK_M = 64 x num_consumers (FA3 at d = 64: 3).
+# with triton 3.6 by bench/gluon_compile_check.py.  BLOCK_M = 64 x NUM_CONSUMERS = 192.
 # ---------------------------------------------------------------------------------------------------
-DEFAULT_CONFIG = {"num_consumers": 3, "BLOCK_N": 128, "num_stages": 3, "overlap": False}
+DEFAULT_CONFIG = {"BLOCK_N": 128, "num_stages": 3, "overlap": False}
 """The config for long key sequences: the fastest checked by ``bench/bench_gluon.py`` on the H200 at 2304
 and 9216 keys (2026-12-01, run 3, ``q . c`` once per 16 centre blocks: 0.94x and 1.03x cuDNN without the
 pre-pass; 2 stages 0.93x and 1.02x)."""
-SHORT_KEYS_CONFIG = {"num_consumers": 3, "BLOCK_N": 64, "num_stages": 4, "overlap": True}
+SHORT_KEYS_CONFIG = {"BLOCK_N": 64, "num_stages": 4, "overlap": True}
 """The config for at most ``SHORT_KEYS`` keys: the fastest at 576 keys in the same run (0.97x cuDNN; 3
 stages 0.96x, the long-key tiles 0.83-0.84x): smaller key tiles, a deeper ring and the softmax under
 ``P V``."""
@@ -411,12 +400,12 @@ def gluon_unavailable_reason() -> str | None:
     return None
 
 
-def _registers(num_consumers: int) -> tuple[int, int]:
+def _registers() -> tuple[int, int]:
     """``(maxnreg, consumer registers)``: the launch's per-thread cap so that all warpgroups fit in one
     SM's register file, and the consumers' share after the producer's ``_PRODUCER_REGS``."""
-    threads = 128 * (1 + num_consumers)
+    threads = 128 * (1 + NUM_CONSUMERS)
     maxnreg = min(255, REGISTERS_PER_SM // threads) // 8 * 8
-    consumer = (maxnreg * threads - 128 * _PRODUCER_REGS) // (128 * num_consumers) // 8 * 8
+    consumer = (maxnreg * threads - 128 * _PRODUCER_REGS) // (128 * NUM_CONSUMERS) // 8 * 8
     return maxnreg, min(consumer, 240)
 
 
@@ -441,8 +430,6 @@ def tuned_config(n_k: int) -> dict:
 def _config(config: dict | None, n_k: int) -> dict:
     """:func:`tuned_config` updated by ``config``; ``ValueError`` for unknown keys or values."""
     cfg = merged_config("exact_forward_gluon", tuned_config(n_k), config)
-    if cfg["num_consumers"] not in (1, 2, 3):
-        raise ValueError(f"exact_forward_gluon: config num_consumers={cfg['num_consumers']} must be 1, 2 or 3")
     if cfg["BLOCK_N"] not in (64, 128):
         raise ValueError(f"exact_forward_gluon: config BLOCK_N={cfg['BLOCK_N']} must be 64 or 128 (it divides the "
                          f"shift block {SHIFT_BLOCK})")
@@ -470,14 +457,14 @@ def kernel_call(q, k_c, v, centres, out, *, scale: float, config: dict | None = 
     batch, h_q, n_q, head_dim = q.shape
     h_k, n_k = k_c.shape[1], k_c.shape[2]
     c16 = centres.to(torch.float16)  # exact: the centres are fp16 values
-    block_m = ROWS_PER_CONSUMER * cfg["num_consumers"]
-    maxnreg, consumer_regs = _registers(cfg["num_consumers"])
+    block_m = ROWS_PER_CONSUMER * NUM_CONSUMERS
+    maxnreg, consumer_regs = _registers()
     grid = (triton.cdiv(n_q, block_m) * batch * h_q, )
     args = (_descriptor(q, ROWS_PER_CONSUMER), _descriptor(k_c, cfg["BLOCK_N"]), _descriptor(v, cfg["BLOCK_N"]),
             _descriptor(c16, CENTRE_ROWS), _descriptor(out, ROWS_PER_CONSUMER),
             h_q, h_q // h_k, n_q, n_k, float(scale) * math.log2(math.e))
     meta = dict(HEAD_DIM=head_dim, BLOCK_N=cfg["BLOCK_N"], NUM_STAGES=cfg["num_stages"],
-                NUM_CONSUMERS=cfg["num_consumers"], SHIFT_BLOCK_N=SHIFT_BLOCK, MASK_N=n_k % cfg["BLOCK_N"] != 0,
+                NUM_CONSUMERS=NUM_CONSUMERS, SHIFT_BLOCK_N=SHIFT_BLOCK, MASK_N=n_k % cfg["BLOCK_N"] != 0,
                 OVERLAP=bool(cfg["overlap"]),
                 CONSUMER_REGS=consumer_regs, num_warps=PRODUCER_WARPS, maxnreg=maxnreg)
     return grid, args, meta
@@ -493,8 +480,7 @@ def exact_forward_gluon(q: torch.Tensor, k_c: torch.Tensor, v: torch.Tensor, cen
             on a 16-byte-aligned base (contiguous (B, H, N, D), or diffusers' (B, N, H, D) transposed).
         centres: ``(B, Hk, ceil(Nk / 128), 64)`` fp32, the exact centres (``attn_fwd_tma.centre_keys``).
         scale: softmax scale.
-        config: ``num_consumers`` (1..3 consumer warpgroups of 64 query rows), ``BLOCK_N`` (64 / 128),
-            ``num_stages`` (K/V ring depth), ``overlap`` (softmax of tile ``i`` under ``P V`` of tile
+        config: ``BLOCK_N`` (64 / 128), ``num_stages`` (K/V ring depth), ``overlap`` (softmax of tile ``i`` under ``P V`` of tile
             ``i - 1``, FA3's intra-warpgroup pipelining); missing keys from :func:`tuned_config`.
 
     Raises ``ValueError`` naming the argument for input the kernel cannot take and ``RuntimeError`` when
