@@ -28,7 +28,6 @@ Writes ``bench_gluon.log`` (as it goes), ``bench_gluon.md`` and ``bench_gluon.js
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -45,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import triton  # noqa: E402
 
 from pasa_diffusers import numerics  # noqa: E402
-from hopper_bench_common import Log, row_line, timed_row  # noqa: E402  (bench/, beside this script)
+from hopper_bench_common import Log, report_head, row_line, timed_row, write_report  # noqa: E402  (bench/, beside this script)
 from pasa_diffusers.kernels import attn_fwd_gluon as glu  # noqa: E402
 from pasa_diffusers.kernels import attn_fwd_tma as tma  # noqa: E402
 from pasa_diffusers.ops import pasa_attention  # noqa: E402
@@ -248,11 +247,8 @@ def main() -> None:
 
 
 def _report(log, args, dev, shapes, configs, status, checks, results, t_start) -> None:
-    lines = [f"# bench_gluon: {dev}, torch {torch.__version__}, triton {triton.__version__}", "",
-             "## Correctness (per config: all draws)", "", "| config | status |", "| --- | --- |"]
-    lines += [f"| {name} | {st} |" for name, st in status.items()]
-    lines += ["", "## Timing (fp16, (B, N, H, D) views; do_bench medians)", "",
-              "| shape | method | ms | TFLOP/s | vs cuDNN |", "| --- | --- | --- | --- | --- |"]
+    lines = report_head("bench_gluon", dev, status)
+    lines += ["| shape | method | ms | TFLOP/s | vs cuDNN |", "| --- | --- | --- | --- | --- |"]
     for shape in shapes:
         rows = [r for r in results if r["shape"] == shape]
         cudnn = next((r["ms"] for r in rows if r["method"] == "sdpa-cudnn" and "ms" in r), None)
@@ -264,13 +260,7 @@ def _report(log, args, dev, shapes, configs, status, checks, results, t_start) -
             lines.append(f"| {shape} | {r['method']} | {r['ms']:.3f} | {r['tflops']:.0f} | {ratio} |")
     text = "\n".join(lines)
     print("\n" + text)
-    if args.out:
-        with open(os.path.join(args.out, "bench_gluon.md"), "w") as f:
-            f.write(text + "\n")
-        with open(os.path.join(args.out, "bench_gluon.json"), "w") as f:
-            json.dump({"device": dev, "torch": torch.__version__, "triton": triton.__version__,
-                       "configs": [cfg_name(c) for c in configs], "status": status, "checks": checks,
-                       "results": results}, f, indent=1, default=str)
+    write_report(args.out, "bench_gluon", text, dev, [cfg_name(c) for c in configs], status, checks, results)
     log(f"\ntotal {time.time() - t_start:.0f} s")
 
 

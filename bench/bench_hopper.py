@@ -28,7 +28,6 @@ table (per shape: best config with its pre-pass, vs cuDNN) is printed last.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -44,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import triton  # noqa: E402
 
 from pasa_diffusers import numerics  # noqa: E402
-from hopper_bench_common import Log, row_line, tflops, timed_row  # noqa: E402  (bench/, beside this script)
+from hopper_bench_common import Log, report_head, row_line, tflops, timed_row, write_report  # noqa: E402  (bench/, beside this script)
 from pasa_diffusers.kernels import attn_fwd_tma as tma  # noqa: E402
 from pasa_diffusers.ops import pasa_attention  # noqa: E402
 from pasa_diffusers.reference import exact_shift_reference, golden_attention  # noqa: E402
@@ -266,11 +265,8 @@ def main() -> None:
 
 
 def _report(log, args, dev, shapes, configs, status, checks, results, t_start) -> None:
-    lines = [f"# bench_hopper: {dev}, torch {torch.__version__}, triton {triton.__version__}", "",
-             "## Correctness (per config: all draws)", "", "| config | status |", "| --- | --- |"]
-    lines += [f"| {name} | {st} |" for name, st in status.items()]
-    lines += ["", "## Timing (fp16, (B, N, H, D) views; do_bench medians)", "",
-              "| shape | method | ms | TFLOP/s | vs cuDNN | + pre-pass ms | + pre-pass vs cuDNN |",
+    lines = report_head("bench_hopper", dev, status)
+    lines += ["| shape | method | ms | TFLOP/s | vs cuDNN | + pre-pass ms | + pre-pass vs cuDNN |",
               "| --- | --- | --- | --- | --- | --- | --- |"]
     short = ["| shape | cuDNN ms (TF/s) | portable vs cuDNN | best TMA config | kernel vs cuDNN | "
              "+ pre-pass vs cuDNN |", "| --- | --- | --- | --- | --- | --- |"]
@@ -302,13 +298,8 @@ def _report(log, args, dev, shapes, configs, status, checks, results, t_start) -
             short.append(f"| {shape} | {cudnn} | | no correct config timed | | |")
     text = "\n".join(lines)
     print("\n" + text)
-    if args.out:
-        with open(os.path.join(args.out, "bench_hopper.md"), "w") as f:
-            f.write(text + "\n\n## Short\n\n" + "\n".join(short) + "\n")
-        with open(os.path.join(args.out, "bench_hopper.json"), "w") as f:
-            json.dump({"device": dev, "torch": torch.__version__, "triton": triton.__version__,
-                       "configs": [cfg_name(c) for c in configs], "status": status, "checks": checks,
-                       "results": results}, f, indent=1, default=str)
+    write_report(args.out, "bench_hopper", text + "\n\n## Short\n\n" + "\n".join(short), dev,
+                 [cfg_name(c) for c in configs], status, checks, results)
     log(f"\n## Short (total {time.time() - t_start:.0f} s)\n\n" + "\n".join(short))
 
 

@@ -1,10 +1,12 @@
 """Helpers the GPU benchmarks of the Hopper kernels share (``bench_hopper.py``, ``bench_gluon.py``): timing rows,
-TFLOP/s and a log that survives a kill."""
+TFLOP/s, a log that survives a kill, and the report's head and files."""
 from __future__ import annotations
 
+import json
 import os
 
 import torch
+import triton
 from triton.testing import do_bench
 
 
@@ -54,3 +56,25 @@ def row_line(r: dict) -> str:
     if "ms" in r:
         return f"time {str(r['shape']):<20} {r['method']:<44} {r['ms']:8.3f} ms {r['tflops']:6.0f} TFLOP/s"
     return f"time {str(r['shape']):<20} {r['method']:<44} {r['error']}"
+
+
+def report_head(bench: str, dev: str, status: dict) -> list[str]:
+    """The markdown report's first lines: its title, the correctness table (one row per config) and the
+    timing section's title; the caller adds its timing table."""
+    lines = [f"# {bench}: {dev}, torch {torch.__version__}, triton {triton.__version__}", "",
+             "## Correctness (per config: all draws)", "", "| config | status |", "| --- | --- |"]
+    lines += [f"| {name} | {st} |" for name, st in status.items()]
+    return lines + ["", "## Timing (fp16, (B, N, H, D) views; do_bench medians)", ""]
+
+
+def write_report(out_dir: str | None, bench: str, markdown: str, dev: str, config_names: list, status: dict,
+                 checks: dict, results: list) -> None:
+    """``<bench>.md`` (``markdown``) and ``<bench>.json`` (the device, versions, configs, statuses, checks and
+    timing rows) under ``out_dir``; nothing without one."""
+    if not out_dir:
+        return
+    with open(os.path.join(out_dir, f"{bench}.md"), "w") as f:
+        f.write(markdown + "\n")
+    with open(os.path.join(out_dir, f"{bench}.json"), "w") as f:
+        json.dump({"device": dev, "torch": torch.__version__, "triton": triton.__version__, "configs": config_names,
+                   "status": status, "checks": checks, "results": results}, f, indent=1, default=str)
