@@ -71,19 +71,19 @@ def compile_one(case: dict) -> dict:
 
 def _fmt(row: dict) -> str:
     block_n, stages, overlap = row["config"]
-    b, h, n_q, n_k, d = row["shape"]
-    cfg = f"192x{block_n:<3} s{stages} {'overlap' if overlap else 'serial'}"
-    shape = f"Nk={n_k:<5}"
-    if not row["ok"]:
-        return f"| {cfg} | {shape} | FAILED ({row['seconds']} s): {row['error']} |"
-    spill = f"{row['spill_st']}/{row['spill_ld']} B" if row["spill_st"] is not None else "?"
-    ws = (f"yes, workers {row['partitions']} warps, setmaxnreg {'/'.join(map(str, row['setmaxnreg']))}"
-          if row["ws"] else "no")
-    mbar = ", ".join(f"{k} {v}" for k, v in row["mbar"].items())
-    return (f"| {cfg} | {shape} | {ws} | {row['wgmma']} ({row['hgmma']}) | {row['tma']} ({row['utmaldg']} ld, "
-            f"{row['utmastg']} st) | {mbar} | {spill}, local PTX/SASS {row['ptx_local']}/{row['sass_local']}, "
-            f"stack {row['stack']} | {row['regs']} (maxnreg {row['maxnreg']}) | {row['threads']} | {row['smem']} | "
-            f"{row['mufu_ex2']} | {row['seconds']} |")
+    n_k = row["shape"][3]
+
+    def cells(spill):
+        ws = (f"yes, workers {row['partitions']} warps, setmaxnreg {'/'.join(map(str, row['setmaxnreg']))}"
+              if row["ws"] else "no")
+        mbar = ", ".join(f"{k} {v}" for k, v in row["mbar"].items())
+        return (f"{ws} | {row['wgmma']} ({row['hgmma']}) | {row['tma']} ({row['utmaldg']} ld, {row['utmastg']} st) | "
+                f"{mbar} | {spill}, local PTX/SASS {row['ptx_local']}/{row['sass_local']}, stack {row['stack']} | "
+                f"{row['regs']} (maxnreg {row['maxnreg']}) | {row['threads']} | {row['smem']} | {row['mufu_ex2']} | "
+                f"{row['seconds']}")
+
+    return sm90_tools.table_row(row, f"192x{block_n:<3} s{stages} {'overlap' if overlap else 'serial'}",
+                                f"Nk={n_k:<5}", cells)
 
 
 def main() -> None:

@@ -74,16 +74,16 @@ def _cases(quick: bool) -> list[dict]:
 
 def _fmt(row: dict) -> str:
     bm, bn, warps, stages, ws, r_tc = row["config"]
-    b, h, n_q, n_k, d = row["shape"]
+    n_k, d = row["shape"][3], row["shape"][4]
+
+    def cells(spill):
+        ws_txt = ("yes " + "/".join(map(str, row["setmaxnreg"]))) if row["ws"] else "no"
+        return (f"{ws_txt} | {row['wgmma']} ({row['hgmma']}) | {row['tma']} | "
+                f"{spill}, local {row['ptx_local']}/{row['sass_local']} | {row['regs']} | {row['threads']} | "
+                f"{row['smem']} | {row['mufu_ex2']} | {row['seconds']}")
+
     cfg = f"{bm:>3} {bn:>3} {warps} {stages} {'WS' if ws else '--'} {'tc ' if r_tc else 'fma'}"
-    shape = f"Nk={n_k:<5} d={d:<3}"
-    if not row["ok"]:
-        return f"| {cfg} | {shape} | FAILED ({row['seconds']} s): {row['error']} |"
-    spill = f"{row['spill_st']}/{row['spill_ld']} B" if row["spill_st"] is not None else "?"
-    ws_txt = ("yes " + "/".join(map(str, row["setmaxnreg"]))) if row["ws"] else "no"
-    return (f"| {cfg} | {shape} | {ws_txt} | {row['wgmma']} ({row['hgmma']}) | {row['tma']} | "
-            f"{spill}, local {row['ptx_local']}/{row['sass_local']} | {row['regs']} | {row['threads']} | "
-            f"{row['smem']} | {row['mufu_ex2']} | {row['seconds']} |")
+    return sm90_tools.table_row(row, cfg, f"Nk={n_k:<5} d={d:<3}", cells)
 
 
 def main() -> None:

@@ -147,6 +147,15 @@ def compile_error(e: Exception) -> str:
     return (type(e).__name__ + ": " + " / ".join(lines[-3:]))[:400]
 
 
+def table_row(row: dict, cfg: str, shape: str, cells) -> str:
+    """One markdown row of a compile check: ``| cfg | shape | FAILED ... |`` for a case that did not compile,
+    otherwise ``| cfg | shape | cells(spill) |`` with ``spill`` the ptxas spill stores/loads ("?" if unknown)."""
+    if not row["ok"]:
+        return f"| {cfg} | {shape} | FAILED ({row['seconds']} s): {row['error']} |"
+    spill = f"{row['spill_st']}/{row['spill_ld']} B" if row["spill_st"] is not None else "?"
+    return f"| {cfg} | {shape} | {cells(spill)} |"
+
+
 def run_isolated(script: str, case: dict) -> dict:
     """``script --one <case as JSON>`` in a child process (it prints ``ROW <json>``), so that a crashing
     compiler is a row, not the end of the run; tuples in the row come back as tuples."""
