@@ -44,7 +44,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import triton  # noqa: E402
 
 from pasa_diffusers import numerics  # noqa: E402
-from hopper_bench_common import Log, report_head, row_line, timed_row, write_report  # noqa: E402  (bench/, beside this script)
+from hopper_bench_common import (Log, report_head, row_line, timed_row,  # noqa: E402  (bench/, beside this script)
+                                 write_report)
 from pasa_diffusers.kernels import attn_fwd_gluon as glu  # noqa: E402
 from pasa_diffusers.kernels import attn_fwd_tma as tma  # noqa: E402
 from pasa_diffusers.ops import pasa_attention  # noqa: E402

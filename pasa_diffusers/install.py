@@ -26,7 +26,8 @@ from . import rules
 from .processors import (BF16AttnProcessor, CountedAttnProcessor, FP32AttnProcessor, NaiveHalfAttnProcessor,
                          PASAAttnProcessor, SDPAAttnProcessor)
 
-__all__ = ["BACKENDS", "KINDS", "cast_dtype", "AllCallsFellBackError", "module_kind", "apply", "restore", "fallback_summary"]
+__all__ = ["BACKENDS", "KINDS", "cast_dtype", "AllCallsFellBackError", "module_kind", "apply", "restore",
+           "fallback_summary"]
 
 KINDS = ("spatial-self", "spatial-cross", "temporal-self", "temporal-cross", "other")
 """Module kinds ``apply`` distinguishes, by processor key (see ``module_kind``)."""

@@ -221,14 +221,14 @@ class CountedAttnProcessor:
             return self.attention(query, key, value, attn, attention_mask)
         if eager:
             self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
-        if eager and reason not in self._warned:
-            self._warned.add(reason)
-            logger.warning(
-                "%s: %s in %s; computing it without the PASA op (counted in .fallbacks, logged once)",
-                type(self).__name__,
-                reason,
-                self.name or "an attention module",
-            )
+            if reason not in self._warned:
+                self._warned.add(reason)
+                logger.warning(
+                    "%s: %s in %s; computing it without the PASA op (counted in .fallbacks, logged once)",
+                    type(self).__name__,
+                    reason,
+                    self.name or "an attention module",
+                )
         if reason == "single key":
             # softmax over one key is exactly 1: every query row gets that key's value
             return value.expand(-1, query.shape[1], -1, -1)

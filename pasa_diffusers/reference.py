@@ -275,7 +275,8 @@ def exact_centre(k_blk: torch.Tensor, g: torch.dtype) -> torch.Tensor:
 
 
 def exact_shift_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, *,
-                          block_m: int = 128, block_n: int = rules.SHIFT_BLOCK, precision: str = "hybrid") -> torch.Tensor:
+                          block_m: int = 128, block_n: int = rules.SHIFT_BLOCK,
+                          precision: str = "hybrid") -> torch.Tensor:
     """The exact shift: each key block's mean is removed exactly and its logit carried in fp32.
 
     Per key block ``j`` of ``n_j`` valid keys (the ragged last block uses its ``n_j``):

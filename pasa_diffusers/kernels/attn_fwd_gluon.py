@@ -480,8 +480,9 @@ def exact_forward_gluon(q: torch.Tensor, k_c: torch.Tensor, v: torch.Tensor, cen
             on a 16-byte-aligned base (contiguous (B, H, N, D), or diffusers' (B, N, H, D) transposed).
         centres: ``(B, Hk, ceil(Nk / 128), 64)`` fp32, the exact centres (``attn_fwd_tma.centre_keys``).
         scale: softmax scale.
-        config: ``BLOCK_N`` (64 / 128), ``num_stages`` (K/V ring depth), ``overlap`` (softmax of tile ``i`` under ``P V`` of tile
-            ``i - 1``, FA3's intra-warpgroup pipelining); missing keys from :func:`tuned_config`.
+        config: ``BLOCK_N`` (64 / 128), ``num_stages`` (K/V ring depth), ``overlap`` (softmax of tile
+            ``i`` under ``P V`` of tile ``i - 1``, FA3's intra-warpgroup pipelining); missing keys from
+            :func:`tuned_config`.
 
     Raises ``ValueError`` naming the argument for input the kernel cannot take and ``RuntimeError`` when
     this triton has no Gluon of the 3.6 API.
