@@ -88,6 +88,11 @@ def _fits(cfg: triton.Config, block_n: int, block_d: int) -> bool:
     return _smem_bytes(cfg, block_n, block_d) <= SMEM_LIMIT and (cfg.num_warps >= 4 or small_tile)
 
 
+def _with_block_n(cfg: triton.Config, block_n: int) -> triton.Config:
+    """``cfg`` with its key tile set to ``block_n``."""
+    return triton.Config({**cfg.kwargs, "BLOCK_N": block_n}, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
 def _prune(configs, named_args, **kwargs):
     """The short- or long-query configs that fit (``_fits``); the single-stage fallbacks if none.  The
     exact shift's tiles divide its centre block (``CENTRE_BLOCK``); tiles of the whole block if none do."""
@@ -97,16 +102,13 @@ def _prune(configs, named_args, **kwargs):
     pool = table["short"] if named_args["NQ_BUCKET"] <= 32 else table["long"]
     if tiled and kwargs["SHIFT"] == "exact":
         centre = kwargs["CENTRE_BLOCK"]
-        pool = ([c for c in pool if centre % c.kwargs["BLOCK_N"] == 0]
-                or [triton.Config({**c.kwargs, "BLOCK_N": centre}, num_warps=c.num_warps, num_stages=c.num_stages)
-                    for c in pool])
+        pool = [c for c in pool if centre % c.kwargs["BLOCK_N"] == 0] or [_with_block_n(c, centre) for c in pool]
     fitting = [c for c in pool if _fits(c, block_n, block_d)]
     if fitting:
         return fitting
     fallback = table["fallback"]
     if tiled and kwargs["SHIFT"] == "exact":
-        fallback = [triton.Config({**c.kwargs, "BLOCK_N": min(c.kwargs["BLOCK_N"], kwargs["CENTRE_BLOCK"])},
-                                  num_warps=c.num_warps, num_stages=c.num_stages) for c in fallback]
+        fallback = [_with_block_n(c, min(c.kwargs["BLOCK_N"], kwargs["CENTRE_BLOCK"])) for c in fallback]
     return [c for c in fallback if _smem_bytes(c, block_n, block_d) <= SMEM_LIMIT] or fallback[:1]
 
 
