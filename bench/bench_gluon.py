@@ -37,15 +37,14 @@ import time
 import traceback
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import triton  # noqa: E402
 
 from pasa_diffusers import numerics  # noqa: E402
-from hopper_bench_common import (Log, report_head, row_line, timed_row,  # noqa: E402  (bench/, beside this script)
-                                 write_report)
+from hopper_bench_common import (Log, report_head, row_line, sdpa_with,  # noqa: E402  (bench/, beside it)
+                                 time_baselines, timed_row, write_report)
 from pasa_diffusers.kernels import attn_fwd_gluon as glu  # noqa: E402
 from pasa_diffusers.kernels import attn_fwd_tma as tma  # noqa: E402
 from pasa_diffusers.ops import pasa_attention  # noqa: E402
@@ -149,29 +148,16 @@ def _synchronize_or_exit(what: str) -> None:
 def _baselines(shapes, gen, args, log) -> tuple[list, dict]:
     """SDPA cuDNN / flash, the op's default, the portable kernel, the TMA kernel with its pre-pass, the
     pre-pass alone."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import SDPBackend
 
-    def sdpa(backend):
-        def run(q, k, v):
-            with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q, k, v)
-        return run
-
-    results, inputs = [], {}
-    for shape in shapes:
-        b, h, n, d = shape
-        q, k, v = (bnhd_view(b, h, n, d, gen) for _ in range(3))
-        k_c, centres = tma.centre_keys(k)
-        inputs[shape] = (q, k, v, k_c, centres, torch.empty_like(q))
-        for name, fn in (("sdpa-cudnn", sdpa(SDPBackend.CUDNN_ATTENTION)),
-                         ("sdpa-flash", sdpa(SDPBackend.FLASH_ATTENTION)),
-                         ("default pasa_attention (pre-pass incl.)", pasa_attention),
-                         ("portable kernel (pre-pass incl.)", portable),
-                         ("tma exact_attention_tma (pre-pass incl.)", tma.exact_attention_tma),
-                         ("pre-pass (centre_keys) alone", lambda q, k, v: tma.centre_keys(k))):
-            results.append(timed_row(shape, name, lambda fn=fn: fn(q, k, v), args.warmup, args.rep))
-            log(row_line(results[-1]))
-    return results, inputs
+    methods = (("sdpa-cudnn", sdpa_with(SDPBackend.CUDNN_ATTENTION)),
+               ("sdpa-flash", sdpa_with(SDPBackend.FLASH_ATTENTION)),
+               ("default pasa_attention (pre-pass incl.)", pasa_attention),
+               ("portable kernel (pre-pass incl.)", portable),
+               ("tma exact_attention_tma (pre-pass incl.)", tma.exact_attention_tma),
+               ("pre-pass (centre_keys) alone", lambda q, k, v: tma.centre_keys(k)))
+    return time_baselines(shapes, lambda shape: tuple(bnhd_view(*shape, gen) for _ in range(3)), methods,
+                          args.warmup, args.rep, log)
 
 
 def _check_config(c, draws, log) -> tuple[str, list]:

@@ -36,15 +36,14 @@ import time
 import traceback
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import triton  # noqa: E402
 
 from pasa_diffusers import numerics  # noqa: E402
-from hopper_bench_common import (Log, report_head, row_line, tflops,  # noqa: E402  (bench/, beside this script)
-                                 timed_row, write_report)
+from hopper_bench_common import (Log, report_head, row_line, sdpa_with, tflops,  # noqa: E402  (bench/)
+                                 time_baselines, timed_row, write_report)
 from pasa_diffusers.kernels import attn_fwd_tma as tma  # noqa: E402
 from pasa_diffusers.ops import pasa_attention  # noqa: E402
 from pasa_diffusers.reference import exact_shift_reference, golden_attention  # noqa: E402
@@ -199,29 +198,17 @@ def main() -> None:
         log(f"    {d.label}: {d.err_port:.2e} ({d.err_ref:.2e})")
 
     # ---- baselines: SDPA's backends, the portable kernel, the pre-pass ---------------------------
-    results = []
-    timing_inputs = {}
+    results, timing_inputs = [], {}
     if DEVICE == "cuda":
-        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.attention import SDPBackend
 
-        def sdpa(backend):
-            def run(q, k, v):
-                with sdpa_kernel(backend):
-                    return F.scaled_dot_product_attention(q, k, v)
-            return run
-
-        for shape in shapes:
-            b, h, n, d = shape
-            q, k, v = (bnhd_view(b, h, n, d, gen) for _ in range(3))
-            k_c, centres = tma.centre_keys(k)
-            timing_inputs[shape] = (q, k, v, k_c, centres, torch.empty_like(q))
-            for name, fn in (("sdpa-cudnn", sdpa(SDPBackend.CUDNN_ATTENTION)),
-                             ("sdpa-flash", sdpa(SDPBackend.FLASH_ATTENTION)),
-                             ("sdpa-efficient", sdpa(SDPBackend.EFFICIENT_ATTENTION)),
-                             ("portable exact-hybrid (op, pre-pass incl.)", portable),
-                             ("pre-pass (centre_k) alone", lambda q, k, v: tma.centre_keys(k))):
-                results.append(timed_row(shape, name, lambda fn=fn: fn(q, k, v), args.warmup, args.rep))
-                log(row_line(results[-1]))
+        methods = (("sdpa-cudnn", sdpa_with(SDPBackend.CUDNN_ATTENTION)),
+                   ("sdpa-flash", sdpa_with(SDPBackend.FLASH_ATTENTION)),
+                   ("sdpa-efficient", sdpa_with(SDPBackend.EFFICIENT_ATTENTION)),
+                   ("portable exact-hybrid (op, pre-pass incl.)", portable),
+                   ("pre-pass (centre_k) alone", lambda q, k, v: tma.centre_keys(k)))
+        results, timing_inputs = time_baselines(shapes, lambda shape: tuple(bnhd_view(*shape, gen) for _ in range(3)),
+                                                methods, args.warmup, args.rep, log)
 
     # ---- per config: check, then time (one config at a time: a hang loses only what follows) ----
     checks, status = {}, {}

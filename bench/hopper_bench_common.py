@@ -78,3 +78,31 @@ def write_report(out_dir: str | None, bench: str, markdown: str, dev: str, confi
     with open(os.path.join(out_dir, f"{bench}.json"), "w") as f:
         json.dump({"device": dev, "torch": torch.__version__, "triton": triton.__version__, "configs": config_names,
                    "status": status, "checks": checks, "results": results}, f, indent=1, default=str)
+
+
+def sdpa_with(backend):
+    """``(q, k, v) -> out`` through ``F.scaled_dot_product_attention`` restricted to one ``SDPBackend``."""
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+
+    def run(q, k, v):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v)
+    return run
+
+
+def time_baselines(shapes, make_qkv, methods, warmup: int, rep: int, log) -> tuple[list, dict]:
+    """Per shape: ``q, k, v = make_qkv(shape)`` (fp16 CUDA (B, H, N, D) views), each ``(name, fn)`` of
+    ``methods`` timed on them (:func:`timed_row`, logged as it goes).  Returns the rows and, per shape,
+    ``(q, k, v, k_c, centres, out)``: the inputs with the key pre-pass's outputs
+    (``attn_fwd_tma.centre_keys``) and an output buffer, for the configs timed next."""
+    from pasa_diffusers.kernels.attn_fwd_tma import centre_keys
+
+    results, inputs = [], {}
+    for shape in shapes:
+        q, k, v = make_qkv(shape)
+        inputs[shape] = (q, k, v, *centre_keys(k), torch.empty_like(q))
+        for name, fn in methods:
+            results.append(timed_row(shape, name, lambda fn=fn: fn(q, k, v), warmup, rep))
+            log(row_line(results[-1]))
+    return results, inputs
