@@ -24,13 +24,14 @@ systematic offset; here gamma is always computed from the stored entries.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
 from .rules import SHIFT_BLOCK
 
-__all__ = ["shift_entries", "gamma", "optimal_beta", "DEFAULT_BETA", "FP64"]
+__all__ = ["shift_entries", "gamma", "shift_constants", "optimal_beta", "DEFAULT_BETA", "FP64"]
 
 FP64 = torch.float64
 _SUPPORTED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -73,6 +74,28 @@ def gamma(beta: float, block_n: int = SHIFT_BLOCK, dtype: torch.dtype = torch.fl
         raise ValueError(f"beta={beta!r} makes the stored shift matrix singular for block_n={block_n}, "
                          f"dtype={dtype}, scale={scale}")
     return (scale - a) / a + scale * c * n / (a * (a - c * n))
+
+
+@functools.lru_cache(maxsize=256)
+def shift_constants(beta: float, n_keys: int, block_n: int, dtype: torch.dtype,
+                    scale: float) -> tuple[float, float, float, float, float, float]:
+    """What a PASA kernel over ``n_keys`` keys in blocks of ``block_n`` multiplies by, in float64 from the
+    stored entries: ``(a_full, c_full, a_tail, c_tail, gamma, tail_ratio)``.
+
+    ``a I - c 11^T`` is ``fp(scale M)`` of a full block (``a_full, c_full``) and of the ragged last block of
+    ``n_keys mod block_n`` keys (``a_tail, c_tail``; the full block's when there is none); ``gamma`` is the
+    full block's recovery factor (the tail's when ``n_keys < block_n``: then the only block is the tail);
+    ``tail_ratio = gamma_tail / gamma``.
+    """
+    n_first = min(block_n, n_keys)
+    diag, off = shift_entries(beta, n_first, dtype, scale)
+    a_full, c_full = diag - off, -off
+    gam = gamma(beta, n_first, dtype, scale)
+    n_tail = n_keys % block_n
+    if n_tail == 0 or n_keys < block_n:
+        return a_full, c_full, a_full, c_full, gam, 1.0
+    diag, off = shift_entries(beta, n_tail, dtype, scale)
+    return a_full, c_full, diag - off, -off, gam, gamma(beta, n_tail, dtype, scale) / gam
 
 
 def optimal_beta(block_n: int = SHIFT_BLOCK, dtype: torch.dtype = torch.float16, scale: float = 1.0, *,

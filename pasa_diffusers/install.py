@@ -1,6 +1,6 @@
 """Installing attention processors on a diffusers model or pipeline: ``apply``, ``restore``, counters.
 
-``apply`` installs one fresh processor of a named backend (``BACKENDS``) on every selected attention
+``apply`` installs one fresh processor of a named backend (``backends.BACKENDS``) on every selected attention
 module, chosen by module kind (``module_kind``: spatial or temporal, self or cross, other);
 ``restore`` puts back the processors it replaced; ``fallback_summary`` adds up the counters of the
 processors installed.
@@ -22,30 +22,15 @@ from typing import Any
 import torch
 from diffusers import DiffusionPipeline
 
-from . import rules
-from .processors import (BF16AttnProcessor, CountedAttnProcessor, FP32AttnProcessor, NaiveHalfAttnProcessor,
-                         PASAAttnProcessor, SDPAAttnProcessor)
+from . import backends, processors, rules
+from .processors import CountedAttnProcessor, PASAAttnProcessor
 
-__all__ = ["BACKENDS", "KINDS", "cast_dtype", "AllCallsFellBackError", "module_kind", "apply", "restore",
-           "fallback_summary"]
+__all__ = ["KINDS", "cast_dtype", "AllCallsFellBackError", "module_kind", "apply", "restore", "fallback_summary"]
 
 KINDS = ("spatial-self", "spatial-cross", "temporal-self", "temporal-cross", "other")
 """Module kinds ``apply`` distinguishes, by processor key (see ``module_kind``)."""
 
 _SAVED_ATTR = "_pasa_saved_processors"
-
-BACKENDS: dict[str, tuple[type[CountedAttnProcessor], dict[str, Any]]] = {
-    "pasa": (PASAAttnProcessor, {}),  # the processor's defaults: the exact shift, hybrid
-    "pasa-half": (PASAAttnProcessor, {"precision": "half", "shift": "exact"}),
-    "pasa-paper": (PASAAttnProcessor, {"precision": "half", "shift": True}),
-    "pasa-paper-hybrid": (PASAAttnProcessor, {"precision": "hybrid", "shift": True}),
-    "fp32": (FP32AttnProcessor, {}),
-    "naive-half": (NaiveHalfAttnProcessor, {}),
-    "sdpa": (SDPAAttnProcessor, {}),
-    "bf16": (BF16AttnProcessor, {}),
-}
-"""Backend name -> (processor class, the constructor arguments the name fixes)."""
-
 
 class AllCallsFellBackError(RuntimeError):
     """Every attention call of a backend was computed by a fallback: its output is not the backend's."""
@@ -95,14 +80,17 @@ def _model_dtype(model: torch.nn.Module) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) else next(model.parameters()).dtype
 
 
+def _processor_class(entry: backends.Backend) -> type[CountedAttnProcessor]:
+    return getattr(processors, entry.processor)
+
+
 def _processor_arguments(backend: str, options: dict[str, Any], model_dtype: torch.dtype) -> dict[str, Any]:
     """The constructor arguments of ``backend``'s processor in a model of ``model_dtype``, checked.
 
     For a PASA processor: its options pass ``rules.check_options``, an explicit ``dtype`` must be one
     its precision takes, and without one q, k, v are cast to fp16 when the model's dtype is not taken."""
-    if backend not in BACKENDS:
-        raise ValueError(f"apply: unknown backend={backend!r}; expected one of {tuple(BACKENDS)}")
-    cls, fixed = BACKENDS[backend]
+    entry = backends.get(backend, "apply")
+    cls, fixed = _processor_class(entry), entry.options
     clashing = sorted(set(fixed) & set(options))
     if clashing:
         raise ValueError(f"apply: backend={backend!r} fixes {fixed}; remove {clashing} from the options")
@@ -163,7 +151,7 @@ def apply(
         model_or_pipeline: a diffusers model (e.g. ``UNetSpatioTemporalConditionModel``,
             ``UNet2DConditionModel``, a VAE) or a pipeline, which stands for ``pipe.unet`` (and
             ``pipe.vae`` with ``vae=True``).
-        backend: one of ``BACKENDS``: ``"pasa"`` (the exact shift, fp32 softmax state: the default),
+        backend: one of ``backends.BACKENDS``: ``"pasa"`` (the exact shift, fp32 softmax state: the default),
             ``"pasa-half"`` (the exact shift, fp16 scores and accumulator), ``"pasa-paper"`` (the paper's
             fully-FP16 PASA), ``"pasa-paper-hybrid"`` (the paper's shift, fp32 softmax state),
             ``"naive-half"``, ``"sdpa"``, ``"bf16"``, ``"fp32"``.
@@ -201,7 +189,7 @@ def apply(
     plans = []
     for prefix, model in models:
         dtype = _model_dtype(model)
-        cls, arguments = BACKENDS[backend][0], _processor_arguments(backend, options, dtype)
+        cls, arguments = _processor_class(backends.BACKENDS[backend]), _processor_arguments(backend, options, dtype)
         processors = dict(model.attn_processors)
         for key in list(processors):
             kind = module_kind(key)

@@ -19,7 +19,8 @@ import torch
 
 from . import reference
 from .beta import shift_entries
-from .rules import SHIFT_BLOCK
+from .rules import FP16_MAX, SHIFT_BLOCK
+from .variants import Variant
 
 __all__ = [
     "paper_inputs",
@@ -58,8 +59,6 @@ PAPER_SHAPE = (1, 28, 4, 1407, 128)
 QUICK_SHAPE = (1, 4, 1, 391, 128)
 """The ``--quick`` shape: the paper's head dim and a ragged tail (391 = 3 * 128 + 7), 4 query heads."""
 PAPER_SEED = 2024724
-FP16_MAX = 65504.0
-"""The largest finite fp16 value."""
 
 
 def _generator(seed: int) -> torch.Generator:
@@ -267,27 +266,31 @@ def nonfinite_count(out: torch.Tensor) -> int:
     return int((~torch.isfinite(out)).sum().item())
 
 
-Variant = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _bf16(fn: Variant) -> Variant:
+def _reference_of(variant: Variant) -> AttentionFn:
+    return lambda q, k, v: reference.attention(q, k, v, None, variant, None)
+
+
+def _bf16(fn: AttentionFn) -> AttentionFn:
     return lambda q, k, v: fn(q.bfloat16(), k.bfloat16(), v.bfloat16())
 
 
-VARIANTS: dict[str, Variant] = {
-    "FA fp32": lambda q, k, v: reference.flash_reference(q, k, v, precision="fp32"),
-    "FA half": lambda q, k, v: reference.flash_reference(q, k, v, precision="half"),
-    "FA bf16": _bf16(lambda q, k, v: reference.flash_reference(q, k, v, precision="fp32")),
+_FA_HYBRID = Variant("none", "hybrid")
+VARIANTS: dict[str, AttentionFn] = {
+    _FA_HYBRID.label: _reference_of(_FA_HYBRID),
+    "FA half": _reference_of(Variant("none", "half")),
+    "FA bf16": _bf16(_reference_of(_FA_HYBRID)),
     "smooth-K half": lambda q, k, v: reference.smooth_k_reference(q, k, v, precision="half"),
-    "PASA half": lambda q, k, v: reference.pasa_reference(q, k, v, precision="half"),
-    "PASA hybrid": lambda q, k, v: reference.pasa_reference(q, k, v, precision="hybrid"),
-    "exact hybrid": lambda q, k, v: reference.exact_shift_reference(q, k, v, precision="hybrid"),
-    "exact half": lambda q, k, v: reference.exact_shift_reference(q, k, v, precision="half"),
+    **{v.label: _reference_of(v) for v in (Variant("pasa", "half"), Variant("pasa", "hybrid"),
+                                            Variant("exact", "hybrid"), Variant("exact", "half"))},
 }
-"""The study's variants on fp16 inputs.  "FA bf16" re-rounds the inputs to bf16 (its error includes
-that rounding, which is what running a model in bf16 costs); "FA fp32" is FlashAttention-2/cuDNN
-(fp16 GEMMs, fp32 scores and state); "FA half" the naive fully-FP16 kernel; "exact hybrid" | "exact half" the exact shift
-(``reference.exact_shift_reference``: block means of K removed exactly, the removed logit carried in fp32)."""
+"""The study's variants on fp16 inputs, by ``Variant.label``.  "FA bf16" re-rounds the inputs to bf16 (its
+error includes that rounding, which is what running a model in bf16 costs); "FA hybrid" is
+FlashAttention-2/cuDNN (fp16 GEMMs, fp32 scores and state); "FA half" the naive fully-FP16 kernel;
+"exact hybrid" | "exact half" the exact shift (``reference.exact_shift_reference``: block means of K
+removed exactly, the removed logit carried in fp32)."""
 
 
 def stress_cases(shape: tuple[int, ...] = (1, 2, 1, 300, 128), seed: int = PAPER_SEED

@@ -1,14 +1,15 @@
 """The public attention op: validation, dispatch and its ``torch.library`` registration.
 
-``pasa_attention`` reads like ``torch.nn.functional.scaled_dot_product_attention``.  Dispatch:
+``pasa_attention`` reads like ``torch.nn.functional.scaled_dot_product_attention``.  It checks its
+inputs once (``rules``), converts ``shift`` to its name once (``variants.shift_mode``), and then:
 
-- CUDA tensors run the fused Triton kernel (``kernels/pasa_fwd.py``; the exact shift's short one-block
-  sequences, temporal attention, through ``kernels/packed_fwd.py``);
-- CPU tensors run the kernel itself when ``TRITON_INTERPRET=1`` is set (Triton's numpy
+- CUDA tensors go to ``kernels.dispatch.forward``, which picks the kernel (``dispatch.plan`` says which
+  and why);
+- CPU tensors run the kernels themselves when ``TRITON_INTERPRET=1`` is set (Triton's numpy
   interpreter: slow, for tests), and otherwise the exact PyTorch reference of the same variant
-  (``reference.py``), which rounds to the same dtypes at the same points as the kernel (it evaluates
-  the exponentials as ``exp`` in fp32 where the kernel takes ``exp2`` of an FMA, so the two agree to
-  within rounding, not bit for bit);
+  (``reference.attention``), which rounds to the same dtypes at the same points as the kernels (it
+  evaluates the exponentials as ``exp`` in fp32 where the kernels take ``exp2`` of an FMA, so the two
+  agree to within rounding, not bit for bit);
 - ``precision="fp64"`` runs the reference with no rounding at all, on any device (for
   ``shift="exact"`` the float64 golden attention: the exact shift is exact in real arithmetic).
 
@@ -25,8 +26,14 @@ import torch
 
 from . import reference, rules
 from .beta import DEFAULT_BETA
+from .variants import Variant
 
 __all__ = ["pasa_attention"]
+
+
+def _interpreting() -> bool:
+    """Whether CPU tensors run the kernels (Triton's interpreter), read per call."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, precision: str,
@@ -39,8 +46,8 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
     if layout == "bnhd":
         q, k, v = (t.transpose(1, 2) if isinstance(t, torch.Tensor) else t for t in (q, k, v))
     rules.check_qkv(fn, q, k, v, precision)
-    if precision != "fp64" and q.device.type != "cpu":
-        rules.check_kernel_tensors(fn, q, k, v, interpret=False)
+    if precision != "fp64" and (q.device.type != "cpu" or _interpreting()):
+        rules.check_kernel_tensors(fn, q, k, v, interpret=_interpreting())
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise RuntimeError(f"{fn}: the op has no backward (forward-only, for inference); q, k or v requires grad. "
                            "Call it under torch.no_grad() / torch.inference_mode(), or detach the inputs")
@@ -49,37 +56,25 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
 def _use_kernel(device: torch.device, precision: str) -> bool:
     if precision == "fp64":
         return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _attention_bhnd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, scale: float,
-                    precision: str, shift_mode: str, beta: float) -> None:
-    """Write attention of (B, H, N, D) views ``q, k, v`` into the (B, H, N, D) view ``out``."""
-    if _use_kernel(q.device, precision):
-        from .kernels.pasa_fwd import pasa_forward
-
-        shift = {"exact": "exact", "pasa": True, "none": False}[shift_mode]
-        pasa_forward(q, k, v, out, scale=scale, precision=precision, shift=shift, beta=beta)
-    elif shift_mode == "exact" and precision != "fp64":
-        out.copy_(reference.exact_shift_reference(q, k, v, scale, precision=precision))
-    elif shift_mode == "pasa":
-        out.copy_(reference.pasa_reference(q, k, v, scale, beta=beta, precision=precision))
-    elif precision == "fp64":
-        out.copy_(reference.golden_attention(q, k, v, scale))
-    else:
-        flash_precision = "half" if precision == "half" else "fp32"
-        out.copy_(reference.flash_reference(q, k, v, scale, precision=flash_precision))
+    return device.type == "cuda" or _interpreting()
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, precision: str, shift: str,
-                  beta: float, layout: str) -> torch.Tensor:
-    out_dtype = torch.float64 if precision == "fp64" else q.dtype
-    out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
+               beta: float, layout: str) -> torch.Tensor:
+    """The op on checked arguments (``shift`` a name of ``variants.SHIFT_MODES``); the output has ``q``'s
+    layout, contiguous."""
+    variant = Variant(shift, precision)
+    out = torch.empty(q.shape, dtype=torch.float64 if precision == "fp64" else q.dtype, device=q.device)
     if layout == "bnhd":
-        q, k, v, out_view = (t.transpose(1, 2) for t in (q, k, v, out))
+        q, k, v, out_bhnd = (t.transpose(1, 2) for t in (q, k, v, out))
     else:
-        out_view = out
-    _attention_bhnd(q, k, v, out_view, scale, precision, shift, beta)
+        out_bhnd = out
+    if _use_kernel(q.device, precision):
+        from .kernels import dispatch
+
+        dispatch.forward(q, k, v, out_bhnd, scale=scale, variant=variant, beta=beta)
+    else:
+        out_bhnd.copy_(reference.attention(q, k, v, scale, variant, beta))
     return out
 
 
@@ -110,31 +105,30 @@ def pasa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
         shift: ``"exact"`` (default) for the exact shift: each 128-key block's mean of K removed
             exactly and the removed logit ``scale q . c_j`` carried in fp32
             (``reference.exact_shift_reference``): as accurate as FP32-score FlashAttention in
-            ``"hybrid"``, overflow-free in ``"half"``; ``True`` for the paper's PASA (pseudo-average
-            shift with global recovering); ``False`` for plain FlashAttention (in ``"half"`` the naive
-            control, which overflows above 65504).
-        beta: shift strength in (0, 1), default ``DEFAULT_BETA`` (0.9375).
+            ``"hybrid"``, overflow-free in ``"half"``; ``"pasa"`` (or ``True``) for the paper's PASA
+            (pseudo-average shift with global recovering); ``"none"`` (or ``False``) for plain
+            FlashAttention (in ``"half"`` the naive control, which overflows above 65504).
+        beta: PASA's shift strength in (0, 1), default ``DEFAULT_BETA`` (0.9375).
         layout: ``"bhnd"`` or ``"bnhd"``; the output has the layout of ``q``, contiguous.
 
     Returns:
         The attention output in ``q.dtype`` (float64 for ``precision="fp64"``), head dim 16 to 256.
 
-    Kernels (CUDA): ``kernels.pasa_fwd.pasa_forward`` picks them; the default's keys of several blocks
-    (spatial attention) go through the pre-pass and, on sm_90 with Triton's Gluon 3.6 for fp16 and
-    head dim 64, FlashAttention-3's structure (``kernels/attn_fwd_gluon.py``), else the portable loop;
-    short one-block sequences (temporal attention) through ``kernels/packed_fwd.py``.  All give the
-    same variant's result within its bound (``tests/test_kernel_gpu.py``).
+    Kernels (CUDA): ``kernels.dispatch.plan`` picks them: the Gluon kernel in FA3's structure for the
+    default on sm_90 (fp16, head dim 64, keys of several blocks), the packed kernel for short one-block
+    sequences (temporal attention), the portable FlashAttention-2 loop for everything else.  All give
+    the variant's result within its bound (``tests/test_kernel_gpu.py``).
 
     Raises:
         ValueError: an argument out of ``rules``' ranges (named in the message).
         RuntimeError: an input requires grad while grad mode is on: the op is forward-only.
     """
     _validate(q, k, v, scale, precision, shift, beta, layout)
-    head_dim = q.shape[-1]
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     beta = DEFAULT_BETA if beta is None else float(beta)
+    mode = rules.shift_mode(shift)
     if torch.compiler.is_compiling():
-        return _attention_op(q, k, v, scale, precision, rules.shift_mode(shift), beta, layout)
+        return _attention_op(q, k, v, scale, precision, mode, beta, layout)
     # eager: the implementation itself, without the dispatcher's round trip (torch's custom-op wrapper
     # also imports torch._dynamo on its first call: 2-3 s of cold start)
-    return _attention(q, k, v, scale, precision, rules.shift_mode(shift), beta, layout)
+    return _attention(q, k, v, scale, precision, mode, beta, layout)

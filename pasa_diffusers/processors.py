@@ -36,6 +36,7 @@ from diffusers.models.attention_processor import Attention
 
 from . import rules
 from .ops import pasa_attention
+from .variants import Variant
 
 __all__ = [
     "CountedAttnProcessor",
@@ -93,7 +94,7 @@ class CountedAttnProcessor:
         calls: attention calls served (fallbacks included), in eager mode.
         fallbacks: number of fallback calls per reason, in eager mode.
         name: module path, set by ``apply``; used in the fallback warning and in errors.
-        backend: the ``install.BACKENDS`` name it was installed as, set by ``apply`` (``None`` otherwise).
+        backend: the ``backends.BACKENDS`` name it was installed as, set by ``apply`` (``None`` otherwise).
     """
 
     def __init__(self, dtype: torch.dtype | None = None) -> None:
@@ -243,15 +244,18 @@ class PASAAttnProcessor(CountedAttnProcessor):
         precision: ``"hybrid"`` (fp16/bf16 GEMMs, fp32 softmax state), ``"half"`` (fp16 scores and
             accumulator) or ``"fp64"`` (the exact reference math; slow, for tests).
         shift: ``"exact"`` for the exact shift (K's block mean removed exactly, the removed ``q . kbar``
-            carried in fp32), ``True`` for the paper's PASA, ``False`` for plain FlashAttention in the
-            same precision.
+            carried in fp32), ``"pasa"`` (or ``True``) for the paper's PASA, ``"none"`` (or ``False``) for
+            plain FlashAttention in the same precision.
         beta: PASA's shift strength in (0, 1); ``None`` uses the op's default.
         dtype: the dtype attention works on (see ``CountedAttnProcessor``).
 
     Falls back (counted, logged once per reason) for an attention mask (``"attention mask"``) and a
-    single key (``"single key"``) only.  A head dim outside ``[rules.MIN_HEAD_DIM, rules.MAX_HEAD_DIM]``
-    or an input dtype the precision does not take (``rules.PRECISION_DTYPES``; pass ``dtype`` to cast)
-    raises ``ValueError``.
+    single key (``"single key"``) only.  ``install.apply`` checks every module's head dim and dtype
+    against the op's rules before installing; a call the op cannot take raises the op's ``ValueError``
+    with the module's name.
+
+    Attributes:
+        variant: the op's ``variants.Variant`` this processor runs.
     """
 
     def __init__(
@@ -267,9 +271,16 @@ class PASAAttnProcessor(CountedAttnProcessor):
         if dtype is not None and dtype not in rules.PRECISION_DTYPES[precision]:
             raise ValueError(f"{fn}: precision={precision!r} takes {_names(rules.PRECISION_DTYPES[precision])} "
                              f"inputs, got dtype={dtype}")
-        self.precision = precision
-        self.shift = shift
+        self.variant = Variant(rules.shift_mode(shift), precision)
         self.beta = beta
+
+    @property
+    def precision(self) -> str:
+        return self.variant.precision
+
+    @property
+    def shift(self) -> str:
+        return self.variant.shift
 
     def fallback_reason(
         self, query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None
@@ -289,23 +300,20 @@ class PASAAttnProcessor(CountedAttnProcessor):
         attn: Attention,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        unsupported = rules.unsupported_reason(query.shape[-1], query.dtype, self.precision)
-        if unsupported is not None:
-            raise ValueError(
-                f"{type(self).__name__}(precision={self.precision!r}): {self.name or 'an attention module'} has "
-                f"{unsupported}; the PASA op takes head dims {rules.MIN_HEAD_DIM}..{rules.MAX_HEAD_DIM} and "
-                f"{_names(rules.PRECISION_DTYPES[self.precision])} inputs (pass dtype= to cast q, k, v)"
+        try:
+            return pasa_attention(
+                query,
+                key,
+                value,
+                scale=attn.scale,
+                precision=self.variant.precision,
+                shift=self.variant.shift,
+                beta=self.beta,
+                layout="bnhd",
             )
-        return pasa_attention(
-            query,
-            key,
-            value,
-            scale=attn.scale,
-            precision=self.precision,
-            shift=self.shift,
-            beta=self.beta,
-            layout="bnhd",
-        )
+        except ValueError as error:
+            raise ValueError(f"{type(self).__name__}(precision={self.precision!r}) in "
+                             f"{self.name or 'an attention module'}: {error} (pass dtype= to cast q, k, v)") from error
 
 
 class NaiveHalfAttnProcessor(PASAAttnProcessor):
@@ -313,7 +321,7 @@ class NaiveHalfAttnProcessor(PASAAttnProcessor):
     The control: fully-FP16 FlashAttention without PASA's shift (inf/NaN once a raw score passes 65504).
     """
 
-    FIXED = {"precision": "half", "shift": False}
+    FIXED = {"precision": "half", "shift": "none"}
     """The ``PASAAttnProcessor`` settings this control fixes."""
 
     def __init__(self, dtype: torch.dtype | None = None) -> None:

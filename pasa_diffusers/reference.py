@@ -19,10 +19,12 @@ import math
 import torch
 
 from . import rules
+from .variants import Variant
 from .beta import DEFAULT_BETA, shift_entries
 from .beta import gamma as recovery_gamma
 
 __all__ = [
+    "attention",
     "golden_attention",
     "flash_reference",
     "pasa_reference",
@@ -34,7 +36,7 @@ __all__ = [
 ]
 
 
-_FLASH_PRECISIONS = ("fp32", "half")
+_FLASH_PRECISIONS = ("hybrid", "half")
 _PASA_PRECISIONS = ("half", "hybrid", "fp64")
 _EXACT_PRECISIONS = ("hybrid", "half")
 
@@ -112,12 +114,12 @@ def _key_blocks(n: int, block_n: int):
 
 
 def flash_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, *,
-                    block_m: int = 128, block_n: int = rules.SHIFT_BLOCK, precision: str = "fp32") -> torch.Tensor:
+                    block_m: int = 128, block_n: int = rules.SHIFT_BLOCK, precision: str = "hybrid") -> torch.Tensor:
     """Online-softmax FlashAttention over key blocks of ``block_n``.
 
-    ``"fp32"``: scores ``fp32(q k^T) * scale``, softmax state and accumulator in fp32, ``P`` rounded to
+    ``"hybrid"``: scores ``fp32(q k^T) * scale``, softmax state and accumulator in fp32, ``P`` rounded to
     the GEMM dtype for ``P V`` (as FlashAttention-2 and cuDNN do) and ``l`` summing those rounded
-    values (as the kernel does: see ``kernels/pasa_fwd.py``, ``_merge``).
+    values (as the kernel does: see ``kernels/portable.py``, ``_merge``).
     ``"half"``: raw scores ``fp16(q k^T)`` (inf above 65504), then every stage in fp16: the naive
     fully-FP16 kernel, which returns NaN once a score overflows.
     Output in ``q.dtype``.
@@ -125,7 +127,7 @@ def flash_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     fn = "flash_reference"
     scale = _check_call(fn, q, k, v, scale, precision, _FLASH_PRECISIONS, block_m, block_n)
     g = gemm_dtype(q.dtype)
-    st = torch.float32 if precision == "fp32" else torch.float16
+    st = torch.float32 if precision == "hybrid" else torch.float16
     qg = q.to(g)
     kg, vg = _expand_kv(k.to(g), q.shape[1]), _expand_kv(v.to(g), q.shape[1])
     out = torch.empty(q.shape[:3] + (v.shape[-1],), dtype=q.dtype, device=q.device)
@@ -342,3 +344,19 @@ def exact_shift_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
             m_i = m_new
         out[:, :, rows] = (acc.to(f32) / l_i).to(q.dtype)
     return out
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, variant: Variant,
+              beta: float | None) -> torch.Tensor:
+    """The reference of ``variant``: what the op computes for CPU tensors (``fp64``: the unrounded math,
+    float64 out; the exact shift in ``fp64`` is the golden attention, exact in real arithmetic).
+    ``scale=None``: ``1/sqrt(D)``; ``beta=None``: ``DEFAULT_BETA`` (read by PASA only)."""
+    if variant.precision == "fp64":
+        if variant.shift == "pasa":
+            return pasa_reference(q, k, v, scale, beta=beta, precision="fp64")
+        return golden_attention(q, k, v, scale)
+    if variant.shift == "exact":
+        return exact_shift_reference(q, k, v, scale, precision=variant.precision)
+    if variant.shift == "pasa":
+        return pasa_reference(q, k, v, scale, beta=beta, precision=variant.precision)
+    return flash_reference(q, k, v, scale, precision=variant.precision)

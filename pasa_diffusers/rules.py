@@ -1,10 +1,10 @@
 """The input rules of the attention op, stated once: names, ranges and the checks that enforce them.
 
-The public op (``ops.py``), the kernel launcher (``kernels/launch.py``), the references
-(``reference.py``) and the processors and their installation (``processors.py``, ``install.py``) all
-check their inputs here, so that every rule has one wording and one place.  Every check raises
-``ValueError`` whose message starts with the calling function's name and names the argument and the
-value it got.  This module imports only torch.
+The public op (``ops.py``), the references (``reference.py``) and the processors' installation
+(``install.py``) check their inputs here, so that every rule has one wording and one place; the kernels
+behind the op take what it has checked.  Every check raises ``ValueError`` whose message starts with the
+calling function's name and names the argument and the value it got.  This module imports only torch
+and ``variants``.
 """
 from __future__ import annotations
 
@@ -13,16 +13,19 @@ from typing import Any
 
 import torch
 
+from .variants import KERNEL_PRECISIONS, PRECISIONS, SHIFT_MODES, shift_mode
+
 __all__ = [
     "PRECISIONS",
     "KERNEL_PRECISIONS",
-    "SHIFTS",
+    "SHIFT_MODES",
     "LAYOUTS",
     "SUPPORTED_DTYPES",
     "PRECISION_DTYPES",
     "MIN_HEAD_DIM",
     "MAX_HEAD_DIM",
     "SHIFT_BLOCK",
+    "FP16_MAX",
     "DEFAULT_PRECISION",
     "DEFAULT_SHIFT",
     "shift_mode",
@@ -31,16 +34,6 @@ __all__ = [
     "check_kernel_tensors",
     "unsupported_reason",
 ]
-
-PRECISIONS = ("hybrid", "half", "fp64")
-"""``"hybrid"``: fp16/bf16 GEMMs, fp32 softmax state and accumulator; ``"half"``: fp16 scores and
-accumulator; ``"fp64"``: the exact reference, no rounding (tests)."""
-
-KERNEL_PRECISIONS = ("hybrid", "half")
-"""The precisions the Triton kernel runs."""
-
-SHIFTS = ("exact", True, False)
-"""``"exact"``: the exact shift (the default); ``True``: the paper's PASA; ``False``: plain FlashAttention."""
 
 LAYOUTS = ("bhnd", "bnhd")
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
@@ -56,17 +49,11 @@ MAX_HEAD_DIM = 256
 SHIFT_BLOCK = 128
 """Keys per shift block (PASA's ``n``, the exact shift's centring block): part of the result, not a tile size."""
 
+FP16_MAX = 65504.0
+"""The largest finite fp16 value: a score above it overflows to inf in fp16."""
+
 DEFAULT_PRECISION = "hybrid"
-DEFAULT_SHIFT: bool | str = "exact"
-
-
-def shift_mode(shift: bool | str) -> str:
-    """The name of a ``shift`` value: ``"exact"``, ``"pasa"`` (``True``) or ``"none"`` (``False``)."""
-    if shift is True:
-        return "pasa"
-    if shift is False:
-        return "none"
-    return "exact"
+DEFAULT_SHIFT = "exact"
 
 
 def _is_real(x: Any) -> bool:
@@ -79,8 +66,7 @@ def check_options(fn: str, *, precision: str, shift: bool | str, beta: float | N
     (not a bool), ``layout``.  ``None`` for ``beta``/``scale`` means the default; ``layout=None`` skips it."""
     if not (isinstance(precision, str) and precision in PRECISIONS):
         raise ValueError(f"{fn}: unknown precision={precision!r}; expected one of {PRECISIONS}")
-    if not (isinstance(shift, bool) or (isinstance(shift, str) and shift == "exact")):
-        raise ValueError(f"{fn}: unknown shift={shift!r}; expected one of {SHIFTS}")
+    shift_mode(shift, fn)
     if beta is not None and not (_is_real(beta) and 0.0 < float(beta) < 1.0):
         raise ValueError(f"{fn}: beta must be a number in (0, 1), got beta={beta!r}")
     if scale is not None and not (_is_real(scale) and math.isfinite(scale) and scale > 0):

@@ -30,7 +30,7 @@ def _build_interpreted_kernels() -> None:
         knobs = getattr(triton, "knobs", None)  # triton >= 3.4
         if knobs is not None:
             knobs.runtime.interpret = True  # triton keeps interpreting once the variable is gone
-        import pasa_diffusers.kernels.pasa_fwd  # noqa: F401
+        import pasa_diffusers.kernels.dispatch  # noqa: F401
     except ImportError:  # no triton on this host: the kernel tests skip themselves
         pass
     finally:
@@ -45,7 +45,7 @@ if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ and "t
 def kernels_interpreted() -> bool:
     """Whether ``pasa_diffusers.kernels`` runs under Triton's interpreter (False without triton)."""
     try:
-        from pasa_diffusers.kernels.pasa_fwd import INTERPRET
+        from pasa_diffusers.kernels.common import INTERPRET
     except ImportError:
         return False
     return INTERPRET

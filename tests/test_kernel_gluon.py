@@ -1,9 +1,9 @@
-"""The Gluon Hopper kernel (``kernels/attn_fwd_gluon.py``, issue 16) on a machine that cannot run it.
+"""The Gluon Hopper kernel (``kernels/hopper.py``) on a machine that cannot run it.
 
-Its numbers come from the GPU (``bench/bench_gluon.py``: every config checked against the golden
-attention before it is timed) and its sm_90 compilation from ``bench/gluon_compile_check.py``; here:
-the module imports whatever the Triton release, a launch without Gluon 3.6 says so, and bad configs
-are refused by name before anything is built.
+Its numbers come from the GPU (``bench.hopper``: every config checked against the golden attention
+before it is timed) and its sm_90 compilation from ``bench.compile_sm90``; here: the module imports
+whatever the Triton release, the router says why it cannot take a call, and bad configs are refused by
+name before anything is built.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from pasa_diffusers.kernels import attn_fwd_gluon as glu  # noqa: E402
+from pasa_diffusers.kernels import hopper  # noqa: E402
 
 
 def _inputs():
@@ -20,10 +20,11 @@ def _inputs():
     return q, q.clone(), q.clone(), torch.zeros(1, 2, 1, 64), torch.empty_like(q)
 
 
-@pytest.mark.skipif(glu.gluon_unavailable_reason() is None, reason="this triton has Gluon 3.6: launching needs sm_90")
-def test_launch_without_gluon_36_says_why():
-    with pytest.raises(RuntimeError, match=r"exact_forward_gluon: .*triton .*use attn_fwd_tma.exact_forward_tma"):
-        glu.exact_forward_gluon(*_inputs(), scale=0.125)
+def test_unsuitable_reason_names_what_is_missing():
+    q, _, v, _, out = _inputs()
+    reason = hopper.unsuitable_reason(q, v, out, precision="hybrid", block_n=128)
+    unavailable = hopper.unavailable_reason()
+    assert reason == (unavailable if unavailable is not None else "it runs on CUDA GPUs, got cpu")
 
 
 @pytest.mark.parametrize("config,match", [
@@ -35,4 +36,4 @@ def test_launch_without_gluon_36_says_why():
 ])
 def test_bad_configs_are_refused_by_name(config, match):
     with pytest.raises(ValueError, match=match):
-        glu.kernel_call(*_inputs(), scale=0.125, config=config)
+        hopper.kernel_call(*_inputs(), scale=0.125, config=config)

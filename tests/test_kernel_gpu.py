@@ -9,13 +9,13 @@ golden output computed on the GPU in float64:
     err(kernel) <= K * err(reference of the same variant) + TINY
 
 (the reference of the same variant: ``pasa_reference(precision=p)`` for PASA,
-``flash_reference("half" | "fp32")`` for plain FA half | hybrid, computed on the same GPU tensors).
+``flash_reference("half" | "hybrid")`` for plain FA half | hybrid, computed on the same GPU tensors).
 
 - Hybrid, ``K = 2``: the kernel rounds at the same points as the reference (fp32 GEMM accumulation,
   fp32 state) and only sums in another order (the interpreter measured ratios 0.97-1.00).  Two
   differences are of the hardware: the tensor cores truncate their fp32 accumulators (about half an
-  ulp per k-step of 16, ``bench/accumulation_probe.py``), and the kernel's ``l`` sums the ``p`` rounded
-  for ``P V`` (``pasa_fwd.py``, "Normalizer"); neither moves the error measurably (H200, uniform(30,
+  ulp per k-step of 16, ``bench.accumulation``), and the kernel's ``l`` sums the ``p`` rounded
+  for ``P V`` (``kernels/portable.py``, ``_merge``); neither moves the error measurably (H200, uniform(30,
   20): FA hybrid 5.4e-5 against the reference's 6.2e-5 and SDPA cuDNN's 5.5e-5).
 - Half, ``K = 3``: on sm_90 ``tl.dot(..., out_dtype=fp16)`` is a wgmma with fp16 accumulators, which
   round to nearest after every k-step of 16 (measured): ``D / 16`` roundings of each score instead of
@@ -41,6 +41,7 @@ import torch
 
 from pasa_diffusers import numerics
 from pasa_diffusers.ops import pasa_attention
+from pasa_diffusers.variants import Variant
 from pasa_diffusers.reference import (DEFAULT_BETA, exact_shift_reference, flash_reference, golden_attention,
                                       pasa_reference)
 
@@ -111,7 +112,7 @@ def _bnhd(*tensors):
 
 def _op(q, k, v, kind, precision):
     """The op on (B, N, H, D) tensors, as a diffusers processor calls it; returns (B, H, N, D)."""
-    shift = "exact" if kind == "exact" else kind == "pasa"
+    shift = {"flash": "none"}.get(kind, kind)
     out = pasa_attention(*_bnhd(q, k, v), precision=precision, shift=shift, layout="bnhd")
     return out.transpose(1, 2)
 
@@ -123,7 +124,7 @@ def _reference(q, k, v, kind, precision, **options):
         return pasa_reference(q, k, v, precision=precision, block_m=rows, **options)
     if kind == "exact":
         return exact_shift_reference(q, k, v, precision=precision, block_m=rows, **options)
-    return flash_reference(q, k, v, precision="fp32" if precision == "hybrid" else "half", block_m=rows, **options)
+    return flash_reference(q, k, v, precision=precision, block_m=rows, **options)
 
 
 def _check(case, out, ref, gold, kind, precision, k_bound=None):
@@ -169,26 +170,28 @@ def test_more_than_65535_batch_heads(kind, precision, gen):
     _check("(18432,5,25,64)", out, _reference(q, k, v, kind, precision), golden_attention(q, k, v), kind, precision)
 
 
+KEY_PATHS = {"fused": {"kernel": "portable", "prepass": False}, "prepass": {"kernel": "portable", "prepass": True},
+             "packed": {"kernel": "packed"}}
+"""The ways keys reach the kernels: shifted or centred in the portable loop, by the pre-pass, in the packed kernel."""
 POISON_CASES = [("pasa", s, m) for s in list(RAGGED_SHAPES)[:2] for m in ("fused", "prepass")] + [
     ("exact", "gqa,d80,ragged", "prepass"), ("exact", "temporal-25", "fused"), ("exact", "temporal-25", "prepass"),
     ("exact", "temporal-25", "packed")]
 
 
-@pytest.mark.parametrize("kind,shape_name,shift_k", POISON_CASES, ids=["-".join(c) for c in POISON_CASES])
+@pytest.mark.parametrize("kind,shape_name,key_path", POISON_CASES, ids=["-".join(c) for c in POISON_CASES])
 @pytest.mark.parametrize("precision", ["half", "hybrid"])
-def test_poisoned_strided_output_is_fully_written(precision, kind, shape_name, shift_k, gen):
+def test_poisoned_strided_output_is_fully_written(precision, kind, shape_name, key_path, gen):
     """The kernel wrapper writes every element of a strided (B, N, H, D)-viewed output, whichever way
     the keys are shifted (PASA) or centred (the exact shift)."""
-    from pasa_diffusers.kernels.pasa_fwd import pasa_forward
+    from pasa_diffusers.kernels import dispatch
 
     shape = {**RAGGED_SHAPES, **SVD_SHAPES}[shape_name]
     q, k, v = (t.transpose(1, 2) for t in _bnhd(*_biased_inputs(shape, gen)))
     b, hq, nq, d = q.shape
     out = torch.full((b, nq, hq, d), float("nan"), dtype=q.dtype, device=q.device).transpose(1, 2)
-    shift = "exact" if kind == "exact" else True
-    pasa_forward(q, k, v, out, scale=1.0 / math.sqrt(d), precision=precision, shift=shift, beta=DEFAULT_BETA,
-                 shift_k=shift_k)
-    _check(f"{shape} {shift_k}", out, _reference(q, k, v, kind, precision), golden_attention(q, k, v), kind,
+    dispatch.forward(q, k, v, out, scale=1.0 / math.sqrt(d), variant=Variant(kind, precision), beta=DEFAULT_BETA,
+                     **KEY_PATHS[key_path])
+    _check(f"{shape} {key_path}", out, _reference(q, k, v, kind, precision), golden_attention(q, k, v), kind,
            precision)
 
 
@@ -238,12 +241,12 @@ def test_paper_stress_grid(stress_cells, dist, mean, amplitude, kind, precision)
 @pytest.mark.parametrize("mean", numerics.PAPER_MEANS)
 @pytest.mark.parametrize("dist", ["uniform", "hybrid"])
 def test_exact_shift_zero_mean_v_grid(dist, mean, amplitude):
-    """Issue 8's criterion on the paper's grid with zero-mean V: the exact shift in hybrid is within 2x of
-    FP32-score FlashAttention (``flash_reference("fp32")``, exact fp32 sums) in every cell; exact half is
+    """The accuracy criterion on the paper's grid with zero-mean V: the exact shift in hybrid is within 2x of
+    FP32-score FlashAttention (``flash_reference("hybrid")``, exact fp32 sums) in every cell; exact half is
     finite everywhere."""
     q, k, v = _cuda(*numerics.paper_inputs(dist, mean, amplitude, shape=numerics.PAPER_SHAPE, v_mean=0.0))
     gold = golden_attention(q, k, v)
-    fa32 = numerics.rel_rmse(flash_reference(q, k, v, precision="fp32", block_m=q.shape[2]), gold)
+    fa32 = numerics.rel_rmse(flash_reference(q, k, v, precision="hybrid", block_m=q.shape[2]), gold)
     exact = _op(q, k, v, "exact", "hybrid")
     assert torch.isfinite(exact).all()
     err = numerics.rel_rmse(exact, gold)
@@ -271,7 +274,7 @@ def input_class_cells():
             q, k, v = _cuda(*numerics.input_classes(INPUT_SHAPES[shape_name], seed=5)[case])
             gold = golden_attention(q, k, v)
             sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1])
-            fp32 = flash_reference(q, k, v, precision="fp32", block_m=q.shape[2])
+            fp32 = flash_reference(q, k, v, precision="hybrid", block_m=q.shape[2])
             cache[shape_name, case] = (q, k, v, gold, numerics.rel_rmse(sdpa, gold), numerics.rel_rmse(fp32, gold))
         return cache[shape_name, case]
 
@@ -291,7 +294,7 @@ def _half_overflow_margin(q, k, kind):
 @pytest.mark.parametrize("case", numerics.INPUT_CLASSES)
 @pytest.mark.parametrize("shape_name", list(INPUT_SHAPES))
 def test_input_classes(input_class_cells, shape_name, case, variant):
-    """Issue 12's classes (drifting biases, block jumps aligned and not, sign changes in a block, a far
+    """The input classes a checkpoint can produce (drifting biases, block jumps aligned and not, sign changes in a block, a far
     key, FA3 outliers, resonance) at a ragged GQA spatial shape and a temporal one: every variant within
     its bound where its reference is finite; the default (the exact shift in hybrid) finite everywhere
     and within 1.5x SDPA fp16's error or 3x FP32-score FlashAttention's; the fp16-score variants
@@ -313,7 +316,7 @@ def test_input_classes(input_class_cells, shape_name, case, variant):
 
 
 def _check_default_against_peers(label, out, gold, err_sdpa, err_fp32):
-    """Issue 12's condition on the default: within 1.5x SDPA fp16's error or 3x FP32-score FA's."""
+    """The default against its peers: within 1.5x SDPA fp16's error or 3x FP32-score FA's."""
     err = numerics.rel_rmse(out, gold)
     _RATIOS.append((label, "default vs SDPA fp16", err, err_sdpa))
     _RATIOS.append((label, "default vs FP32-score FA", err, err_fp32))
@@ -369,9 +372,9 @@ def test_cuda_graph_replay_matches_eager(precision, gen):
 
 
 def _gluon_skip_reason():
-    from pasa_diffusers.kernels import attn_fwd_gluon
+    from pasa_diffusers.kernels import hopper
 
-    reason = attn_fwd_gluon.gluon_unavailable_reason()
+    reason = hopper.unavailable_reason()
     if reason is None and torch.cuda.get_device_capability()[0] != 9:
         reason = "the Gluon kernel needs sm_90"
     return reason
@@ -384,8 +387,8 @@ def test_default_kernels_on_input_classes(input_class_cells, case, kernel):
     """Both kernels of the default's spatial path (the exact shift in hybrid from the pre-pass: this
     file's portable loop and FA3's structure in Gluon) on every input class at a ragged GQA spatial
     shape: within the hybrid bound of the reference and within 1.5x SDPA fp16's error or 3x FP32-score
-    FlashAttention's, through ``pasa_forward(kernel=...)``; on sm_90 ``"auto"`` gives Gluon's bits."""
-    from pasa_diffusers.kernels.pasa_fwd import pasa_forward
+    FlashAttention's, through ``dispatch.forward(kernel=...)``; on sm_90 ``"auto"`` gives Gluon's bits."""
+    from pasa_diffusers.kernels import dispatch
 
     if kernel == "gluon" and _gluon_skip_reason():
         pytest.skip(_gluon_skip_reason())
@@ -394,8 +397,8 @@ def test_default_kernels_on_input_classes(input_class_cells, case, kernel):
 
     def run(which):
         out = torch.full_like(q, float("nan"))
-        return pasa_forward(q, k, v, out, scale=1.0 / math.sqrt(q.shape[-1]), precision="hybrid", shift="exact",
-                            beta=DEFAULT_BETA, kernel=which)
+        return dispatch.forward(q, k, v, out, scale=1.0 / math.sqrt(q.shape[-1]), variant=Variant(),
+                                beta=DEFAULT_BETA, kernel=which)
 
     out = run(kernel)
     label = f"spatial-ragged,gqa {case} [{kernel}]"

@@ -11,7 +11,7 @@ RMS of the float64 golden output),
     err(kernel) <= K * err(reference of the same variant) + TINY
 
 where the reference of the same variant is ``pasa_reference(precision=p)`` for PASA and
-``flash_reference(precision="half" | "fp32")`` for plain FA half | hybrid.  ``K = 2`` for every
+``flash_reference(precision="half" | "hybrid")`` for plain FA half | hybrid.  ``K = 2`` for every
 variant.  Why 2: the kernel rounds at the same points as the reference (the same stored shift
 entries from ``beta.py``; k_shift, S', P rounded to the GEMM dtype; the state rounded to fp16 in
 half), in the same natural-log units, but it sums in a different order (tile GEMMs, fp32 row sums)
@@ -24,7 +24,7 @@ kernel / reference error ratios PASA half 0.86-1.03, FA half 0.92-1.01, PASA hyb
 numpy dot does not: see ``test_kernel_gpu.py`` for its K.)
 
 Hybrid against plain fp32 FlashAttention: plain FA hybrid is that variant (its reference is
-``flash_reference("fp32")``, K = 2).  PASA hybrid has no constant factor over it: its scores S' are
+``flash_reference("hybrid")``, K = 2).  PASA hybrid has no constant factor over it: its scores S' are
 rounded to fp16, an error proportional to |S'|, which grows with the inputs' bias (the paper's
 uniform(30, 0.5) case: about 100x FA fp32) while FA fp32 keeps fp32 scores; so PASA hybrid is held
 to its own reference (K = 2) and, in the overflow test, to being finite where naive half is not.
@@ -50,12 +50,13 @@ triton = pytest.importorskip("triton")
 
 from pasa_diffusers import numerics  # noqa: E402
 from pasa_diffusers.beta import optimal_beta  # noqa: E402
-from pasa_diffusers.kernels import pasa_fwd  # noqa: E402
-from pasa_diffusers.kernels.pasa_fwd import pasa_forward  # noqa: E402
+from pasa_diffusers.kernels import dispatch, packed  # noqa: E402
+from pasa_diffusers.kernels.common import INTERPRET  # noqa: E402
 from pasa_diffusers.reference import (DEFAULT_BETA, exact_shift_reference, flash_reference,  # noqa: E402
                                       golden_attention, pasa_reference)
+from pasa_diffusers.variants import Variant  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not pasa_fwd.INTERPRET, reason="kernels built for the GPU; set TRITON_INTERPRET=1 "
+pytestmark = pytest.mark.skipif(not INTERPRET, reason="kernels built for the GPU; set TRITON_INTERPRET=1 "
                                 "before pytest starts to run them on the CPU")
 
 K_BOUND = {("pasa", "half"): 2.0, ("pasa", "hybrid"): 2.0, ("flash", "half"): 2.0, ("flash", "hybrid"): 2.0,
@@ -88,9 +89,8 @@ def _kernel(q, k, v, kind, precision, *, out=None, beta=DEFAULT_BETA, **options)
     if out is None:
         out = torch.full_like(q, float("nan"))
     scale = 1.0 / math.sqrt(q.shape[-1])
-    shift = "exact" if kind == "exact" else kind == "pasa"
-    result = pasa_forward(q, k, v, out, scale=scale, precision=precision, shift=shift, beta=beta,
-                          **options)
+    shift = {"flash": "none"}.get(kind, kind)
+    result = dispatch.forward(q, k, v, out, scale=scale, variant=Variant(shift, precision), beta=beta, **options)
     assert result is out
     return out
 
@@ -100,7 +100,7 @@ def _reference(q, k, v, kind, precision, **options):
         return pasa_reference(q, k, v, precision=precision, **options)
     if kind == "exact":
         return exact_shift_reference(q, k, v, precision=precision, **options)
-    return flash_reference(q, k, v, precision="half" if precision == "half" else "fp32", **options)
+    return flash_reference(q, k, v, precision=precision, **options)
 
 
 def _assert_within_bound(out, ref, gold, kind, precision):
@@ -208,10 +208,10 @@ def test_other_beta(precision, beta, gen):
 
 @pytest.mark.parametrize("precision", ["half", "hybrid"])
 def test_prepass_shift_equals_fused_shift(precision, gen):
-    """The pre-pass (``shift_k.py``) computes the very same shifted keys as the fused loop."""
+    """The pre-pass (``prepass.shift_keys``) computes the very same shifted keys as the fused loop."""
     q, k, v = _biased_inputs((1, 4, 2, 70, 300, 80), gen)
-    fused = _kernel(q, k, v, "pasa", precision, shift_k="fused")
-    prepass = _kernel(q, k, v, "pasa", precision, shift_k="prepass")
+    fused = _kernel(q, k, v, "pasa", precision, prepass=False)
+    prepass = _kernel(q, k, v, "pasa", precision, prepass=True)
     assert torch.isfinite(fused).all()
     assert torch.equal(fused, prepass)
 
@@ -220,11 +220,12 @@ def test_prepass_shift_equals_fused_shift(precision, gen):
                          ids=["temporal-25,ragged", "gqa,nk=32,d80", "nk=128"])
 @pytest.mark.parametrize("precision", ["half", "hybrid"])
 def test_exact_centring_in_the_loop_equals_the_prepass(precision, shape, gen):
-    """All keys in one block: the kernel centres its key tile itself (``shift_k="fused"``, what "auto"
-    picks) with the pre-pass's ``centre_tile``: the same centres, the same bits."""
+    """All keys in one block: the portable kernel centres its key tile itself (what it does unless told
+    otherwise) with the pre-pass's ``centre_tile``: the same centres, the same bits."""
     q, k, v = _biased_inputs(shape, gen, bias=20.0)
-    fused = _kernel(q, k, v, "exact", precision, shift_k="fused")
-    prepass = _kernel(q, k, v, "exact", precision, shift_k="prepass")
+    fused = _kernel(q, k, v, "exact", precision, kernel="portable")
+    assert dispatch.plan(q, k, v, fused, variant=Variant("exact", precision), kernel="portable").prepass is None
+    prepass = _kernel(q, k, v, "exact", precision, kernel="portable", prepass=True)
     assert torch.isfinite(fused).all()
     assert torch.equal(fused, prepass)
     _assert_within_bound(fused, _reference(q, k, v, "exact", precision), golden_attention(q, k, v), "exact",
@@ -237,18 +238,19 @@ def test_exact_centring_in_the_loop_equals_the_prepass(precision, shape, gen):
 @pytest.mark.parametrize("precision,dtype", [("half", torch.float16), ("hybrid", torch.float16),
                                              ("hybrid", torch.bfloat16)], ids=["half", "hybrid", "hybrid-bf16"])
 def test_packed_sequences_equal_the_loop(precision, dtype, shape, gen):
-    """Several whole sequences per program (``packed_fwd.py``, what "auto" picks for short one-block
+    """Several whole sequences per program (``packed.py``, what "auto" picks for short one-block
     sequences) give the loop's bits: the same centres, the same roundings, with the centred keys
     subtracted in fp32 or in the GEMM dtype (``CENTRE_IN_G``).  The odd batch x heads
     leaves the last program with a padded sequence slot; inputs are (B, N, H, D) memory, as diffusers'."""
     b, hq, hk, nq, nk, d = shape
     q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2)
                for t in _biased_inputs(shape, gen, bias=20.0, dtype=dtype))
+    assert dispatch.plan(q, k, v, q, variant=Variant("exact", precision)).kernel == "packed"
     packed = _kernel(q, k, v, "exact", precision)
-    fused = _kernel(q, k, v, "exact", precision, shift_k="fused")
+    fused = _kernel(q, k, v, "exact", precision, kernel="portable")
     assert torch.isfinite(packed).all()
     assert torch.equal(packed, fused)
-    assert torch.equal(_kernel(q, k, v, "exact", precision, shift_k="packed"), packed)
+    assert torch.equal(_kernel(q, k, v, "exact", precision, kernel="packed"), packed)
     assert torch.equal(_kernel(q, k, v, "exact", precision, config={"CENTRE_IN_G": True}), packed)
     _assert_within_bound(packed, _reference(q, k, v, "exact", precision), golden_attention(q, k, v), "exact",
                          precision)
@@ -256,47 +258,54 @@ def test_packed_sequences_equal_the_loop(precision, dtype, shape, gen):
 
 @pytest.mark.parametrize("tokens,head_dim", [(16, 64), (32, 64), (64, 64), (32, 128), (64, 256), (16, 16)])
 def test_packed_configs_fit_and_use_the_fewest_warps(tokens, head_dim):
-    """The packed kernel's autotune pool, pruned: every config's tiles fit ``PACKED_TILE_PER_WARP``
+    """The packed kernel's autotune pool, pruned: every config's tiles fit ``TILE_PER_WARP``
     elements per warp, no config that fits has fewer warps, and some config fits every legal shape."""
-    from pasa_diffusers.kernels import configs
-
-    kept = configs._prune_packed(configs._PACKED_CONFIGS, {}, BLOCK_Q=tokens, BLOCK_K=tokens, BLOCK_D=head_dim)
+    kept = packed._prune(packed.CONFIGS, {}, BLOCK_Q=tokens, BLOCK_K=tokens, BLOCK_D=head_dim)
     per_warp = [c.kwargs["SEQS"] * tokens * head_dim / c.num_warps for c in kept]
-    assert kept and max(per_warp) <= configs.PACKED_TILE_PER_WARP
-    fitting = [c for c in configs._PACKED_CONFIGS
-               if c.kwargs["SEQS"] * tokens * head_dim <= configs.PACKED_TILE_PER_WARP * c.num_warps]
+    assert kept and max(per_warp) <= packed.TILE_PER_WARP
+    fitting = [c for c in packed.CONFIGS
+               if c.kwargs["SEQS"] * tokens * head_dim <= packed.TILE_PER_WARP * c.num_warps]
     assert {c.num_warps for c in kept} == {min(c.num_warps for c in fitting)}
 
 
 @pytest.mark.parametrize("shape,shift,block_n,match", [
-    ((1, 1, 1, 65, 65, 32), "exact", None, "at most 64 queries and keys in one key block; got 65 queries"),
+    ((1, 1, 1, 65, 65, 32), "exact", None, "kernel='packed' cannot run this call: it takes sequences of at most 64 "
+                                           "queries and keys in one key block; got 65 queries"),
     ((1, 1, 1, 8, 40, 32), "exact", 16, r"got 8 queries and 40 keys \(block_n=16\)"),
-    ((1, 1, 1, 8, 8, 32), True, None, "shift_k='packed' is the exact shift's; got shift=True"),
+    ((1, 1, 1, 8, 8, 32), "pasa", None, "kernel='packed' is the exact shift's; got shift='pasa'"),
 ])
 def test_packed_refuses_what_it_cannot_take(shape, shift, block_n, match, gen):
     q, k, v = _biased_inputs(shape, gen)
     with pytest.raises(ValueError, match=match):
-        pasa_forward(q, k, v, torch.empty_like(q), scale=0.125, precision="hybrid", shift=shift, beta=DEFAULT_BETA,
-                     shift_k="packed", block_n=block_n)
+        dispatch.forward(q, k, v, torch.empty_like(q), scale=0.125, variant=Variant(shift, "hybrid"),
+                         beta=DEFAULT_BETA, kernel="packed", block_n=block_n)
 
 
 @pytest.mark.parametrize("shape,shift,kernel,match", [
     ((1, 2, 2, 300, 300, 64), "exact", "gluon", "kernel='gluon' cannot run this call: Triton's interpreter runs no Gluon"),
     ((1, 2, 2, 30, 30, 64), "exact", "gluon", "kernel='gluon' cannot run this call: all keys form one block"),
-    ((1, 2, 2, 300, 300, 64), True, "gluon", "kernel='gluon' is the exact shift's; got shift=True"),
-    ((1, 2, 2, 300, 300, 64), "exact", "cudnn", r"unknown kernel='cudnn'; expected one of \('auto', 'portable', 'gluon'\)"),
+    ((1, 2, 2, 300, 300, 64), "pasa", "gluon", "kernel='gluon' is the exact shift's; got shift='pasa'"),
+    ((1, 2, 2, 300, 300, 64), "exact", "cudnn",
+     r"unknown kernel='cudnn'; expected one of \('auto', 'portable', 'packed', 'gluon'\)"),
 ])
 def test_kernel_choice_refuses_what_it_cannot_run(shape, shift, kernel, match, gen):
-    """``kernel="gluon"`` says why it cannot run a call rather than running another kernel."""
+    """A kernel named explicitly says why it cannot run a call rather than running another kernel."""
     q, k, v = _biased_inputs(shape, gen)
     with pytest.raises(ValueError, match=match):
-        pasa_forward(q, k, v, torch.empty_like(q), scale=0.125, precision="hybrid", shift=shift, beta=DEFAULT_BETA,
-                     kernel=kernel)
+        dispatch.forward(q, k, v, torch.empty_like(q), scale=0.125, variant=Variant(shift, "hybrid"),
+                         beta=DEFAULT_BETA, kernel=kernel)
 
 
 def test_auto_and_portable_kernels_agree_off_hopper(gen):
-    """Where Gluon cannot run (here: the interpreter), ``kernel="auto"`` is the portable kernel."""
+    """Where Gluon cannot run (here: the interpreter), ``kernel="auto"`` is the portable kernel, and the
+    plan says why not the others."""
     q, k, v = _biased_inputs((1, 2, 2, 300, 300, 64), gen)
+    plan = dispatch.plan(q, k, v, q, variant=Variant())
+    assert (plan.kernel, plan.prepass) == ("portable", "centre")
+    assert plan.rejected == {"packed": "it takes sequences of at most 64 queries and keys in one key block; got 300 "
+                                       "queries and 300 keys (block_n=128)",
+                             "gluon": "Triton's interpreter runs no Gluon"}
+    assert plan.describe().startswith("portable + centre pre-pass (not packed: it takes")
     assert torch.equal(_kernel(q, k, v, "exact", "hybrid"), _kernel(q, k, v, "exact", "hybrid", kernel="portable"))
 
 
@@ -307,8 +316,8 @@ def test_exact_tiles_smaller_than_the_centre_block(precision, tile, gen):
     autotune pool may pick): each tile reads its block's centre; the same math as one tile per block,
     only the online softmax rescales at other points."""
     q, k, v = _biased_inputs((1, 4, 2, 70, 300, 80), gen, bias=20.0)
-    out = _kernel(q, k, v, "exact", precision, shift_k="prepass", config={"BLOCK_N": tile})
-    whole = _kernel(q, k, v, "exact", precision, shift_k="prepass")
+    out = _kernel(q, k, v, "exact", precision, config={"BLOCK_N": tile})
+    whole = _kernel(q, k, v, "exact", precision)
     gold = golden_attention(q, k, v)
     _assert_within_bound(out, _reference(q, k, v, "exact", precision), gold, "exact", precision)
     assert numerics.rel_rmse(out, whole) <= K_BOUND["exact", precision] * numerics.rel_rmse(whole, gold)
@@ -318,16 +327,17 @@ def test_exact_tiles_smaller_than_the_centre_block(precision, tile, gen):
 def test_exact_tile_must_divide_the_centre_block(tile, gen):
     q, k, v = _biased_inputs((1, 1, 1, 16, 300, 32), gen)
     with pytest.raises(ValueError, match=f"config\\['BLOCK_N'\\]={tile} must be a power of two >= 16 that divides"):
-        _kernel(q, k, v, "exact", "hybrid", shift_k="prepass", config={"BLOCK_N": tile})
+        _kernel(q, k, v, "exact", "hybrid", config={"BLOCK_N": tile})
 
 
 def test_exact_centring_in_the_loop_needs_one_block(gen):
     q, k, v = _biased_inputs((1, 1, 1, 16, 130, 32), gen)
-    with pytest.raises(ValueError, match="shift_k='fused' centres keys inside the loop only when all 130 keys"):
-        _kernel(q, k, v, "exact", "hybrid", shift_k="fused")
+    with pytest.raises(ValueError, match="no kernel can run this call: packed: .*; portable: prepass=False: it "
+                                         "centres keys inside the loop only when all 130 keys"):
+        _kernel(q, k, v, "exact", "hybrid", prepass=False)
 
 
-@pytest.mark.parametrize("options,kind,precision", [({}, "exact", "hybrid"), ({"precision": "half", "shift": True},
+@pytest.mark.parametrize("options,kind,precision", [({}, "exact", "hybrid"), ({"precision": "half", "shift": "pasa"},
                                                                                  "pasa", "half")],
                          ids=["default", "paper-half"])
 def test_through_pasa_attention(monkeypatch, gen, options, kind, precision):
@@ -344,19 +354,29 @@ def test_through_pasa_attention(monkeypatch, gen, options, kind, precision):
     assert torch.equal(out.transpose(1, 2), direct)
 
 
-def test_rejects_what_it_cannot_run(gen):
+def test_through_pasa_attention_rejects_what_the_kernels_cannot_run(monkeypatch, gen):
+    """The op checks the inputs once, before the kernels (which take them as they come)."""
+    from pasa_diffusers.ops import pasa_attention
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    q, k, v = _biased_inputs((1, 2, 2, 16, 16, 32), gen)
+    strided = torch.randn(1, 2, 16, 64, generator=gen).half()[..., ::2]
+    with pytest.raises(ValueError, match=r"^pasa_attention: q must have unit stride in the head dim"):
+        pasa_attention(strided, k, v, precision="half", shift="pasa")
+    with pytest.raises(ValueError, match="dtype torch.bfloat16 is not supported for precision='half'"):
+        pasa_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), precision="half", shift="pasa")
+    with pytest.raises(ValueError, match="multiple of k/v heads"):
+        pasa_attention(q, k[:, :1].expand(1, 3, 16, 32), v[:, :1].expand(1, 3, 16, 32), precision="half")
+
+
+def test_dispatch_refuses_unknown_options(gen):
     q, k, v = _biased_inputs((1, 2, 2, 16, 16, 32), gen)
     out = torch.empty_like(q)
-    strided = torch.randn(1, 2, 16, 64, generator=gen).half()[..., ::2]
-    with pytest.raises(ValueError, match="unit stride in the head dim"):
-        pasa_forward(strided, k, v, out, scale=0.2, precision="half", shift=True, beta=0.9)
-    with pytest.raises(ValueError, match="dtype torch.bfloat16 is not supported for precision='half'"):
-        pasa_forward(q.bfloat16(), k.bfloat16(), v.bfloat16(), out.bfloat16(), scale=0.2, precision="half",
-                     shift=True, beta=0.9)
-    with pytest.raises(ValueError, match="unknown precision"):
-        pasa_forward(q, k, v, out, scale=0.2, precision="fp8", shift=True, beta=0.9)
-    with pytest.raises(ValueError, match="unknown shift='mean'"):
-        pasa_forward(q, k, v, out, scale=0.2, precision="half", shift="mean", beta=0.9)
-    with pytest.raises(ValueError, match="multiple of k/v heads"):
-        pasa_forward(q, k[:, :1].expand(1, 3, 16, 32), v[:, :1].expand(1, 3, 16, 32), out, scale=0.2,
-                     precision="half", shift=True, beta=0.9)
+    with pytest.raises(ValueError, match=r"^dispatch.plan: precision='fp64' has no kernel"):
+        dispatch.forward(q, k, v, out, scale=0.2, variant=Variant("exact", "fp64"), beta=0.9)
+    with pytest.raises(ValueError, match=r"^dispatch.plan: prepass must be None \(auto\), True or False"):
+        dispatch.forward(q, k, v, out, scale=0.2, variant=Variant(), beta=0.9, prepass="yes")
+    with pytest.raises(ValueError, match="plain FlashAttention \\(shift='none'\\) has no key pre-pass"):
+        dispatch.forward(q, k, v, out, scale=0.2, variant=Variant("none", "half"), beta=0.9, prepass=True)
+    with pytest.raises(ValueError, match="block_n is the shift block"):
+        dispatch.forward(q, k, v, out, scale=0.2, variant=Variant("none", "half"), beta=0.9, block_n=64)

@@ -132,12 +132,12 @@ def test_apply_installs_each_backend(pipe, backend):
     processors = [module.processor for module in modules.values()]
     assert all(type(p) is BACKEND_CLASSES[backend] for p in processors)
     assert len({id(p) for p in processors}) == len(modules) == summary["installed"]
-    expected = {"pasa": ("hybrid", "exact"), "pasa-half": ("half", "exact"), "pasa-paper": ("half", True),
-                "pasa-paper-hybrid": ("hybrid", True)}
+    expected = {"pasa": ("hybrid", "exact"), "pasa-half": ("half", "exact"), "pasa-paper": ("half", "pasa"),
+                "pasa-paper-hybrid": ("hybrid", "pasa")}
     if backend.startswith("pasa"):
         assert {(p.precision, p.shift, p.beta) for p in processors} == {expected[backend] + (0.875,)}
     if backend == "naive-half":
-        assert {(p.precision, p.shift) for p in processors} == {("half", False)}
+        assert {(p.precision, p.shift) for p in processors} == {("half", "none")}
 
 
 def test_apply_on_vae_and_on_bare_unet2d():
@@ -357,8 +357,8 @@ def test_head_dim_out_of_range_is_an_error_not_a_fallback(dim, heads, gen):
     x = torch.randn(1, dim, 4, 4, generator=gen).half()
     processor = P.PASAAttnProcessor()
     processor.name = "vae.mid_block.attentions.0"
-    with pytest.raises(ValueError, match=rf"^PASAAttnProcessor\(precision='hybrid'\): vae.mid_block.attentions.0 "
-                                         rf"has head dim {dim // heads}; the PASA op takes head dims 16..256"):
+    with pytest.raises(ValueError, match=rf"^PASAAttnProcessor\(precision='hybrid'\) in vae.mid_block.attentions.0: "
+                                         rf"pasa_attention: head dim {dim // heads} is (above|below) the supported"):
         processor(attn, x)
     assert processor.fallbacks == {}
 
@@ -393,9 +393,9 @@ def test_attention_mask_fallback_matches_stock(gen):
 @pytest.mark.parametrize(
     "precision, dtype, reason",
     [
-        ("half", torch.float32, "dtype float32"),
-        ("half", torch.bfloat16, "dtype bfloat16"),
-        ("hybrid", torch.float32, "dtype float32"),
+        ("half", torch.float32, "dtype torch.float32"),
+        ("half", torch.bfloat16, "dtype torch.bfloat16"),
+        ("hybrid", torch.float32, "dtype torch.float32"),
         ("hybrid", torch.bfloat16, None),
         ("fp64", torch.float32, None),
     ],
@@ -405,7 +405,8 @@ def test_a_dtype_the_precision_does_not_take_is_an_error_not_a_fallback(precisio
     x = torch.randn(2, 40, 32, generator=gen).to(dtype)
     processor = P.PASAAttnProcessor(precision)
     if reason is not None:
-        with pytest.raises(ValueError, match=rf"an attention module has {reason}; .* \(pass dtype= to cast"):
+        with pytest.raises(ValueError, match=rf"in an attention module: pasa_attention: {reason} is not supported "
+                                             rf"for precision='{precision}'.* \(pass dtype= to cast"):
             processor(attn, x)
         assert processor.fallbacks == {}
         return

@@ -46,12 +46,12 @@ def test_golden_matches_softmax_with_gqa(fresh_seed):
     assert torch.allclose(golden_attention(q, k, v), expected, atol=1e-12)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "half"])
+@pytest.mark.parametrize("precision", ["hybrid", "half"])
 def test_flash_reference_on_moderate_inputs(precision, fresh_seed):
-    """fp32 FA: error at the level of the fp16 rounding of P (~1e-3 relative); half: a few times more."""
+    """hybrid FA (fp32 scores): error at the level of the fp16 rounding of P (~1e-3 relative); half: a few times more."""
     q, k, v = _qkv(1, 2, 2, 70, 200, 64, seed=fresh_seed, dtype=torch.float16)
     gold = golden_attention(q, k, v)
-    bound = {"fp32": 2e-3, "half": 1e-2}[precision]
+    bound = {"hybrid": 2e-3, "half": 1e-2}[precision]
     assert numerics.rel_rmse(flash_reference(q, k, v, precision=precision, block_n=64), gold) < bound
 
 
@@ -71,7 +71,7 @@ def test_overflow_case_naive_half_breaks_pasa_and_smooth_k_do_not(fresh_seed):
     for out, bound in [(pasa_reference(q, k, v, precision="half"), 2 * 5.5e-3),
                        (pasa_reference(q, k, v, precision="hybrid"), 2 * 2.3e-3),
                        (smooth_k_reference(q, k, v, precision="half"), 2 * 6.0e-4),
-                       (flash_reference(q, k, v, precision="fp32"), 2 * 1.7e-4)]:
+                       (flash_reference(q, k, v, precision="hybrid"), 2 * 1.7e-4)]:
         assert torch.isfinite(out).all()
         assert numerics.rel_rmse(out, gold) < bound
 
@@ -101,7 +101,7 @@ def test_unknown_precision_and_bad_beta_raise():
     with pytest.raises(ValueError, match="precision"):
         pasa_reference(q, k, v, precision="fp8")
     with pytest.raises(ValueError, match="precision"):
-        flash_reference(q, k, v, precision="hybrid")
+        flash_reference(q, k, v, precision="fp32")
     for beta in (0.0, 1.0, 1.2):
         with pytest.raises(ValueError, match="beta"):
             pasa_reference(q, k, v, beta=beta)

@@ -1,16 +1,14 @@
-"""Triton kernels, one per file, each with its launch wrapper beside it.
+"""Triton and Gluon kernels of the attention op, layered one way: ``dispatch`` -> kernel files -> helpers.
 
-- ``pasa_fwd.py``: fused forward attention (the exact shift, PASA or plain FlashAttention; half or
-  hybrid precision): ``pasa_forward`` is what ``pasa_diffusers.ops`` calls;
-- ``packed_fwd.py``: the exact shift for short one-block sequences (temporal attention), several whole
-  sequences per program in one pass; ``pasa_forward`` dispatches to it;
-- ``centre_k.py``: the exact shift's key-centring pre-pass; ``shift_k.py``: PASA's key-shift pre-pass;
-- ``attn_fwd_tma.py``: the default variant with TMA tensor descriptors for sm_90 (issue 16; checked
-  and timed by ``bench/bench_hopper.py``, not yet dispatched by the op);
-- ``attn_fwd_gluon.py``: the same variant by hand in Gluon (Triton 3.6): FA3's warp-specialised
-  structure (a TMA producer, consumer warpgroups with async wgmma); compiled for sm_90 by
-  ``bench/gluon_compile_check.py``, not yet run on a GPU (``bench/bench_gluon.py``: issue 16);
-- ``common.py``: the helpers they share; ``configs.py``: autotune pools, pruning, tuning cache.
+- ``dispatch.py``: the router (``plan``, ``forward``): which kernel and pre-pass run a call, and why not
+  the others; what ``pasa_diffusers.ops`` calls;
+- kernel files, each with its launch wrapper and configs: ``portable.py`` (FlashAttention-2's loop,
+  every variant), ``packed.py`` (the exact shift on short one-block sequences), ``hopper.py`` (the
+  exact shift on sm_90 in Gluon, FA3's structure), ``prepass.py`` (the keys centred or shifted once per
+  head);
+- shared helpers: ``common.py`` (rounding, products, the exact centre, ``INTERPRET``), ``tuning.py``
+  (tile extents, buckets, the autotuner with its on-disk cache).
 
+Kernel files import only the helpers, ``rules``, ``beta`` and ``variants``; never each other.
 Importing a kernel module imports ``triton``; for CPU tensors set ``TRITON_INTERPRET=1`` before that.
 """

@@ -1,5 +1,7 @@
 """Helpers shared by the kernels: rounding, the tensor-core product, the exact centre of a key tile
-(``@triton.jit``, inlined into their callers), and the launchers' stride helper (host side).
+(``@triton.jit``, inlined into their callers), the launchers' stride helper and ``INTERPRET`` (host side).
+
+Importing this module imports ``triton``; for CPU tensors set ``TRITON_INTERPRET=1`` before that.
 """
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["LOG2E", "round_to", "mma", "binade", "centre_tile", "strides3"]
+__all__ = ["LOG2E", "INTERPRET", "round_to", "mma", "binade", "centre_tile", "strides3"]
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -90,3 +92,8 @@ def centre_tile(k32, key_valid, n_j, G_ULP, g_ty: tl.constexpr, EXACT_CENTRE: tl
 def strides3(t: torch.Tensor) -> tuple[int, int, int]:
     """The strides of a (B, H, N, D) tensor's first three axes (the head dim's is 1)."""
     return t.stride(0), t.stride(1), t.stride(2)
+
+
+INTERPRET = not isinstance(round_to, triton.runtime.jit.JITFunction)
+"""True when ``TRITON_INTERPRET=1`` was set before triton was imported: every kernel then runs on CPU
+tensors through Triton's numpy interpreter (one fixed small configuration each, no autotuning)."""

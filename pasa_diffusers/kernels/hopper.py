@@ -1,10 +1,9 @@
 """The exact shift in hybrid precision for Hopper (sm_90), by hand in Gluon: FA3's warp-specialised structure.
 
-One Gluon kernel, :func:`exact_fwd_gluon_kernel`, its launch wrapper :func:`exact_forward_gluon` and the
-op with the pre-pass, :func:`exact_attention_gluon`.  Same variant and same arithmetic as
-``attn_fwd_tma.py`` (``shift="exact"``, ``precision="hybrid"``), from the key pre-pass's outputs
-(``centre_k.py`` through ``attn_fwd_tma.centre_keys``): the centred keys ``k_c`` and the centres ``c_j``,
-one per 128 keys.  Per key tile of ``BLOCK_N`` keys inside block ``j`` (``qk_scale = scale log2(e)``):
+One Gluon kernel, :func:`exact_fwd_gluon_kernel`, its launch wrapper :func:`forward`, its configs and
+:func:`unsuitable_reason` (what ``dispatch.py`` asks before choosing it).  The variant is
+``shift="exact"``, ``precision="hybrid"`` with the portable kernel's arithmetic, from the key pre-pass's
+outputs (``prepass.centre_keys``): the centred keys ``k_c`` and the centres ``c_j``, one per 128 keys.  Per key tile of ``BLOCK_N`` keys inside block ``j`` (``qk_scale = scale log2(e)``):
 
     r_j    = qk_scale (q . c_j)                 (fp32, per row: column j mod 16 of a (64, 16) wgmma)
     s      = fp32(q k_c^T)                      (wgmma, fp32 accumulation; -inf past N_K)
@@ -23,7 +22,7 @@ Partitions (``gl.warp_specialize``; one program = ``BLOCK_M = 64 NUM_CONSUMERS =
   q tile, then per key tile ``i`` into stage ``i % NUM_STAGES`` of the rings: k_c and the centre tile
   (one barrier), then v (its own barrier, so that ``S = q k_c^T`` starts before v lands);
 - ``NUM_CONSUMERS = 3`` consumer warpgroups (worker partitions of 4 warps, most of the registers; FA3's
-  count at head dim 64: with one or two the kernel ran at 0.60-0.85x cuDNN on the H200), each with
+  count at head dim 64; one or two measured slower, docs/BENCHMARKS.md), each with
   its own 64 query rows: both GEMMs (``warpgroup_mma``, async, then ``warpgroup_mma_wait``), the softmax
   in registers and the output (registers -> shared memory -> TMA store).  They share the K/V ring and
   never wait on each other.  ``OVERLAP`` (config ``overlap``) adds FA3's intra-warpgroup pipelining:
@@ -62,7 +61,7 @@ dim, so any 16-byte-aligned strides serve: diffusers' (B, N, H, D) views too); t
 4-d and ``reshape``d to 2-d for the wgmma.  ``q . c_j`` is a wgmma rather than FMAs: the FMA form
 needs an fp32 copy of q in a blocked layout and a layout conversion (through shared memory, with a
 barrier) of every ``r_j`` into the scores' row layout; the wgmma's rows already sit where the
-scores' do.  Only head dim 64 and fp16 in this first version.
+scores' do.  Head dim 64 and fp16 only.
 """
 from __future__ import annotations
 
@@ -72,7 +71,6 @@ import torch
 import triton
 
 from .. import rules
-from .attn_fwd_tma import centre_keys, check_centres, descriptor_layout_problem, merged_config
 
 try:
     from triton.experimental import gluon
@@ -89,16 +87,15 @@ except ImportError as exc:  # an older or newer triton without these names: impo
     def gluon_jit(fn):
         return fn
 
-__all__ = ["exact_fwd_gluon_kernel", "exact_forward_gluon", "exact_attention_gluon", "kernel_call", "launch",
-           "unsuitable_reason", "tuned_config", "DEFAULT_CONFIG", "SHORT_KEYS_CONFIG", "GLUON_VERSION",
-           "gluon_unavailable_reason"]
+__all__ = ["exact_fwd_gluon_kernel", "forward", "kernel_call", "unsuitable_reason", "unavailable_reason",
+           "tuned_config", "DEFAULT_CONFIG", "SHORT_KEYS_CONFIG", "SHORT_KEYS", "GLUON_VERSION"]
 
 GLUON_VERSION = "3.6"
 """The Triton release whose Gluon API this file is written for (``warp_specialize``'s signature changed in 3.6)."""
 SHIFT_BLOCK = rules.SHIFT_BLOCK
 """Keys per centre ``c_j``; ``BLOCK_N`` divides it."""
 HEAD_DIM = 64
-"""The one head dim of this first version."""
+"""The one head dim it takes."""
 ROWS_PER_CONSUMER = 64
 """Query rows per consumer warpgroup (the M of one wgmma)."""
 NUM_CONSUMERS = 3
@@ -325,7 +322,7 @@ def exact_fwd_gluon_kernel(
 ):
     """``out = softmax(scale q k^T) v`` for ``BLOCK_M = 64 NUM_CONSUMERS`` query rows of one (batch, head).
 
-    The module docstring states the math (the same as ``attn_fwd_tma.exact_fwd_tma_kernel``), the
+    The module docstring states the math (the same as ``portable.pasa_fwd_kernel``'s exact shift), the
     tiles and the barrier protocol.  Descriptors (host, 4-d (B, H, N, D), fp16): q and out boxes
     (1, 1, 64, HEAD_DIM); k_c and v (1, 1, BLOCK_N, HEAD_DIM); centres (B, Hk, ceil(N_K / 128), HEAD_DIM)
     in fp16 (exact: the centres are fp16 values), boxes (1, 1, 16, HEAD_DIM).  This function allocates
@@ -375,23 +372,16 @@ def exact_fwd_gluon_kernel(
     ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
 
 
-# ---------------------------------------------------------------------------------------------------
-# Configurations.  Not yet run on a GPU (bench/bench_gluon.py checks and times them); compiled for sm_90
-# with triton 3.6 by bench/gluon_compile_check.py.  BLOCK_M = 64 x NUM_CONSUMERS = 192.
-# ---------------------------------------------------------------------------------------------------
 DEFAULT_CONFIG = {"BLOCK_N": 128, "num_stages": 3, "overlap": False}
-"""The config for long key sequences: the fastest checked by ``bench/bench_gluon.py`` on the H200 at 2304
-and 9216 keys (2026-12-01, run 3, ``q . c`` once per 16 centre blocks: 0.94x and 1.03x cuDNN without the
-pre-pass; 2 stages 0.93x and 1.02x)."""
+"""The config for long key sequences: the fastest at 2304 and 9216 keys on the H200 (``bench.hopper``)."""
 SHORT_KEYS_CONFIG = {"BLOCK_N": 64, "num_stages": 4, "overlap": True}
-"""The config for at most ``SHORT_KEYS`` keys: the fastest at 576 keys in the same run (0.97x cuDNN; 3
-stages 0.96x, the long-key tiles 0.83-0.84x): smaller key tiles, a deeper ring and the softmax under
-``P V``."""
+"""The config for at most ``SHORT_KEYS`` keys, the fastest at 576 keys: smaller key tiles, a deeper ring
+and the softmax under ``P V``."""
 SHORT_KEYS = 1024
 _PRODUCER_REGS = 24
 
 
-def gluon_unavailable_reason() -> str | None:
+def unavailable_reason() -> str | None:
     """Why this triton cannot run the kernel (no Gluon, or a release other than 3.6), or ``None``."""
     if _GLUON_IMPORT_ERROR is not None:
         return f"triton {triton.__version__} has no usable Gluon ({_GLUON_IMPORT_ERROR})"
@@ -409,17 +399,47 @@ def _registers() -> tuple[int, int]:
     return maxnreg, min(consumer, 240)
 
 
-def _validate(q, k_c, v, centres, out) -> None:
-    """Raise ``ValueError`` (naming the argument) for what the descriptors or the kernel cannot take: the
-    op's rules, the pre-pass's centres, then :func:`unsuitable_reason` (and ``k_c``'s layout)."""
-    fn = "exact_forward_gluon"
-    rules.check_qkv(fn, q, k_c, v, precision="hybrid")
-    rules.check_kernel_tensors(fn, q, k_c, v, out, interpret=False)
-    check_centres(fn, k_c, centres)
-    problem = (unsuitable_reason(q, v, out, precision="hybrid", block_n=SHIFT_BLOCK)
-               or descriptor_layout_problem((("k_c", k_c),)))
-    if problem is not None:
-        raise ValueError(f"{fn}: {problem}")
+def _descriptor_layout_problem(tensors) -> str | None:
+    """What a TMA descriptor needs of each ``(name, tensor)``: a 16-byte-aligned base and B, H, N strides
+    that are multiples of 16 bytes (the (batch, head) strides enter the base address, so they count too).
+    The first unmet need, naming the tensor, or ``None``."""
+    for name, t in tensors:
+        size = t.element_size()
+        bad = [i for i in range(3) if (t.stride(i) * size) % 16 != 0 and t.shape[i] > 1]
+        if t.data_ptr() % 16 != 0 or bad:
+            return (f"{name} does not suit a TMA descriptor: its base address and its B, H, N strides "
+                    f"must be multiples of 16 bytes, got data_ptr % 16 = {t.data_ptr() % 16}, "
+                    f"{name}.stride()={tuple(t.stride())} ({t.dtype}, head dim {t.shape[-1]}: contiguous "
+                    f"(B, H, N, D) or (B, N, H, D) tensors qualify when D * {size} is a multiple of 16)")
+    return None
+
+
+def unsuitable_reason(q: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, precision: str,
+                      block_n: int) -> str | None:
+    """Why this kernel cannot take an exact-shift call with pre-centred keys, in words, or ``None``.
+
+    ``q``, ``v``, ``out`` are the op's checked tensors (unit stride in D; the keys come from the
+    pre-pass, contiguous); the kernel takes fp16, head dim 64, the hybrid precision and centre blocks
+    of ``SHIFT_BLOCK`` keys, on an sm_90 GPU with Triton's Gluon 3.6, in layouts a TMA descriptor can
+    address.
+    """
+    reason = unavailable_reason()
+    if reason is not None:
+        return reason
+    if q.device.type != "cuda":
+        return f"it runs on CUDA GPUs, got {q.device}"
+    major, minor = torch.cuda.get_device_capability(q.device)
+    if major != 9:
+        return f"it needs sm_90 (Hopper), got sm_{major}{minor}"
+    if precision != "hybrid":
+        return f"it has the hybrid precision only, got precision={precision!r}"
+    if q.dtype != torch.float16:
+        return f"it takes float16 only, got {q.dtype}"
+    if q.shape[-1] != HEAD_DIM:
+        return f"it takes head dim {HEAD_DIM} only, got {q.shape[-1]}"
+    if block_n != SHIFT_BLOCK:
+        return f"its centre blocks are {SHIFT_BLOCK} keys, got block_n={block_n}"
+    return _descriptor_layout_problem((("q", q), ("v", v), ("out", out)))
 
 
 def tuned_config(n_k: int) -> dict:
@@ -429,14 +449,19 @@ def tuned_config(n_k: int) -> dict:
 
 def _config(config: dict | None, n_k: int) -> dict:
     """:func:`tuned_config` updated by ``config``; ``ValueError`` for unknown keys or values."""
-    cfg = merged_config("exact_forward_gluon", tuned_config(n_k), config)
+    fn = "hopper.forward"
+    base = tuned_config(n_k)
+    unknown = set(config or {}) - set(base)
+    if unknown:
+        raise ValueError(f"{fn}: unknown config keys {sorted(unknown)}; expected {sorted(base)}")
+    cfg = {**base, **(config or {})}
     if cfg["BLOCK_N"] not in (64, 128):
-        raise ValueError(f"exact_forward_gluon: config BLOCK_N={cfg['BLOCK_N']} must be 64 or 128 (it divides the "
-                         f"shift block {SHIFT_BLOCK})")
+        raise ValueError(f"{fn}: config BLOCK_N={cfg['BLOCK_N']} must be 64 or 128 (it divides the shift block "
+                         f"{SHIFT_BLOCK})")
     if not isinstance(cfg["overlap"], bool):
-        raise ValueError(f"exact_forward_gluon: config overlap={cfg['overlap']!r} must be a bool")
+        raise ValueError(f"{fn}: config overlap={cfg['overlap']!r} must be a bool")
     if not 1 <= cfg["num_stages"] <= 4:
-        raise ValueError(f"exact_forward_gluon: config num_stages={cfg['num_stages']} must be 1..4")
+        raise ValueError(f"{fn}: config num_stages={cfg['num_stages']} must be 1..4")
     return cfg
 
 
@@ -448,10 +473,10 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
 
 
 def kernel_call(q, k_c, v, centres, out, *, scale: float, config: dict | None = None):
-    """``(grid, args, meta)`` of the launch ``exact_fwd_gluon_kernel[grid](*args, **meta)`` (no validation).
+    """``(grid, args, meta)`` of the launch ``exact_fwd_gluon_kernel[grid](*args, **meta)``.
 
-    Split from :func:`exact_forward_gluon` so that ``bench/gluon_compile_check.py`` compiles exactly what
-    the wrapper launches (from meta tensors, without a GPU).
+    Split from :func:`forward` so that ``bench.compile_sm90`` compiles exactly what :func:`forward`
+    launches (from meta tensors, without a GPU).
     """
     cfg = _config(config, k_c.shape[2])
     batch, h_q, n_q, head_dim = q.shape
@@ -470,71 +495,20 @@ def kernel_call(q, k_c, v, centres, out, *, scale: float, config: dict | None = 
     return grid, args, meta
 
 
-def exact_forward_gluon(q: torch.Tensor, k_c: torch.Tensor, v: torch.Tensor, centres: torch.Tensor,
-                        out: torch.Tensor, *, scale: float, config: dict | None = None) -> torch.Tensor:
+def forward(q: torch.Tensor, k_c: torch.Tensor, v: torch.Tensor, centres: torch.Tensor, out: torch.Tensor, *,
+            scale: float, config: dict | None = None) -> torch.Tensor:
     """Write ``softmax(scale q k^T) v`` into ``out`` from the pre-pass's ``k_c`` and ``centres``; return it.
 
-    Args:
+    Resolved arguments (``dispatch.forward`` checks the call and :func:`unsuitable_reason` returned ``None``):
         q: ``(B, Hq, Nq, 64)``; k_c, v: ``(B, Hk, Nk, 64)`` with ``Hq % Hk == 0``; out: ``(B, Hq, Nq, 64)``;
             float16 CUDA tensors on an sm_90 GPU, unit stride in D, B/H/N strides multiples of 16 bytes
             on a 16-byte-aligned base (contiguous (B, H, N, D), or diffusers' (B, N, H, D) transposed).
-        centres: ``(B, Hk, ceil(Nk / 128), 64)`` fp32, the exact centres (``attn_fwd_tma.centre_keys``).
+        centres: ``(B, Hk, ceil(Nk / 128), 64)`` fp32, the exact centres (``prepass.centre_keys``).
         scale: softmax scale.
         config: ``BLOCK_N`` (64 / 128), ``num_stages`` (K/V ring depth), ``overlap`` (softmax of tile
             ``i`` under ``P V`` of tile ``i - 1``, FA3's intra-warpgroup pipelining); missing keys from
             :func:`tuned_config`.
-
-    Raises ``ValueError`` naming the argument for input the kernel cannot take and ``RuntimeError`` when
-    this triton has no Gluon of the 3.6 API.
     """
-    reason = gluon_unavailable_reason()
-    if reason is not None:
-        raise RuntimeError(f"exact_forward_gluon: {reason}; use attn_fwd_tma.exact_forward_tma")
-    _validate(q, k_c, v, centres, out)
-    return launch(q, k_c, v, centres, out, scale=scale, config=config)
-
-
-def launch(q: torch.Tensor, k_c: torch.Tensor, v: torch.Tensor, centres: torch.Tensor, out: torch.Tensor, *,
-           scale: float, config: dict | None = None) -> torch.Tensor:
-    """:func:`exact_forward_gluon` without its checks, for callers that made them
-    (``pasa_fwd.pasa_forward`` through :func:`unsuitable_reason`)."""
     grid, args, meta = kernel_call(q, k_c, v, centres, out, scale=scale, config=config)
     exact_fwd_gluon_kernel[grid](*args, **meta)
     return out
-
-
-def unsuitable_reason(q: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, precision: str,
-                      block_n: int) -> str | None:
-    """Why this kernel cannot take a call of ``pasa_fwd.pasa_forward`` with the exact shift, or ``None``.
-
-    ``q``, ``v``, ``out`` are the caller's checked tensors (the keys come from its pre-pass, contiguous);
-    the kernel takes fp16, head dim 64, the hybrid precision and centre blocks of ``SHIFT_BLOCK`` keys,
-    on an sm_90 GPU with Triton's Gluon 3.6, in layouts a TMA descriptor can address.
-    """
-    reason = gluon_unavailable_reason()
-    if reason is not None:
-        return reason
-    if q.device.type != "cuda":
-        return f"it runs on CUDA GPUs, got {q.device}"
-    major, minor = torch.cuda.get_device_capability(q.device)
-    if major != 9:
-        return f"it needs sm_90 (Hopper), got sm_{major}{minor}"
-    if precision != "hybrid":
-        return f"it has the hybrid precision only, got precision={precision!r}"
-    if q.dtype != torch.float16:
-        return f"it takes float16 only, got {q.dtype}"
-    if q.shape[-1] != HEAD_DIM:
-        return f"it takes head dim {HEAD_DIM} only, got {q.shape[-1]}"
-    if block_n != SHIFT_BLOCK:
-        return f"its centre blocks are {SHIFT_BLOCK} keys, got block_n={block_n}"
-    return descriptor_layout_problem((("q", q), ("v", v), ("out", out)))
-
-
-def exact_attention_gluon(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
-                          config: dict | None = None) -> torch.Tensor:
-    """The pre-pass and the kernel: ``softmax(scale q k^T) v`` for (B, H, N, 64) fp16 views; ``out`` contiguous."""
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    rules.check_options("exact_attention_gluon", precision="hybrid", shift="exact", scale=scale)
-    k_c, centres = centre_keys(k)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    return exact_forward_gluon(q, k_c, v, centres, out, scale=scale, config=config)

@@ -7,9 +7,13 @@ and head).  Each one is a single key block, so its softmax needs no running stat
 is bandwidth-bound, and packing gives each program enough rows (``SEQS x BLOCK_Q``) to keep its
 loads wide while every reduction stays inside one sequence's tile.
 
-Same result as ``pasa_fwd.pasa_fwd_kernel`` with ``SHIFT="exact"`` on one key block (and as
+Same result as ``portable.pasa_fwd_kernel`` with ``SHIFT="exact"`` on one key block (and as
 ``reference.exact_shift_reference``): the same centre (``common.centre_tile``), the same roundings;
 only the summation order inside the tile products may differ.
+
+Configs: sequences per program (``SEQS``) and warps, pruned to the fewest warps whose tiles fit the
+registers (``TILE_PER_WARP``); one warp per program wins on the H200 (docs/BENCHMARKS.md).
+``CENTRE_IN_G`` is tuned too.  No loop, so one stage.
 """
 from __future__ import annotations
 
@@ -17,18 +21,18 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LOG2E, centre_tile, mma, round_to, strides3
-from .configs import PACKED_INTERPRET_CONFIG, autotuned_packed, bucket, pow2_tile
+from .common import INTERPRET, LOG2E, centre_tile, mma, round_to, strides3
+from .tuning import autotuned, bucket, pow2_tile
 
-__all__ = ["packed_fwd_kernel", "packed_forward", "PACKED_MAX_TOKENS", "packs"]
+__all__ = ["packed_fwd_kernel", "forward", "MAX_TOKENS", "packs"]
 
-PACKED_MAX_TOKENS = 64
+MAX_TOKENS = 64
 """The longest query and key sequences the packed kernel takes (one 64-row tile per sequence)."""
 
 
 def packs(n_q: int, n_k: int) -> bool:
     """Whether sequences of ``n_q`` queries and ``n_k`` keys fit the packed kernel."""
-    return n_q <= PACKED_MAX_TOKENS and n_k <= PACKED_MAX_TOKENS
+    return n_q <= MAX_TOKENS and n_k <= MAX_TOKENS
 
 
 @triton.jit(do_not_specialize=["N_SEQ", "N_Q", "N_K"])
@@ -42,7 +46,7 @@ def packed_fwd_kernel(
     NSEQ_BUCKET,  # autotune key only
     scale, G_ULP,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-    SEQS: tl.constexpr, CENTRE_IN_G: tl.constexpr, HALF_STATE: tl.constexpr, INTERPRET_BF16: tl.constexpr,
+    SEQS: tl.constexpr, CENTRE_IN_G: tl.constexpr, PRECISION: tl.constexpr, INTERPRET_BF16: tl.constexpr,
 ):
     """``out = softmax(scale q k^T) v`` for ``SEQS`` whole sequences: flat (batch, head) indices
     ``pid * SEQS ...``, each with all its ``N_Q`` queries and ``N_K`` keys in one tile.
@@ -98,12 +102,12 @@ def packed_fwd_kernel(
     v = tl.load(v_ptr + v_rows + offs_d[None, None, :], mask=kv_mask, other=0.0)
     g_ty = v.dtype
 
-    c = centre_tile(k32, j_valid[None, None, :], N_K, G_ULP, g_ty, not HALF_STATE, INTERPRET_BF16, 2, True)
+    c = centre_tile(k32, j_valid[None, None, :], N_K, G_ULP, g_ty, PRECISION != "half", INTERPRET_BF16, 2, True)
     if CENTRE_IN_G and not INTERPRET_BF16:  # the interpreter cannot subtract bf16
         k_t = k_g - c.to(g_ty)[:, :, None]
     else:
         k_t = round_to(k32 - c[:, :, None], g_ty, INTERPRET_BF16)
-    if HALF_STATE:
+    if PRECISION == "half":
         q_s = (q.to(tl.float32) * scale).to(tl.float16)
         s = tl.dot(q_s, k_t, out_dtype=tl.float16).to(tl.float32)
         unit = LOG2E
@@ -113,7 +117,7 @@ def packed_fwd_kernel(
     s = tl.where(j_valid[None, None, :], s, float("-inf"))
     m = tl.max(s, axis=2) * unit
     x = tl.fma(s, unit, -m[:, :, None])
-    if HALF_STATE:
+    if PRECISION == "half":
         p = tl.math.exp2(x).to(tl.float16)
         pv = tl.dot(p, v, out_dtype=tl.float16).to(tl.float32)
     else:
@@ -126,26 +130,42 @@ def packed_fwd_kernel(
     tl.store(o_ptr + o_rows + offs_d[None, None, :], out, mask=q_mask)
 
 
-INTERPRET = not isinstance(packed_fwd_kernel, triton.runtime.jit.JITFunction)
+AUTOTUNE_KEY = ["HEAD_DIM", "BLOCK_Q", "BLOCK_K", "PRECISION", "NSEQ_BUCKET"]
+INTERPRET_CONFIG = {"SEQS": 2, "CENTRE_IN_G": False, "num_warps": 4, "num_stages": 1}
+"""The interpreter's configuration: two sequences per program (the 3-D tiles' batch axis)."""
+
+TILE_PER_WARP = 2048
+"""The most elements of one (SEQS, tokens, BLOCK_D) tile a warp holds: 64 fp32 registers per thread for
+the fp32 key tile (twice that spills, compiled for sm_90)."""
+
+CONFIGS = [triton.Config({"SEQS": seqs, "CENTRE_IN_G": in_g}, num_warps=w, num_stages=1)
+           for seqs, w in [(1, 1), (2, 1), (1, 2), (1, 4), (1, 8)] for in_g in (False, True)]
+"""(sequences per program, warps) x ``CENTRE_IN_G``."""
+
+
+def _prune(configs, named_args, **kwargs):
+    """The configs whose tiles fit ``TILE_PER_WARP``, of those the ones with the fewest warps."""
+    per_seq = max(kwargs["BLOCK_Q"], kwargs["BLOCK_K"]) * kwargs["BLOCK_D"]
+    fitting = [c for c in configs if c.kwargs["SEQS"] * per_seq <= TILE_PER_WARP * c.num_warps]
+    fewest = min(c.num_warps for c in fitting)
+    return [c for c in fitting if c.num_warps == fewest]
+
 
 if not INTERPRET:
-    _packed_fwd_tuned = autotuned_packed(packed_fwd_kernel)
+    _packed_fwd_tuned = autotuned(packed_fwd_kernel, CONFIGS, AUTOTUNE_KEY, _prune)
 
 
-def packed_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, scale: float,
-                   precision: str, config: dict | None = None) -> torch.Tensor:
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, scale: float,
+            precision: str, config: dict | None = None) -> torch.Tensor:
     """Write the exact shift's ``softmax(scale q k^T) v`` into ``out`` and return it.
 
-    The caller checks the inputs: ``pasa_fwd.pasa_forward`` (``shift_k="packed"``, or ``"auto"`` where
-    ``packs(Nq, Nk)`` and all keys form one shift block) is the entry point.
-
-    Args:
+    Resolved arguments (``dispatch.forward`` checks and plans the call):
         q: ``(B, Hq, Nq, D)``; k, v: ``(B, Hk, Nk, D)`` with ``Hq % Hk == 0`` and ``packs(Nq, Nk)``;
             out: ``(B, Hq, Nq, D)``; any strides with unit stride in the head dim.
         scale: softmax scale; precision: ``"hybrid"`` or ``"half"``.
         config: fixed ``SEQS`` (sequences per program, a power of two), ``CENTRE_IN_G`` (bool, default
-            False) and ``num_warps`` instead of autotuning (under the interpreter: over its fixed
-            configuration, whose ``num_warps`` it ignores).
+            False) and ``num_warps`` instead of autotuning (under the interpreter: over
+            ``INTERPRET_CONFIG``, whose ``num_warps`` it ignores).
     """
     batch, h_q, n_q, head_dim = q.shape
     h_k, n_k = k.shape[1], k.shape[2]
@@ -153,17 +173,17 @@ def packed_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     args = (q, k, v, out, *strides3(q), *strides3(k), *strides3(v), *strides3(out),
             h_q, h_q // h_k, n_seq, n_q, n_k, bucket(n_seq), float(scale), torch.finfo(q.dtype).eps)
     meta = dict(HEAD_DIM=head_dim, BLOCK_D=pow2_tile(head_dim), BLOCK_Q=pow2_tile(n_q), BLOCK_K=pow2_tile(n_k),
-                HALF_STATE=precision == "half", INTERPRET_BF16=INTERPRET and q.dtype == torch.bfloat16)
+                PRECISION=precision, INTERPRET_BF16=INTERPRET and q.dtype == torch.bfloat16)
 
     def grid(meta_):
         return (triton.cdiv(n_seq, meta_["SEQS"]),)
 
     if INTERPRET or config is not None:
-        fixed = {"CENTRE_IN_G": False, **(PACKED_INTERPRET_CONFIG if INTERPRET else {}), **(config or {})}
+        fixed = {"CENTRE_IN_G": False, **(INTERPRET_CONFIG if INTERPRET else {}), **(config or {})}
         if not isinstance(fixed.get("SEQS"), int) or fixed["SEQS"] < 1 or fixed["SEQS"] & (fixed["SEQS"] - 1):
-            raise ValueError(f"packed_forward: config['SEQS'] must be a power of two, got {fixed.get('SEQS')!r}")
+            raise ValueError(f"packed.forward: config['SEQS'] must be a power of two, got {fixed.get('SEQS')!r}")
         if not isinstance(fixed["CENTRE_IN_G"], bool):
-            raise ValueError(f"packed_forward: config['CENTRE_IN_G'] must be a bool, got {fixed['CENTRE_IN_G']!r}")
+            raise ValueError(f"packed.forward: config['CENTRE_IN_G'] must be a bool, got {fixed['CENTRE_IN_G']!r}")
         packed_fwd_kernel[grid](*args, **meta, **fixed)
     else:
         _packed_fwd_tuned[grid](*args, **meta)

@@ -1,59 +1,53 @@
-"""Fused forward attention: the exact shift, PASA (pseudo-average shifting) and plain FlashAttention.
+"""The portable kernel: fused forward attention for the exact shift, PASA and plain FlashAttention.
 
-One Triton kernel, :func:`pasa_fwd_kernel`, and its launch wrapper :func:`pasa_forward`.  The kernel
-is FlashAttention-2's loop, written once (:func:`_attn_inner`, called for the full key blocks and
-again, masked, for the ragged last one); each algorithm differs only in its logits helper
+One Triton kernel, :func:`pasa_fwd_kernel`, its launch wrapper :func:`forward` and its configs.  The
+kernel is FlashAttention-2's loop, written once (:func:`_attn_inner`, called for the full key blocks
+and again, masked, for the ragged last one); each algorithm differs only in its logits helper
 (``_logits_exact``, ``_logits_pasa``, ``_logits_flash``: the exponent of ``p``, the rescale ``alpha``
 and the new row maximum) and each precision in its merge helper (``_merge``).  Switches:
 
 - ``SHIFT``: ``"exact"`` (the exact shift, ``reference.exact_shift_reference``), ``"pasa"`` (the
   paper's PASA, ``reference.pasa_reference``) or ``"none"`` (plain FlashAttention);
-- ``HALF_STATE``: the fully-half pipeline (fp16 scores, ``P`` and ``P V`` accumulator; PASA and plain
-  FA also keep the softmax state in fp16) or the hybrid one (fp16/bf16 GEMM inputs, fp32 state and
-  accumulator);
+- ``PRECISION``: ``"half"``, the fully-half pipeline (fp16 scores, ``P`` and ``P V`` accumulator; PASA
+  and plain FA also keep the softmax state in fp16, the exact shift keeps ``l`` in fp32), or
+  ``"hybrid"`` (fp16/bf16 GEMM inputs, fp32 state and accumulator);
 - ``SHIFT_IN_LOOP``: the key tile is shifted (PASA) or centred (the exact shift, one key block only)
-  inside the loop, or read from the pre-pass's buffer (``shift_k.py``, ``centre_k.py``);
+  inside the loop, or read from the pre-pass's buffer (``prepass.py``);
 - ``ONE_BLOCK``: every key in one shift block (``N_K <= BLOCK_N``: temporal attention, short spatial
   sequences): PASA's offsets ``delta_1 = eps_1 = 0`` and its block mean is skipped; the exact shift
-  centres its one key tile itself.  ``pasa_forward`` sends the exact shift's short one-block sequences
-  (at most ``packed_fwd.PACKED_MAX_TOKENS`` queries and keys) to ``packed_fwd.py`` instead, which
-  takes several whole sequences per program in one pass.
+  centres its one key tile itself.
 
-On an sm_90 GPU with Triton's Gluon 3.6, ``pasa_forward`` runs the exact shift in hybrid (the default
-variant) on fp16, head dim 64 and several key blocks (spatial attention) through
-``attn_fwd_gluon.py`` instead (FA3's warp-specialised kernel, from the same pre-pass); ``kernel``
-picks explicitly.
+It runs every variant on every CUDA GPU Triton supports, and on CPU tensors under
+``TRITON_INTERPRET=1`` (set before ``triton`` is first imported) with one fixed small configuration.
+Which calls it serves is ``dispatch.py``'s choice.
 
-Under ``TRITON_INTERPRET=1`` (set before ``triton`` is first imported) the kernel runs on CPU
-tensors through Triton's numpy interpreter with one fixed small configuration.
+Configs.  PASA's ``BLOCK_N`` is not tuned: it is the shift block (``rules.SHIFT_BLOCK``), which changes
+the result (and the beta fixed point is solved for n = 128); nor is the exact shift's when it centres
+its one key block inside the loop.  The autotuner picks ``BLOCK_M``, warps and stages.  Plain
+FlashAttention also tunes ``BLOCK_N``, and so does the exact shift with keys centred by its pre-pass:
+its tiles divide the centre block (each tile reads its block's centre), which does not change the
+math, only the order of the online softmax's rescalings (a 64-key tile takes fewer registers than a
+128-key one).  Configs whose tiles do not fit the shared memory of an sm_90 SM are pruned before
+compiling (head dims above 128); the single-stage fallbacks serve head dim 256.  "short" configs serve
+at most 32 query rows (SVD's temporal attention, N = 14 or 25), where 128-row tiles would be mostly
+padding; their one- and two-warp configs keep every reduction of a 16-32 x 64 tile inside one warp.
+The pools were tuned on the H200 at SVD's and the paper's shapes (docs/BENCHMARKS.md).
 """
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from .. import rules
-from ..beta import gamma as recovery_gamma
-from ..beta import shift_entries
-from . import attn_fwd_gluon
-from .centre_k import centre_k_kernel
-from .common import LOG2E, centre_tile, mma, round_to, strides3
-from .configs import INTERPRET_CONFIG, autotuned, bucket, pow2_tile
-from .packed_fwd import PACKED_MAX_TOKENS, packed_forward, packs
-from .shift_k import shift_k_kernel
+from .common import INTERPRET, LOG2E, centre_tile, mma, round_to, strides3
+from .tuning import SMEM_LIMIT, autotuned, bucket, pow2_tile
 
-__all__ = ["pasa_fwd_kernel", "pasa_forward", "SHIFT_K_MODES", "KERNELS", "INTERPRET"]
-
-SHIFT_K_MODES = ("auto", "fused", "prepass", "packed")
-KERNELS = ("auto", "portable", "gluon")
+__all__ = ["pasa_fwd_kernel", "forward", "INTERPRET_CONFIG", "NO_SHIFT"]
 
 
 @triton.jit
 def _logits_exact(q, q32, k_blk, m_i, c_base, stride_cj, start_n, n_valid, offs_d, d_valid, N_K, qk_scale, G_ULP,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CENTRE_BLOCK: tl.constexpr, HALF_STATE: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CENTRE_BLOCK: tl.constexpr, PRECISION: tl.constexpr,
                   SHIFT_IN_LOOP: tl.constexpr, MASKED: tl.constexpr, INTERPRET_BF16: tl.constexpr):
     """The exact shift, in log2 units (``qk_scale = scale log2(e)``).  Keys centred per block of
     ``CENTRE_BLOCK`` keys: ``k_c = round_g(k - c_j)`` (by the pre-pass, or here when ``SHIFT_IN_LOOP``:
@@ -75,12 +69,12 @@ def _logits_exact(q, q32, k_blk, m_i, c_base, stride_cj, start_n, n_valid, offs_
     if SHIFT_IN_LOOP:
         k32 = k_blk.to(tl.float32)
         n_j = tl.minimum(N_K - start_n, BLOCK_N)
-        c_j = centre_tile(k32, n_valid[:, None], n_j, G_ULP, g_ty, not HALF_STATE, INTERPRET_BF16, 0, False)
+        c_j = centre_tile(k32, n_valid[:, None], n_j, G_ULP, g_ty, PRECISION != "half", INTERPRET_BF16, 0, False)
         k_blk = round_to(k32 - c_j[None, :], g_ty, INTERPRET_BF16)
     else:
         c_j = tl.load(c_base + (start_n // CENTRE_BLOCK) * stride_cj + offs_d, mask=d_valid, other=0.0)
     r_j = tl.sum(q32 * c_j[None, :], axis=1) * qk_scale
-    if HALF_STATE:
+    if PRECISION == "half":
         s = tl.dot(q, tl.trans(k_blk), out_dtype=tl.float16).to(tl.float32)
         unit = LOG2E  # q is pre-scaled
     else:
@@ -98,7 +92,7 @@ def _logits_exact(q, q32, k_blk, m_i, c_base, stride_cj, start_n, n_valid, offs_
 
 @triton.jit
 def _logits_pasa(q, k_blk, m_i, avg_j, start_n, n_valid, N_K, a_shift, c_shift, gamma_st, tail_ratio_st,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF_STATE: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                  SHIFT_IN_LOOP: tl.constexpr, ONE_BLOCK: tl.constexpr, MASKED: tl.constexpr,
                  INTERPRET_BF16: tl.constexpr):
     """PASA, in natural-log units.  Key block ``j`` holds ``n_j`` valid keys; ``a_shift, c_shift`` are the
@@ -131,7 +125,7 @@ def _logits_pasa(q, k_blk, m_i, avg_j, start_n, n_valid, N_K, a_shift, c_shift, 
         k_shift = round_to(a_shift * k32 - c_shift * colsum[None, :], g_ty, INTERPRET_BF16)
     else:
         k_shift = k_blk
-    if HALF_STATE:
+    if PRECISION == "half":
         s = tl.dot(q, tl.trans(k_shift), out_dtype=tl.float16)
     else:
         s = mma(q, tl.trans(k_shift), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), INTERPRET_BF16)
@@ -163,11 +157,11 @@ def _logits_pasa(q, k_blk, m_i, avg_j, start_n, n_valid, N_K, a_shift, c_shift, 
 
 @triton.jit
 def _logits_flash(q, k_blk, m_i, n_valid, scale_st, qk_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  HALF_STATE: tl.constexpr, MASKED: tl.constexpr, INTERPRET_BF16: tl.constexpr):
+                  PRECISION: tl.constexpr, MASKED: tl.constexpr, INTERPRET_BF16: tl.constexpr):
     """Plain FlashAttention.  Half: ``s = fp16(q k^T) * scale`` in fp16, so ``|q.k| > 65504`` is inf and
     the output NaN (the naive control), natural-log units.  Hybrid: fp32 scores, ``m_i`` in log2 units
     and the exponent by one FMA (FlashAttention-2)."""
-    if HALF_STATE:
+    if PRECISION == "half":
         s = tl.dot(q, tl.trans(k_blk), out_dtype=tl.float16) * scale_st
         if MASKED:
             s = tl.where(n_valid[None, :], s, float("-inf"))
@@ -185,7 +179,7 @@ def _logits_flash(q, k_blk, m_i, n_valid, scale_st, qk_scale, BLOCK_M: tl.conste
 
 
 @triton.jit
-def _merge(acc, l_i, x, alpha, v_blk, SHIFT: tl.constexpr, HALF_STATE: tl.constexpr, INTERPRET_BF16: tl.constexpr):
+def _merge(acc, l_i, x, alpha, v_blk, SHIFT: tl.constexpr, PRECISION: tl.constexpr, INTERPRET_BF16: tl.constexpr):
     """``p = exp2(x)``, ``l_i = alpha l_i + rowsum(p)``, ``acc = alpha acc + p v_blk``.
 
     Hybrid: ``p`` is rounded to ``g`` for the ``P V`` GEMM and ``l_i`` sums those same rounded values,
@@ -200,7 +194,7 @@ def _merge(acc, l_i, x, alpha, v_blk, SHIFT: tl.constexpr, HALF_STATE: tl.conste
     does not fold the addition into the dot): ``acc`` rounds twice per block, not once per k-step of 16.
     """
     g_ty = v_blk.dtype
-    if HALF_STATE:
+    if PRECISION == "half":
         p = tl.math.exp2(x).to(tl.float16)
         if SHIFT == "exact":
             l_i = alpha * l_i + tl.sum(p.to(tl.float32), axis=1)
@@ -225,7 +219,7 @@ def _attn_inner(acc, l_i, m_i, avg_j, q, q32, k_base, v_base, c_base, stride_kn,
                 scale_st, qk_scale, a_shift, c_shift, gamma_st, tail_ratio_st, G_ULP,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 CENTRE_BLOCK: tl.constexpr, SHIFT: tl.constexpr, SHIFT_IN_LOOP: tl.constexpr,
-                HALF_STATE: tl.constexpr, ONE_BLOCK: tl.constexpr, MASKED: tl.constexpr,
+                PRECISION: tl.constexpr, ONE_BLOCK: tl.constexpr, MASKED: tl.constexpr,
                 INTERPRET_BF16: tl.constexpr):
     """The key loop over ``[lo, hi)`` in steps of ``BLOCK_N``: load a K/V tile (masking rows past
     ``N_K`` when ``MASKED``), the algorithm's logits, the precision's merge."""
@@ -251,15 +245,15 @@ def _attn_inner(acc, l_i, m_i, avg_j, q, q32, k_base, v_base, c_base, stride_kn,
         if SHIFT == "exact":
             x, alpha, m_new = _logits_exact(q, q32, k_blk, m_i, c_base, stride_cj, start_n, n_valid, offs_d,
                                             d_valid, N_K, qk_scale, G_ULP, BLOCK_M, BLOCK_N, CENTRE_BLOCK,
-                                            HALF_STATE, SHIFT_IN_LOOP, MASKED, INTERPRET_BF16)
+                                            PRECISION, SHIFT_IN_LOOP, MASKED, INTERPRET_BF16)
         elif SHIFT == "pasa":
             x, alpha, m_new, avg_j = _logits_pasa(q, k_blk, m_i, avg_j, start_n, n_valid, N_K, a_shift, c_shift,
-                                                  gamma_st, tail_ratio_st, BLOCK_M, BLOCK_N, HALF_STATE,
+                                                  gamma_st, tail_ratio_st, BLOCK_M, BLOCK_N, PRECISION,
                                                   SHIFT_IN_LOOP, ONE_BLOCK, MASKED, INTERPRET_BF16)
         else:
             x, alpha, m_new = _logits_flash(q, k_blk, m_i, n_valid, scale_st, qk_scale, BLOCK_M, BLOCK_N,
-                                            HALF_STATE, MASKED, INTERPRET_BF16)
-        acc, l_i = _merge(acc, l_i, x, alpha, v_blk, SHIFT, HALF_STATE, INTERPRET_BF16)
+                                            PRECISION, MASKED, INTERPRET_BF16)
+        acc, l_i = _merge(acc, l_i, x, alpha, v_blk, SHIFT, PRECISION, INTERPRET_BF16)
         m_i = m_new
     return acc, l_i, m_i, avg_j
 
@@ -277,7 +271,7 @@ def pasa_fwd_kernel(
     scale, a_full, c_full, a_tail, c_tail, gamma, tail_ratio, G_ULP,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CENTRE_BLOCK: tl.constexpr,
-    SHIFT: tl.constexpr, SHIFT_IN_LOOP: tl.constexpr, HALF_STATE: tl.constexpr,
+    SHIFT: tl.constexpr, SHIFT_IN_LOOP: tl.constexpr, PRECISION: tl.constexpr,
     ONE_BLOCK: tl.constexpr, INTERPRET_BF16: tl.constexpr,
 ):
     """``out = softmax(scale q k^T) v`` for one block of ``BLOCK_M`` query rows of one (batch, head).
@@ -328,7 +322,7 @@ def pasa_fwd_kernel(
     else:
         q = tl.load(q_ptrs, mask=m_valid[:, None] & d_valid[None, :], other=0.0)
 
-    if HALF_STATE and SHIFT != "exact":
+    if PRECISION == "half" and SHIFT != "exact":
         st = tl.float16
         # float arguments are python floats under the interpreter: cast explicitly
         gamma_st = tl.cast(gamma, tl.float16)
@@ -342,10 +336,10 @@ def pasa_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), st)
     l_i = tl.zeros([BLOCK_M], st)
     avg_j = tl.zeros([BLOCK_M], st)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float16 if HALF_STATE else tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float16 if PRECISION == "half" else tl.float32)
     qk_scale = scale * LOG2E
     q32 = q.to(tl.float32)
-    if SHIFT == "exact" and HALF_STATE:
+    if SHIFT == "exact" and PRECISION == "half":
         # pre-scaled once (natural units, as the reference: the same fp16 q_s and scores); the fp16
         # product then stays in range
         q = (q32 * scale).to(tl.float16)
@@ -355,13 +349,13 @@ def pasa_fwd_kernel(
         acc, l_i, m_i, avg_j, q, q32, k_base, v_base, c_base, stride_kn, stride_vn, stride_cj,
         0, n_full_keys, N_K, offs_j, offs_d, d_valid,
         scale_st, qk_scale, a_full, c_full, gamma_st, tail_ratio_st, G_ULP,
-        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CENTRE_BLOCK, SHIFT, SHIFT_IN_LOOP, HALF_STATE, ONE_BLOCK, False,
+        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CENTRE_BLOCK, SHIFT, SHIFT_IN_LOOP, PRECISION, ONE_BLOCK, False,
         INTERPRET_BF16)
     acc, l_i, m_i, avg_j = _attn_inner(
         acc, l_i, m_i, avg_j, q, q32, k_base, v_base, c_base, stride_kn, stride_vn, stride_cj,
         n_full_keys, N_K, N_K, offs_j, offs_d, d_valid,
         scale_st, qk_scale, a_tail, c_tail, gamma_st, tail_ratio_st, G_ULP,
-        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CENTRE_BLOCK, SHIFT, SHIFT_IN_LOOP, HALF_STATE, ONE_BLOCK, True,
+        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CENTRE_BLOCK, SHIFT, SHIFT_IN_LOOP, PRECISION, ONE_BLOCK, True,
         INTERPRET_BF16)
 
     inv_l = 1.0 / l_i.to(tl.float32)  # one division per row, then products
@@ -373,175 +367,143 @@ def pasa_fwd_kernel(
         tl.store(o_ptrs, out, mask=m_valid[:, None] & d_valid[None, :])
 
 
-INTERPRET = not isinstance(pasa_fwd_kernel, triton.runtime.jit.JITFunction)
-"""True when ``TRITON_INTERPRET=1`` was set before triton was imported: the kernel then runs on CPU."""
+AUTOTUNE_KEY = ["HEAD_DIM", "NQ_BUCKET", "NK_BUCKET", "PRECISION", "SHIFT", "SHIFT_IN_LOOP", "ONE_BLOCK",
+                "CENTRE_BLOCK", "BLOCK_N"]
+"""The kernel arguments a tuned config is chosen by (the tiled pool tunes BLOCK_N, so it drops the last one)."""
+
+INTERPRET_CONFIG = {"BLOCK_M": 64, "num_warps": 4, "num_stages": 1}
+"""The interpreter's fixed configuration (plus BLOCK_N: the shift block, or 64 for plain FA), which a
+``config`` given to :func:`forward` overrides."""
+
+SMALL_TILE = 64
+"""The largest key-tile extent (keys and head dim) a config of fewer than 4 warps may take."""
+
+
+def _configs(entries, with_block_n: bool) -> list[triton.Config]:
+    if with_block_n:
+        return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in entries]
+    return [triton.Config({"BLOCK_M": bm}, num_warps=w, num_stages=s) for bm, w, s in entries]
+
+
+# (BLOCK_M, [BLOCK_N,] num_warps, num_stages) per pool: "long" query sequences, "short" ones (at most
+# 32 rows), "fallback" for head dim 256, whose tiles fit shared memory only single-stage.
+_SHIFT_CONFIGS = {
+    "long": _configs([(128, 8, 3), (128, 8, 2), (64, 4, 3)], False),
+    "short": _configs([(32, 1, 2), (16, 1, 2), (32, 2, 2), (64, 4, 2)], False),
+    "fallback": _configs([(64, 4, 1), (64, 8, 1)], False),
+}
+_TILED_CONFIGS = {
+    "long": _configs([(128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3)], True),
+    "short": _configs([(32, 32, 1, 2), (16, 32, 1, 2), (32, 32, 2, 2), (64, 64, 4, 2)], True),
+    "fallback": _configs([(64, 64, 4, 2), (64, 64, 8, 2)], True),
+}
+
+
+def _smem_bytes(cfg: triton.Config, block_n: int, block_d: int) -> int:
+    """Shared memory of a config as Triton 3.x lays it out on sm_90: q once, k and v per stage."""
+    bn = cfg.kwargs.get("BLOCK_N", block_n)
+    return 2 * block_d * (cfg.kwargs["BLOCK_M"] + 2 * bn * cfg.num_stages)
+
+
+def _fits(cfg: triton.Config, block_n: int, block_d: int) -> bool:
+    """Whether a config's tiles fit shared memory, and, with fewer than 4 warps, a 64 x 64 key tile
+    (a one-warp program with a 128 x 128 tile spills and takes ptxas minutes to compile)."""
+    bn = cfg.kwargs.get("BLOCK_N", block_n)
+    small_tile = bn <= SMALL_TILE and block_d <= SMALL_TILE
+    return _smem_bytes(cfg, block_n, block_d) <= SMEM_LIMIT and (cfg.num_warps >= 4 or small_tile)
+
+
+def _with_block_n(cfg: triton.Config, block_n: int) -> triton.Config:
+    """``cfg`` with its key tile set to ``block_n``."""
+    return triton.Config({**cfg.kwargs, "BLOCK_N": block_n}, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _prune(configs, named_args, **kwargs):
+    """The short- or long-query configs that fit (``_fits``); the single-stage fallbacks if none.  The
+    exact shift's tiles divide its centre block (``CENTRE_BLOCK``); tiles of the whole block if none do."""
+    tiled = "BLOCK_N" in configs[0].kwargs
+    table = _TILED_CONFIGS if tiled else _SHIFT_CONFIGS
+    block_d, block_n = kwargs["BLOCK_D"], kwargs.get("BLOCK_N", 64)
+    pool = table["short"] if named_args["NQ_BUCKET"] <= 32 else table["long"]
+    if tiled and kwargs["SHIFT"] == "exact":
+        centre = kwargs["CENTRE_BLOCK"]
+        pool = [c for c in pool if centre % c.kwargs["BLOCK_N"] == 0] or [_with_block_n(c, centre) for c in pool]
+    fitting = [c for c in pool if _fits(c, block_n, block_d)]
+    if fitting:
+        return fitting
+    fallback = table["fallback"]
+    if tiled and kwargs["SHIFT"] == "exact":
+        fallback = [_with_block_n(c, min(c.kwargs["BLOCK_N"], kwargs["CENTRE_BLOCK"])) for c in fallback]
+    return [c for c in fallback if _smem_bytes(c, block_n, block_d) <= SMEM_LIMIT] or fallback[:1]
+
+
+def _pool(table: dict[str, list[triton.Config]]) -> list[triton.Config]:
+    return [c for cs in table.values() for c in cs]
+
 
 if not INTERPRET:
-    _shift_fwd_tuned = autotuned(pasa_fwd_kernel, tune_block_n=False)
-    _tiled_fwd_tuned = autotuned(pasa_fwd_kernel, tune_block_n=True)
+    # the pool of the variants whose tile is their shift block (PASA, the exact shift centring in the
+    # loop), and the tiled pool, which also tunes BLOCK_N (plain FA, the exact shift with pre-centred keys)
+    _shift_fwd_tuned = autotuned(pasa_fwd_kernel, _pool(_SHIFT_CONFIGS), AUTOTUNE_KEY, _prune)
+    _tiled_fwd_tuned = autotuned(pasa_fwd_kernel, _pool(_TILED_CONFIGS), AUTOTUNE_KEY[:-1], _prune)
 
 
-@functools.lru_cache(maxsize=256)
-def _shift_constants(beta: float, n_keys: int, block_n: int, dtype: torch.dtype,
-                     scale: float) -> tuple[float, float, float, float, float, float]:
-    """``(a_full, c_full, a_tail, c_tail, gamma, tail_ratio)`` in float64 from the stored entries.
-
-    ``gamma`` is the full block's (the tail's when ``n_keys < block_n``: then the only block is the
-    tail); ``tail_ratio = gamma_tail / gamma``.
-    """
-    n_first = min(block_n, n_keys)
-    diag, off = shift_entries(beta, n_first, dtype, scale)
-    a_full, c_full = diag - off, -off
-    gam = recovery_gamma(beta, n_first, dtype, scale)
-    n_tail = n_keys % block_n
-    if n_tail == 0 or n_keys < block_n:
-        return a_full, c_full, a_full, c_full, gam, 1.0
-    diag, off = shift_entries(beta, n_tail, dtype, scale)
-    return a_full, c_full, diag - off, -off, gam, recovery_gamma(beta, n_tail, dtype, scale) / gam
+NO_SHIFT = (0.0, 0.0, 0.0, 0.0, 0.0, 1.0)
 
 
-def _gluon_reason(kernel: str, config: dict | None, q: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                  precision: str, block_n: int, prepass: bool) -> str | None:
-    """Why the exact shift's call does not go to ``attn_fwd_gluon.py`` under ``kernel``, or ``None``."""
-    if kernel == "portable":
-        return "kernel='portable'"
-    if kernel == "auto" and config is not None:
-        return "a config tunes the portable kernel"
-    if not prepass:
-        return "all keys form one block, centred inside the portable kernel (no pre-pass)"
-    if INTERPRET:
-        return "Triton's interpreter runs no Gluon"
-    return attn_fwd_gluon.unsuitable_reason(q, v, out, precision=precision, block_n=block_n)
-
-
-def pasa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, scale: float,
-                 precision: str, shift: bool | str, beta: float, shift_k: str = "auto", block_n: int | None = None,
-                 config: dict | None = None, kernel: str = "auto") -> torch.Tensor:
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, scale: float, shift: str,
+            precision: str, block_n: int, one_block: bool, keys_prepared: bool, centres: torch.Tensor | None = None,
+            shift_constants: tuple[float, ...] = NO_SHIFT, config: dict | None = None) -> torch.Tensor:
     """Write ``softmax(scale q k^T) v`` into ``out`` and return it.
 
-    Args:
-        q: ``(B, Hq, Nq, D)``; k, v: ``(B, Hk, Nk, D)`` with ``Hq % Hk == 0``; out: ``(B, Hq, Nq, D)``.
-            Any strides with unit stride in the head dim (e.g. ``(B, N, H, D)`` tensors transposed).
-        scale: softmax scale; precision: ``"hybrid"`` or ``"half"``; shift: ``"exact"`` the exact
-            shift, ``True`` PASA, ``False`` plain FA (key blocks of ``block_n`` for the first two);
-        beta: PASA's shift strength in (0, 1) (unused by plain FA and the exact shift).
-        shift_k: how keys are shifted (PASA) or centred (the exact shift): ``"fused"`` inside the loop,
-            ``"prepass"`` once per head by ``shift_k.py`` / ``centre_k.py`` into a buffer, ``"packed"``
-            (the exact shift only) by ``packed_fwd.py``, which takes several whole sequences of at
-            most ``PACKED_MAX_TOKENS`` queries and keys per program in one pass; ``"auto"``: PASA
-            uses the pre-pass when a head has more than 128 query rows (several query blocks reuse
-            every shifted tile) or the head dim is above 128 (an fp32 key tile of 128 x 256 does not
-            fit the registers); the exact shift packs short one-block sequences (temporal
-            attention), centres in the loop when all keys form one block otherwise (the only case
-            ``"fused"`` allows it), and by the pre-pass otherwise.
-        block_n: the shift block n (default ``rules.SHIFT_BLOCK`` = 128, as the reference); changes
-            the result.
+    Resolved arguments (``dispatch.forward`` checks and plans the call):
+        q: ``(B, Hq, Nq, D)``; k, v: ``(B, Hk, Nk, D)`` with ``Hq % Hk == 0``; out: ``(B, Hq, Nq, D)``;
+            any strides with unit stride in the head dim.  ``k`` holds the raw keys, or, with
+            ``keys_prepared``, the pre-pass's shifted (PASA) or centred (the exact shift) keys.
+        scale: softmax scale; shift: ``"exact"``, ``"pasa"`` or ``"none"``; precision: ``"hybrid"``
+            or ``"half"``.
+        block_n: the shift block, already at most the keys' tile (unused by plain FA); one_block: all
+            keys in one shift block.
+        centres: the exact shift's pre-pass centres (B, Hk, key blocks, D) fp32, with ``keys_prepared``.
+        shift_constants: PASA's ``beta.shift_constants`` ``(a_full, c_full, a_tail, c_tail, gamma,
+            tail_ratio)``.
         config: fixed meta-parameters (``BLOCK_M``, ``num_warps``, ``num_stages``, and ``BLOCK_N`` for
-            plain FA and for the exact shift with pre-centred keys, where it divides ``block_n``;
-            ``SEQS`` and ``num_warps`` for the packed kernel) instead of autotuning (under the
-            interpreter: over its fixed configuration, whose ``num_warps`` and ``num_stages`` it ignores);
-            with ``kernel="gluon"``, the Gluon kernel's (``attn_fwd_gluon.exact_forward_gluon``).
-        kernel: ``"portable"`` this file's kernels; ``"gluon"`` the exact shift's pre-centred path
-            through ``attn_fwd_gluon.py`` (``ValueError`` with the reason where it cannot run);
-            ``"auto"``: Gluon wherever it can run that path (``attn_fwd_gluon.unsuitable_reason``)
-            unless ``config`` is given (a config tunes the portable kernel), portable otherwise.
+            plain FA and for the exact shift with pre-centred keys, where it divides ``block_n``)
+            instead of autotuning (under the interpreter: over ``INTERPRET_CONFIG``, whose
+            ``num_warps`` and ``num_stages`` it ignores).
     """
-    fn = "pasa_forward"
-    rules.check_options(fn, precision=precision, shift=shift, beta=beta, scale=scale)
-    if precision not in rules.KERNEL_PRECISIONS:
-        raise ValueError(f"{fn}: precision={precision!r} has no kernel; expected one of {rules.KERNEL_PRECISIONS}")
-    if shift_k not in SHIFT_K_MODES:
-        raise ValueError(f"{fn}: unknown shift_k={shift_k!r}; expected one of {SHIFT_K_MODES}")
-    if kernel not in KERNELS:
-        raise ValueError(f"{fn}: unknown kernel={kernel!r}; expected one of {KERNELS}")
-    rules.check_qkv(fn, q, k, v, precision)
-    rules.check_kernel_tensors(fn, q, k, v, out, interpret=INTERPRET)
-    mode = rules.shift_mode(shift)
-    if shift_k == "packed" and mode != "exact":
-        raise ValueError(f"{fn}: shift_k='packed' is the exact shift's; got shift={shift!r}")
-    if kernel == "gluon" and mode != "exact":
-        raise ValueError(f"{fn}: kernel='gluon' is the exact shift's; got shift={shift!r}")
-    if mode == "none" and block_n is not None:
-        raise ValueError(f"{fn}: block_n is the shift block; it needs shift=True or 'exact', got shift={shift!r}")
-
+    fn = "portable.forward"
     batch, h_q, n_q, head_dim = q.shape
     h_k, n_k = k.shape[1], k.shape[2]
-    block_d = pow2_tile(head_dim)
-    interpret_bf16 = INTERPRET and q.dtype == torch.bfloat16
-    consts = dict(a_full=0.0, c_full=0.0, a_tail=0.0, c_tail=0.0, gamma=0.0, tail_ratio=1.0)
-    meta = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, SHIFT=mode, HALF_STATE=precision == "half", SHIFT_IN_LOOP=True,
-                ONE_BLOCK=False, CENTRE_BLOCK=0, INTERPRET_BF16=interpret_bf16)
-    k_src = k
-    centres = q  # read only by the exact shift's pre-pass path
-    prepass_warps = 4 if block_d <= 64 else 8
-    if mode != "none":
-        block_n = rules.SHIFT_BLOCK if block_n is None else int(block_n)
-        # Up to block_n keys form one block of n_j = Nk keys whatever the tile: a smaller tile gives
-        # the same result with less padding (temporal attention: Nk = 14 or 25).
-        block_n = min(block_n, pow2_tile(n_k))
-        meta["BLOCK_N"] = block_n
-        meta["ONE_BLOCK"] = n_k <= block_n
-    if mode == "pasa":
-        a_full, c_full, a_tail, c_tail, gam, ratio = _shift_constants(float(beta), n_k, block_n, q.dtype, float(scale))
-        consts.update(a_full=a_full, c_full=c_full, a_tail=a_tail, c_tail=c_tail, gamma=gam, tail_ratio=ratio)
-        if shift_k == "prepass" or (shift_k == "auto" and (n_q > 128 or block_d > 128)):
-            k_src = torch.empty((batch, h_k, n_k, head_dim), dtype=k.dtype, device=k.device)
-            shift_k_kernel[(batch * h_k, triton.cdiv(n_k, block_n))](
-                k, k_src, *strides3(k), *strides3(k_src), h_k, n_k, a_full, c_full, a_tail, c_tail,
-                HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, INTERPRET_BF16=interpret_bf16,
-                num_warps=prepass_warps)
-            meta["SHIFT_IN_LOOP"] = False
-    elif mode == "exact":
-        one_tile = meta["ONE_BLOCK"] and packs(n_q, n_k)
-        if shift_k == "packed" and not one_tile:
-            raise ValueError(f"{fn}: shift_k='packed' takes sequences of at most {PACKED_MAX_TOKENS} queries and "
-                             f"keys in one key block; got {n_q} queries and {n_k} keys (block_n={block_n})")
-        prepass = shift_k == "prepass" or not meta["ONE_BLOCK"]
-        gluon_reason = _gluon_reason(kernel, config, q, v, out, precision, block_n, prepass)
-        if kernel == "gluon" and gluon_reason is not None:
-            raise ValueError(f"{fn}: kernel='gluon' cannot run this call: {gluon_reason}")
-        if shift_k == "packed" or (shift_k == "auto" and one_tile):
-            return packed_forward(q, k, v, out, scale=scale, precision=precision, config=config)
-        if shift_k == "fused" and not meta["ONE_BLOCK"]:
-            raise ValueError(f"{fn}: shift_k='fused' centres keys inside the loop only when all {n_k} keys form one "
-                             f"block of at most {block_n}; use 'prepass' or 'auto'")
-        if prepass:
-            n_blocks = triton.cdiv(n_k, block_n)
-            k_src = torch.empty((batch, h_k, n_k, head_dim), dtype=k.dtype, device=k.device)
-            centres = torch.empty((batch, h_k, n_blocks, head_dim), dtype=torch.float32, device=k.device)
-            centre_k_kernel[(batch * h_k, n_blocks)](
-                k, k_src, centres, *strides3(k), *strides3(k_src), *strides3(centres), h_k, n_k,
-                torch.finfo(k.dtype).eps, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
-                EXACT_CENTRE=precision == "hybrid", INTERPRET_BF16=interpret_bf16, num_warps=prepass_warps)
-            meta["SHIFT_IN_LOOP"] = False
-            if gluon_reason is None:
-                return attn_fwd_gluon.launch(q, k_src, v, centres, out, scale=scale, config=config)
-        meta["CENTRE_BLOCK"] = block_n
-
+    meta = dict(HEAD_DIM=head_dim, BLOCK_D=pow2_tile(head_dim), SHIFT=shift, PRECISION=precision,
+                SHIFT_IN_LOOP=not keys_prepared, ONE_BLOCK=shift != "none" and one_block,
+                CENTRE_BLOCK=block_n if shift == "exact" else 0,
+                INTERPRET_BF16=INTERPRET and q.dtype == torch.bfloat16)
     # Plain FA and the exact shift with pre-centred keys tune their tile of keys (the exact shift's
     # divides its centre block); PASA's tile is its shift block, and so is the in-loop centring's.
-    tiled = mode == "none" or (mode == "exact" and not meta["SHIFT_IN_LOOP"])
-    if tiled and mode == "exact":
-        del meta["BLOCK_N"]
-    args = (q, k_src, v, out, *strides3(q), *strides3(k_src), *strides3(v), *strides3(out),
+    tiled = shift == "none" or (shift == "exact" and keys_prepared)
+    if not tiled:
+        meta["BLOCK_N"] = block_n
+    if centres is None:
+        centres = q  # read only by the exact shift's pre-pass path
+    args = (q, k, v, out, *strides3(q), *strides3(k), *strides3(v), *strides3(out),
             centres, *strides3(centres),
-            h_q, h_q // h_k, n_q, n_k, bucket(n_q), bucket(n_k), float(scale),
-            consts["a_full"], consts["c_full"], consts["a_tail"], consts["c_tail"], consts["gamma"],
-            consts["tail_ratio"], torch.finfo(q.dtype).eps)
+            h_q, h_q // h_k, n_q, n_k, bucket(n_q), bucket(n_k), float(scale), *shift_constants,
+            torch.finfo(q.dtype).eps)
 
     def grid(meta_):
         return (triton.cdiv(n_q, meta_["BLOCK_M"]) * batch * h_q,)
 
     if INTERPRET or config is not None:
         fixed = {**INTERPRET_CONFIG, **(config or {})} if INTERPRET else dict(config)
-        if mode == "none":
+        if shift == "none":
             fixed.setdefault("BLOCK_N", 64)
         elif tiled:
             tile = fixed.setdefault("BLOCK_N", block_n)
             if not (isinstance(tile, int) and tile >= 16 and block_n % tile == 0):
                 raise ValueError(f"{fn}: config['BLOCK_N']={tile!r} must be a power of two >= 16 that divides the "
                                  f"exact shift's centre block block_n={block_n}")
-        elif fixed.pop("BLOCK_N", meta["BLOCK_N"]) != meta["BLOCK_N"]:
+        elif fixed.pop("BLOCK_N", block_n) != block_n:
             raise ValueError(f"{fn}: this variant's BLOCK_N is its shift block; pass block_n, not config['BLOCK_N']")
         pasa_fwd_kernel[grid](*args, **meta, **fixed)
     elif tiled:

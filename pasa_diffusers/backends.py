@@ -1,0 +1,65 @@
+"""The attention backends, named once: name -> processor, op variant, what the name fixes.
+
+Every place that takes a backend name reads this registry: ``install.apply`` (the processor to build),
+the command line (``--attention``, ``--backends``, checked before torch is imported), the comparison
+pipeline, the reports and ``bench/``.  A backend that runs ``pasa_attention`` has a ``variant``
+(``variants.Variant``); the comparison twins (SDPA in fp32, bf16 or the model's dtype) have none.
+This module imports nothing heavy: the processor class is named, and resolved by ``install``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .variants import Variant
+
+__all__ = ["Backend", "BACKENDS", "REFERENCE", "COMPARED", "DEFAULT_COMPARED", "get"]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One attention backend: ``processor`` is a class name of ``pasa_diffusers.processors``, built with
+    ``options`` (the constructor arguments the name fixes; ``"pasa"`` fixes none, so ``apply``'s options
+    may change its defaults); ``variant`` is the op's as the name runs it, or ``None``."""
+
+    name: str
+    processor: str
+    summary: str
+    variant: Variant | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+_ALL = (
+    Backend("pasa", "PASAAttnProcessor", "the exact shift, fp32 softmax state (the default)",
+            Variant("exact", "hybrid")),
+    Backend("pasa-half", "PASAAttnProcessor", "the exact shift, fp16 scores and accumulator",
+            Variant("exact", "half"), {"precision": "half", "shift": "exact"}),
+    Backend("pasa-paper", "PASAAttnProcessor", "the paper's fully-FP16 PASA",
+            Variant("pasa", "half"), {"precision": "half", "shift": "pasa"}),
+    Backend("pasa-paper-hybrid", "PASAAttnProcessor", "the paper's shift, fp32 softmax state",
+            Variant("pasa", "hybrid"), {"precision": "hybrid", "shift": "pasa"}),
+    Backend("naive-half", "NaiveHalfAttnProcessor", "plain fully-FP16 FlashAttention: the control that overflows",
+            Variant("none", "half")),
+    Backend("sdpa", "SDPAAttnProcessor", "SDPA in the model's dtype, as diffusers' AttnProcessor2_0"),
+    Backend("bf16", "BF16AttnProcessor", "SDPA on bf16 copies of q, k, v"),
+    Backend("fp32", "FP32AttnProcessor", "SDPA on fp32 copies of q, k, v: the reference of the comparisons"),
+)
+
+BACKENDS: dict[str, Backend] = {b.name: b for b in _ALL}
+"""Every backend by name, in the order help texts list them."""
+
+REFERENCE = "fp32"
+"""The backend every comparison scores against."""
+
+COMPARED = tuple(name for name in BACKENDS if name != REFERENCE)
+"""The backends ``pasa compare`` can score (all but the reference)."""
+
+DEFAULT_COMPARED = ("pasa", "pasa-paper", "naive-half", "bf16")
+"""What ``pasa compare`` scores unless told otherwise."""
+
+
+def get(name: str, fn: str) -> Backend:
+    """The backend called ``name``; ``ValueError`` prefixed by ``fn`` naming the known ones otherwise."""
+    if name not in BACKENDS:
+        raise ValueError(f"{fn}: unknown backend={name!r}; expected one of {tuple(BACKENDS)}")
+    return BACKENDS[name]

@@ -1,0 +1,190 @@
+"""The kernel router: which kernel and which key pre-pass run a call, and why not the others.
+
+:func:`plan` decides, :func:`forward` plans and runs; ``pasa_diffusers.ops`` calls :func:`forward` with
+inputs it has checked.  The kernels (each in its file, with its launch wrapper and configs):
+
+| kernel     | file          | runs                                                                      |
+| ---------- | ------------- | ------------------------------------------------------------------------- |
+| ``portable`` | ``portable.py`` | every variant, any CUDA GPU and the interpreter: FlashAttention-2's loop |
+| ``packed`` | ``packed.py``   | the exact shift on short one-block sequences (temporal attention): several whole sequences per program, one pass |
+| ``gluon``  | ``hopper.py``   | the exact shift in hybrid on sm_90, fp16, head dim 64, keys of several blocks (spatial attention): FA3's warp-specialised structure |
+
+and the key pre-passes (``prepass.py``): ``"centre"`` (the exact shift: each block's centre removed once
+per head, for the portable kernel on keys of several blocks and for the Gluon kernel) and ``"shift"``
+(PASA: the shifted keys once per head, for the portable kernel where several query blocks reuse them).
+
+``kernel="auto"`` takes the first of packed, gluon, portable that can run the call.  A kernel named
+explicitly runs the call or raises ``ValueError`` saying why it cannot; so does ``prepass=True`` /
+``False``, which forces the pre-pass on or off.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import rules
+from ..beta import shift_constants
+from ..variants import KERNEL_PRECISIONS, Variant
+from . import hopper, packed, portable
+from .common import INTERPRET
+from .prepass import centre_keys, shift_keys
+from .tuning import pow2_tile
+
+__all__ = ["KERNELS", "Plan", "plan", "forward"]
+
+KERNELS = ("auto", "portable", "packed", "gluon")
+"""What ``kernel=`` takes: ``"auto"`` or one kernel by name."""
+
+_ORDER = ("packed", "gluon", "portable")
+"""``kernel="auto"``'s preference: the specialised kernels first."""
+
+PASA_PREPASS_ROWS = 128
+"""PASA shifts its keys by the pre-pass when a head has more query rows than this (several query blocks
+then reuse every shifted tile) or the head dim's tile is above 128 (an fp32 key tile of 128 x 256 does
+not fit the registers)."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one call runs.
+
+    Attributes:
+        kernel: ``"portable"``, ``"packed"`` or ``"gluon"``.
+        prepass: ``"centre"``, ``"shift"`` or ``None`` (keys read as they are, shifted or centred inside the kernel).
+        block_n: the shift block the kernels see (at most the keys' tile: up to ``block_n`` keys form one
+            block of ``n_j = Nk`` keys whatever the tile); 0 for plain FlashAttention.
+        one_block: all keys in one shift block.
+        rejected: each kernel not chosen -> why, in words.
+    """
+
+    kernel: str
+    prepass: str | None
+    block_n: int
+    one_block: bool
+    rejected: dict[str, str] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """One line: the kernel, its pre-pass and why not the others."""
+        keys = f" + {self.prepass} pre-pass" if self.prepass else ""
+        others = "; ".join(f"not {name}: {why}" for name, why in self.rejected.items())
+        return f"{self.kernel}{keys}" + (f" ({others})" if others else "")
+
+
+def _exact_reasons(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, precision: str,
+                   block_n: int, one_block: bool, kernel: str, use_prepass: bool | None,
+                   config: dict | None) -> tuple[dict[str, str | None], bool]:
+    """Why each kernel cannot run an exact-shift call (``None`` where it can), and whether the portable
+    kernel would read pre-centred keys."""
+    n_q, n_k = q.shape[2], k.shape[2]
+    centred_first = not one_block if use_prepass is None else use_prepass
+    reasons: dict[str, str | None] = {}
+    if not (one_block and packed.packs(n_q, n_k)):
+        reasons["packed"] = (f"it takes sequences of at most {packed.MAX_TOKENS} queries and keys in one key block; "
+                             f"got {n_q} queries and {n_k} keys (block_n={block_n})")
+    elif use_prepass:
+        reasons["packed"] = "prepass=True: it centres each sequence's keys itself"
+    else:
+        reasons["packed"] = None
+    if not centred_first:
+        reasons["gluon"] = "all keys form one block, centred inside the kernel (no pre-pass)"
+    elif kernel == "auto" and config is not None:
+        reasons["gluon"] = "a config tunes the portable kernel"
+    elif INTERPRET:
+        reasons["gluon"] = "Triton's interpreter runs no Gluon"
+    else:
+        reasons["gluon"] = hopper.unsuitable_reason(q, v, out, precision=precision, block_n=block_n)
+    if use_prepass is False and not one_block:
+        reasons["portable"] = (f"prepass=False: it centres keys inside the loop only when all {n_k} keys form one "
+                               f"block of at most {block_n}")
+    else:
+        reasons["portable"] = None
+    return reasons, centred_first
+
+
+def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, variant: Variant,
+         block_n: int | None = None, kernel: str = "auto", prepass: bool | None = None,
+         config: dict | None = None) -> Plan:
+    """The plan of ``forward`` for these arguments (see :func:`forward`); ``ValueError`` naming the argument
+    for a kernel, pre-pass or ``block_n`` that cannot serve the call."""
+    fn = "dispatch.plan"
+    if kernel not in KERNELS:
+        raise ValueError(f"{fn}: unknown kernel={kernel!r}; expected one of {KERNELS}")
+    if prepass not in (None, True, False):
+        raise ValueError(f"{fn}: prepass must be None (auto), True or False, got prepass={prepass!r}")
+    shift, precision = variant.shift, variant.precision
+    if precision not in KERNEL_PRECISIONS:
+        raise ValueError(f"{fn}: precision={precision!r} has no kernel; expected one of {KERNEL_PRECISIONS}")
+    if shift != "exact" and kernel in ("packed", "gluon"):
+        raise ValueError(f"{fn}: kernel={kernel!r} is the exact shift's; got shift={shift!r}")
+    if shift == "none":
+        if block_n is not None:
+            raise ValueError(f"{fn}: block_n is the shift block; it needs shift='exact' or 'pasa', got shift='none'")
+        if prepass:
+            raise ValueError(f"{fn}: prepass=True: plain FlashAttention (shift='none') has no key pre-pass")
+        exact_only = "it runs the exact shift only"
+        return Plan("portable", None, 0, False, {"packed": exact_only, "gluon": exact_only})
+    n_k = k.shape[2]
+    block_n = min(rules.SHIFT_BLOCK if block_n is None else int(block_n), pow2_tile(n_k))
+    one_block = n_k <= block_n
+    if shift == "pasa":
+        if prepass is None:
+            prepass = q.shape[2] > PASA_PREPASS_ROWS or pow2_tile(q.shape[-1]) > 128
+        exact_only = "it runs the exact shift only"
+        return Plan("portable", "shift" if prepass else None, block_n, one_block,
+                    {"packed": exact_only, "gluon": exact_only})
+    reasons, centred_first = _exact_reasons(q, k, v, out, precision, block_n, one_block, kernel, prepass, config)
+    if kernel == "auto":
+        runnable = [name for name in _ORDER if reasons[name] is None]
+        if not runnable:
+            raise ValueError(f"{fn}: no kernel can run this call: " +
+                             "; ".join(f"{name}: {reasons[name]}" for name in _ORDER))
+        chosen = runnable[0]
+    elif reasons[kernel] is not None:
+        raise ValueError(f"{fn}: kernel={kernel!r} cannot run this call: {reasons[kernel]}")
+    else:
+        chosen = kernel
+    rejected = {name: reasons[name] or (f"the {chosen} kernel comes first" if kernel == "auto"
+                                        else f"kernel={kernel!r} was asked for")
+                for name in _ORDER if name != chosen}
+    uses_prepass = chosen == "gluon" or (chosen == "portable" and centred_first)
+    return Plan(chosen, "centre" if uses_prepass else None, block_n, one_block, rejected)
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, scale: float,
+            variant: Variant, beta: float, block_n: int | None = None, kernel: str = "auto",
+            prepass: bool | None = None, config: dict | None = None) -> torch.Tensor:
+    """Write ``softmax(scale q k^T) v`` of ``variant`` into ``out`` and return it.
+
+    Args (checked by the caller, ``ops.pasa_attention``; here they are taken as they come):
+        q: ``(B, Hq, Nq, D)``; k, v: ``(B, Hk, Nk, D)`` with ``Hq % Hk == 0``; out: ``(B, Hq, Nq, D)``,
+            ``q``'s dtype; CUDA tensors (CPU ones under ``TRITON_INTERPRET=1``), any strides with unit
+            stride in the head dim.
+        scale: softmax scale; variant: a kernel precision (``"hybrid"``, ``"half"``) and any shift.
+        beta: PASA's shift strength in (0, 1) (unused by the other shifts).
+        block_n: the shift block (default ``rules.SHIFT_BLOCK`` = 128, as the reference); changes the result.
+        kernel: ``"auto"``, ``"portable"``, ``"packed"`` or ``"gluon"`` (module docstring).
+        prepass: ``None`` (auto: the exact shift centres keys of several blocks by the pre-pass, PASA
+            shifts them by the pre-pass above ``PASA_PREPASS_ROWS`` query rows), ``True`` or ``False``.
+        config: fixed meta-parameters of the chosen kernel instead of autotuning (``portable.forward``,
+            ``packed.forward``, ``hopper.forward``); with ``kernel="auto"`` it keeps the call off the Gluon
+            kernel.
+    """
+    chosen = plan(q, k, v, out, variant=variant, block_n=block_n, kernel=kernel, prepass=prepass, config=config)
+    shift, precision = variant.shift, variant.precision
+    if chosen.kernel == "packed":
+        return packed.forward(q, k, v, out, scale=scale, precision=precision, config=config)
+    keys, centres = k, None
+    constants = portable.NO_SHIFT
+    if shift == "pasa":
+        constants = shift_constants(float(beta), k.shape[2], chosen.block_n, q.dtype, float(scale))
+    if chosen.prepass == "centre":
+        keys, centres = centre_keys(k, block_n=chosen.block_n, exact=precision == "hybrid")
+    elif chosen.prepass == "shift":
+        keys = shift_keys(k, block_n=chosen.block_n, a_full=constants[0], c_full=constants[1], a_tail=constants[2],
+                          c_tail=constants[3])
+    if chosen.kernel == "gluon":
+        return hopper.forward(q, keys, v, centres, out, scale=scale, config=config)
+    return portable.forward(q, keys, v, out, scale=scale, shift=shift, precision=precision, block_n=chosen.block_n,
+                            one_block=chosen.one_block, keys_prepared=chosen.prepass is not None, centres=centres,
+                            shift_constants=constants, config=config)

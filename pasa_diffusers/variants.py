@@ -1,0 +1,89 @@
+"""The variants of the attention op, spelled one way: a shift mode times a precision.
+
+A variant is what the op computes, not how (which kernel runs it is ``kernels.dispatch``'s choice):
+
+| shift     | what it removes from the keys before the score GEMM                                    |
+| --------- | -------------------------------------------------------------------------------------- |
+| ``exact`` | each 128-key block's centre ``c_j``, chosen so that ``k - c_j`` is exact; the removed   |
+|           | logit ``scale q . c_j`` is carried in fp32 (the default)                                |
+| ``pasa``  | the paper's pseudo-average, ``M = I - (beta/n) 11^T`` folded into K, with global        |
+|           | recovering                                                                              |
+| ``none``  | nothing: plain FlashAttention (in ``half`` the naive control, which overflows)          |
+
+| precision | GEMM inputs | scores, ``P``, accumulator | softmax state ``m, l``                          |
+| --------- | ----------- | -------------------------- | ----------------------------------------------- |
+| ``hybrid``| fp16/bf16   | fp32 (``P`` rounded to g)  | fp32                                            |
+| ``half``  | fp16        | fp16                       | fp16 (``pasa``, ``none``); the exact shift keeps ``l`` in fp32 |
+| ``fp64``  | float64     | float64                    | float64: the exact reference, no rounding (tests) |
+
+``shift`` also takes ``True`` (``"pasa"``) and ``False`` (``"none"``), converted once by
+:func:`shift_mode` at the public edges (the op, the processors); everything behind them holds the
+names above.  This module imports nothing heavy, so the command line can check names without torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["SHIFT_MODES", "SHIFT_ALIASES", "PRECISIONS", "KERNEL_PRECISIONS", "Variant", "DEFAULT", "shift_mode"]
+
+SHIFT_MODES = ("exact", "pasa", "none")
+SHIFT_ALIASES = {True: "pasa", False: "none"}
+"""The booleans ``shift`` also takes (the paper's on/off switch)."""
+
+PRECISIONS = ("hybrid", "half", "fp64")
+KERNEL_PRECISIONS = ("hybrid", "half")
+"""The precisions the Triton kernels run (``fp64`` is the reference's alone)."""
+
+_SHIFT_LABELS = {"exact": "exact", "pasa": "PASA", "none": "FA"}
+
+
+def shift_mode(shift: bool | str, fn: str = "shift_mode") -> str:
+    """The name (one of ``SHIFT_MODES``) of a ``shift`` argument; ``ValueError`` prefixed by ``fn`` otherwise."""
+    if isinstance(shift, bool):
+        return SHIFT_ALIASES[shift]
+    if isinstance(shift, str) and shift in SHIFT_MODES:
+        return shift
+    raise ValueError(f"{fn}: unknown shift={shift!r}; expected one of {SHIFT_MODES} (or True for 'pasa', "
+                     "False for 'none')")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One cell of the grid ``SHIFT_MODES x PRECISIONS``: what the op computes.
+
+    ``name`` (``"exact-hybrid"``) is the machine spelling used in tables and JSON; ``label``
+    (``"exact hybrid"``, ``"PASA half"``, ``"FA half"``) the one in plots and reports.
+    """
+
+    shift: str = "exact"
+    precision: str = "hybrid"
+
+    def __post_init__(self) -> None:
+        if self.shift not in SHIFT_MODES:
+            raise ValueError(f"Variant: unknown shift={self.shift!r}; expected one of {SHIFT_MODES}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"Variant: unknown precision={self.precision!r}; expected one of {PRECISIONS}")
+
+    @property
+    def name(self) -> str:
+        return f"{self.shift}-{self.precision}"
+
+    @property
+    def label(self) -> str:
+        return f"{_SHIFT_LABELS[self.shift]} {self.precision}"
+
+    @property
+    def half(self) -> bool:
+        """Whether scores, ``P`` and the accumulator are fp16 (the fully-half pipeline)."""
+        return self.precision == "half"
+
+    @classmethod
+    def of(cls, shift: bool | str, precision: str, fn: str = "Variant.of") -> Variant:
+        """The variant of a user's ``shift`` (aliases included) and ``precision``."""
+        if precision not in PRECISIONS:
+            raise ValueError(f"{fn}: unknown precision={precision!r}; expected one of {PRECISIONS}")
+        return cls(shift_mode(shift, fn), precision)
+
+
+DEFAULT = Variant("exact", "hybrid")
+"""The op's default: the exact shift in hybrid precision."""
