@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from pasa_diffusers import install, metrics
+from pasa_diffusers.backends import COMPARED, DEFAULT_COMPARED, REFERENCE
 from pasa_diffusers.metrics import records
 from pasa_diffusers.metrics.report import worst_key
 
@@ -46,22 +47,20 @@ from .distributed import Dist
 from .samples import Sample, image_identity, make_samples
 from .svd import generate, load_image, load_svd, make_latents
 
-__all__ = ["COMPARE_BACKENDS", "DEFAULT_BACKENDS", "VideoRun", "CompareConfig",
-           "check_backends", "compare_sample", "sample_record", "run_comparison", "evaluate"]
-
-COMPARE_BACKENDS = tuple(b for b in install.BACKENDS if b != "fp32")
-DEFAULT_BACKENDS = ("pasa", "pasa-paper", "naive-half", "bf16")
+__all__ = ["VideoRun", "CompareConfig", "check_backends", "compare_sample", "sample_record", "run_comparison",
+           "evaluate"]
 
 
 def check_backends(names: Sequence[str]) -> list[str]:
-    """``names`` as a list, checked: known, not ``fp32`` (the reference), none twice; else ``ValueError``."""
+    """``names`` as a list, checked: each one of ``backends.COMPARED`` (not the reference), none twice;
+    else ``ValueError``."""
     names = list(names)
     if not names:
-        raise ValueError(f"--backends: no backend named; choose from {', '.join(COMPARE_BACKENDS)}")
-    unknown = [n for n in names if n not in COMPARE_BACKENDS]
+        raise ValueError(f"--backends: no backend named; choose from {', '.join(COMPARED)}")
+    unknown = [n for n in names if n not in COMPARED]
     if unknown:
         raise ValueError(f"--backends: unknown backend(s) {', '.join(unknown)}; choose from "
-                         f"{', '.join(COMPARE_BACKENDS)} (fp32 is always the reference)")
+                         f"{', '.join(COMPARED)} ({REFERENCE} is always the reference)")
     if len(set(names)) != len(names):
         raise ValueError(f"--backends: a backend is named twice in {','.join(names)}")
     return names
@@ -92,7 +91,8 @@ def _generate(pipe: Any, backend: str, image: Any, latents: torch.Tensor, settin
 
 def compare_sample(pipe: Any, image: Any, *, seed: int, backends: Sequence[str], num_frames: int,
                    num_inference_steps: int, height: int, width: int) -> Iterator[VideoRun]:
-    """The FP32 reference's video, then each backend's, of one sample (generated lazily, in that order).
+    """The reference's video (``backends.REFERENCE``), then each backend's, of one sample (generated lazily,
+    in that order).
 
     ``image`` is a PIL image; every video starts from ``make_latents(pipe, seed=seed, ...)``.  A backend
     whose targeted attention calls all fell back raises ``install.AllCallsFellBackError``.
@@ -100,7 +100,7 @@ def compare_sample(pipe: Any, image: Any, *, seed: int, backends: Sequence[str],
     settings = {"num_frames": num_frames, "num_inference_steps": num_inference_steps, "height": height,
                 "width": width}
     latents = make_latents(pipe, num_frames=num_frames, height=height, width=width, seed=seed)
-    for backend in ("fp32", *backends):
+    for backend in (REFERENCE, *backends):
         yield _generate(pipe, backend, image, latents, settings, seed)
 
 
@@ -148,7 +148,7 @@ def _lpips(weights: str | None, device: str) -> tuple[metrics.LPIPSScorer | None
     return scorer, scorer.label
 
 
-def run_comparison(*, model: str = "tiny", backends: Sequence[str] = DEFAULT_BACKENDS,
+def run_comparison(*, model: str = "tiny", backends: Sequence[str] = DEFAULT_COMPARED,
                    image: str = "builtin:rocket", num_frames: int = 4, num_inference_steps: int = 4,
                    seed: int = 0, height: int = 64, width: int = 64, device: str = "cpu",
                    dtype: torch.dtype | None = None, lpips_weights: str | None = None,
@@ -158,7 +158,8 @@ def run_comparison(*, model: str = "tiny", backends: Sequence[str] = DEFAULT_BAC
 
     ``dtype`` defaults to float16 on CUDA (how SVD is run) and float32 on the CPU, where float16
     convolutions are impractically slow; there the processors cast q, k and v to their own precision,
-    so attention still runs in FP16/BF16.  ``videos`` maps ``"fp32"`` and each backend to its frames.
+    so attention still runs in FP16/BF16.  ``videos`` maps the reference (``"fp32"``) and each backend to
+    its frames.
     ``progress`` shows a tqdm bar over the videos on stderr.
     """
     from tqdm.auto import tqdm
@@ -170,13 +171,13 @@ def run_comparison(*, model: str = "tiny", backends: Sequence[str] = DEFAULT_BAC
                           num_inference_steps=num_inference_steps, height=height, width=width)
     bar = iter(tqdm(runs, total=1 + len(names), desc="compare", unit="video", file=sys.stderr, disable=not progress))
     reference = next(bar)
-    videos = {"fp32": reference.frames}
+    videos = {REFERENCE: reference.frames}
     results = {}
     for run in bar:
         videos[run.backend] = run.frames
         scores = metrics.score_video(reference.frames, run.frames, lpips_scorer=scorer, lpips_reason=lpips_note)
         results[run.backend] = {"scores": scores, "seconds": run.seconds, "processors": run.processors}
-    report = {"model": model, "reference": "fp32", "versions": records.versions(),
+    report = {"model": model, "reference": REFERENCE, "versions": records.versions(),
               "settings": {"image": image, "seed": seed, "num_frames": num_frames,
                            "num_inference_steps": num_inference_steps, "height": height, "width": width,
                            "device": device, "dtype": pipe.unet.dtype},
@@ -197,7 +198,7 @@ class CompareConfig:
     model: str = "tiny-resonant"
     images: tuple[str, ...] = ("builtin:astronaut", "builtin:coffee", "builtin:rocket")
     seeds: tuple[int, ...] = (0, 1)
-    backends: tuple[str, ...] = DEFAULT_BACKENDS
+    backends: tuple[str, ...] = DEFAULT_COMPARED
     num_frames: int = 4
     num_inference_steps: int = 4
     height: int = 64
@@ -298,7 +299,7 @@ def _run_shard(pipe: Any, config: CompareConfig, work: list[tuple[Sample, list[s
             tqdm(total=total, desc=desc, unit="video", file=sys.stderr, disable=not progress,
                  position=dist.rank) as bar:
         for sample, names in work:
-            bar.set_postfix_str(f"{sample.label} fp32")
+            bar.set_postfix_str(f"{sample.label} {REFERENCE}")
             runs = compare_sample(pipe, load_image(sample.image, (config.width, config.height)), seed=sample.seed,
                                   backends=names, num_frames=config.num_frames,
                                   num_inference_steps=config.num_inference_steps, height=config.height,

@@ -1,11 +1,12 @@
 """Overflow diagnosis of one SVD generation: which attention layers overflow in FP16, and why.
 
 ``diagnose`` records every attention call of ``pipe.unet`` during one real generation
-(``pasa_diffusers.diagnose.collect.recording`` around ``svd.generate``, the pipeline's step callback
-advancing the step clock), summarises the layers (``aggregate.summarize``: risk and cause as in
-``pasa_diffusers/diagnose/rules.py``) and times a plain generation for the overhead.  The diagnosed
-processors compute the stock attention, so the video is the one the pipeline makes without them.
-Render the result with ``pasa_diffusers.diagnose.render`` (``risk_table``, ``write_diagnosis``).
+(``pasa_diffusers.diagnose.recording`` with a ``DiagnosticAttnProcessor`` per layer around
+``svd.generate``, the pipeline's step callback advancing the step clock), summarises the layers
+(``pasa_diffusers.diagnose.summarize``, with the module kinds of ``install.module_kind``: risk and cause
+as in ``pasa_diffusers/diagnose/rules.py``) and times a plain generation for the overhead.  The
+diagnostic processors compute the stock attention, so the video is the one the pipeline makes without
+them.  Render the result with ``pasa_diffusers.diagnose.risk_table`` and ``write_diagnosis``.
 """
 from __future__ import annotations
 
@@ -15,17 +16,33 @@ from typing import Any
 
 import numpy as np
 import torch
+from diffusers.models.attention_processor import Attention
 
-from pasa_diffusers.diagnose.aggregate import summarize
-from pasa_diffusers.diagnose.collect import BLOCK_N, StepClock, recording
-from pasa_diffusers.diagnose.rules import CAUSE_RULE, RISK_RULE
-from pasa_diffusers.diagnose.stats import FP16_MAX
+from pasa_diffusers.beta import DEFAULT_BETA
+from pasa_diffusers.diagnose import CAUSE_RULE, RISK_RULE, LayerRecorder, StepClock, recording, summarize
+from pasa_diffusers.install import module_kind
 from pasa_diffusers.metrics.records import versions
-from pasa_diffusers.reference import DEFAULT_BETA
+from pasa_diffusers.processors import SDPAAttnProcessor
+from pasa_diffusers.rules import FP16_MAX, SHIFT_BLOCK
 
 from .svd import generate
 
-__all__ = ["diagnose"]
+__all__ = ["DiagnosticAttnProcessor", "diagnose"]
+
+
+class DiagnosticAttnProcessor(SDPAAttnProcessor):
+    """SDPA in the model's dtype (the stock processor's attention) that first hands the call's q and k
+    to its ``recorder`` (``pasa_diffusers.diagnose.LayerRecorder``)."""
+
+    def __init__(self, recorder: LayerRecorder, dtype: torch.dtype | None = None) -> None:
+        super().__init__(dtype)
+        self.name = recorder.name
+        self.recorder = recorder
+
+    def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn: Attention,
+                  attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        self.recorder.record(query, key, attn.scale)
+        return super().attention(query, key, value, attn, attention_mask)
 
 
 def _timed_generate(pipe: Any, image: Any, settings: dict[str, Any], desc: str, progress: bool,
@@ -87,12 +104,12 @@ def diagnose(pipe: Any, image: Any, *, num_frames: int, num_inference_steps: int
     clock = StepClock()
     settings = {"num_frames": num_frames, "num_inference_steps": num_inference_steps, "seed": seed,
                 "height": height, "width": width}
-    with recording(unet, clock=clock, max_elements=max_elements) as procs:
+    with recording(unet, DiagnosticAttnProcessor, clock=clock, max_elements=max_elements) as recorders:
 
         def on_step(i: int, bar: Any) -> None:
             clock.step = i + 1
-            peak = max((r["max_abs_qk"] for p in procs for r in p.records), default=0.0)
-            hot = sum(any(r["overflow_count"] for r in p.records) for p in procs)
+            peak = max((r["max_abs_qk"] for layer in recorders for r in layer.records), default=0.0)
+            hot = sum(any(r["overflow_count"] for r in layer.records) for layer in recorders)
             bar.set_postfix_str(f"max|q.k| {peak:.3g}, {hot} layer(s) overflow")
 
         frames, seconds_with = _timed_generate(pipe, image, settings, "diagnose", progress, on_step)
@@ -103,9 +120,10 @@ def diagnose(pipe: Any, image: Any, *, num_frames: int, num_inference_steps: int
     return {
         "model": model or pipe.name_or_path or f"unnamed {type(pipe).__name__}",
         "settings": {**settings, "device": str(pipe.device), "dtype": str(unet.dtype).removeprefix("torch."),
-                     "max_elements": max_elements, "beta": DEFAULT_BETA, "block_n": BLOCK_N, "versions": versions()},
+                     "max_elements": max_elements, "beta": DEFAULT_BETA, "block_n": SHIFT_BLOCK,
+                     "versions": versions()},
         "rules": {"risk": RISK_RULE, "cause": CAUSE_RULE},
-        "layers": summarize(procs, num_inference_steps),
+        "layers": summarize(recorders, num_inference_steps, kind=module_kind),
         "overhead": {"seconds_with": seconds_with, "seconds_without": seconds_without,
                      "ratio": seconds_with / seconds_without if seconds_without else None},
         "frames": {"finite": bool(np.isfinite(frames).all()), "match_plain": match_plain},

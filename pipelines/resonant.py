@@ -36,7 +36,7 @@ import torch
 from diffusers import StableVideoDiffusionPipeline
 from diffusers.models.attention_processor import Attention
 
-from pasa_diffusers.diagnose.stats import FP16_MAX
+from pasa_diffusers.rules import FP16_MAX
 
 __all__ = ["PLANTED_LAYERS", "PATTERNS", "DEFAULT_MARGIN", "phase_pattern", "bias_amplitude", "plant_resonance",
            "build_tiny_resonant"]

@@ -1,4 +1,4 @@
-"""Stable Video Diffusion: loading (hub id, local folder, tiny random) and generation from explicit latents.
+"""Stable Video Diffusion: loading (hub id, local folder, built-in models) and generation from explicit latents.
 
 Every backend comparison starts from the same initial noise: ``make_latents`` draws it on the CPU from
 a seed, ``generate`` hands it to the pipeline (which only scales it by ``init_noise_sigma``) together
@@ -29,12 +29,11 @@ from diffusers import (
 from safetensors import SafetensorError, safe_open
 from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
 
+from .names import BUILTIN_IMAGES, BUILTIN_MODELS, is_hub_id
 from .resonant import build_tiny_resonant
+from .svd_xt_random import build_svd_xt_random
 
-__all__ = ["ModelLoadError", "load_svd", "load_image", "make_latents", "generate", "BUILTIN_IMAGES", "TINY_DEFAULTS"]
-
-BUILTIN_IMAGES = ("astronaut", "coffee", "rocket")
-"""Names accepted as ``builtin:<name>`` by ``load_image`` (images bundled with scikit-image)."""
+__all__ = ["ModelLoadError", "load_svd", "load_image", "make_latents", "generate", "TINY_DEFAULTS"]
 
 TINY_DEFAULTS: dict[str, int] = {"height": 32, "width": 32, "num_frames": 2, "num_inference_steps": 2}
 """Generation settings that run the tiny pipeline in about a second on two CPU cores."""
@@ -46,7 +45,8 @@ def _tiny_pipeline() -> StableVideoDiffusionPipeline:
     The UNet has 2 heads per attention (head dims 16 and 32, within the kernel's range), and the CLIP
     encoder reads 224 x 224 images in 14 x 14 patches: the pipeline resizes a PIL image to 224 x 224
     before CLIP, which the test's 32 x 32 encoder (fed tensors only) cannot take.  Eval mode is how
-    ``from_pretrained`` leaves a model; built from configs they would be in training mode.
+    ``from_pretrained`` leaves a model; built from configs they would be in training mode.  Its
+    ``name_or_path`` is ``"tiny"``.
     """
     torch.manual_seed(0)
     unet = UNetSpatioTemporalConditionModel(
@@ -99,13 +99,15 @@ def _tiny_pipeline() -> StableVideoDiffusionPipeline:
     )
     torch.manual_seed(0)
     feature_extractor = CLIPImageProcessor(crop_size=224, size=224)
-    return StableVideoDiffusionPipeline(
+    pipe = StableVideoDiffusionPipeline(
         vae=vae.eval(),
         image_encoder=image_encoder.eval(),
         unet=unet.eval(),
         scheduler=scheduler,
         feature_extractor=feature_extractor,
     )
+    pipe.register_to_config(_name_or_path="tiny")
+    return pipe
 
 
 class ModelLoadError(OSError):
@@ -135,8 +137,9 @@ def _check_local_folder(model: str) -> Path | None:
             raise ModelLoadError(f"load_svd: folder model={model!r} lacks the component folder(s) {missing} that its "
                                  "model_index.json lists; save the pipeline again with save_pretrained()")
         return path
-    if model.startswith((".", "/", "~")) or model.count("/") > 1:
-        raise ModelLoadError(f"load_svd: no such folder model={model!r} (and it is not a hub id 'org/name')")
+    if not is_hub_id(model):
+        raise ModelLoadError(f"load_svd: no such folder model={model!r}, and not a hub id 'org/name' nor a built-in "
+                             f"model ({', '.join(BUILTIN_MODELS)})")
     return None
 
 
@@ -207,23 +210,28 @@ def load_svd(
     """Load a Stable Video Diffusion pipeline onto ``device`` in ``dtype``.
 
     Args:
-        model: ``"tiny"`` (a small random pipeline built in code, reproducible, no download), a hub id
-            such as ``"stabilityai/stable-video-diffusion-img2vid-xt"``, or a folder written by
-            ``save_pretrained``.  Weights are read from safetensors only.  ``"tiny-resonant"`` is the
-            tiny pipeline with FP16 overflow planted in known layers (``pasa_diffusers.pipelines.resonant``).
+        model: a built-in model (``names.BUILTIN_MODELS``: ``"tiny"``, a small random pipeline built in
+            code, reproducible, no download; ``"tiny-resonant"``, the tiny pipeline with FP16 overflow
+            planted in known layers, ``pasa_diffusers.pipelines.resonant``; ``"svd-xt-random"``, SVD-XT's
+            full-size pipeline with random weights, built on ``device`` in ``dtype``,
+            ``pasa_diffusers.pipelines.svd_xt_random``), a hub id ``org/name`` such as
+            ``"stabilityai/stable-video-diffusion-img2vid-xt"``, or a folder written by
+            ``save_pretrained``.  Weights are read from safetensors only.
         device: where the pipeline runs.
         dtype: dtype of every component (e.g. ``torch.float16`` for the fully-FP16 study).
-        variant: weight file variant of a hub id or folder (e.g. ``"fp16"``); not valid with ``"tiny"``.
+        variant: weight file variant of a hub id or folder (e.g. ``"fp16"``); not valid with a built-in model.
         local_files_only: never contact the hub (the cache or the folder must hold the files).
 
     Raises:
-        ModelLoadError: the pipeline cannot be loaded; the message says why and what to do (a path that
-            is not a saved pipeline, a hub id neither cached nor downloadable, a corrupt or truncated
-            weight file, named).
+        ModelLoadError: the pipeline cannot be loaded; the message says why and what to do (a name that
+            is neither a folder, a hub id nor a built-in model, a path that is not a saved pipeline, a hub
+            id neither cached nor downloadable, a corrupt or truncated weight file, named).
     """
-    if model in ("tiny", "tiny-resonant"):
+    if model in BUILTIN_MODELS:
         if variant is not None:
             raise ValueError(f"load_svd: variant={variant!r} applies to a hub id or a folder, not to model={model!r}")
+        if model == "svd-xt-random":
+            return build_svd_xt_random(device=device, dtype=dtype)
         with torch.random.fork_rng(devices=[]):
             pipe = _tiny_pipeline()
             if model == "tiny-resonant":

@@ -4,10 +4,15 @@ argument helpers of ``pasa_diffusers.cli.common``.  The error probes through the
 import argparse
 import json
 import re
+import subprocess
+import sys
 
 import pytest
+import torch
 
+from pasa_diffusers import backends
 from pasa_diffusers.cli import common, main
+from pasa_diffusers.pipelines.names import BUILTIN_MODELS
 
 SMALL = ["--frames", "2", "--steps", "2", "--height", "32", "--width", "32"]
 
@@ -22,7 +27,7 @@ def test_generate_writes_video_and_reports_nonfinite(tmp_path, capsys):
 
 
 def test_generate_in_bf16_runs_pasa_in_bf16_not_by_fallback(tmp_path, capsys):
-    """The issue's probe: in a bf16 model every "pasa" call used to fall back to SDPA in bf16."""
+    """In a bf16 model every "pasa" call runs the op in bf16: none falls back to SDPA but the single keys."""
     assert main(["generate", *SMALL, "--dtype", "bf16", "--attention", "pasa", "--out", str(tmp_path)]) == 0
     printed = json.loads(capsys.readouterr().out.split("\nall frames finite")[0])
     assert printed["attention_dtype"] == "bfloat16"
@@ -44,13 +49,82 @@ def test_a_usage_error_is_one_line_and_status_2(tmp_path, capsys):
     assert out == "" and err == f"pasa generate: error: --out {afile}: {afile} is a file, not a folder\n"
 
 
-def test_names_mirror_the_library():
-    """common keeps these names so the CLI checks them without importing torch."""
-    from pasa_diffusers.install import BACKENDS
-    from pasa_diffusers.pipelines.svd import BUILTIN_IMAGES
+@pytest.mark.parametrize("argv, listing", [
+    (["generate", "--attention", "flash"], f"(choose from {', '.join(map(repr, backends.BACKENDS))})"),
+    (["compare", "--backends", "pasa,flash"],
+     f"choose from {', '.join(backends.COMPARED)} ({backends.REFERENCE} is always the reference)"),
+])
+def test_an_unknown_backend_is_refused_naming_the_registry(argv, listing, capsys):
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert "'flash'" in err or "backend(s) flash;" in err
+    assert err.rstrip("\n").endswith(listing)
 
-    assert set(common.BACKEND_NAMES) == set(BACKENDS)
-    assert common.BUILTIN_IMAGES == BUILTIN_IMAGES
+
+def test_help_lists_every_backend_with_its_summary(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = "".join(capsys.readouterr().out.split())  # argparse wraps lines, also at hyphens
+    for name, backend in backends.BACKENDS.items():
+        assert "".join(f"{name}: {backend.summary}".split()) in text
+
+
+def test_python_dash_m_runs_the_command_line(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "pasa_diffusers", "generate", "--frames", "1"], capture_output=True,
+                          text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == "pasa generate: error: argument --frames: must be an integer >= 2 (SVD needs two frames), " \
+                          "got 1\n"
+
+
+@pytest.mark.parametrize("model", ["tny", "tiny/", "/tiny", "org/name/extra", "./org/name", "~/org"])
+def test_check_model_refuses_what_load_svd_refuses(model, tmp_path, monkeypatch):
+    from pasa_diffusers.pipelines.svd import ModelLoadError, load_svd
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(common.UsageError, match=f"^--model {re.escape(model)}: no such folder, and not a hub id"):
+        common.check_model(model)
+    with pytest.raises(ModelLoadError, match="no such folder .*, and not a hub id 'org/name' nor a built-in model"):
+        load_svd(model, local_files_only=True)
+
+
+@pytest.mark.parametrize("model", [*BUILTIN_MODELS, "org/name"])
+def test_check_model_accepts_the_built_in_models_and_hub_ids(model, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert common.check_model(model) is None
+
+
+def test_save_model_writes_a_folder_that_model_loads(tmp_path, capsys):
+    from pasa_diffusers.pipelines.svd import load_svd
+
+    folder = tmp_path / "saved"
+    assert main(["save-model", "--model", "tiny", str(folder)]) == 0
+    assert capsys.readouterr().out.startswith("saved tiny (")
+    assert {p.suffix for p in folder.rglob("*.safetensors")} == {".safetensors"}
+    assert not [p for p in folder.rglob("*") if p.suffix in (".bin", ".pt", ".pth")]
+    loaded, built = load_svd(str(folder), local_files_only=True), load_svd("tiny")
+    for name in ("unet", "vae", "image_encoder"):
+        want = getattr(built, name).state_dict()
+        got = getattr(loaded, name).state_dict()
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert main(["generate", "--model", str(folder), "--frames", "2", "--steps", "1", "--height", "16",
+                 "--width", "16", "--attention", "sdpa", "--out", str(tmp_path / "video")]) == 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "tiny", "{folder}"], "DIR {folder}: the folder is not empty; pass a new or empty folder"),
+    (["--model", "tiny-resonant", "{new}"], "--model tiny-resonant: cannot be saved: its planted to_q/to_k biases"),
+    (["{new}"], "the following arguments are required: --model"),
+])
+def test_save_model_refusals(args, message, tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    new = tmp_path / "new"
+    argv = [a.format(folder=tmp_path, new=new) for a in args]
+    assert main(["save-model", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"pasa save-model: error: {message.format(folder=tmp_path)}")
+    assert not new.exists()
 
 
 def test_ssim_min_size_is_the_metric_window_rounded_up_to_8():

@@ -17,14 +17,14 @@ import torch
 
 from pasa_diffusers import install as I
 from pasa_diffusers import processors as P
-from pasa_diffusers.diagnose.aggregate import short_path
-from pasa_diffusers.diagnose.collect import DiagnosticAttnProcessor
-from pasa_diffusers.diagnose.render import ranked, risk_table, write_diagnosis
-from pasa_diffusers.diagnose.stats import FP16_MAX, call_stats
+from pasa_diffusers.beta import DEFAULT_BETA
+from pasa_diffusers.diagnose import (LayerRecorder, call_stats, ranked, recording, risk_table, short_path,
+                                     write_diagnosis)
 from pasa_diffusers.pipelines.compare import run_comparison
-from pasa_diffusers.pipelines.diagnose import diagnose
+from pasa_diffusers.pipelines.diagnose import DiagnosticAttnProcessor, diagnose
 from pasa_diffusers.pipelines.resonant import (PLANTED_LAYERS, bias_amplitude, build_tiny_resonant, phase_pattern)
 from pasa_diffusers.pipelines.svd import generate, load_image, load_svd
+from pasa_diffusers.rules import FP16_MAX, SHIFT_BLOCK
 
 
 SETTINGS = {"num_frames": 2, "num_inference_steps": 2, "seed": 0, "height": 32, "width": 32}
@@ -32,7 +32,7 @@ F32_RTOL = 1e-5
 """float32 against float64 on products of D <= 64 terms: a few float32 ulps (2**-24 = 6e-8) per term."""
 BAND = 1.0
 """Absolute float32 rounding allowed on a score near 65504 (ulp of float32 there: 0.0039, times D)."""
-BETA = 0.9375
+BETA = DEFAULT_BETA
 
 
 def _biased(gen: torch.Generator, shape: tuple[int, ...], mean: torch.Tensor, amp: float) -> torch.Tensor:
@@ -65,8 +65,8 @@ def _brute(q: torch.Tensor, k: torch.Tensor, scale: float, block_n: int) -> dict
 @pytest.mark.parametrize("b, hq, hk, nq, nk, d, block_n, max_elements", [
     (2, 2, 2, 33, 47, 16, 16, 2 ** 26),      # ragged last key block, one chunk
     (3, 4, 2, 40, 37, 32, 16, 100),          # GQA; fewer elements than one query row: one row per chunk
-    (2, 3, 1, 65, 130, 16, 128, 3 * 130 * 7),  # MQA; 7-row chunks (65 = 9 * 7 + 2); a 2-key last block
-    (5, 2, 2, 8, 8, 16, 128, 2 * 8 * 8 * 2),   # chunks of 2 batches (5 = 2 + 2 + 1)
+    (2, 3, 1, 65, 130, 16, SHIFT_BLOCK, 3 * 130 * 7),  # MQA; 7-row chunks (65 = 9 * 7 + 2); a 2-key last block
+    (5, 2, 2, 8, 8, 16, SHIFT_BLOCK, 2 * 8 * 8 * 2),   # chunks of 2 batches (5 = 2 + 2 + 1)
 ])
 def test_call_stats_matches_brute_force(gen, b, hq, hk, nq, nk, d, block_n, max_elements):
     base = torch.randn(hk, 1, d, generator=gen)
@@ -238,6 +238,34 @@ def test_diagnose_restores_processors_on_error():
     assert not any(isinstance(p, DiagnosticAttnProcessor) for p in after.values())
 
 
+class _Raising(P.SDPAAttnProcessor):
+    """A processor built around a recorder that fails on its first call."""
+
+    def __init__(self, recorder: LayerRecorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def attention(self, query, key, value, attn, attention_mask=None):
+        self.recorder.record(query, key, attn.scale)
+        raise RuntimeError("planted failure")
+
+
+def test_recording_installs_the_callers_processor_per_layer_and_restores():
+    pipe = load_svd("tiny")
+    before = dict(pipe.unet.attn_processors)
+    with recording(pipe.unet, _Raising) as recorders:
+        installed = pipe.unet.attn_processors
+        assert [r.name for r in recorders] == [key.removesuffix(".processor") for key in before]
+        assert [installed[key].recorder for key in before] == recorders
+        assert len({id(r.clock) for r in recorders}) == 1
+        with pytest.raises(RuntimeError, match="planted failure"):
+            generate(pipe, load_image("builtin:rocket", (32, 32)), progress=False, **SETTINGS)
+    after = pipe.unet.attn_processors
+    assert all(after[key] is proc for key, proc in before.items())
+    called = [r for r in recorders if r.records]
+    assert len(called) == 1 and called[0].records[0]["order"] == 0 and called[0].records[0]["step"] == 0
+
+
 def test_reports(resonant_run, tmp_path):
     result, _, _, _ = resonant_run
     paths = write_diagnosis(result, tmp_path / "diag")
@@ -247,7 +275,7 @@ def test_reports(resonant_run, tmp_path):
 
     loaded = json.loads(paths["json"].read_text(), parse_constant=strict)
     assert [layer["path"] for layer in loaded["layers"]] == [layer["path"] for layer in result["layers"]]
-    assert loaded["fp16_max"] == 65504 and loaded["layers"][0]["overflows"] == result["layers"][0]["overflows"]
+    assert loaded["fp16_max"] == FP16_MAX and loaded["layers"][0]["overflows"] == result["layers"][0]["overflows"]
     for key in ("heatmap", "bias_resonance"):
         data = paths[key].read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and 5_000 < len(data) < 400_000

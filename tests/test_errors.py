@@ -1,4 +1,4 @@
-"""Issue 14's probes through the real ``pasa`` console script: every user mistake is one line on stderr,
+"""User mistakes probed through the real ``pasa`` console script: every one is one line on stderr,
 ``pasa <command>: error: <message naming the flag>``, exit status 2, no traceback, and (for argument
 mistakes) an answer before torch is imported.  ``docs/ERRORS.md`` tabulates the same probes.
 
@@ -49,7 +49,8 @@ PROBES: list[tuple[str, str]] = [
     ("generate --model {tmp}/empty", "--model {tmp}/empty: the folder has no model_index.json"),
     ("generate --model {tmp}/afile", "--model {tmp}/afile: a file, not a pipeline folder or a hub id 'org/name'"),
     ("generate --model ./no/such/folder", "--model ./no/such/folder: no such folder, and not a hub id 'org/name'"),
-    ("generate --model tny", "--model tny: no such folder, and not a hub id 'org/name' (or 'tiny', 'tiny-resonant')"),
+    ("generate --model tny", "--model tny: no such folder, and not a hub id 'org/name' nor a built-in model "
+                             "(tiny, tiny-resonant, svd-xt-random)"),
     ("generate --bogus 1", "unrecognized arguments: --bogus 1"),
     ("diagnose --steps 0", "argument --steps: must be an integer >= 1, got 0"),
     ("diagnose --out {tmp}/afile", "--out {tmp}/afile: {tmp}/afile is a file, not a folder"),
@@ -60,6 +61,12 @@ PROBES: list[tuple[str, str]] = [
     ("compare --out {tmp}/afile", "--out {tmp}/afile: {tmp}/afile is a file, not a folder"),
     ("compare --fps 0", "argument --fps: must be a finite number > 0, got 0"),
     ("compare --lpips-weights /nonexistent.pth", "--lpips-weights /nonexistent.pth: no such file"),
+    ("save-model {tmp}/new", "the following arguments are required: --model"),
+    ("save-model --model tiny {tmp}", "DIR {tmp}: the folder is not empty; pass a new or empty folder"),
+    ("save-model --model tiny {tmp}/afile", "DIR {tmp}/afile: {tmp}/afile is a file, not a folder"),
+    ("save-model --model tiny-resonant {tmp}/new", "--model tiny-resonant: cannot be saved: its planted to_q/to_k "
+                                                    "biases are not in the UNet's config"),
+    ("save-model --model tny {tmp}/new", "--model tny: no such folder, and not a hub id 'org/name'"),
 ]
 
 
@@ -132,8 +139,8 @@ def test_cuda_without_a_gpu():
 
 
 # ------------------------------------------------------------------------------------------ model loading
-# One probe through the console script (the issue's: three chained tracebacks after 8 s); the others call
-# ``main`` in this process, where torch is already imported, to keep the suite fast.
+# One probe through the console script (a hub id not cached, which once gave three chained tracebacks after
+# 8 s); the others call ``main`` in this process, where torch is already imported, to keep the suite fast.
 
 
 def test_hub_id_not_cached_and_no_downloads(tmp_path):

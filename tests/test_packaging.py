@@ -22,9 +22,3 @@ def test_every_source_package_is_installed_under_pasa_diffusers():
     assert set(config["packages"]) == found
     assert all(name == "pasa_diffusers" or name.startswith("pasa_diffusers.") for name in config["packages"])
 
-
-def test_library_never_imports_the_applications():
-    library = [p for p in (ROOT / "pasa_diffusers").rglob("*.py") if "cli" not in p.relative_to(ROOT).parts]
-    for path in library:
-        text = path.read_text()
-        assert "pasa_diffusers.pipelines" not in text and "from ..pipelines" not in text, path

@@ -1,21 +1,24 @@
-"""pasa_diffusers.pipelines.svd: the tiny pipeline, save/load through safetensors, explicit latents, frames, images.
+"""pasa_diffusers.pipelines.svd: the built-in pipelines, save/load through safetensors, explicit latents, frames,
+images; and the names the pipelines take (``pipelines.names``).
 
 Frames are pixels in [0, 1]; tolerances below are absolute pixel differences.
 """
 from __future__ import annotations
 
+import inspect
 import shutil
 
 import numpy as np
 import PIL.Image
 import pytest
 import torch
+from diffusers import UNetSpatioTemporalConditionModel
 from diffusers.models.attention_processor import Attention
 
 from pasa_diffusers import install as I
 from pasa_diffusers import processors as P
+from pasa_diffusers.pipelines.names import BUILTIN_IMAGES, BUILTIN_MODELS, is_hub_id
 from pasa_diffusers.pipelines.svd import (
-    BUILTIN_IMAGES,
     ModelLoadError,
     TINY_DEFAULTS,
     _to_frames,
@@ -27,8 +30,6 @@ from pasa_diffusers.pipelines.svd import (
 
 FRAMES = TINY_DEFAULTS["num_frames"]
 SIZE = TINY_DEFAULTS["height"]
-
-
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +107,66 @@ def test_saved_pipeline_loads_back_offline_and_generates(pipe, image, tmp_path):
     assert np.abs(frames - run(pipe, image)).max() <= 1e-4
 
 
+def _parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_svd_xt_random_has_svd_xt_shapes_on_the_device_and_dtype_asked():
+    """Built on the meta device: the shapes and configs of SVD-XT, no weight materialised."""
+    torch.manual_seed(123)
+    expected = torch.rand(4)
+    torch.manual_seed(123)
+    pipe = load_svd("svd-xt-random", device="meta", dtype=torch.float16)
+    assert torch.equal(torch.rand(4), expected), "the global generator must be left as it was"
+    assert pipe.name_or_path == "svd-xt-random" and torch.get_default_dtype() == torch.float32
+    counts = {name: _parameters(getattr(pipe, name)) for name in ("unet", "vae", "image_encoder")}
+    assert counts == {"unet": 1_524_623_082, "vae": 97_742_847, "image_encoder": 632_076_800}
+    assert sum(counts.values()) == 2_254_442_729  # "2.25 B parameters"
+    for name in ("unet", "vae", "image_encoder"):
+        model = getattr(pipe, name)
+        assert {(p.device.type, p.dtype) for p in model.parameters()} == {("meta", torch.float16)}, name
+        assert not model.training, name
+    unet = dict(pipe.unet.config)
+    defaults = {name: parameter.default for name, parameter in
+                inspect.signature(UNetSpatioTemporalConditionModel.__init__).parameters.items() if name != "self"}
+    assert {name: unet[name] for name in defaults} == defaults  # diffusers' default config, which is SVD-XT's
+    assert unet["block_out_channels"] == (320, 640, 1280, 1280) and unet["num_attention_heads"] == (5, 10, 20, 20)
+    assert unet["cross_attention_dim"] == 1024 and unet["num_frames"] == 25 and unet["in_channels"] == 8
+    vae = pipe.vae.config
+    assert (tuple(vae.block_out_channels), vae.layers_per_block, vae.latent_channels, vae.sample_size) == \
+        ((128, 256, 512, 512), 2, 4, 768)
+    assert tuple(vae.down_block_types) == ("DownEncoderBlock2D",) * 4 and pipe.vae_scale_factor == 8
+    clip = pipe.image_encoder.config
+    assert (clip.hidden_size, clip.intermediate_size, clip.num_attention_heads, clip.num_hidden_layers,
+            clip.patch_size, clip.image_size, clip.projection_dim, clip.hidden_act) == \
+        (1280, 5120, 16, 32, 14, 224, 1024, "gelu")
+    assert pipe.unet.config.cross_attention_dim == clip.projection_dim
+    scheduler = pipe.scheduler.config
+    assert (scheduler.prediction_type, scheduler.sigma_max, scheduler.sigma_min, scheduler.use_karras_sigmas,
+            scheduler.timestep_type) == ("v_prediction", 700.0, 0.002, True, "continuous")
+    assert pipe.feature_extractor.crop_size == {"height": 224, "width": 224}
+    with pytest.raises(ValueError, match="variant='fp16'"):
+        load_svd("svd-xt-random", device="meta", variant="fp16")
+    with pytest.raises(ValueError, match=r"^build_svd_xt_random: dtype must be a floating torch.dtype, got "
+                                         r"dtype=torch.int8$"):
+        load_svd("svd-xt-random", device="meta", dtype=torch.int8)
+    assert torch.get_default_dtype() == torch.float32
+
+
+def test_every_built_in_model_loads_under_its_name():
+    for name in BUILTIN_MODELS:
+        assert load_svd(name, device="meta" if name == "svd-xt-random" else "cpu").name_or_path == name
+
+
+@pytest.mark.parametrize("model, hub", [
+    ("stabilityai/stable-video-diffusion-img2vid-xt", True), ("org/name", True), ("org/name.v2", True),
+    ("tny", False), ("tiny", False), ("org/", False), ("/name", False), ("org/name/sub", False),
+    ("./org/name", False), ("~/org", False), ("", False),
+])
+def test_is_hub_id(model, hub):
+    assert is_hub_id(model) is hub
+
+
 def test_bad_model_paths(tmp_path):
     with pytest.raises(ModelLoadError, match="model_index.json"):
         load_svd(str(tmp_path))
@@ -113,6 +174,9 @@ def test_bad_model_paths(tmp_path):
         load_svd(str(tmp_path / "missing"))
     with pytest.raises(ModelLoadError, match="no such folder"):
         load_svd("./not/a/saved/pipeline")
+    with pytest.raises(ModelLoadError, match="no such folder model='tny', and not a hub id 'org/name' nor a "
+                                             "built-in model"):
+        load_svd("tny")  # a typo of a built-in name is not sent to the hub
     (tmp_path / "weights.safetensors").write_bytes(b"x")
     with pytest.raises(ModelLoadError, match="weights.safetensors"):
         load_svd(str(tmp_path / "weights.safetensors"))

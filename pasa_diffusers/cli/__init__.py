@@ -1,7 +1,8 @@
 """``pasa`` command line: parse arguments, call library functions, print.
 
-One module per subcommand (``numerics``, ``generate``, ``compare``, ``diagnose``), each with
-``add_parser`` and ``run`` and optionally ``validate`` (raises ``UsageError``, called before ``run``);
+One module per subcommand (``numerics``, ``generate``, ``compare``, ``diagnose``, ``save_model`` for
+``save-model``), each with ``add_parser`` and ``run`` and optionally ``validate`` (raises
+``UsageError``, called before ``run``);
 ``common`` holds the arguments they share.  Every argument is checked before torch or diffusers is
 imported.  A user mistake prints one line ``pasa <command>: error: <message>`` to stderr and exits 2;
 a traceback is shown only with ``--debug`` (or ``PASA_DEBUG=1``) or for an internal error.
@@ -13,13 +14,14 @@ import os
 import sys
 from typing import NoReturn
 
-from . import compare, diagnose, generate, numerics
+from . import compare, diagnose, generate, numerics, save_model
 from .common import UsageError
 
 __all__ = ["main", "build_parser"]
 
-_COMMANDS = (numerics, generate, compare, diagnose)
-_NAMES = {command.__name__.rsplit(".", 1)[-1]: command for command in _COMMANDS}
+_COMMANDS = (numerics, generate, compare, diagnose, save_model)
+_NAMES = {command.__name__.rsplit(".", 1)[-1].replace("_", "-"): command for command in _COMMANDS}
+"""Command name (``save-model`` for the module ``save_model``) -> its module."""
 
 
 class _ArgumentError(Exception):

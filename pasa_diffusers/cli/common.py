@@ -23,10 +23,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pasa_diffusers.backends import BACKENDS
+from pasa_diffusers.pipelines.names import BUILTIN_IMAGES, BUILTIN_MODELS, is_hub_id
+
 __all__ = [
     "UsageError",
-    "BACKEND_NAMES",
-    "BUILTIN_IMAGES",
     "MIN_FRAMES",
     "SIZE_MULTIPLE",
     "MIN_SIZE",
@@ -36,6 +37,9 @@ __all__ = [
     "positive_float",
     "seed",
     "device",
+    "backend_help",
+    "model_help",
+    "add_model_args",
     "add_generation_args",
     "validate_generation_args",
     "check_device",
@@ -54,12 +58,6 @@ class UsageError(Exception):
 
     The message names the flag, the value given and what is accepted, on one line."""
 
-
-BACKEND_NAMES = ("pasa", "pasa-half", "pasa-paper", "pasa-paper-hybrid", "naive-half", "sdpa", "bf16", "fp32")
-"""The names of ``pasa_diffusers.install.BACKENDS`` (kept here so the CLI checks them without importing torch)."""
-
-BUILTIN_IMAGES = ("astronaut", "coffee", "rocket")
-"""``pasa_diffusers.pipelines.svd.BUILTIN_IMAGES``, for the same reason."""
 
 MIN_FRAMES = 2
 SIZE_MULTIPLE = 8
@@ -116,17 +114,38 @@ def device(text: str) -> str:
     return text
 
 
+def backend_help(names: tuple[str, ...]) -> str:
+    """``names`` with the registry's summary of each (``backends.BACKENDS``), for a ``--help`` text."""
+    return "; ".join(f"{name}: {BACKENDS[name].summary}" for name in names)
+
+
+def model_help(default: str | None) -> str:
+    """The ``--help`` text of ``--model``: the built-in models with what each is, a hub id, a folder."""
+    builtin = "; ".join(f"'{name}': {what}" for name, what in BUILTIN_MODELS.items())
+    return (f"{builtin}; or a hub id 'org/name' (from the local cache or the hub) or a save_pretrained folder"
+            + (f" (default {default})" if default else ""))
+
+
+def add_model_args(p: argparse.ArgumentParser, default: str | None = "tiny") -> None:
+    """``--model`` (``default=None``: required), ``--device``, ``--dtype`` and ``--local-files-only``:
+    what loading a pipeline takes (``load_model``)."""
+    p.add_argument("--model", default=default, required=default is None, help=model_help(default))
+    p.add_argument("--device", type=device, default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], default=None,
+                   help="model dtype (default fp16 on CUDA, fp32 on CPU, where the PASA backends cast q, k, v to fp16)")
+    p.add_argument("--local-files-only", action="store_true", help="never contact the Hugging Face hub")
+
+
 def add_generation_args(p: argparse.ArgumentParser, out: str, frames: int = 4, steps: int = 4, size: int = 64,
                         *, min_size: int = MIN_SIZE) -> None:
-    """The flags of a command that generates SVD videos, each validated by its ``type=``.
+    """The flags of a command that generates SVD videos (``add_model_args`` among them), each validated
+    by its ``type=``.
 
     ``min_size``: the smallest ``--height``/``--width`` (``SCORED_MIN_SIZE`` for a command that scores
     frames with SSIM).  ``validate_generation_args`` checks what ``type=`` cannot (device, paths)."""
     size_type = int_range(min_size, multiple_of=SIZE_MULTIPLE,
                           why="SVD needs multiples of 8" + (", SSIM an 11x11 window" if min_size > MIN_SIZE else ""))
-    p.add_argument("--model", default="tiny",
-                   help="'tiny' (embedded random SVD), 'tiny-resonant', a hub id (from the local cache or the hub) "
-                        "or a save_pretrained folder")
+    add_model_args(p)
     p.add_argument("--image", default="builtin:rocket",
                    help=f"conditioning image: a file or builtin:{'|'.join(BUILTIN_IMAGES)}")
     p.add_argument("--frames", type=int_range(MIN_FRAMES, why="SVD needs two frames"), default=frames,
@@ -137,10 +156,6 @@ def add_generation_args(p: argparse.ArgumentParser, out: str, frames: int = 4, s
     p.add_argument("--width", type=size_type, default=size,
                    help=f"frame width in pixels: a multiple of 8, >= {min_size} (default {size})")
     p.add_argument("--seed", type=seed, default=0, help="seed of the initial noise, in [0, 2**63-1] (default 0)")
-    p.add_argument("--device", type=device, default="cpu", help="cpu, cuda or cuda:N (default cpu)")
-    p.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], default=None,
-                   help="model dtype (default fp16 on CUDA, fp32 on CPU, where the PASA backends cast q, k, v to fp16)")
-    p.add_argument("--local-files-only", action="store_true", help="never contact the Hugging Face hub")
     p.add_argument("--out", default=out, help=f"output folder (created; default {out})")
 
 
@@ -213,8 +228,9 @@ def check_image(spec: str, flag: str = "--image") -> None:
 
 
 def check_model(model: str, flag: str = "--model") -> None:
-    """Refuse a local path that is not a ``save_pretrained`` folder (hub ids are checked when loading)."""
-    if model in ("tiny", "tiny-resonant"):
+    """Refuse a local path that is not a ``save_pretrained`` folder and a name that is neither a folder, a
+    hub id (``names.is_hub_id``; whether it exists is checked when loading) nor a built-in model."""
+    if model in BUILTIN_MODELS:
         return
     path = Path(model).expanduser()
     if path.exists():
@@ -223,9 +239,9 @@ def check_model(model: str, flag: str = "--model") -> None:
         if not (path / "model_index.json").is_file():
             raise UsageError(f"{flag} {model}: the folder has no model_index.json; expected a folder written by "
                              "StableVideoDiffusionPipeline.save_pretrained()")
-    elif model.startswith((".", "/", "~")) or model.count("/") != 1:
-        raise UsageError(f"{flag} {model}: no such folder, and not a hub id 'org/name' "
-                         "(or 'tiny', 'tiny-resonant')")
+    elif not is_hub_id(model):
+        raise UsageError(f"{flag} {model}: no such folder, and not a hub id 'org/name' nor a built-in model "
+                         f"({', '.join(BUILTIN_MODELS)})")
 
 
 def load_model(args: argparse.Namespace) -> Any:

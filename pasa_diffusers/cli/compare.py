@@ -14,16 +14,18 @@ import shlex
 import sys
 from pathlib import Path
 
-from .common import (BACKEND_NAMES, BUILTIN_IMAGES, MAX_SEED, SCORED_MIN_SIZE, UsageError, add_generation_args,
-                     check_device, check_file, check_image, check_model, check_out_dir, int_range, load_model,
-                     model_dtype, positive_float)
+from pasa_diffusers.backends import COMPARED, DEFAULT_COMPARED, REFERENCE
+from pasa_diffusers.pipelines.names import BUILTIN_IMAGES
+
+from .common import (MAX_SEED, SCORED_MIN_SIZE, UsageError, add_generation_args, backend_help, check_device,
+                     check_file, check_image, check_model, check_out_dir, int_range, load_model, model_dtype,
+                     model_help, positive_float)
 
 __all__ = ["add_parser", "validate", "run", "seed_list", "image_list", "backend_list"]
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
 """Files of a folder given to ``--images`` that are taken as images (case-insensitive)."""
 MAX_SEEDS = 100_000
-COMPARE_BACKENDS = tuple(name for name in BACKEND_NAMES if name != "fp32")
 
 
 def _items(text: str) -> list[str]:
@@ -90,12 +92,13 @@ def image_list(text: str) -> list[str]:
 
 
 def backend_list(text: str) -> list[str]:
-    """An argparse ``type=``: comma-separated backends, each once; fp32 is the reference, not a backend."""
+    """An argparse ``type=``: comma-separated backends of ``backends.COMPARED``, each once (the reference,
+    ``backends.REFERENCE``, is not one)."""
     names = _items(text)
-    unknown = [n for n in names if n not in COMPARE_BACKENDS]
+    unknown = [n for n in names if n not in COMPARED]
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown backend(s) {', '.join(unknown)}; choose from "
-                                         f"{', '.join(COMPARE_BACKENDS)} (fp32 is always the reference)")
+                                         f"{', '.join(COMPARED)} ({REFERENCE} is always the reference)")
     return _no_repeats(names, "backend")
 
 
@@ -155,12 +158,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         f"({', '.join(BUILTIN_IMAGES)}) or builtin:all (default builtin:all)")
     p.add_argument("--seeds", "--seed", type=seed_list, default="0-1", metavar="LIST",
                    help="seeds of the initial noise: 0,1,2 or a range 0-7 (default 0-1)")
-    p.add_argument("--model", default="tiny-resonant",
-                   help="'tiny-resonant' (default: the tiny SVD with FP16 overflow planted), 'tiny', a hub id or a "
-                        "save_pretrained folder")
-    p.add_argument("--backends", type=backend_list, default="pasa,pasa-paper,naive-half,bf16",
-                   help=f"comma-separated, from {', '.join(COMPARE_BACKENDS)} (default pasa,pasa-paper,naive-half,"
-                        "bf16); fp32 is the reference")
+    p.add_argument("--model", default="tiny-resonant", help=model_help("tiny-resonant"))
+    p.add_argument("--backends", type=backend_list, default=",".join(DEFAULT_COMPARED),
+                   help=f"comma-separated (default {','.join(DEFAULT_COMPARED)}), from: {backend_help(COMPARED)}; "
+                        f"{REFERENCE} is the reference")
     p.add_argument("--lpips-weights", default=None,
                    help="torchvision AlexNet ImageNet weights (alexnet-owt-7be5be79.pth); default: torch hub cache")
     p.add_argument("--fps", type=positive_float, default=7.0, help="frame rate of the side-by-side GIFs (default 7)")

@@ -14,9 +14,8 @@ def validate(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pasa_diffusers.diagnose import risk_table, write_diagnosis
     from pasa_diffusers.pipelines.diagnose import diagnose
-
-    from ..diagnose.render import risk_table, write_diagnosis
 
     pipe = load_model(args)
     image = load_condition_image(args)

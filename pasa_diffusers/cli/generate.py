@@ -4,8 +4,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from .common import (BACKEND_NAMES, UsageError, add_generation_args, load_condition_image, load_model,
-                     positive_float, validate_generation_args)
+from ..backends import BACKENDS
+from .common import (UsageError, add_generation_args, backend_help, load_condition_image, load_model, positive_float,
+                     validate_generation_args)
 
 __all__ = ["add_parser", "validate", "run"]
 
@@ -53,8 +54,8 @@ def run(args: argparse.Namespace) -> int:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="animate an image with SVD using one attention backend")
     add_generation_args(p, "out/generate")
-    p.add_argument("--attention", choices=BACKEND_NAMES, default="pasa", metavar="BACKEND",
-                   help=f"the attention backend: {', '.join(BACKEND_NAMES)} (default pasa)")
+    p.add_argument("--attention", choices=tuple(BACKENDS), default="pasa", metavar="BACKEND",
+                   help=f"the attention backend (default pasa): {backend_help(tuple(BACKENDS))}")
     p.add_argument("--fps", type=positive_float, default=7.0, help="frames per second of the mp4 and gif, > 0 "
                    "(default 7)")
     p.set_defaults(func=run)

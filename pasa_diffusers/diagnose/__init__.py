@@ -3,16 +3,19 @@
 One job per module, in the order the data flows:
 
 - ``stats.py``: ``call_stats``, the statistics of one attention call (float32, blockwise, never N x N);
-- ``collect.py``: ``DiagnosticAttnProcessor`` records them on every call; ``recording(model)`` installs
-  one per attention module and restores the previous processors;
+- ``collect.py``: a ``LayerRecorder`` keeps them for every call of one layer; ``recording(model,
+  processor)`` installs the caller's processor, built around one recorder, on every attention module
+  and restores the previous processors;
 - ``aggregate.py``: per layer, the calls summarised (maxima, per-head means, per-step series, names);
 - ``rules.py``: the risk and cause of an aggregated layer;
 - ``render.py``: the risk table and ``write_diagnosis`` (``diagnosis.json`` and, from ``plots.py``, the
   heatmap and the bias/resonance figure).
 
-Running a whole generation under the diagnosis (the pipeline, its step callback, the timing of a
-plain run) is the application's: ``diagnose`` in ``pipelines/diagnose.py``.  The names below are
-imported on first use (PEP 562), so ``import pasa_diffusers.diagnose.stats`` stays light.
+The diagnosis installs no processor class of its own and never imports ``install`` or ``processors``:
+the processor that feeds the recorders, the module kinds, and running a whole generation under the
+diagnosis (the pipeline, its step callback, the timing of a plain run) are the application's
+(``pipelines/diagnose.py``).  The names below are imported on first use (PEP 562), so importing the
+package loads none of its modules.
 """
 from __future__ import annotations
 
@@ -20,8 +23,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _HOMES = {
-    "call_stats": ".stats", "FP16_MAX": ".stats",
-    "BLOCK_N": ".collect", "StepClock": ".collect", "DiagnosticAttnProcessor": ".collect", "recording": ".collect",
+    "call_stats": ".stats",
+    "StepClock": ".collect", "LayerRecorder": ".collect", "recording": ".collect",
     "aggregate_layer": ".aggregate", "summarize": ".aggregate", "short_path": ".aggregate",
     "RISK_RULE": ".rules", "CAUSE_RULE": ".rules", "judge": ".rules", "layer_cause": ".rules",
     "ranked": ".render", "risk_table": ".render", "write_diagnosis": ".render",
@@ -30,10 +33,10 @@ __all__ = list(_HOMES)
 
 if TYPE_CHECKING:
     from .aggregate import aggregate_layer, short_path, summarize
-    from .collect import BLOCK_N, DiagnosticAttnProcessor, StepClock, recording
+    from .collect import LayerRecorder, StepClock, recording
     from .render import ranked, risk_table, write_diagnosis
     from .rules import CAUSE_RULE, RISK_RULE, judge, layer_cause
-    from .stats import FP16_MAX, call_stats
+    from .stats import call_stats
 
 
 def __getattr__(name: str) -> Any:

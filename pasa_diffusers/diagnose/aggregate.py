@@ -2,15 +2,18 @@
 
 Maxima and ``overflow_count`` are taken over all calls, per-head statistics averaged over calls
 (skipping ``None``), ``per_step_*`` over the calls of each step; ``rules.judge`` then adds the risk and
-the cause.  ``summarize`` does this for every processor of a run, in the order the layers first ran.
+the cause.  ``summarize`` does this for every recorder of a run, in the order the layers first ran.  A
+layer's ``kind`` (spatial or temporal, self or cross) is the caller's rule, passed in: the application
+passes ``pasa_diffusers.install.module_kind``, the classification ``apply`` selects modules by.
 """
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from typing import Any
 
-from ..install import module_kind
+from .collect import LayerRecorder
 from .rules import judge
 
 __all__ = ["aggregate_layer", "summarize", "short_path"]
@@ -45,13 +48,13 @@ def short_path(path: str) -> str:
     return re.sub(r"(?<!temporal_)transformer_blocks\.(\d+)", lambda m: "spatial" + ("" if m[1] == "0" else m[1]), s)
 
 
-def aggregate_layer(path: str, records: list[dict[str, Any]], num_steps: int) -> dict[str, Any]:
-    """One layer's entry of a diagnosis from its processor's ``records`` (see the module docstring).
+def aggregate_layer(path: str, records: list[dict[str, Any]], num_steps: int, *, kind: str) -> dict[str, Any]:
+    """One layer's entry of a diagnosis from its recorder's ``records`` (see the module docstring).
 
-    ``level`` is left ``None`` here (``summarize`` fills in the spatial token count of the layer's
-    transformer).
+    ``kind`` is the layer's module kind (e.g. ``"spatial-self"``); ``level`` is left ``None`` here
+    (``summarize`` fills in the spatial token count of the layer's transformer).
     """
-    layer: dict[str, Any] = {"path": path, "short": short_path(path), "kind": module_kind(path),
+    layer: dict[str, Any] = {"path": path, "short": short_path(path), "kind": kind,
                              "block": _block(path), "level": None, "calls": len(records)}
     if not records:
         layer.update(heads=None, head_dim=None, shape_q=None, shape_k=None, max_abs_qk=0.0, max_abs_score=0.0,
@@ -90,10 +93,11 @@ def _fill_levels(layers: list[dict[str, Any]]) -> None:
         layer["level"] = tokens.get(_transformer(layer["path"]))
 
 
-def summarize(processors: list[Any], num_steps: int) -> list[dict[str, Any]]:
-    """The layers of a run from its ``DiagnosticAttnProcessor`` s (``collect.recording``): one
-    ``aggregate_layer`` entry each, in the order they first ran (never-called ones last), with ``level``."""
-    ordered = sorted(processors, key=lambda p: p.records[0]["order"] if p.records else math.inf)
-    layers = [aggregate_layer(p.name, p.records, num_steps) for p in ordered]
+def summarize(recorders: list[LayerRecorder], num_steps: int, *, kind: Callable[[str], str]) -> list[dict[str, Any]]:
+    """The layers of a run from its recorders (``collect.recording``): one ``aggregate_layer`` entry each,
+    in the order they first ran (never-called ones last), with ``level``; ``kind(path)`` names a layer's
+    module kind (``"spatial-..."`` for the spatial attentions that set the levels)."""
+    ordered = sorted(recorders, key=lambda r: r.records[0]["order"] if r.records else math.inf)
+    layers = [aggregate_layer(r.name, r.records, num_steps, kind=kind(r.name)) for r in ordered]
     _fill_levels(layers)
     return layers

@@ -1,29 +1,27 @@
-"""Recording: a processor that records ``call_stats`` on every attention call, and its installation.
+"""Recording: the statistics of every attention call of a layer, and their installation on a model.
 
-``recording(model)`` installs a ``DiagnosticAttnProcessor`` on every attention module of a diffusers
-model (anything with ``attn_processors`` / ``set_attn_processor``: a UNet, a transformer) and puts
-the previous processor objects back on exit, also on error.  Each processor computes the stock
-attention (SDPA in the model's dtype) after recording, so the model's outputs are the ones it makes
-without the diagnosis.
+A ``LayerRecorder`` keeps the ``call_stats`` of each call handed to it (``record(query, key, scale)``).
+The processor that hands it the calls is the caller's: ``recording(model, processor)`` builds one
+recorder per attention module of a diffusers model (anything with ``attn_processors`` /
+``set_attn_processor``: a UNet, a transformer), installs ``processor(recorder)`` on that module, and
+puts the previous processor objects back on exit, also on error.  The application's processor
+(``pasa_diffusers.pipelines.diagnose.DiagnosticAttnProcessor``) records, then computes the stock
+attention, so the model's outputs are the ones it makes without the diagnosis.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from diffusers.models.attention_processor import Attention
 
-from ..processors import SDPAAttnProcessor
-from ..reference import DEFAULT_BETA
+from ..beta import DEFAULT_BETA
+from ..rules import SHIFT_BLOCK
 from .stats import call_stats
 
-__all__ = ["BLOCK_N", "StepClock", "DiagnosticAttnProcessor", "recording"]
-
-BLOCK_N = 128
-"""Key block of PASA's shift (the kernel's and the reference's default) used for ``max_abs_shifted``."""
+__all__ = ["StepClock", "LayerRecorder", "recording"]
 
 
 @dataclass
@@ -42,26 +40,24 @@ def _mean_norm(x: torch.Tensor, heads: int) -> list[float]:
     return norms.repeat_interleave(heads // x.shape[2]).tolist()
 
 
-class DiagnosticAttnProcessor(SDPAAttnProcessor):
+class LayerRecorder:
     r"""
-    SDPA in the model's dtype (the stock processor's attention) that first records the call's statistics.
+    The recorded attention calls of one layer.
 
-    Each call appends to ``records`` the dict of ``call_stats(q, k, attn.scale)`` on ``(B, H, N, D)``
+    Each ``record`` appends to ``records`` the dict of ``call_stats(q, k, scale)`` on ``(B, H, N, D)``
     transposed views (no copies), plus ``step`` and ``order`` (from ``clock``), ``finite_inputs`` and
     the per-head ``mean_norm_q``/``mean_norm_k`` (norm of the token mean).  Over a single token the
     bias (mean over centred spread) is undefined: ``bias_q``/``bias_k`` are then ``None``.  The
-    statistics ignore an attention mask (SVD passes none); the attention itself applies it.
+    statistics ignore an attention mask (SVD passes none).
 
     Args:
         name: module path (for reports).
         clock: where the current denoising step is read (default: a clock stuck at step 0).
         max_elements, beta, block_n: passed to ``call_stats``.
-        dtype: as ``CountedAttnProcessor`` (default ``None``: the model's dtype).
     """
 
-    def __init__(self, name: str | None = None, *, clock: StepClock | None = None, max_elements: int = 2 ** 26,
-                 beta: float = DEFAULT_BETA, block_n: int = BLOCK_N, dtype: torch.dtype | None = None) -> None:
-        super().__init__(dtype)
+    def __init__(self, name: str, *, clock: StepClock | None = None, max_elements: int = 2 ** 26,
+                 beta: float = DEFAULT_BETA, block_n: int = SHIFT_BLOCK) -> None:
         self.name = name
         self.clock = clock or StepClock()
         self.max_elements = max_elements
@@ -69,9 +65,9 @@ class DiagnosticAttnProcessor(SDPAAttnProcessor):
         self.block_n = block_n
         self.records: list[dict[str, Any]] = []
 
-    def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn: Attention,
-                  attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        stats = call_stats(query.transpose(1, 2), key.transpose(1, 2), attn.scale, beta=self.beta,
+    def record(self, query: torch.Tensor, key: torch.Tensor, scale: float) -> None:
+        """Record one call from its ``(B, N, H, D)`` query and key (as diffusers' processors hold them)."""
+        stats = call_stats(query.transpose(1, 2), key.transpose(1, 2), scale, beta=self.beta,
                            block_n=self.block_n, max_elements=self.max_elements)
         heads = query.shape[2]
         for side, x in (("q", query), ("k", key)):
@@ -83,24 +79,24 @@ class DiagnosticAttnProcessor(SDPAAttnProcessor):
         stats["order"] = self.clock.calls
         self.clock.calls += 1
         self.records.append(stats)
-        return super().attention(query, key, value, attn, attention_mask)
 
 
 @contextmanager
-def recording(model: Any, *, clock: StepClock | None = None,
-              max_elements: int = 2 ** 26) -> Iterator[list[DiagnosticAttnProcessor]]:
+def recording(model: Any, processor: Callable[[LayerRecorder], Any], *, clock: StepClock | None = None,
+              max_elements: int = 2 ** 26) -> Iterator[list[LayerRecorder]]:
     """Record every attention call of ``model`` while the ``with`` block runs.
 
-    Installs one ``DiagnosticAttnProcessor`` per ``model.attn_processors`` key (named by the module
-    path, sharing ``clock``), yields them in the model's module order, and restores the previous
-    processor objects on exit (also when the block raises).
+    Builds one ``LayerRecorder`` per ``model.attn_processors`` key (named by the module path, sharing
+    ``clock``), installs ``processor(recorder)`` on its module (a diffusers attention processor that
+    calls ``recorder.record`` on every call), yields the recorders in the model's module order, and
+    restores the previous processor objects on exit (also when the block raises).
     """
     previous = dict(model.attn_processors)
     clock = clock or StepClock()
-    diagnostic = {key: DiagnosticAttnProcessor(key.removesuffix(".processor"), clock=clock, max_elements=max_elements)
-                  for key in previous}
-    model.set_attn_processor(dict(diagnostic))
+    recorders = {key: LayerRecorder(key.removesuffix(".processor"), clock=clock, max_elements=max_elements)
+                 for key in previous}
+    model.set_attn_processor({key: processor(recorder) for key, recorder in recorders.items()})
     try:
-        yield list(diagnostic.values())
+        yield list(recorders.values())
     finally:
         model.set_attn_processor(dict(previous))

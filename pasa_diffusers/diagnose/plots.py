@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from .stats import FP16_MAX
+from ..rules import FP16_MAX
 
 __all__ = ["heatmap", "bias_resonance"]
 
@@ -48,7 +48,7 @@ def heatmap(result: dict[str, Any], path: Path) -> None:
     ax.set_title(f"{result['model']}: max |q·k| per layer and step", fontsize=9)
     bar = fig.colorbar(image, ax=ax)
     bar.ax.axhline(FP16_MAX, color="red", linewidth=2)
-    bar.set_label("max |q·k| (raw); red line: fp16 max 65504; hatched: above it")
+    bar.set_label(f"max |q·k| (raw); red line: fp16 max {FP16_MAX:g}; hatched: above it")
     fig.tight_layout()
     fig.savefig(path)
 

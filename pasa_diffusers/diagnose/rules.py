@@ -24,11 +24,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .stats import FP16_MAX
+from ..rules import FP16_MAX
 
 __all__ = ["RISK_RULE", "CAUSE_RULE", "judge", "layer_cause"]
 
-RISK_RULE = "risk = max |q . k| / 65504 (raw product over all calls); overflows = any raw |q . k| > 65504"
+RISK_RULE = (f"risk = max |q . k| / {FP16_MAX:g} (raw product over all calls); "
+             f"overflows = any raw |q . k| > {FP16_MAX:g}")
 CAUSE_RULE = ("on the dominant head (largest (M_q + A_q)(M_k + A_k)) the largest of R = M_q M_k |cos| "
               "(bias + resonance), X = M_q A_k + A_q M_k (bias without resonance), C = A_q A_k (amplitude); "
               "M = norm of the token mean, A = RMS norm of the centred tokens")

@@ -24,9 +24,10 @@ import math
 
 import torch
 
-__all__ = ["call_stats", "FP16_MAX"]
+from ..beta import DEFAULT_BETA
+from ..rules import FP16_MAX, SHIFT_BLOCK
 
-FP16_MAX = 65504.0
+__all__ = ["call_stats"]
 
 
 def _token_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -57,8 +58,8 @@ def _per_head(t: torch.Tensor) -> list[float]:
 
 
 @torch.no_grad()
-def call_stats(q: torch.Tensor, k: torch.Tensor, scale: float, *, beta: float = 0.9375, block_n: int = 128,
-               rows_per_chunk: int = 1024, max_elements: int = 2 ** 26) -> dict:
+def call_stats(q: torch.Tensor, k: torch.Tensor, scale: float, *, beta: float = DEFAULT_BETA,
+               block_n: int = SHIFT_BLOCK, rows_per_chunk: int = 1024, max_elements: int = 2 ** 26) -> dict:
     """Statistics of one attention call (see the module docstring); GQA keys are repeated.
 
     Work is chunked over batch and query rows so that at most ``max_elements`` scores exist at once.
