@@ -22,7 +22,6 @@ import skimage.data
 import torch
 from diffusers import (
     AutoencoderKLTemporalDecoder,
-    EulerDiscreteScheduler,
     StableVideoDiffusionPipeline,
     UNetSpatioTemporalConditionModel,
 )
@@ -31,7 +30,7 @@ from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWi
 
 from .names import BUILTIN_IMAGES, BUILTIN_MODELS, is_hub_id
 from .resonant import build_tiny_resonant
-from .svd_xt_random import build_svd_xt_random
+from .svd_xt_random import build_svd_xt_random, svd_xt_scheduler
 
 __all__ = ["ModelLoadError", "load_svd", "load_image", "make_latents", "generate", "TINY_DEFAULTS"]
 
@@ -62,21 +61,7 @@ def _tiny_pipeline() -> StableVideoDiffusionPipeline:
         projection_class_embeddings_input_dim=96,
         addition_time_embed_dim=32,
     )
-    scheduler = EulerDiscreteScheduler(
-        beta_start=0.00085,
-        beta_end=0.012,
-        beta_schedule="scaled_linear",
-        interpolation_type="linear",
-        num_train_timesteps=1000,
-        prediction_type="v_prediction",
-        sigma_max=700.0,
-        sigma_min=0.002,
-        steps_offset=1,
-        timestep_spacing="leading",
-        timestep_type="continuous",
-        trained_betas=None,
-        use_karras_sigmas=True,
-    )
+    scheduler = svd_xt_scheduler()
     torch.manual_seed(0)
     vae = AutoencoderKLTemporalDecoder(
         block_out_channels=[32, 64],

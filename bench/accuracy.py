@@ -1,0 +1,135 @@
+"""How far is each attention from the exact answer, per class of input: error against a float64 golden.
+
+    python -m bench.accuracy --out DIR
+    TRITON_INTERPRET=1 python -m bench.accuracy --shapes tiny --out DIR   # a CPU, under the interpreter
+
+For each class of numerics.input_classes (benign, large common biases, drifting and jumping biases,
+sign changes, a far key, FlashAttention-3's outliers, resonance; V ~ N(0, 1)) at a spatial shape, a
+grouped-head one and a temporal one, the relative RMSE against reference.golden_attention (float64) of:
+our variants (pasa_attention; exact-hybrid is the default), SDPA on the fp16 inputs (its own backend
+choice), SDPA on bf16 copies, the FlashAttention-2 reference (reference.flash_reference: fp32 scores
+and state, P rounded to fp16, IEEE fp32 GEMMs) and the peers when importable (FA3 bf16, FA3 fp8
+scaled per kv head, SageAttention on a clone of k).
+A non-finite output shows as "NaN (count)"; a method that fails shows its error.  The last column is
+the default's error over SDPA fp16's.
+"""
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from pasa_diffusers import numerics
+from pasa_diffusers.metrics import records
+from pasa_diffusers.reference import flash_reference, golden_attention
+
+from . import harness
+
+NAME = "accuracy"
+
+SHAPES = [harness.Shape("accuracy", "spatial", 2, 5, 5, 4096, 4096, 64),
+          harness.Shape("accuracy", "spatial GQA", 2, 8, 4, 1000, 1000, 64),
+          harness.Shape("accuracy", "temporal", 4608, 5, 5, 25, 25, 64)]
+"""A spatial problem of 32 key blocks, one with grouped heads and a ragged last block, SVD's temporal
+attention at 25 frames."""
+
+
+def _sdpa(dtype: torch.dtype, name: str) -> harness.Method:
+    """SDPA with its own backend choice on copies in ``dtype``."""
+    def build(q, k, v):
+        qc, kc, vc = (t.to(dtype) for t in (q, k, v))
+        gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
+        return harness.Prepared(lambda: torch.nn.functional.scaled_dot_product_attention(qc, kc, vc, **gqa))
+    return harness.Method(name, "sdpa", build)
+
+
+def _flash_reference() -> harness.Method:
+    """FlashAttention-2's algorithm in PyTorch: fp32 scores and state, ``P`` rounded to fp16."""
+    def build(q, k, v):
+        return harness.Prepared(lambda: flash_reference(q, k, v, precision="hybrid", block_m=q.shape[2]))
+    return harness.Method("FA2 reference", "reference", build)
+
+
+def methods() -> tuple[list[harness.Method], dict[str, str]]:
+    """Our variants, SDPA fp16 and bf16, the FA2 reference, the peers that import (and why the others do not)."""
+    peers, missing = harness.peer_methods()
+    found = [harness.op_method(v) for v in harness.VARIANTS]
+    found += [_sdpa(torch.float16, "SDPA fp16"), _sdpa(torch.bfloat16, "SDPA bf16"), _flash_reference(), *peers]
+    return found, missing
+
+
+def _diffusers_layout(t: torch.Tensor, device: str) -> torch.Tensor:
+    """A (B, H, N, D) tensor held as diffusers holds it: (B, N, H, D) memory, viewed as (B, H, N, D)."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2).to(device)
+
+
+def error_cell(out: torch.Tensor | None, gold: torch.Tensor) -> dict:
+    """``{"rel_rmse", "nonfinite"}`` of one output (no error value when any element is not finite)."""
+    bad = numerics.nonfinite_count(out)
+    return {"rel_rmse": None if bad else numerics.rel_rmse(out, gold), "nonfinite": bad}
+
+
+def measure(shape: harness.Shape, found: Sequence[harness.Method], seed: int, dev: str) -> list[dict]:
+    """One row per input class at ``shape``: each method's :func:`error_cell` or error."""
+    rows = []
+    for case, cpu in numerics.input_classes((shape.b, shape.hq, shape.hk, shape.nq, shape.d), seed=seed).items():
+        q, k, v = (_diffusers_layout(t, dev) for t in cpu)
+        gold = golden_attention(q, k, v)
+        row: dict = {"case": case}
+        for m in found:
+            try:
+                row[m.name] = error_cell(m.build(q, k, v).call(), gold)
+            except Exception as e:  # noqa: BLE001 - a method that cannot run this shape is a result
+                row[m.name] = {"error": harness.error_text(e)}
+        rows.append(row)
+        del q, k, v, gold
+        harness.free_memory()
+    return rows
+
+
+def _cell(c: dict) -> str:
+    if "error" in c:
+        return c["error"]
+    return f"NaN ({c['nonfinite']})" if c["nonfinite"] else f"{c['rel_rmse']:.2e}"
+
+
+def table(rows: Sequence[dict], names: Sequence[str]) -> str:
+    """Classes down, methods across, and the default's error over SDPA fp16's."""
+    lines = []
+    for row in rows:
+        d, s = row["exact-hybrid"].get("rel_rmse"), row["SDPA fp16"].get("rel_rmse")
+        ratio = f"{d / s:.2f}" if d is not None and s else "-"
+        lines.append([row["case"], *(_cell(row[n]) for n in names), ratio])
+    return records.markdown_table(["class", *names, "default / SDPA fp16"], lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = harness.parser(NAME, __doc__)
+    p.add_argument("--shapes", choices=["default", "tiny"], default="default",
+                   help="the three shapes above, or the tiny set for a CPU (default: default)")
+    p.add_argument("--seed", type=int, default=0, help="seed of numerics.input_classes (default: 0)")
+    args = p.parse_args(argv)
+    problem = harness.cpu_problem(NAME)
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
+
+    cmd, env = harness.command(NAME, argv), harness.environment()
+    found, missing = methods()
+    names = [m.name for m in found]
+    shapes = SHAPES if args.shapes == "default" else harness.TINY
+    results, text = {}, harness.header("bench.accuracy: relative RMSE against the float64 golden output", env, cmd)
+    text += "".join(f"\n- {name} not run: {reason}" for name, reason in missing.items())
+    with torch.no_grad():
+        for shape in harness.progress(shapes, NAME):
+            results[shape.label] = measure(shape, found, args.seed, harness.device())
+            text += f"\n\n## {shape.label} {shape.bhnd}, fp16\n\n{table(results[shape.label], names)}\n"
+    harness.write_report(args.out, NAME, text, {"bench": NAME, "command": cmd, "environment": env,
+                                                "not_run": missing, "results": results})
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

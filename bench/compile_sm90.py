@@ -1,0 +1,278 @@
+"""What does the Gluon Hopper kernel compile to for sm_90, per config, on a machine without a GPU?
+
+    python -m bench.compile_sm90 --python PYTHON --out DIR     # PYTHON: an interpreter with triton 3.6
+    python -m bench.compile_sm90 --jobs 2 --out DIR            # this interpreter has triton 3.6
+
+Needs, in the interpreter --python names (default: this one), triton 3.6 (the GPU machine's version, whose
+Gluon API kernels/hopper.py is written for) and torch; no GPU.  Each (config, shape) is compiled in its
+own process (PYTHON -m bench.compile_sm90 --one CASE, from the repository root), so that a compiler
+crash is a row, not the end of the run, exactly as the launch would compile it: hopper.kernel_call
+builds the descriptors and the argument list from meta tensors (diffusers' (B, N, H, D) layout viewed
+as (B, H, N, D)), Triton's own specialisation rules make the signature, and Gluon's source class goes
+through triton.compile for GPUTarget("cuda", 90, 32).
+
+Per case, from the IR and the machine code: warp specialisation (ttg.warp_specialize in the TTGIR, its
+worker partitions and the setmaxnreg values in the PTX); wgmma.mma_async in the PTX (HGMMA in the SASS);
+TMA copies (cp.async.bulk.tensor; UTMALDG / UTMASTG); mbarrier instructions by kind; spills (ptxas's
+spill stores/loads, st.local / ld.local in the PTX, STL / LDL in the SASS); registers per thread and
+stack (cuobjdump -res-usage); threads (32 x all warps, producer included); shared memory bytes; MUFU.EX2
+count; compile seconds.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+NAME = "compile_sm90"
+ROOT = Path(__file__).resolve().parents[1]
+"""The repository root: the children run ``PYTHON -m bench.compile_sm90`` from there."""
+
+CONFIGS = [(block_n, stages, overlap) for overlap in (False, True)
+           for block_n, stages in ((128, 2), (128, 3), (64, 2), (64, 3), (64, 4))]
+"""(BLOCK_N, num_stages, overlap)."""
+SHAPES = [(50, 5, 9216, 9216, 64), (2, 5, 1000, 1000, 64)]
+"""(B, H, Nq, Nk, D): SVD-XT's largest spatial attention; a ragged one (masked keys, rows past Nq)."""
+CHILD_TIMEOUT_S = 900
+
+
+# ---- the child's side: one compile, no GPU --------------------------------------------------------
+
+def specialization(fn, args, meta) -> tuple[dict, dict, dict]:
+    """Triton's specialisation of ``args`` for the jitted ``fn``: ``(signature, constexprs, attrs)``, as a
+    launch would make it (ints equal to 1 become constexprs, pointers and ints divisible by 16 say so)."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    signature, constexprs, attrs = {}, {}, {}
+    values = iter(args)
+    for p in fn.params:
+        if p.is_constexpr:
+            signature[p.name] = "constexpr"
+            constexprs[p.name] = meta[p.name]
+            continue
+        value = next(values)
+        ty, spec = native_specialize_impl(BaseBackend, value, False, not p.do_not_specialize,
+                                          not p.do_not_specialize_on_alignment)
+        if ty == "constexpr":
+            signature[p.name] = "constexpr"
+            constexprs[p.name] = value
+        else:
+            signature[p.name] = ty
+            if spec == "D":
+                attrs[(p.num,)] = [["tt.divisibility", 16]]
+    return signature, constexprs, attrs
+
+
+def meta_inputs(shape: Sequence[int], shift_block: int):
+    """``(q, k_c, v, out, centres)`` on the meta device for ``shape = (B, H, Nq, Nk, D)``, fp16: q, v and
+    out as diffusers holds them, the pre-pass's contiguous ``k_c`` and its fp32 centres, one per
+    ``shift_block`` keys."""
+    import torch
+
+    b, h, n_q, n_k, d = shape
+
+    def bnhd(n):
+        return torch.empty(b, n, h, d, dtype=torch.float16, device="meta").transpose(1, 2)
+
+    centres = torch.empty(b, h, -(-n_k // shift_block), d, dtype=torch.float32, device="meta")
+    return bnhd(n_q), torch.empty(b, h, n_k, d, dtype=torch.float16, device="meta"), bnhd(n_k), bnhd(n_q), centres
+
+
+def _tool(name: str) -> str:
+    """The path of one of the CUDA tools Triton ships beside ptxas (``ptxas``, ``cuobjdump``)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    return os.path.join(os.path.dirname(get_ptxas(90).path), name)
+
+
+def _first_int(pattern: str, text: str) -> int | None:
+    found = re.findall(pattern, text)
+    return int(found[0]) if found else None
+
+
+def ptxas_report(ptx: str) -> dict:
+    """``ptxas -v`` on the PTX: spill bytes (the cubin Triton keeps does not carry them)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        res = subprocess.run([_tool("ptxas"), "-v", "--gpu-name=sm_90a", src, "-o", os.path.join(tmp, "k.cubin")],
+                             capture_output=True, text=True)
+    log = res.stdout + res.stderr
+    return {"spill_st": _first_int(r"(\d+) bytes spill stores", log),
+            "spill_ld": _first_int(r"(\d+) bytes spill loads", log)}
+
+
+def cubin_report(cubin: bytes) -> dict:
+    """``cuobjdump -res-usage`` (registers, stack) and ``-sass`` instruction counts of the cubin."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        usage = subprocess.run([_tool("cuobjdump"), "-res-usage", path], capture_output=True, text=True).stdout
+        sass = subprocess.run([_tool("cuobjdump"), "-sass", path], capture_output=True, text=True).stdout
+    return {"regs": _first_int(r"REG:(\d+)", usage), "stack": _first_int(r"STACK:(\d+)", usage),
+            "hgmma": len(re.findall(r"\bHGMMA\b", sass)), "utmaldg": len(re.findall(r"UTMALDG", sass)),
+            "utmastg": len(re.findall(r"UTMASTG", sass)), "mufu_ex2": len(re.findall(r"MUFU\.EX2", sass)),
+            "sass_local": len(re.findall(r"\b(?:STL|LDL)\b", sass))}
+
+
+def kernel_report(kern) -> dict:
+    """What a compiled kernel shows in its TTGIR, PTX and cubin (the module docstring's list)."""
+    ttgir, ptx = kern.asm["ttgir"], kern.asm["ptx"]
+    region = ttgir[ttgir.find("ttg.warp_specialize"):]
+    mbar = re.findall(r"mbarrier\.(init|arrive\.expect_tx|arrive|try_wait|inval)", ptx)
+    report = {
+        "ws": "ttg.warp_specialize" in ttgir,
+        "partitions": [int(w) for w in re.findall(r"^\s*partition\d+\(.*\)\s*num_warps\((\d+)\)", region, flags=re.M)],
+        "setmaxnreg": sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
+        "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
+        "tma": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
+        "mbar": {op: mbar.count(op) for op in sorted(set(mbar))},
+        "ptx_local": len(re.findall(r"\b(?:st|ld)\.local", ptx)),
+        "smem": kern.metadata.shared,
+        "threads": 32 * kern.metadata.num_warps,
+    }
+    return {**report, **ptxas_report(ptx), **cubin_report(kern.asm["cubin"])}
+
+
+def compile_one(case: dict) -> dict:
+    """Compile one ``{"config": (BLOCK_N, num_stages, overlap), "shape": (B, H, Nq, Nk, D)}`` for sm_90."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from pasa_diffusers.kernels import hopper
+
+    row, t0 = dict(case), time.time()
+    block_n, stages, overlap = case["config"]
+    config = {"BLOCK_N": block_n, "num_stages": stages, "overlap": bool(overlap)}
+    try:
+        q, k_c, v, out, centres = meta_inputs(case["shape"], hopper.SHIFT_BLOCK)
+        _, args, meta = hopper.kernel_call(q, k_c, v, centres, out, scale=q.shape[-1] ** -0.5, config=config)
+        options = {name: meta.pop(name) for name in ("num_warps", "maxnreg")}
+        signature, constexprs, attrs = specialization(hopper.exact_fwd_gluon_kernel, args, meta)
+        src = GluonASTSource(fn=hopper.exact_fwd_gluon_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+        kern = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+        row.update(ok=True, maxnreg=options["maxnreg"], consumer_regs=meta.get("CONSUMER_REGS"), **kernel_report(kern))
+    except Exception as e:  # noqa: BLE001 - a compiler failure is a result here
+        lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+        row.update(ok=False, error=(type(e).__name__ + ": " + " / ".join(lines[-3:]))[:400])
+    row["seconds"] = round(time.time() - t0, 1)
+    return row
+
+
+def probe() -> dict:
+    """This interpreter's triton version and why the Gluon kernel cannot compile here (or None)."""
+    import triton
+
+    from pasa_diffusers.kernels import hopper
+
+    return {"triton": triton.__version__, "python": sys.executable, "unavailable": hopper.unavailable_reason()}
+
+
+# ---- the parent's side: one child per case --------------------------------------------------------
+
+def _parse_config(text: str) -> tuple[int, int, bool]:
+    """``BLOCK_N,num_stages,overlap`` (overlap 0 or 1) -> a config tuple."""
+    import argparse
+
+    try:
+        block_n, stages, overlap = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--configs {text!r}: expected BLOCK_N,num_stages,overlap, e.g. 128,3,0")
+    return block_n, stages, bool(overlap)
+
+
+def run_child(python: str, *args: str) -> tuple[dict | None, str]:
+    """``python -m bench.compile_sm90 *args`` from the repository root: its ``ROW`` JSON line (or None) and
+    the last lines of its stderr."""
+    res = subprocess.run([python, "-m", "bench.compile_sm90", *args], cwd=ROOT, capture_output=True, text=True,
+                         timeout=CHILD_TIMEOUT_S)
+    tail = " / ".join((res.stderr.strip().splitlines() or [f"no output (rc {res.returncode})"])[-3:])
+    for line in res.stdout.splitlines():
+        if line.startswith("ROW "):
+            return json.loads(line[4:]), tail
+    return None, f"process died (rc {res.returncode}): {tail}"[:400]
+
+
+def compile_isolated(python: str, case: dict) -> dict:
+    """:func:`compile_one` of ``case`` in a child process: a compiler that crashes is a failed row."""
+    t0 = time.time()
+    row, tail = run_child(python, "--one", json.dumps(case))
+    return row if row is not None else dict(case, ok=False, error=tail, seconds=round(time.time() - t0, 1))
+
+
+def table_row(row: dict) -> list:
+    """One markdown row of a compiled (or failed) case."""
+    block_n, stages, overlap = row["config"]
+    head = [f"BLOCK_N {block_n}, {stages} stages, {'overlap' if overlap else 'serial'}", f"Nk={row['shape'][3]}"]
+    if not row["ok"]:
+        return head + [f"FAILED: {row['error']}"] + [""] * 8 + [row["seconds"]]
+    ws = (f"yes, workers {row['partitions']} warps, setmaxnreg {'/'.join(map(str, row['setmaxnreg']))}"
+          if row["ws"] else "no")
+    spill = f"{row['spill_st']}/{row['spill_ld']} B" if row["spill_st"] is not None else "?"
+    return head + [ws, f"{row['wgmma']} ({row['hgmma']})", f"{row['tma']} ({row['utmaldg']} ld, {row['utmastg']} st)",
+                   ", ".join(f"{k} {v}" for k, v in row["mbar"].items()),
+                   f"{spill}, local PTX/SASS {row['ptx_local']}/{row['sass_local']}, stack {row['stack']}",
+                   f"{row['regs']} (maxnreg {row['maxnreg']})", row["threads"], row["smem"], row["mufu_ex2"],
+                   row["seconds"]]
+
+
+COLUMNS = ["config", "shape", "warp-specialised", "wgmma PTX (HGMMA SASS)", "TMA PTX (SASS)",
+           "mbarrier PTX ops", "spills st/ld", "regs/thread", "threads", "smem B", "MUFU.EX2", "compile s"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--one"]:  # a child: one compile, printed as JSON (no harness: triton and torch only)
+        print("ROW " + json.dumps(compile_one(json.loads(argv[1])), default=str))
+        return 0
+    if argv[:1] == ["--probe"]:
+        print("ROW " + json.dumps(probe()))
+        return 0
+    from pasa_diffusers.metrics import records
+
+    from . import harness
+
+    p = harness.parser(NAME, __doc__)
+    p.add_argument("--python", default=sys.executable,
+                   help="the interpreter with triton 3.6 that compiles (default: this one)")
+    p.add_argument("--jobs", type=int, default=2, help="compiles in parallel (default: 2)")
+    p.add_argument("--configs", type=_parse_config, nargs="+", default=CONFIGS, metavar="BLOCK_N,STAGES,OVERLAP",
+                   help="the configs to compile (default: BLOCK_N 128 and 64 with 2 to 4 stages, serial and overlap)")
+    args = p.parse_args(argv)
+    if args.jobs < 1:
+        p.error(f"--jobs {args.jobs}: must be at least 1")
+    found, tail = run_child(args.python, "--probe")
+    if found is None or found["unavailable"]:
+        why = tail if found is None else found["unavailable"]
+        print(f"bench.{NAME}: --python {args.python} cannot compile the Gluon kernel: {why}", file=sys.stderr)
+        return 2
+
+    cmd, env = harness.command(NAME, argv), harness.environment()
+    env["compiler"] = found
+    cases = [{"config": c, "shape": s} for s in SHAPES for c in args.configs]
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        rows = list(harness.progress(pool.map(lambda case: compile_isolated(args.python, case), cases), NAME,
+                                     total=len(cases)))
+    spilled = sum(1 for r in rows if r.get("spill_st") or r.get("ptx_local") or r.get("sass_local"))
+    text = harness.header(f"bench.compile_sm90: the Gluon kernel for sm_90 (triton {found['triton']})", env, cmd)
+    text += "\n" + records.markdown_table(COLUMNS, [table_row(r) for r in rows], align="ll" + "l" * 5 + "rrrrr")
+    text += (f"\n\n{sum(r['ok'] for r in rows)} of {len(rows)} compiled; warp-specialised: "
+             f"{sum(1 for r in rows if r.get('ws'))}; with spills: {spilled}\n")
+    harness.write_report(args.out, NAME, text, {"bench": NAME, "command": cmd, "environment": env, "rows": rows})
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,94 @@
+"""The benchmark suite on a CPU: every entry point imports and answers ``--help``, ``python -m bench.<name>``
+runs from the repository root, and ``bench.attention`` measures the tiny shapes under Triton's
+interpreter (``conftest.py`` builds the kernels for it on a host without CUDA) into a folder."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import attention, harness
+
+ENTRY_POINTS = ("attention", "accuracy", "unet", "overhead", "temporal", "hopper", "compile_sm90", "cold_start",
+                "video", "accumulation")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("name", ENTRY_POINTS)
+def test_help(name, capsys):
+    module = importlib.import_module(f"bench.{name}")
+    with pytest.raises(SystemExit) as stop:
+        module.main(["--help"])
+    assert stop.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: python -m bench.{name}")
+    assert "--out DIR" in out
+
+
+def test_runs_as_module_from_the_root():
+    run = subprocess.run([sys.executable, "-m", "bench.attention", "--help"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "--shapes" in run.stdout and "--methods" in run.stdout
+
+
+def test_methods_are_checked():
+    assert harness.parse_methods("sdpa,exact-hybrid,sdpa-math") == [
+        "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math", "exact-hybrid"]
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown method 'exact-fp64'"):
+        harness.parse_methods("sdpa,exact-fp64")
+
+
+def test_failures_are_rows(gen):
+    shape = harness.Shape("test", "small", 1, 2, 2, 16, 16, 16)
+    q, k, v = harness.make_inputs(shape, gen)
+
+    def broken(q, k, v):
+        raise RuntimeError("no kernel for this\nsecond line")
+
+    def skipped(q, k, v):
+        raise harness.Skip("not for these inputs")
+
+    methods = [harness.sdpa_method("math"), harness.Method("broken", "peer", broken),
+               harness.Method("skipped", "peer", skipped)]
+    rows = harness.measure(shape, methods, q, k, v, timer=harness.Timer(warmup_ms=0, rep_ms=0))
+    by_name = {r.method: r for r in rows}
+    assert by_name["sdpa-math"].ms > 0 and by_name["sdpa-math"].vs_best_sdpa == 1.0
+    assert by_name["broken"].ms is None and by_name["broken"].error == "RuntimeError: no kernel for this"
+    assert by_name["skipped"].ms is None and by_name["skipped"].error == "skipped: not for these inputs"
+
+
+def test_attention_needs_the_interpreter_on_a_cpu(tmp_path, monkeypatch, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA host runs the kernels")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert attention.main(["--shapes", "tiny", "--out", str(tmp_path)]) == 2
+    assert "TRITON_INTERPRET=1" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+def test_attention_tiny(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the op takes the interpreted kernel, not the reference
+    assert attention.main(["--shapes", "tiny", "--out", str(tmp_path), "--warmup-ms", "0", "--rep-ms", "0"]) == 0
+    md, report = (tmp_path / "attention.md").read_text(), json.loads((tmp_path / "attention.json").read_text())
+    assert report["environment"]["torch"] == torch.__version__
+    shapes = {s.label for s in harness.TINY}
+    assert {r["shape"] for r in report["rows"]} == shapes
+    for shape in shapes:
+        rows = {r["method"]: r for r in report["rows"] if r["shape"] == shape}
+        sdpa = [r for r in rows.values() if r["kind"] == "sdpa" and r["ms"] is not None]
+        assert sdpa and all(math.isfinite(r["ms"]) and r["ms"] > 0 for r in sdpa)
+        assert max(r["vs_best_sdpa"] for r in sdpa) == 1.0
+        default = rows["exact-hybrid"]
+        assert default["error"] == "" and default["finite"] is True
+        assert math.isfinite(default["ms"]) and default["ms"] > 0
+        assert default["note"].split()[0] in harness.KERNELS
+        assert f"| {shape} |" in md
+    assert "exact-hybrid" in md
