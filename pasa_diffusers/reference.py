@@ -58,7 +58,7 @@ def _check_precision(precision: str, allowed: tuple[str, ...], fn: str) -> None:
 
 
 def _default_scale(q: torch.Tensor, scale: float | None, fn: str) -> float:
-    rules.check_options(fn, precision="fp64", shift=False, scale=scale)
+    rules.check_options(fn, precision="fp64", shift="none", scale=scale)
     return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
 
 
@@ -180,7 +180,7 @@ def pasa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     fn = "pasa_reference"
     scale = _check_call(fn, q, k, v, scale, precision, _PASA_PRECISIONS, block_m, block_n)
     beta = DEFAULT_BETA if beta is None else beta
-    rules.check_options(fn, precision=precision, shift=True, beta=beta)
+    rules.check_options(fn, precision=precision, shift="pasa", beta=beta)
     if precision == "fp64":
         g = st = torch.float64
     else:
