@@ -180,7 +180,6 @@ def apply(
     models = _components(model_or_pipeline, vae)
     _processor_arguments(backend, options, torch.float32)  # a bad backend or option fails first
     selected = {"spatial": spatial, "temporal": temporal}
-    warned: set[str] = set()
     counts = dict.fromkeys(KINDS, 0)
     installed = 0
     classes: dict[str, set[str]] = {kind: set() for kind in KINDS}
@@ -200,7 +199,6 @@ def apply(
                 processor.name = prefix + key.removesuffix(".processor")
                 processor.backend = backend
                 _check_head_dim(processor, model.get_submodule(key.removesuffix(".processor")), dtype)
-                processor._warned = warned
                 model_dtypes.add(_dtype_name(dtype))
                 attention_dtypes.add(_dtype_name(processor.attention_dtype(dtype)))
                 processors[key] = processor

@@ -65,6 +65,8 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, 
     layout, contiguous."""
     variant = Variant(shift, precision)
     out = torch.empty(q.shape, dtype=torch.float64 if precision == "fp64" else q.dtype, device=q.device)
+    if out.numel() == 0:  # no batch or no queries: nothing to compute, as SDPA
+        return out
     if layout == "bnhd":
         q, k, v, out_bhnd = (t.transpose(1, 2) for t in (q, k, v, out))
     else:

@@ -49,6 +49,10 @@ __all__ = [
 
 logger = logging.getLogger("pasa_diffusers")
 
+_WARNED: set[tuple[str, str]] = set()
+"""(processor class, fallback reason) pairs already logged: each is logged once per process (one run),
+however many models ``apply`` is called on."""
+
 
 def _names(dtypes: tuple[torch.dtype, ...]) -> str:
     return "/".join(str(d).removeprefix("torch.") for d in dtypes)
@@ -105,7 +109,6 @@ class CountedAttnProcessor:
         self.fallbacks: dict[str, int] = {}
         self.name: str | None = None
         self.backend: str | None = None
-        self._warned: set[str] = set()
 
     def attention_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The dtype attention runs in for a model of ``model_dtype``."""
@@ -222,10 +225,11 @@ class CountedAttnProcessor:
             return self.attention(query, key, value, attn, attention_mask)
         if eager:
             self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
-            if reason not in self._warned:
-                self._warned.add(reason)
+            if (type(self).__name__, reason) not in _WARNED:
+                _WARNED.add((type(self).__name__, reason))
                 logger.warning(
-                    "%s: %s in %s; computing it without the PASA op (counted in .fallbacks, logged once)",
+                    "%s: %s in %s; computing it without the PASA op (counted in .fallbacks, logged once per "
+                    "process)",
                     type(self).__name__,
                     reason,
                     self.name or "an attention module",
@@ -249,7 +253,7 @@ class PASAAttnProcessor(CountedAttnProcessor):
         beta: PASA's shift strength in (0, 1); ``None`` uses the op's default.
         dtype: the dtype attention works on (see ``CountedAttnProcessor``).
 
-    Falls back (counted, logged once per reason) for an attention mask (``"attention mask"``) and a
+    Falls back (counted, logged once per reason and process) for an attention mask (``"attention mask"``) and a
     single key (``"single key"``) only.  ``install.apply`` checks every module's head dim and dtype
     against the op's rules before installing; a call the op cannot take raises the op's ``ValueError``
     with the module's name.

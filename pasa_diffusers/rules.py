@@ -80,7 +80,8 @@ def _shape(t: torch.Tensor) -> tuple[int, ...]:
 
 
 def check_qkv(fn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, precision: str = "fp64") -> None:
-    """Check ``(B, H, N, D)`` views: tensors, rank 4, non-empty, batch and head dims agree, GQA grouping,
+    """Check ``(B, H, N, D)`` views: tensors, rank 4, at least one head, one channel and (unless the output
+    is empty: ``B = 0`` or ``Nq = 0``, as SDPA allows) one key, batch and head dims agree, GQA grouping,
     one device, one dtype, the dtype ``precision`` takes and a head dim in
     ``[MIN_HEAD_DIM, MAX_HEAD_DIM]`` (the last two only for the kernel's precisions)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -88,8 +89,9 @@ def check_qkv(fn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, precis
             raise ValueError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"{fn}: {name} must have rank 4 (B, H, N, D), got {name}.shape={_shape(t)}")
-        if t.numel() == 0:
-            raise ValueError(f"{fn}: {name} is empty ({name}.shape={_shape(t)}); every dim must be >= 1")
+        if t.shape[1] == 0 or t.shape[3] == 0:
+            raise ValueError(f"{fn}: {name} has no heads or a head dim of 0 ({name}.shape={_shape(t)}); H and D "
+                             "must be >= 1")
     if not (q.shape[0] == k.shape[0] == v.shape[0]):
         raise ValueError(f"{fn}: batch sizes differ: q.shape={_shape(q)}, k.shape={_shape(k)}, v.shape={_shape(v)}")
     if k.shape[:3] != v.shape[:3]:
@@ -97,6 +99,8 @@ def check_qkv(fn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, precis
     if not (q.shape[-1] == k.shape[-1] == v.shape[-1]):
         raise ValueError(f"{fn}: head dims of q, k, v differ: q.shape={_shape(q)}, k.shape={_shape(k)}, "
                          f"v.shape={_shape(v)}")
+    if k.shape[2] == 0 and q.shape[0] * q.shape[2] > 0:
+        raise ValueError(f"{fn}: k and v hold no keys (k.shape={_shape(k)}): softmax over no keys is undefined")
     if q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"{fn}: q heads ({q.shape[1]}) must be a multiple of k/v heads ({k.shape[1]}) for GQA")
     if len({q.device, k.device, v.device}) != 1:
@@ -120,9 +124,12 @@ def check_kernel_tensors(fn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     ``TRITON_INTERPRET=1``), unit stride in the head dim, and an ``out`` of ``q``'s shape and dtype."""
     named = [("q", q), ("k", k), ("v", v)] + ([("out", out)] if out is not None else [])
     for name, t in named:
-        if t.device.type not in ("cuda", "cpu") or (t.device.type == "cpu" and not interpret):
-            raise ValueError(f"{fn}: {name} is on {t.device}; the kernel runs on CUDA tensors (CPU tensors only "
-                             "under TRITON_INTERPRET=1, set before triton is first imported)")
+        if t.device.type not in ("cuda", "cpu"):
+            raise ValueError(f"{fn}: {name} is on {t.device}; the op runs on CUDA tensors (the Triton kernels) and "
+                             "CPU tensors (the exact reference, or the kernels under TRITON_INTERPRET=1)")
+        if t.device.type == "cpu" and not interpret:
+            raise ValueError(f"{fn}: {name} is on the CPU; the kernels run on CUDA tensors (CPU tensors only under "
+                             "TRITON_INTERPRET=1, set before triton is first imported)")
         if t.stride(-1) != 1:
             raise ValueError(f"{fn}: {name} must have unit stride in the head dim, got {name}.stride()="
                              f"{tuple(t.stride())} for {name}.shape={_shape(t)}")

@@ -44,3 +44,32 @@ def test_forward_only_with_grad(gen):
 def test_half_needs_float16(gen):
     with pytest.raises(ValueError, match=r"dtype torch.bfloat16 is not supported for precision='half'"):
         pasa_attention(*_qkv(gen, torch.bfloat16), precision="half")
+
+
+@pytest.mark.parametrize("q_shape, kv_shape", [((0, 2, 40, 32), (0, 2, 40, 32)), ((1, 2, 0, 32), (1, 2, 40, 32)),
+                                              ((0, 2, 40, 32), (0, 2, 0, 32))],
+                         ids=["batch-0", "no-queries", "batch-0-no-keys"])
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+def test_empty_output_is_an_empty_tensor_as_sdpa(q_shape, kv_shape, layout, gen):
+    """No batch or no queries: nothing to compute, an empty output of q's shape and dtype, as SDPA returns."""
+    q = torch.randn(*q_shape, generator=gen).half()
+    k, v = (torch.randn(*kv_shape, generator=gen).half() for _ in range(2))
+    expected = torch.nn.functional.scaled_dot_product_attention(*(t.float() for t in (q, k, v)))
+    if layout == "bnhd":
+        q, k, v, expected = (t.transpose(1, 2) for t in (q, k, v, expected))
+    out = pasa_attention(q, k, v, layout=layout)
+    assert out.shape == q.shape == expected.shape and out.dtype == torch.float16 and out.numel() == 0
+
+
+def test_queries_without_keys_are_an_error(gen):
+    q = torch.randn(1, 2, 40, 32, generator=gen).half()
+    empty = torch.randn(1, 2, 0, 32, generator=gen).half()
+    with pytest.raises(ValueError, match=r"^pasa_attention: k and v hold no keys \(k.shape=\(1, 2, 0, 32\)\): softmax"):
+        pasa_attention(q, empty, empty)
+
+
+def test_a_device_the_op_does_not_run_on_is_named():
+    q = torch.empty(1, 2, 40, 32, dtype=torch.float16, device="meta")
+    with pytest.raises(ValueError, match=r"^pasa_attention: q is on meta; the op runs on CUDA tensors .* and CPU "
+                                         r"tensors \(the exact reference"):
+        pasa_attention(q, q, q)

@@ -304,19 +304,25 @@ def test_training_through_pasa_processors_fails_at_the_forward_call(pipe, gen):
 # ---------------------------------------------------------------------------------------------- fallbacks
 
 
-def test_single_key_fallback_counted_and_logged_once(pipe, caplog, gen):
+def test_single_key_fallback_counted_and_logged_once(pipe, caplog, gen, monkeypatch):
+    """Logged once per process: a second model with the same backend (as ``pasa compare`` installs one
+    per sample) logs nothing more."""
+    monkeypatch.setattr(P, "_WARNED", set())
     kinds = kinds_from_module_tree(pipe.unet)
     I.apply(pipe, "pasa", precision="fp64")
     with caplog.at_level(logging.WARNING, logger="pasa_diffusers"):
         unet_forward(pipe.unet, unet_inputs(gen))
         unet_forward(pipe.unet, unet_inputs(gen))
+        I.restore(pipe)
+        I.apply(pipe, "pasa", precision="fp64")
+        unet_forward(pipe.unet, unet_inputs(gen))
 
     cross = sorted(f"unet.{name}" for name, kind in kinds.items() if kind.endswith("cross"))
     summary = I.fallback_summary(pipe)
     assert summary["processors"] == 24 and summary["backends"] == ["pasa"]
-    assert summary["calls"] == 48
-    assert summary["fallbacks"] == {"single key": 24} and summary["fallback_calls"] == 24
-    assert summary["targeted_calls"] == 24 and summary["fallback_share"] == 0.5
+    assert summary["calls"] == 24
+    assert summary["fallbacks"] == {"single key": 12} and summary["fallback_calls"] == 12
+    assert summary["targeted_calls"] == 12 and summary["fallback_share"] == 0.5
     assert summary["modules"] == {"single key": cross}
     records = [r for r in caplog.records if r.name == "pasa_diffusers"]
     assert len(records) == 1 and records[0].levelno == logging.WARNING
