@@ -21,14 +21,28 @@ from typing import Any
 
 import torch
 from diffusers import DiffusionPipeline
+from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
 
 from . import backends, processors, rules
 from .processors import CountedAttnProcessor, PASAAttnProcessor
+from .routing import RoutedAttnProcessor, routable_reason, routed
 
-__all__ = ["KINDS", "cast_dtype", "AllCallsFellBackError", "module_kind", "apply", "restore", "fallback_summary"]
+__all__ = ["KINDS", "DENOISERS", "VIDEO_BLOCKS", "cast_dtype", "AllCallsFellBackError", "module_kind", "apply",
+           "restore", "fallback_summary", "counted_processor", "attention_processors"]
 
-KINDS = ("spatial-self", "spatial-cross", "temporal-self", "temporal-cross", "other")
+KINDS = ("spatial-self", "spatial-cross", "temporal-self", "temporal-cross", "video-self", "video-cross", "other")
 """Module kinds ``apply`` distinguishes, by processor key (see ``module_kind``)."""
+
+DENOISERS = ("unet", "transformer", "transformer_2")
+"""The pipeline components ``apply`` acts on: SVD's UNet, a video transformer (Wan 2.2 has two)."""
+
+VIDEO_BLOCKS = ("blocks", "transformer_blocks", "single_transformer_blocks")
+"""The top-level block lists of diffusers' video transformers (Wan; LTX-Video, CogVideoX, Mochi;
+HunyuanVideo's single-stream blocks): their attentions span all video tokens (kind ``video-*``)."""
+
+_STOCK_BODIES = (AttnProcessor2_0, AttnProcessor)
+"""Stock processors whose body ``CountedAttnProcessor`` reproduces: replaced outright (SVD); any other
+stock processor keeps its own body, its attention calls routed (``routing.py``)."""
 
 _SAVED_ATTR = "_pasa_saved_processors"
 
@@ -37,9 +51,13 @@ class AllCallsFellBackError(RuntimeError):
 
 
 def module_kind(key: str) -> str:
-    """The kind (one of ``KINDS``) of the attention module behind an ``attn_processors`` key."""
+    """The kind (one of ``KINDS``) of the attention module behind an ``attn_processors`` key: a UNet's
+    spatial or temporal transformer blocks, a video transformer's top-level blocks (``VIDEO_BLOCKS``),
+    self (``attn1``, or a joint ``attn``) or cross (``attn2``), else ``"other"``."""
     path = key.removesuffix(".processor")
     leaf = path.rsplit(".", 1)[-1]
+    if path.split(".", 1)[0] in VIDEO_BLOCKS:
+        return {"attn": "video-self", "attn1": "video-self", "attn2": "video-cross"}.get(leaf, "other")
     if "temporal_transformer_blocks" in path:
         place = "temporal"
     elif "transformer_blocks" in path:
@@ -53,24 +71,49 @@ def module_kind(key: str) -> str:
     return "other"
 
 
+def attention_processors(model: torch.nn.Module) -> dict[str, Any]:
+    """``{"<module path>.processor": processor}`` of a model's attention modules: diffusers'
+    ``attn_processors`` where the model has it, else every submodule holding a ``processor`` and the
+    projections ``to_q``/``to_k`` (MochiTransformer3DModel has no ``attn_processors``)."""
+    if hasattr(model, "attn_processors"):
+        return dict(model.attn_processors)
+    return {f"{name}.processor": module.processor for name, module in model.named_modules()
+            if callable(getattr(module, "processor", None)) and hasattr(module, "to_q") and hasattr(module, "to_k")}
+
+
+def _set_processors(model: torch.nn.Module, processors: dict[str, Any]) -> None:
+    """Install ``processors`` (keys as ``attention_processors``) on ``model``."""
+    if hasattr(model, "set_attn_processor"):
+        model.set_attn_processor(dict(processors))
+        return
+    for key, processor in processors.items():
+        model.get_submodule(key.removesuffix(".processor")).processor = processor
+
+
+def _pipeline_models(pipe: DiffusionPipeline, vae: bool) -> list[tuple[str, torch.nn.Module]]:
+    """``(prefix, model)`` of a pipeline's denoisers (``DENOISERS`` present) and, with ``vae``, its VAE."""
+    names = [name for name in DENOISERS if getattr(pipe, name, None) is not None] + (["vae"] if vae else [])
+    return [(f"{name}.", getattr(pipe, name, None)) for name in names]
+
+
 def _components(model_or_pipeline: Any, vae: bool) -> list[tuple[str, torch.nn.Module]]:
-    """``(prefix, model)`` pairs for ``apply``: the model itself, or a pipeline's UNet (and VAE)."""
+    """``(prefix, model)`` pairs for ``apply``: the model itself, or a pipeline's denoisers (and VAE)."""
     if isinstance(model_or_pipeline, DiffusionPipeline):
-        models = []
-        for name in ("unet", "vae") if vae else ("unet",):
-            model = getattr(model_or_pipeline, name, None)
+        models = _pipeline_models(model_or_pipeline, vae)
+        if not any(prefix.removesuffix(".") in DENOISERS for prefix, _ in models):
+            raise ValueError(f"apply: pipeline {type(model_or_pipeline).__name__} has none of {', '.join(DENOISERS)}")
+        for prefix, model in models:
             if model is None:
-                raise ValueError(f"apply: pipeline {type(model_or_pipeline).__name__} has no {name}")
-            models.append((f"{name}.", model))
+                raise ValueError(f"apply: pipeline {type(model_or_pipeline).__name__} has no {prefix.removesuffix('.')}")
     else:
         models = [("", model_or_pipeline)]
     for _, model in models:
-        if not (hasattr(model, "attn_processors") and hasattr(model, "set_attn_processor")):
+        if not isinstance(model, torch.nn.Module):
             raise ValueError(
                 f"apply: expected a diffusers model with attention processors or a pipeline, "
                 f"got {type(model).__name__}"
             )
-        if not model.attn_processors:
+        if not attention_processors(model):
             raise ValueError(f"apply: {type(model).__name__} has no attention modules")
     return models
 
@@ -121,18 +164,53 @@ def cast_dtype(backend: str, model_dtype: torch.dtype, **options: Any) -> torch.
     return _processor_arguments(backend, options, model_dtype).get("dtype")
 
 
+def _head_dim(module: torch.nn.Module) -> int | None:
+    """The head dim of an attention module (diffusers' ``Attention`` and the video transformers' own), or
+    ``None`` where it does not say."""
+    heads, to_q = getattr(module, "heads", None), getattr(module, "to_q", None)
+    if not isinstance(heads, int) or not hasattr(to_q, "out_features"):
+        return None
+    return to_q.out_features // heads
+
+
 def _check_head_dim(processor: CountedAttnProcessor, module: torch.nn.Module, model_dtype: torch.dtype) -> None:
     """Refuse a PASA processor on a module whose head dim the op does not take (it would fail every call)."""
-    if not isinstance(processor, PASAAttnProcessor):
+    head_dim = _head_dim(module)
+    if not isinstance(processor, PASAAttnProcessor) or head_dim is None:
         return
-    head_dim = module.to_k.out_features // module.heads
     reason = rules.unsupported_reason(head_dim, processor.attention_dtype(model_dtype), processor.precision)
     if reason is not None:
         raise ValueError(
             f"apply: backend={processor.backend!r} cannot run {processor.name} ({reason}; the PASA op takes "
-            f"head dims {rules.MIN_HEAD_DIM}..{rules.MAX_HEAD_DIM}); leave it out (spatial/temporal/cross/vae) "
+            f"head dims {rules.MIN_HEAD_DIM}..{rules.MAX_HEAD_DIM}); leave it out (spatial/temporal/video/cross/vae) "
             "or choose a non-PASA backend"
         )
+
+
+def _install(stock: Any, counted: CountedAttnProcessor) -> Any:
+    """What replaces ``stock``: ``counted`` itself where it reproduces the stock body (``_STOCK_BODIES``),
+    else the stock processor routed to it; ``ValueError`` naming the module where neither can be done."""
+    if type(stock) in _STOCK_BODIES:
+        return counted
+    reason = routable_reason(stock)
+    if reason is not None:
+        raise ValueError(f"apply: cannot route {counted.name} ({reason}); leave it out or choose another backend")
+    return routed(stock, counted)
+
+
+def counted_processor(processor: Any) -> CountedAttnProcessor | None:
+    """The ``CountedAttnProcessor`` that computes an installed processor's attention (itself, or the one a
+    routed processor sends its calls to), or ``None`` for a processor ``apply`` did not install."""
+    if isinstance(processor, RoutedAttnProcessor):
+        return processor.counted
+    return processor if isinstance(processor, CountedAttnProcessor) else None
+
+
+def _label(processor: Any) -> str:
+    """How the summary names an installed processor: its class, or the backend's via the stock body routed."""
+    if isinstance(processor, RoutedAttnProcessor):
+        return f"{type(processor.counted).__name__} via {type(processor.stock).__name__}"
+    return type(processor).__name__
 
 
 def apply(
@@ -141,6 +219,7 @@ def apply(
     *,
     spatial: bool = True,
     temporal: bool = True,
+    video: bool = True,
     cross: bool = True,
     vae: bool = False,
     **options: Any,
@@ -149,16 +228,22 @@ def apply(
 
     Args:
         model_or_pipeline: a diffusers model (e.g. ``UNetSpatioTemporalConditionModel``,
-            ``UNet2DConditionModel``, a VAE) or a pipeline, which stands for ``pipe.unet`` (and
-            ``pipe.vae`` with ``vae=True``).
+            ``WanTransformer3DModel``, ``HunyuanVideoTransformer3DModel``, ``LTXVideoTransformer3DModel``,
+            ``CogVideoXTransformer3DModel``, ``MochiTransformer3DModel``, a VAE) or a pipeline, which stands
+            for its denoisers (``pipe.unet``, or ``pipe.transformer`` and ``pipe.transformer_2``) and
+            ``pipe.vae`` with ``vae=True``.  Where a model's processor is diffusers' ``AttnProcessor2_0``
+            (SVD) it is replaced by the backend's; elsewhere the model's own processor keeps its body and
+            its attention calls go to the backend (``routing.py``).
         backend: one of ``backends.BACKENDS``: ``"pasa"`` (the exact shift, fp32 softmax state: the default),
             ``"pasa-half"`` (the exact shift, fp16 scores and accumulator), ``"pasa-paper"`` (the paper's
             fully-FP16 PASA), ``"pasa-paper-hybrid"`` (the paper's shift, fp32 softmax state),
             ``"naive-half"``, ``"sdpa"``, ``"bf16"``, ``"fp32"``.
         spatial: select the attentions of spatial transformer blocks (``transformer_blocks``).
         temporal: select those of temporal blocks (``temporal_transformer_blocks``).
-        cross: with ``spatial``/``temporal``, also select their cross-attentions (``attn2``), not only
-            their self-attentions (``attn1``).
+        video: select the attentions of a video transformer's blocks (``VIDEO_BLOCKS``: all video
+            tokens, with the text tokens where the model joins them).
+        cross: with ``spatial``/``temporal``/``video``, also select their cross-attentions (``attn2``),
+            not only their self-attentions (``attn1``, or a joint ``attn``).
         vae: for a pipeline, also act on ``pipe.vae``.  Attention outside transformer blocks (kind
             ``"other"``, e.g. a VAE's mid-block attention) is selected in every model acted on.
         **options: constructor arguments of the processor, e.g. ``precision="fp64"``, ``beta=0.9``,
@@ -179,7 +264,7 @@ def apply(
     """
     models = _components(model_or_pipeline, vae)
     _processor_arguments(backend, options, torch.float32)  # a bad backend or option fails first
-    selected = {"spatial": spatial, "temporal": temporal}
+    selected = {"spatial": spatial, "temporal": temporal, "video": video}
     counts = dict.fromkeys(KINDS, 0)
     installed = 0
     classes: dict[str, set[str]] = {kind: set() for kind in KINDS}
@@ -189,31 +274,33 @@ def apply(
     for prefix, model in models:
         dtype = _model_dtype(model)
         cls, arguments = _processor_class(backends.BACKENDS[backend]), _processor_arguments(backend, options, dtype)
-        processors = dict(model.attn_processors)
+        stock = getattr(model, _SAVED_ATTR, None) or attention_processors(model)
+        processors = attention_processors(model)
         for key in list(processors):
             kind = module_kind(key)
             counts[kind] += 1
             place, _, role = kind.partition("-")
             if kind == "other" or (selected[place] and (cross or role == "self")):
-                processor = cls(**arguments)
-                processor.name = prefix + key.removesuffix(".processor")
-                processor.backend = backend
-                _check_head_dim(processor, model.get_submodule(key.removesuffix(".processor")), dtype)
+                counted = cls(**arguments)
+                counted.name = prefix + key.removesuffix(".processor")
+                counted.backend = backend
+                _check_head_dim(counted, model.get_submodule(key.removesuffix(".processor")), dtype)
                 model_dtypes.add(_dtype_name(dtype))
-                attention_dtypes.add(_dtype_name(processor.attention_dtype(dtype)))
-                processors[key] = processor
+                attention_dtypes.add(_dtype_name(counted.attention_dtype(dtype)))
+                processors[key] = _install(stock[key], counted)
                 installed += 1
-            classes[kind].add(type(processors[key]).__name__)
+            classes[kind].add(_label(processors[key]))
         plans.append((model, processors))
     if installed == 0:
         raise ValueError(
-            f"apply: nothing selected (spatial={spatial}, temporal={temporal}, cross={cross}, vae={vae}); "
+            f"apply: nothing selected (spatial={spatial}, temporal={temporal}, video={video}, cross={cross}, "
+            f"vae={vae}); "
             f"module counts {counts}"
         )
     for model, processors in plans:
         if not hasattr(model, _SAVED_ATTR):
-            setattr(model, _SAVED_ATTR, dict(model.attn_processors))
-        model.set_attn_processor(processors)
+            setattr(model, _SAVED_ATTR, attention_processors(model))
+        _set_processors(model, processors)
     return {
         "backend": backend,
         "options": dict(options),
@@ -232,19 +319,20 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def restore(model_or_pipeline: Any) -> None:
     """Put back the very processor objects that the first ``apply`` on this model or pipeline replaced."""
     if isinstance(model_or_pipeline, DiffusionPipeline):
-        models = [getattr(model_or_pipeline, name, None) for name in ("unet", "vae")]
+        models = [model for _, model in _pipeline_models(model_or_pipeline, vae=True)]
     else:
         models = [model_or_pipeline]
     saved = [(model, getattr(model, _SAVED_ATTR)) for model in models if hasattr(model, _SAVED_ATTR)]
     if not saved:
         raise ValueError(f"restore: no processors saved on {type(model_or_pipeline).__name__}; call apply() first")
     for model, processors in saved:
-        model.set_attn_processor(dict(processors))
+        _set_processors(model, processors)
         delattr(model, _SAVED_ATTR)
 
 
 def fallback_summary(model_or_pipeline: Any, *, strict: bool = False) -> dict[str, Any]:
-    """Counters of every ``CountedAttnProcessor`` of a model (or a pipeline's UNet and VAE), added up.
+    """Counters of every ``CountedAttnProcessor`` of a model (or a pipeline's denoisers and VAE), added up,
+    routed processors' included (``counted_processor``).
 
     Args:
         strict: raise ``AllCallsFellBackError`` when the processors served calls and every one of them
@@ -258,11 +346,7 @@ def fallback_summary(model_or_pipeline: Any, *, strict: bool = False) -> dict[st
         paths}}``; a processor shared by several modules counts once.
     """
     if isinstance(model_or_pipeline, DiffusionPipeline):
-        models = [
-            (f"{name}.", getattr(model_or_pipeline, name))
-            for name in ("unet", "vae")
-            if getattr(model_or_pipeline, name, None) is not None
-        ]
+        models = [(prefix, model) for prefix, model in _pipeline_models(model_or_pipeline, vae=True) if model is not None]
     else:
         models = [("", model_or_pipeline)]
     seen: set[int] = set()
@@ -271,8 +355,9 @@ def fallback_summary(model_or_pipeline: Any, *, strict: bool = False) -> dict[st
     fallbacks: dict[str, int] = {}
     modules: dict[str, list[str]] = {}
     for prefix, model in models:
-        for key, processor in getattr(model, "attn_processors", {}).items():
-            if not isinstance(processor, CountedAttnProcessor):
+        for key, installed in attention_processors(model).items():
+            processor = counted_processor(installed)
+            if processor is None:
                 continue
             for reason in processor.fallbacks:
                 modules.setdefault(reason, []).append(prefix + key.removesuffix(".processor"))

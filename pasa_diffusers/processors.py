@@ -2,8 +2,9 @@
 
 Every processor here runs the body of diffusers' ``AttnProcessor2_0`` (the default processor of the
 legacy ``Attention`` module that Stable Video Diffusion uses) and differs only in the attention call,
-made through the ``attention(query, key, value, attn)`` hook on ``(batch, tokens, heads, head_dim)``
-views of the projections:
+made through ``attend`` and the ``attention(query, key, value, scale)`` hook on ``(batch, tokens, heads,
+head_dim)`` views of the projections (``routing.py`` runs the video transformers' own processors with
+their attention calls sent to the same ``attend``):
 
 - ``PASAAttnProcessor``: ``pasa_attention`` (the exact shift in hybrid precision by default);
 - ``NaiveHalfAttnProcessor``: plain fully-FP16 FlashAttention, the control that overflows;
@@ -15,7 +16,8 @@ Every processor takes ``dtype``: attention then works on q, k, v cast to it (e.g
 
 No silent fallbacks.  The PASA processors run the op on every call except two documented cases, which
 they compute exactly another way, count under their reason in ``fallbacks`` and log once: an
-attention mask (``"attention mask"``: SDPA with the mask; the op takes none) and a single key
+attention mask that is not a key-padding mask (``"attention mask"``: SDPA with the mask; the op takes
+none, and a key-padding mask runs the op on each batch element's kept keys) and a single key
 (``"single key"``: the softmax is exactly 1, the output that key's value; SVD's cross-attentions).  A
 call the op cannot take (a head dim outside ``[rules.MIN_HEAD_DIM, rules.MAX_HEAD_DIM]``, an input
 dtype the precision does not take) raises ``ValueError`` naming the module; ``install.apply`` checks
@@ -62,7 +64,7 @@ def _sdpa(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    scale: float,
+    scale: float | None,
     attention_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` on ``(B, N, H, D)`` tensors; returns ``(B, Nq, H, D)``."""
@@ -80,11 +82,38 @@ def _sdpa(
     return hidden_states.transpose(1, 2)
 
 
+REMOVED_BIAS = -1.0e4
+"""An additive mask entry at or below this removes its key: ``exp(s - 10000)`` underflows to 0 in fp32
+against any row maximum above -9000, so the key's weight is exactly 0 (LTX-Video's text mask is
+``(1 - mask) * -10000``)."""
+
+
+def key_padding(attention_mask: torch.Tensor, batch: int, n_keys: int) -> torch.Tensor | None:
+    """The kept keys ``(B, Nk)`` bool of a mask that only removes keys, the same for every head and query
+    (a key-padding mask: boolean, or additive with entries 0 and ``<= REMOVED_BIAS`` or ``-inf``), in
+    SDPA's ``(B, H or 1, Nq or 1, Nk)`` layout; ``None`` for any other mask, or where a row keeps no key."""
+    if attention_mask.dim() != 4 or attention_mask.shape[0] != batch or attention_mask.shape[-1] != n_keys:
+        return None
+    if attention_mask.shape[2] != 1:
+        return None
+    if attention_mask.dtype == torch.bool:
+        keep = attention_mask
+    else:
+        keep = attention_mask == 0
+        if not (keep | (attention_mask <= REMOVED_BIAS)).all():
+            return None
+    keep = keep[:, :, 0, :]
+    if keep.shape[1] > 1 and not (keep == keep[:, :1]).all():
+        return None
+    keep = keep[:, 0]
+    return keep if keep.any(dim=-1).all() else None
+
+
 class CountedAttnProcessor:
     r"""
     Base of the processors here: ``AttnProcessor2_0``'s body around an ``attention`` hook, with counters.
 
-    Subclasses implement ``attention(query, key, value, attn, attention_mask)`` on ``(batch, tokens,
+    Subclasses implement ``attention(query, key, value, scale, attention_mask)`` on ``(batch, tokens,
     heads, head_dim)`` tensors and may hand a documented case to a fallback by returning its reason
     from ``fallback_reason``; such a call is computed exactly instead (V itself for a single key, SDPA
     otherwise) and counted.
@@ -168,7 +197,7 @@ class CountedAttnProcessor:
             key = attn.norm_k(key)
 
         # the output = (batch, seq_len, heads, head_dim)
-        hidden_states = self._attend(query, key, value, attn, attention_mask)
+        hidden_states = self.attend(query, key, value, attn.scale, attention_mask)
 
         hidden_states = hidden_states.reshape(batch_size, -1, attn.heads * head_dim)
         hidden_states = hidden_states.to(query.dtype)
@@ -193,10 +222,11 @@ class CountedAttnProcessor:
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        attn: Attention,
+        scale: float | None,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Attention of ``(B, N, H, D)`` tensors with scale ``attn.scale``; returns ``(B, Nq, H, D)``."""
+        """Attention of ``(B, N, H, D)`` tensors with softmax scale ``scale`` (``None``: ``1/sqrt(D)``);
+        returns ``(B, Nq, H, D)``."""
         raise NotImplementedError
 
     def fallback_reason(
@@ -205,16 +235,17 @@ class CountedAttnProcessor:
         """The documented case this call is (e.g. ``"single key"``), computed by the fallback, or ``None``."""
         return None
 
-    def _attend(
+    def attend(
         self,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        attn: Attention,
+        scale: float | None,
         attention_mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Count the call (eager mode), cast to ``dtype``, then run ``attention`` or the fallback its
-        reason calls for."""
+        """The one entry of every attention call (this file's body and ``routing``'s): count the call (eager
+        mode), cast to ``dtype``, then run ``attention`` or the fallback its reason calls for; ``(B, N, H, D)``
+        tensors in and out."""
         eager = not torch.compiler.is_compiling()
         if eager:
             self.calls += 1
@@ -222,7 +253,7 @@ class CountedAttnProcessor:
             query, key, value = query.to(self.dtype), key.to(self.dtype), value.to(self.dtype)
         reason = self.fallback_reason(query, key, attention_mask)
         if reason is None:
-            return self.attention(query, key, value, attn, attention_mask)
+            return self.attention(query, key, value, scale, attention_mask)
         if eager:
             self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
             if (type(self).__name__, reason) not in _WARNED:
@@ -237,7 +268,7 @@ class CountedAttnProcessor:
         if reason == "single key":
             # softmax over one key is exactly 1: every query row gets that key's value
             return value.expand(-1, query.shape[1], -1, -1)
-        return _sdpa(query, key, value, attn.scale, attention_mask)
+        return _sdpa(query, key, value, scale, attention_mask)
 
 
 class PASAAttnProcessor(CountedAttnProcessor):
@@ -253,8 +284,9 @@ class PASAAttnProcessor(CountedAttnProcessor):
         beta: PASA's shift strength in (0, 1); ``None`` uses the op's default.
         dtype: the dtype attention works on (see ``CountedAttnProcessor``).
 
-    Falls back (counted, logged once per reason and process) for an attention mask (``"attention mask"``) and a
-    single key (``"single key"``) only.  ``install.apply`` checks every module's head dim and dtype
+    Falls back (counted, logged once per reason and process) for an attention mask other than a key-padding
+    mask (``"attention mask"``; key-padding masks, ``key_padding``, run the op on each batch element's kept
+    keys) and a single key (``"single key"``) only.  ``install.apply`` checks every module's head dim and dtype
     against the op's rules before installing; a call the op cannot take raises the op's ``ValueError``
     with the module's name.
 
@@ -291,7 +323,7 @@ class PASAAttnProcessor(CountedAttnProcessor):
     ) -> str | None:
         # the mask comes first: the single-key shortcut below ignores it
         if attention_mask is not None:
-            return "attention mask"
+            return None if key_padding(attention_mask, key.shape[0], key.shape[1]) is not None else "attention mask"
         if key.shape[1] == 1:
             return "single key"
         return None
@@ -301,23 +333,27 @@ class PASAAttnProcessor(CountedAttnProcessor):
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        attn: Attention,
+        scale: float | None,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         try:
-            return pasa_attention(
-                query,
-                key,
-                value,
-                scale=attn.scale,
-                precision=self.variant.precision,
-                shift=self.variant.shift,
-                beta=self.beta,
-                layout="bnhd",
-            )
+            if attention_mask is None:
+                return self._op(query, key, value, scale)
+            # a key-padding mask (fallback_reason let no other through): each batch element attends to its
+            # kept keys, exactly what the mask computes
+            keep = key_padding(attention_mask, key.shape[0], key.shape[1])
+            if keep.all():
+                return self._op(query, key, value, scale)
+            return torch.cat([self._op(query[b:b + 1], key[b:b + 1, keep[b]], value[b:b + 1, keep[b]], scale)
+                              for b in range(query.shape[0])])
         except ValueError as error:
             raise ValueError(f"{type(self).__name__}(precision={self.precision!r}) in "
                              f"{self.name or 'an attention module'}: {error} (pass dtype= to cast q, k, v)") from error
+
+
+    def _op(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None) -> torch.Tensor:
+        return pasa_attention(query, key, value, scale=scale, precision=self.variant.precision,
+                              shift=self.variant.shift, beta=self.beta, layout="bnhd")
 
 
 class NaiveHalfAttnProcessor(PASAAttnProcessor):
@@ -345,11 +381,11 @@ class _CastSDPAProcessor(CountedAttnProcessor):
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        attn: Attention,
+        scale: float | None,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         cast = self.cast_to
-        hidden_states = _sdpa(query.to(cast), key.to(cast), value.to(cast), attn.scale, attention_mask)
+        hidden_states = _sdpa(query.to(cast), key.to(cast), value.to(cast), scale, attention_mask)
         return hidden_states.to(query.dtype)
 
 
@@ -379,7 +415,7 @@ class SDPAAttnProcessor(CountedAttnProcessor):
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        attn: Attention,
+        scale: float | None,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return _sdpa(query, key, value, attn.scale, attention_mask)
+        return _sdpa(query, key, value, scale, attention_mask)

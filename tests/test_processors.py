@@ -189,8 +189,8 @@ def test_pasa_exact_mode_reproduces_stock_processor(pipe, gen):
     assert summary["calls"] == 24 and summary["fallbacks"] == {"single key": 12}
 
     class ScaleOffProcessor(P.PASAAttnProcessor):
-        def attention(self, query, key, value, attn, attention_mask=None):
-            return pasa_attention(query, key, value, scale=attn.scale * 1.001, precision="fp64", layout="bnhd")
+        def attention(self, query, key, value, scale, attention_mask=None):
+            return pasa_attention(query, key, value, scale=scale * 1.001, precision="fp64", layout="bnhd")
 
     unet.set_attn_processor(ScaleOffProcessor(precision="fp64"))
     assert rel_err(unet_forward(unet, inputs), ref) > EXACT_TOL

@@ -1,0 +1,176 @@
+"""The video transformers' own diffusers processors, with their attention calls sent to a backend.
+
+Wan, HunyuanVideo and LTX-Video compute attention in their own processors (QK RMSNorm, RoPE, text and
+video tokens joined or apart) and call diffusers' attention dispatcher,
+``dispatch_attention_fn(query, key, value, attn_mask=..., backend=self._attention_backend, ...)``, on
+``(B, N, H, D)`` tensors; CogVideoX and Mochi call ``F.scaled_dot_product_attention`` on ``(B, H, N, D)``
+tensors.  diffusers 0.42 keys its dispatcher's registry by the members of a closed enum
+(``AttentionBackendName``), so an outside package cannot register a ``pasa`` backend there.  The
+closest equivalent, here: :func:`routed` builds, once per stock processor class, a subclass whose
+``__call__`` is the stock ``__call__`` itself (the same code object, so the model's own arithmetic runs
+unchanged) with those two names rebound in its globals to this module's :func:`_dispatch` and
+:data:`_FUNCTIONAL`.  They hand each call to the ``CountedAttnProcessor`` the instance carries
+(``.counted``: PASA, SDPA or a comparison twin), whose ``attend`` counts it, casts it and runs the
+backend or its documented fallback:
+
+- ``"attention mask"``: SDPA with the mask (HunyuanVideo's and LTX-Video's text padding masks);
+- ``"single key"``: the key's value;
+- ``"causal"`` and ``"dropout"``: SDPA with them (no video transformer asks for either at inference);
+- ``"context parallel"``: the model's own dispatcher with its parallel config (the op has no
+  distributed schedule yet).
+
+Every name but ``dispatch_attention_fn`` and ``F`` resolves as in the stock module, and the subclass
+keeps the stock ``__call__``'s signature (diffusers filters a processor's keyword arguments by it).
+"""
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+import logging
+import types
+from typing import Any
+
+import torch
+import torch.nn.functional as torch_functional
+
+from . import processors
+from .processors import CountedAttnProcessor
+
+__all__ = ["RoutedAttnProcessor", "routable_reason", "routed"]
+
+logger = logging.getLogger("pasa_diffusers")
+
+_ACTIVE: contextvars.ContextVar[RoutedAttnProcessor] = contextvars.ContextVar("pasa_routed_processor")
+"""The routed processor whose stock body is running (what :func:`_dispatch` hands the call to)."""
+
+_ROUTED_NAMES = ("dispatch_attention_fn", "F")
+
+
+class RoutedAttnProcessor:
+    """Base of the routed processor classes :func:`routed` builds: a stock processor's state and ``__call__``,
+    its attention calls sent to ``counted``.
+
+    Attributes:
+        counted: the ``CountedAttnProcessor`` that computes (and counts) every attention call.
+        stock: the processor this one replaced (``install.restore`` puts it back).
+    """
+
+    counted: CountedAttnProcessor
+    stock: Any
+
+
+def _fallback(reason: str, counted: CountedAttnProcessor) -> None:
+    """Count a call that the backend does not take and log its reason once (as ``CountedAttnProcessor``)."""
+    if torch.compiler.is_compiling():
+        return
+    counted.calls += 1
+    counted.fallbacks[reason] = counted.fallbacks.get(reason, 0) + 1
+    if (type(counted).__name__, reason) not in processors._WARNED:
+        processors._WARNED.add((type(counted).__name__, reason))
+        logger.warning("%s: %s in %s; computing it without the backend (counted in .fallbacks, logged once per "
+                       "process)", type(counted).__name__, reason, counted.name or "an attention module")
+
+
+def _attend_bnhd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
+                 dropout_p: float, is_causal: bool, scale: float | None) -> torch.Tensor:
+    """One attention call of a routed body on ``(B, N, H, D)`` tensors, in the input dtype."""
+    counted = _ACTIVE.get().counted
+    special = "causal" if is_causal else "dropout" if dropout_p > 0.0 else None
+    if special is not None:
+        _fallback(special, counted)
+        out = torch_functional.scaled_dot_product_attention(
+            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=attn_mask,
+            dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=query.shape[2] != key.shape[2])
+        return out.transpose(1, 2)
+    return counted.attend(query, key, value, scale, attn_mask).to(query.dtype)
+
+
+def _dispatch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
+              dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+              attention_kwargs: dict[str, Any] | None = None, *, backend: Any = None,
+              parallel_config: Any = None) -> torch.Tensor:
+    """``diffusers.models.attention_dispatch.dispatch_attention_fn`` as a routed body sees it."""
+    if parallel_config is not None or attention_kwargs:
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+        _fallback("context parallel" if parallel_config is not None else "attention kwargs", _ACTIVE.get().counted)
+        return dispatch_attention_fn(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                                     scale=scale, enable_gqa=enable_gqa, attention_kwargs=attention_kwargs,
+                                     backend=backend, parallel_config=parallel_config)
+    return _attend_bnhd(query, key, value, attn_mask, dropout_p, is_causal, scale)
+
+
+def _scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                  attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                                  is_causal: bool = False, scale: float | None = None,
+                                  enable_gqa: bool = False) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` (``(B, H, N, D)`` tensors) as a routed body sees it."""
+    out = _attend_bnhd(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask, dropout_p,
+                       is_causal, scale)
+    return out.transpose(1, 2)
+
+
+class _Functional(types.ModuleType):
+    """``torch.nn.functional`` with ``scaled_dot_product_attention`` routed; every other name is torch's."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch_functional, name)
+
+
+_FUNCTIONAL = _Functional("torch.nn.functional")
+_FUNCTIONAL.scaled_dot_product_attention = _scaled_dot_product_attention
+
+
+def routable_reason(processor: Any) -> str | None:
+    """Why the attention calls of ``processor`` (a diffusers processor instance) cannot be routed, or ``None``:
+    its ``__call__`` must be a Python function that calls ``dispatch_attention_fn`` or ``F`` by global name."""
+    call = getattr(type(processor), "__call__", None)
+    code = getattr(call, "__code__", None)
+    if code is None:
+        return f"{type(processor).__name__}.__call__ is not a Python function"
+    names = set(code.co_names)
+    for inner in code.co_consts:
+        if isinstance(inner, types.CodeType):
+            names |= set(inner.co_names)
+    if not names & set(_ROUTED_NAMES):
+        return (f"{type(processor).__name__} calls neither diffusers' dispatch_attention_fn nor "
+                "F.scaled_dot_product_attention")
+    return None
+
+
+@functools.cache
+def _routed_class(stock_class: type) -> type:
+    """The routed subclass of ``stock_class``: its ``__call__`` with the attention names rebound."""
+    stock_call = stock_class.__call__
+    scope = {**stock_call.__globals__, "dispatch_attention_fn": _dispatch, "F": _FUNCTIONAL}
+    body = types.FunctionType(stock_call.__code__, scope, stock_call.__name__, stock_call.__defaults__,
+                              stock_call.__closure__)
+    body.__kwdefaults__ = stock_call.__kwdefaults__
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        token = _ACTIVE.set(self)
+        try:
+            return body(self, *args, **kwargs)
+        finally:
+            _ACTIVE.reset(token)
+
+    __call__.__signature__ = inspect.signature(stock_call)
+    __call__.__doc__ = f"``{stock_class.__name__}.__call__`` with its attention calls sent to ``self.counted``."
+    return type(f"Routed{stock_class.__name__}", (RoutedAttnProcessor, stock_class), {"__call__": __call__})
+
+
+def routed(stock: Any, counted: CountedAttnProcessor) -> RoutedAttnProcessor:
+    """A processor that runs ``stock``'s own ``__call__`` on ``stock``'s state, its attention through ``counted``.
+
+    Raises ``ValueError`` (``routable_reason``) for a processor whose attention calls cannot be found.
+    """
+    reason = routable_reason(stock)
+    if reason is not None:
+        raise ValueError(f"routed: {reason}")
+    cls = _routed_class(type(stock))
+    processor = cls.__new__(cls)
+    processor.__dict__.update(vars(stock))
+    processor.counted = counted
+    processor.stock = stock
+    return processor

@@ -1,0 +1,107 @@
+"""Tiny random versions of diffusers' video transformers, built from configs, and inputs to run them.
+
+One per family the package serves: Wan 2.1 / 2.2 (``WanTransformer3DModel``), HunyuanVideo, LTX-Video,
+CogVideoX and Mochi.  Each keeps what its attention does (QK RMSNorm, RoPE, joined or separate text
+tokens, text padding masks, cross-attention) at sizes that run on two CPU cores in well under a
+second, with head dims the PASA op takes (16 and 32).  Seeded: the same family gives the same weights.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from diffusers import (CogVideoXTransformer3DModel, HunyuanVideoTransformer3DModel, LTXVideoTransformer3DModel,
+                       MochiTransformer3DModel, WanTransformer3DModel)
+
+__all__ = ["FAMILIES", "tiny_transformer", "example_inputs"]
+
+TEXT_TOKENS = 7
+"""Text tokens of the example prompts (the last two are padding where the family takes a mask)."""
+
+
+def _wan() -> torch.nn.Module:
+    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4,
+                                 out_channels=4, text_dim=24, freq_dim=32, ffn_dim=48, num_layers=2,
+                                 rope_max_seq_len=32)
+
+
+def _hunyuan() -> torch.nn.Module:
+    return HunyuanVideoTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=32,
+                                          num_layers=1, num_single_layers=1, num_refiner_layers=1, patch_size=2,
+                                          patch_size_t=1, text_embed_dim=24, pooled_projection_dim=12,
+                                          rope_axes_dim=(8, 12, 12))
+
+
+def _ltx() -> torch.nn.Module:
+    return LTXVideoTransformer3DModel(in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=16,
+                                      cross_attention_dim=32, num_layers=2, caption_channels=24)
+
+
+def _cogvideox() -> torch.nn.Module:
+    return CogVideoXTransformer3DModel(num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
+                                       time_embed_dim=16, text_embed_dim=24, num_layers=2, sample_width=8,
+                                       sample_height=8, sample_frames=9, patch_size=2, temporal_compression_ratio=4,
+                                       max_text_seq_length=TEXT_TOKENS)
+
+
+def _mochi() -> torch.nn.Module:
+    return MochiTransformer3DModel(patch_size=2, num_attention_heads=2, attention_head_dim=16, num_layers=2,
+                                   pooled_projection_dim=16, in_channels=4, text_embed_dim=24, time_embed_dim=16,
+                                   max_sequence_length=TEXT_TOKENS)
+
+
+FAMILIES: dict[str, Callable[[], torch.nn.Module]] = {
+    "wan": _wan, "hunyuan-video": _hunyuan, "ltx-video": _ltx, "cogvideox": _cogvideox, "mochi": _mochi,
+}
+"""Family name -> builder of its tiny transformer."""
+
+
+def tiny_transformer(family: str, *, seed: int = 0) -> torch.nn.Module:
+    """The tiny random transformer of ``family`` (one of ``FAMILIES``), fp32, eval mode, seeded."""
+    if family not in FAMILIES:
+        raise ValueError(f"tiny_transformer: unknown family={family!r}; expected one of {tuple(FAMILIES)}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return FAMILIES[family]().eval()
+
+
+def _text_mask(batch: int) -> torch.Tensor:
+    mask = torch.ones(batch, TEXT_TOKENS, dtype=torch.long)
+    mask[:, -2:] = 0
+    return mask
+
+
+def example_inputs(family: str, model: torch.nn.Module, gen: torch.Generator, batch: int = 2) -> dict[str, Any]:
+    """Keyword arguments of one forward of ``model`` (``tiny_transformer(family)``): 3 latent frames of 8 x 8
+    (CogVideoX: its sample size), a text prompt of ``TEXT_TOKENS`` tokens (masked where the family takes a
+    mask), timestep 500, in the model's dtype."""
+    dtype = next(model.parameters()).dtype
+    cfg = model.config
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    timestep = torch.full((batch,), 500, dtype=torch.long)
+    if family == "wan":
+        return {"hidden_states": randn(batch, cfg.in_channels, 3, 8, 8), "timestep": timestep,
+                "encoder_hidden_states": randn(batch, TEXT_TOKENS, cfg.text_dim), "return_dict": False}
+    if family == "hunyuan-video":
+        return {"hidden_states": randn(batch, cfg.in_channels, 3, 8, 8), "timestep": timestep,
+                "encoder_hidden_states": randn(batch, TEXT_TOKENS, cfg.text_embed_dim),
+                "encoder_attention_mask": _text_mask(batch), "pooled_projections": randn(batch, cfg.pooled_projection_dim),
+                "guidance": torch.full((batch,), 6000.0, dtype=dtype), "return_dict": False}
+    if family == "ltx-video":
+        frames, height, width = 3, 4, 4
+        return {"hidden_states": randn(batch, frames * height * width, cfg.in_channels),
+                "encoder_hidden_states": randn(batch, TEXT_TOKENS, cfg.caption_channels), "timestep": timestep,
+                "encoder_attention_mask": _text_mask(batch), "num_frames": frames, "height": height, "width": width,
+                "return_dict": False}
+    if family == "cogvideox":
+        frames = (cfg.sample_frames - 1) // cfg.temporal_compression_ratio + 1
+        return {"hidden_states": randn(batch, frames, cfg.in_channels, cfg.sample_height, cfg.sample_width),
+                "encoder_hidden_states": randn(batch, TEXT_TOKENS, cfg.text_embed_dim), "timestep": timestep,
+                "return_dict": False}
+    return {"hidden_states": randn(batch, cfg.in_channels, 3, 8, 8),
+            "encoder_hidden_states": randn(batch, TEXT_TOKENS, cfg.text_embed_dim), "timestep": timestep,
+            "encoder_attention_mask": _text_mask(batch), "return_dict": False}

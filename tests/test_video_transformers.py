@@ -1,0 +1,152 @@
+"""``apply`` on diffusers' video transformers: their own processors, attention routed to the backend.
+
+Every family (``pipelines.video_dits``: Wan, HunyuanVideo, LTX-Video, CogVideoX, Mochi, tiny random
+configs) is checked against a float64 golden: the stock model run in float64.  Tolerance rule: the
+backend's error is at most ``K x`` the error of the reference of the same precision, the stock model
+in fp32 for the unrounded op (``precision="fp64"``), SDPA on fp16 copies for the default (the
+processors cast the fp32 model's q, k, v to fp16 for both).  ``K = 2``: both round the attention
+output to the same dtype once; the rest of the model is the same code.
+"""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from pasa_diffusers import install as I
+from pasa_diffusers import processors as P
+from pasa_diffusers import routing
+from pasa_diffusers.pipelines.video_dits import FAMILIES, example_inputs, tiny_transformer
+
+K = 2.0
+TINY = 1e-12
+
+MASKED_OTHER = {"hunyuan-video": {"attention mask": 1}}
+"""Documented fallbacks per family: HunyuanVideo's text refiner attends with a query x key mask."""
+
+
+def _rel(out: torch.Tensor, gold: torch.Tensor) -> float:
+    return ((out.double() - gold).norm() / gold.norm()).item()
+
+
+def _forward(model, inputs) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**inputs)[0]
+
+
+def _golden(family: str, inputs) -> torch.Tensor:
+    model = tiny_transformer(family).double()
+    doubled = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()}
+    return _forward(model, doubled)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_attention_call_goes_through_the_backend(family, gen):
+    model = tiny_transformer(family)
+    inputs = example_inputs(family, model, gen)
+    stock = _forward(model, inputs)
+    gold = _golden(family, inputs)
+
+    summary = I.apply(model, "pasa", precision="fp64")
+    out = _forward(model, inputs)
+    counters = I.fallback_summary(model)
+    assert summary["installed"] == len(I.attention_processors(model)) > 0
+    assert counters["calls"] >= summary["installed"]
+    assert counters["fallbacks"] == MASKED_OTHER.get(family, {})
+    video = [names for kind, names in summary["processors"].items() if kind.startswith("video") and names]
+    assert video and all(" via " in names for names in video), summary["processors"]  # the model's own bodies
+    assert torch.isfinite(out).all()
+    assert _rel(out, gold) <= K * _rel(stock, gold) + TINY
+
+    I.restore(model)
+    assert torch.equal(_forward(model, inputs), stock)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_default_backend_within_the_bound_of_sdpa_in_the_same_precision(family, gen):
+    model = tiny_transformer(family)
+    inputs = example_inputs(family, model, gen)
+    gold = _golden(family, inputs)
+    summary = I.apply(model, "sdpa", dtype=torch.float16)
+    sdpa = _forward(model, inputs)
+    sdpa_calls = I.fallback_summary(model)["calls"]
+    I.apply(model, "pasa")
+    out = _forward(model, inputs)
+    assert summary["attention_dtype"] == "float16"
+    assert I.fallback_summary(model)["calls"] == sdpa_calls
+    assert _rel(out, gold) <= K * _rel(sdpa, gold) + TINY
+
+
+def test_routed_processor_keeps_the_stock_signature_and_state():
+    model = tiny_transformer("wan")
+    key, stock = next(iter(I.attention_processors(model).items()))
+    I.apply(model, "pasa")
+    installed = I.attention_processors(model)[key]
+    assert isinstance(installed, routing.RoutedAttnProcessor) and isinstance(installed, type(stock))
+    assert installed.stock is stock and isinstance(installed.counted, P.PASAAttnProcessor)
+    assert inspect.signature(installed.__call__) == inspect.signature(stock.__call__)
+    I.apply(model, "sdpa")  # a second apply routes the stock processor again, not the routed one
+    again = I.attention_processors(model)[key]
+    assert again.stock is stock and isinstance(again.counted, P.SDPAAttnProcessor)
+    I.restore(model)
+    assert I.attention_processors(model)[key] is stock
+
+
+def test_a_processor_without_an_attention_call_to_route_is_refused():
+    class Opaque:
+        def __call__(self, attn, hidden_states, **kwargs):
+            return hidden_states
+
+    assert "calls neither diffusers' dispatch_attention_fn nor F.scaled_dot_product_attention" in (
+        routing.routable_reason(Opaque()))
+    with pytest.raises(ValueError, match=r"^routed: Opaque calls neither"):
+        routing.routed(Opaque(), P.SDPAAttnProcessor())
+
+
+def test_video_kinds_select_by_flag():
+    model = tiny_transformer("wan")
+    summary = I.apply(model, "pasa", cross=False)
+    assert summary["counts"]["video-self"] == 2 and summary["counts"]["video-cross"] == 2
+    assert summary["installed"] == 2
+    with pytest.raises(ValueError, match=r"nothing selected \(spatial=True, temporal=True, video=False"):
+        I.apply(tiny_transformer("wan"), "pasa", video=False)
+
+
+def _bnhd(gen, b, n, h, d):
+    return torch.randn(b, n, h, d, generator=gen).half()
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "additive-inf", "additive-10000"])
+def test_key_padding_mask_runs_the_op_on_the_kept_keys(mask_kind, gen):
+    """A mask that only removes keys (HunyuanVideo's joint attention, LTX-Video's cross-attention) is
+    computed by the op on each batch element's kept keys: equal to the op on those keys, and within the
+    hybrid bound of SDPA fp32 with the mask."""
+    q, k, v = _bnhd(gen, 2, 40, 2, 32), _bnhd(gen, 2, 30, 2, 32), _bnhd(gen, 2, 30, 2, 32)
+    keep = torch.ones(2, 30, dtype=torch.bool)
+    keep[0, 25:] = False
+    keep[1, ::3] = False
+    mask = {"bool": keep, "additive-inf": torch.where(keep, 0.0, float("-inf")),
+            "additive-10000": (1.0 - keep.float()) * -10000.0}[mask_kind][:, None, None, :].expand(2, 2, 1, 30)
+    processor = P.PASAAttnProcessor(precision="fp64")
+    assert processor.fallback_reason(q, k, mask) is None
+    out = processor.attend(q, k, v, None, mask)
+    for b in range(2):
+        alone = processor.attention(q[b:b + 1], k[b:b + 1, keep[b]], v[b:b + 1, keep[b]], None)
+        assert torch.equal(out[b:b + 1], alone)
+    masked = torch.nn.functional.scaled_dot_product_attention(
+        q.double().transpose(1, 2), k.double().transpose(1, 2), v.double().transpose(1, 2),
+        attn_mask=keep[:, None, None, :]).transpose(1, 2)
+    assert _rel(out, masked) < 1e-12
+    assert processor.fallbacks == {}
+
+
+@pytest.mark.parametrize("mask", [
+    torch.randn(2, 1, 1, 30),                                       # a bias, not a padding
+    torch.ones(2, 1, 40, 30, dtype=torch.bool).tril(),              # per query
+    torch.zeros(2, 1, 1, 30, dtype=torch.bool),                     # no key kept
+], ids=["bias", "per-query", "nothing-kept"])
+def test_other_masks_fall_back_to_sdpa(mask, gen):
+    q, k = _bnhd(gen, 2, 40, 2, 32), _bnhd(gen, 2, 30, 2, 32)
+    assert P.key_padding(mask, 2, 30) is None
+    assert P.PASAAttnProcessor().fallback_reason(q, k, mask) == "attention mask"
