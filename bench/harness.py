@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm import tqdm
 
+from pasa_diffusers import peers
 from pasa_diffusers.beta import DEFAULT_BETA
 from pasa_diffusers.metrics import records
 from pasa_diffusers.variants import Variant
@@ -216,20 +217,6 @@ def sdpa_method(backend: str) -> Method:
     return Method(f"sdpa-{backend}", "sdpa", build)
 
 
-FP8_MAX = 448.0
-"""The largest float8 e4m3 value."""
-
-
-def _fp8_per_kv_head(t: torch.Tensor, h_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``t`` (B, N, H, D) scaled into float8 e4m3 per (batch, kv head), and the descale (B, Hk) fp32
-    that undoes it (FA3's ``*_descale``; a group of query heads shares its kv head's)."""
-    b, n, h, d = t.shape
-    amax = t.float().reshape(b, n, h_k, h // h_k, d).abs().amax(dim=(1, 3, 4))
-    descale = (amax / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
-    per_head = descale.repeat_interleave(h // h_k, dim=1)[:, None, :, None]
-    return (t.float() / per_head).to(torch.float8_e4m3fn), descale.contiguous()
-
-
 def _first(result: Any) -> torch.Tensor:
     """The output of a call that returns it alone or first in a tuple (``out, lse``)."""
     return result[0] if isinstance(result, (tuple, list)) else result
@@ -244,7 +231,7 @@ def _fa3_method(fp8: bool) -> Method:
         h_k = k.shape[1]
         bnhd = [t.transpose(1, 2) for t in (q, k, v)]
         if fp8:
-            (q8, qd), (k8, kd), (v8, vd) = (_fp8_per_kv_head(t, h_k) for t in bnhd)
+            (q8, qd), (k8, kd), (v8, vd) = (peers.fp8_per_kv_head(t, h_k) for t in bnhd)
 
             def call():
                 return _first(flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd)).transpose(1, 2)

@@ -8,25 +8,28 @@ This module imports nothing heavy: the processor class is named, and resolved by
 """
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
 
 from .variants import Variant
 
-__all__ = ["Backend", "BACKENDS", "REFERENCE", "COMPARED", "DEFAULT_COMPARED", "get"]
+__all__ = ["Backend", "BACKENDS", "REFERENCE", "COMPARED", "DEFAULT_COMPARED", "get", "missing"]
 
 
 @dataclass(frozen=True)
 class Backend:
     """One attention backend: ``processor`` is a class name of ``pasa_diffusers.processors``, built with
     ``options`` (the constructor arguments the name fixes; ``"pasa"`` fixes none, so ``apply``'s options
-    may change its defaults); ``variant`` is the op's as the name runs it, or ``None``."""
+    may change its defaults); ``variant`` is the op's as the name runs it, or ``None``; ``requires`` the
+    optional ``(module, package)`` a peer imports."""
 
     name: str
     processor: str
     summary: str
     variant: Variant | None = None
     options: dict[str, Any] = field(default_factory=dict)
+    requires: tuple[str, str] | None = None
 
 
 _ALL = (
@@ -43,6 +46,15 @@ _ALL = (
     Backend("sdpa", "SDPAAttnProcessor", "SDPA in the model's dtype, as diffusers' AttnProcessor2_0"),
     Backend("bf16", "BF16AttnProcessor", "SDPA on bf16 copies of q, k, v"),
     Backend("fp32", "FP32AttnProcessor", "SDPA on fp32 copies of q, k, v: the reference of the comparisons"),
+    Backend("fa3", "PeerAttnProcessor", "FlashAttention-3 on bf16 copies (the fa3-fwd wheel; Hopper GPUs)",
+            options={"peer": "fa3"}, requires=("fa3_fwd_interface", "fa3-fwd")),
+    Backend("fa3-fp8", "PeerAttnProcessor", "FlashAttention-3 on float8 e4m3 copies, scaled per (batch, kv head)",
+            options={"peer": "fa3-fp8"}, requires=("fa3_fwd_interface", "fa3-fwd")),
+    Backend("sage", "PeerAttnProcessor", "SageAttention: INT8 q k^T with smooth-K, fp16 P V (CUDA)",
+            options={"peer": "sage"}, requires=("sageattention", "sageattention")),
+    Backend("cudnn", "PeerAttnProcessor", "SDPA's cuDNN backend only", options={"peer": "cudnn"}),
+    Backend("flash", "PeerAttnProcessor", "SDPA's flash backend only", options={"peer": "flash"}),
+    Backend("efficient", "PeerAttnProcessor", "SDPA's memory-efficient backend only", options={"peer": "efficient"}),
 )
 
 BACKENDS: dict[str, Backend] = {b.name: b for b in _ALL}
@@ -63,3 +75,16 @@ def get(name: str, fn: str) -> Backend:
     if name not in BACKENDS:
         raise ValueError(f"{fn}: unknown backend={name!r}; expected one of {tuple(BACKENDS)}")
     return BACKENDS[name]
+
+
+def missing(name: str) -> str | None:
+    """Why backend ``name`` cannot run here (its optional package is not installed), in one line naming the
+    package, or ``None``.  Looks the module up without importing it."""
+    requires = get(name, "missing").requires
+    if requires is None:
+        return None
+    module, package = requires
+    if importlib.util.find_spec(module) is None:
+        return f"backend {name!r} needs the {package} package (module {module}), which is not installed: " \
+               f"pip install {package}"
+    return None

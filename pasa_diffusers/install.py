@@ -133,6 +133,9 @@ def _processor_arguments(backend: str, options: dict[str, Any], model_dtype: tor
     For a PASA processor: its options pass ``rules.check_options``, an explicit ``dtype`` must be one
     its precision takes, and without one q, k, v are cast to fp16 when the model's dtype is not taken."""
     entry = backends.get(backend, "apply")
+    absent = backends.missing(backend)
+    if absent is not None:
+        raise ValueError(f"apply: {absent}")
     cls, fixed = _processor_class(entry), entry.options
     clashing = sorted(set(fixed) & set(options))
     if clashing:

@@ -10,7 +10,9 @@ their attention calls sent to the same ``attend``):
 - ``NaiveHalfAttnProcessor``: plain fully-FP16 FlashAttention, the control that overflows;
 - ``FP32AttnProcessor``: SDPA on fp32 copies, the reference output everything is scored against;
 - ``BF16AttnProcessor``: SDPA on bf16 copies;
-- ``SDPAAttnProcessor``: SDPA in the model's dtype, as the stock processor.
+- ``SDPAAttnProcessor``: SDPA in the model's dtype, as the stock processor;
+- ``PeerAttnProcessor``: one of ``peers.PEERS`` (FlashAttention-3 bf16 / fp8, SageAttention, one SDPA
+  backend), what a user would run instead.
 
 Every processor takes ``dtype``: attention then works on q, k, v cast to it (e.g. fp16 in an fp32 model).
 
@@ -36,12 +38,13 @@ import torch
 import torch.nn.functional as F
 from diffusers.models.attention_processor import Attention
 
-from . import rules
+from . import peers, rules
 from .ops import pasa_attention
 from .variants import Variant
 
 __all__ = [
     "CountedAttnProcessor",
+    "PeerAttnProcessor",
     "PASAAttnProcessor",
     "NaiveHalfAttnProcessor",
     "FP32AttnProcessor",
@@ -419,3 +422,32 @@ class SDPAAttnProcessor(CountedAttnProcessor):
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return _sdpa(query, key, value, scale, attention_mask)
+
+
+class PeerAttnProcessor(CountedAttnProcessor):
+    r"""
+    Attention by a peer kernel (``peers.PEERS``: ``"fa3"``, ``"fa3-fp8"``, ``"sage"``, ``"cudnn"``,
+    ``"flash"``, ``"efficient"``), counted like the other processors.  The peers take no mask: a call
+    with one falls back to SDPA (``"attention mask"``, counted and logged once).
+    """
+
+    def __init__(self, peer: str, dtype: torch.dtype | None = None) -> None:
+        super().__init__(dtype)
+        if peer not in peers.PEERS:
+            raise ValueError(f"{type(self).__name__}: unknown peer={peer!r}; expected one of {tuple(peers.PEERS)}")
+        self.peer = peer
+
+    def fallback_reason(
+        self, query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> str | None:
+        return "attention mask" if attention_mask is not None else None
+
+    def attention(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float | None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return peers.PEERS[self.peer](query, key, value, scale)

@@ -25,6 +25,8 @@ import time
 
 import torch
 
+from pasa_diffusers.beta import DEFAULT_BETA
+
 SHAPES = {  # (B, Hq, Hk, Nq, Nk, D)
     "spatial-ragged": (2, 4, 4, 700, 700, 64),
     "gqa-d80": (1, 4, 2, 300, 777, 80),
@@ -62,14 +64,14 @@ def _runner():
         def run(q, k, v, shift, precision, path, config):
             out = torch.full_like(q, float("nan"))
             return dispatch.forward(q, k, v, out, scale=1.0 / math.sqrt(q.shape[-1]), variant=Variant(shift, precision),
-                                    beta=0.9375, config=config, **PATHS[path][0])
+                                    beta=DEFAULT_BETA, config=config, **PATHS[path][0])
     except ImportError:
         from pasa_diffusers.kernels.pasa_fwd import pasa_forward
 
         def run(q, k, v, shift, precision, path, config):
             out = torch.full_like(q, float("nan"))
             return pasa_forward(q, k, v, out, scale=1.0 / math.sqrt(q.shape[-1]), precision=precision,
-                                shift=ALIAS[shift], beta=0.9375, config=config, **PATHS[path][1])
+                                shift=ALIAS[shift], beta=DEFAULT_BETA, config=config, **PATHS[path][1])
     return run
 
 

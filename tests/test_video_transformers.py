@@ -150,3 +150,33 @@ def test_other_masks_fall_back_to_sdpa(mask, gen):
     q, k = _bnhd(gen, 2, 40, 2, 32), _bnhd(gen, 2, 30, 2, 32)
     assert P.key_padding(mask, 2, 30) is None
     assert P.PASAAttnProcessor().fallback_reason(q, k, mask) == "attention mask"
+
+
+def test_peers_are_backends_and_a_missing_package_is_named(gen):
+    """FA3 (bf16, fp8) and SageAttention are backends when their packages are installed; without them
+    ``apply`` says which package to install, in one line, before touching the model."""
+    from pasa_diffusers import backends
+
+    model = tiny_transformer("wan")
+    before = I.attention_processors(model)
+    for name, (module, package) in [(b.name, b.requires) for b in backends.BACKENDS.values() if b.requires]:
+        reason = backends.missing(name)
+        if reason is None:
+            continue
+        assert reason == (f"backend {name!r} needs the {package} package (module {module}), which is not "
+                          f"installed: pip install {package}")
+        with pytest.raises(ValueError, match=rf"^apply: backend '{name}' needs the {package} package"):
+            I.apply(model, name)
+        assert I.attention_processors(model) == before
+
+
+def test_an_sdpa_backend_peer_routes_like_the_others(gen):
+    model = tiny_transformer("ltx-video")
+    inputs = example_inputs("ltx-video", model, gen)
+    stock = _forward(model, inputs)
+    I.apply(model, "flash")  # SDPA's flash backend, which the CPU build of torch has too
+    out = _forward(model, inputs)
+    counters = I.fallback_summary(model)
+    assert counters["backends"] == ["flash"] and counters["fallbacks"] == {"attention mask": 2}  # its text mask
+    gold = _golden("ltx-video", inputs)
+    assert _rel(out, gold) <= K * _rel(stock, gold) + TINY
