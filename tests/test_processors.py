@@ -477,8 +477,8 @@ def test_restore_without_apply_raises(pipe):
 
 def test_unknown_backend_lists_valid_ones_and_changes_nothing(pipe):
     before = pipe.unet.attn_processors
-    with pytest.raises(ValueError, match=r"unknown backend='flash'.*'pasa-paper-hybrid'"):
-        I.apply(pipe, "flash")
+    with pytest.raises(ValueError, match=r"unknown backend='flash-attn'.*'pasa-paper-hybrid'"):
+        I.apply(pipe, "flash-attn")
     after = pipe.unet.attn_processors
     assert all(after[key] is before[key] for key in before)
     with pytest.raises(ValueError, match="restore"):
