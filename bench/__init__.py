@@ -7,6 +7,7 @@ repository root, each writing ``<name>.md`` and ``<name>.json`` into ``--out``.
 - ``temporal``: temporal attention (many short sequences) against the copy bandwidth, in rounds;
 - ``overhead``: host time per call of the public op;
 - ``unet``: one denoising step of the full-size SVD UNet per attention backend;
+- ``dit``: one forward of a full-size video transformer (Wan 2.1, CogVideoX) per attention backend;
 - ``video``: the wall time of one generated video per backend;
 - ``cold_start``: the first calls at SVD's shapes in fresh processes;
 - ``accumulation``: how the tensor cores accumulate, and what that does to attention;

@@ -1,9 +1,12 @@
-"""Tiny random versions of diffusers' video transformers, built from configs, and inputs to run them.
+"""Random-weight versions of diffusers' video transformers, built from configs, and inputs to run them.
 
-One per family the package serves: Wan 2.1 / 2.2 (``WanTransformer3DModel``), HunyuanVideo, LTX-Video,
-CogVideoX and Mochi.  Each keeps what its attention does (QK RMSNorm, RoPE, joined or separate text
-tokens, text padding masks, cross-attention) at sizes that run on two CPU cores in well under a
-second, with head dims the PASA op takes (16 and 32).  Seeded: the same family gives the same weights.
+Tiny ones, one per family the package serves: Wan 2.1 / 2.2 (``WanTransformer3DModel``), HunyuanVideo,
+LTX-Video, CogVideoX and Mochi.  Each keeps what its attention does (QK RMSNorm, RoPE, joined or
+separate text tokens, text padding masks, cross-attention) at sizes that run on two CPU cores in well
+under a second, with head dims the PASA op takes (16 and 32).  Seeded: the same family gives the same
+weights.  Full-size ones (``FULL_SIZE``: the released configs of Wan 2.1 1.3B and 14B and CogVideoX-5B),
+built directly on the device, for time and memory at the real sizes (random weights say nothing of
+quality).
 """
 from __future__ import annotations
 
@@ -14,7 +17,8 @@ import torch
 from diffusers import (CogVideoXTransformer3DModel, HunyuanVideoTransformer3DModel, LTXVideoTransformer3DModel,
                        MochiTransformer3DModel, WanTransformer3DModel)
 
-__all__ = ["FAMILIES", "tiny_transformer", "example_inputs"]
+__all__ = ["FAMILIES", "FULL_SIZE", "tiny_transformer", "full_size_transformer", "example_inputs",
+           "full_size_inputs"]
 
 TEXT_TOKENS = 7
 """Text tokens of the example prompts (the last two are padding where the family takes a mask)."""
@@ -105,3 +109,57 @@ def example_inputs(family: str, model: torch.nn.Module, gen: torch.Generator, ba
     return {"hidden_states": randn(batch, cfg.in_channels, 3, 8, 8),
             "encoder_hidden_states": randn(batch, TEXT_TOKENS, cfg.text_embed_dim), "timestep": timestep,
             "encoder_attention_mask": _text_mask(batch), "return_dict": False}
+
+
+FULL_SIZE: dict[str, tuple[type, dict[str, Any], str]] = {
+    "wan2.1-1.3b": (WanTransformer3DModel, dict(num_attention_heads=12, ffn_dim=8960, num_layers=30), "wan"),
+    "wan2.1-14b": (WanTransformer3DModel, {}, "wan"),  # the class defaults are the 14B model's
+    "cogvideox-5b": (CogVideoXTransformer3DModel, dict(num_attention_heads=48, num_layers=42, time_embed_dim=512,
+                                                       max_text_seq_length=226, use_rotary_positional_embeddings=True),
+                     "cogvideox"),
+}
+"""Name -> (class, the config's differences from the class defaults, family)."""
+
+RESOLUTIONS = {"480p": (480, 832), "720p": (720, 1280)}
+"""Wan's video sizes (height, width); 81 frames."""
+
+
+def full_size_transformer(name: str, *, device: str | torch.device, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
+    """The full-size transformer ``name`` (one of ``FULL_SIZE``) with seeded random weights, built on ``device``
+    in ``dtype``, eval mode."""
+    if name not in FULL_SIZE:
+        raise ValueError(f"full_size_transformer: unknown name={name!r}; expected one of {tuple(FULL_SIZE)}")
+    cls, config, _ = FULL_SIZE[name]
+    with torch.random.fork_rng(devices=[torch.device(device)] if torch.device(device).type == "cuda" else []):
+        torch.manual_seed(seed)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                return cls(**config).eval()
+        finally:
+            torch.set_default_dtype(previous)
+
+
+def full_size_inputs(name: str, model: torch.nn.Module, resolution: str, *, batch: int = 2,
+                     frames: int = 81) -> dict[str, Any]:
+    """One forward's inputs of a ``FULL_SIZE`` model: Wan at ``resolution`` (``RESOLUTIONS``) and ``frames``
+    frames; CogVideoX at its sample size; classifier-free guidance as ``batch`` 2, 512 (Wan) or 226
+    (CogVideoX) text tokens, on the model's device and dtype."""
+    param = next(model.parameters())
+    gen = torch.Generator(device=param.device).manual_seed(1)
+    cfg = model.config
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device=param.device).to(param.dtype)
+
+    timestep = torch.full((batch,), 500, dtype=torch.long, device=param.device)
+    if FULL_SIZE[name][2] == "wan":
+        height, width = RESOLUTIONS[resolution]
+        latent = (batch, cfg.in_channels, (frames - 1) // 4 + 1, height // 8, width // 8)
+        return {"hidden_states": randn(*latent), "timestep": timestep,
+                "encoder_hidden_states": randn(batch, 512, cfg.text_dim), "return_dict": False}
+    latent_frames = (cfg.sample_frames - 1) // cfg.temporal_compression_ratio + 1
+    return {"hidden_states": randn(batch, latent_frames, cfg.in_channels, cfg.sample_height, cfg.sample_width),
+            "encoder_hidden_states": randn(batch, cfg.max_text_seq_length, cfg.text_embed_dim),
+            "timestep": timestep, "return_dict": False}

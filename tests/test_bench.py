@@ -16,7 +16,7 @@ import torch
 
 from bench import attention, harness
 
-ENTRY_POINTS = ("attention", "accuracy", "unet", "overhead", "temporal", "hopper", "compile_sm90", "cold_start",
+ENTRY_POINTS = ("attention", "accuracy", "unet", "dit", "overhead", "temporal", "hopper", "compile_sm90", "cold_start",
                 "video", "accumulation")
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -92,3 +92,16 @@ def test_attention_tiny(tmp_path, monkeypatch):
         assert default["note"].split()[0] in harness.KERNELS
         assert f"| {shape} |" in md
     assert "exact-hybrid" in md
+
+
+def test_dit_runs_a_tiny_transformer_per_backend(tmp_path):
+    """``bench.dit`` on a tiny Wan on the CPU (SDPA and the op's CPU path, its reference): one row per
+    backend, finite, with the routed processors' calls counted."""
+    from bench import dit
+
+    assert dit.main(["--model", "tiny-wan", "--backends", "sdpa", "fp32", "--iters", "1", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "dit.json").read_text())["rows"]
+    assert [r["backend"] for r in rows] == ["sdpa", "fp32"]
+    assert all(r["finite"] and r["ms"] > 0 and r["fallback_calls"] == 0 for r in rows)
+    assert rows[1]["rel_rms_diff"] == 0.0  # SDPA on fp32 copies in an fp32 model: the same arithmetic
+    assert (tmp_path / "dit.md").read_text().startswith("# bench.dit: one forward of tiny-wan")
