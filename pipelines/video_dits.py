@@ -126,19 +126,15 @@ RESOLUTIONS = {"480p": (480, 832), "720p": (720, 1280)}
 
 def full_size_transformer(name: str, *, device: str | torch.device, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
     """The full-size transformer ``name`` (one of ``FULL_SIZE``) with seeded random weights, built on ``device``
-    in ``dtype``, eval mode."""
+    (in fp32, then cast to ``dtype``), eval mode."""
     if name not in FULL_SIZE:
         raise ValueError(f"full_size_transformer: unknown name={name!r}; expected one of {tuple(FULL_SIZE)}")
     cls, config, _ = FULL_SIZE[name]
     with torch.random.fork_rng(devices=[torch.device(device)] if torch.device(device).type == "cuda" else []):
         torch.manual_seed(seed)
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device(device):
-                return cls(**config).eval()
-        finally:
-            torch.set_default_dtype(previous)
+        with torch.device(device):
+            model = cls(**config)
+    return model.to(dtype).eval()  # as from_pretrained(torch_dtype=...): the model's fp32 modules stay fp32
 
 
 def full_size_inputs(name: str, model: torch.nn.Module, resolution: str, *, batch: int = 2,
