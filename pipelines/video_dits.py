@@ -134,7 +134,13 @@ def full_size_transformer(name: str, *, device: str | torch.device, dtype: torch
         torch.manual_seed(seed)
         with torch.device(device):
             model = cls(**config)
-    return model.to(dtype).eval()  # as from_pretrained(torch_dtype=...): the model's fp32 modules stay fp32
+    # as from_pretrained(torch_dtype=...): the modules the model keeps in fp32 stay fp32
+    torch.nn.Module.to(model, dtype)
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    for module_name, module in model.named_modules():
+        if keep & set(module_name.split(".")):
+            module.float()
+    return model.eval()
 
 
 def full_size_inputs(name: str, model: torch.nn.Module, resolution: str, *, batch: int = 2,
