@@ -137,9 +137,9 @@ def full_size_transformer(name: str, *, device: str | torch.device, dtype: torch
     # as from_pretrained(torch_dtype=...): the modules the model keeps in fp32 stay fp32
     torch.nn.Module.to(model, dtype)
     keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
-    for module_name, module in model.named_modules():
-        if keep & set(module_name.split(".")):
-            module.float()
+    for tensor_name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if keep & set(tensor_name.split(".")):
+            tensor.data = tensor.data.float()
     return model.eval()
 
 
