@@ -148,7 +148,8 @@ def full_size_inputs(name: str, model: torch.nn.Module, resolution: str, *, batc
     """One forward's inputs of a ``FULL_SIZE`` model: Wan at ``resolution`` (``RESOLUTIONS``) and ``frames``
     frames; CogVideoX at its sample size; classifier-free guidance as ``batch`` 2, 512 (Wan) or 226
     (CogVideoX) text tokens, on the model's device and dtype."""
-    param = next(model.parameters())
+    # the dtype of the weights most of the model holds (some modules stay fp32)
+    param = max(model.parameters(), key=lambda p: p.numel())
     gen = torch.Generator(device=param.device).manual_seed(1)
     cfg = model.config
 
