@@ -238,6 +238,20 @@ class CountedAttnProcessor:
         """The documented case this call is (e.g. ``"single key"``), computed by the fallback, or ``None``."""
         return None
 
+    def count_call(self, fallback: str | None = None) -> None:
+        """Count one call (eager mode only), under its fallback reason if it has one; each reason is logged
+        once per process."""
+        if torch.compiler.is_compiling():
+            return
+        self.calls += 1
+        if fallback is None:
+            return
+        self.fallbacks[fallback] = self.fallbacks.get(fallback, 0) + 1
+        if (type(self).__name__, fallback) not in _WARNED:
+            _WARNED.add((type(self).__name__, fallback))
+            logger.warning("%s: %s in %s; computing it without the backend (counted in .fallbacks, logged once "
+                           "per process)", type(self).__name__, fallback, self.name or "an attention module")
+
     def attend(
         self,
         query: torch.Tensor,
@@ -249,25 +263,12 @@ class CountedAttnProcessor:
         """The one entry of every attention call (this file's body and ``routing``'s): count the call (eager
         mode), cast to ``dtype``, then run ``attention`` or the fallback its reason calls for; ``(B, N, H, D)``
         tensors in and out."""
-        eager = not torch.compiler.is_compiling()
-        if eager:
-            self.calls += 1
         if self.dtype is not None:
             query, key, value = query.to(self.dtype), key.to(self.dtype), value.to(self.dtype)
         reason = self.fallback_reason(query, key, attention_mask)
+        self.count_call(reason)
         if reason is None:
             return self.attention(query, key, value, scale, attention_mask)
-        if eager:
-            self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
-            if (type(self).__name__, reason) not in _WARNED:
-                _WARNED.add((type(self).__name__, reason))
-                logger.warning(
-                    "%s: %s in %s; computing it without the PASA op (counted in .fallbacks, logged once per "
-                    "process)",
-                    type(self).__name__,
-                    reason,
-                    self.name or "an attention module",
-                )
         if reason == "single key":
             # softmax over one key is exactly 1: every query row gets that key's value
             return value.expand(-1, query.shape[1], -1, -1)

@@ -27,19 +27,15 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
-import logging
 import types
 from typing import Any
 
 import torch
 import torch.nn.functional as torch_functional
 
-from . import processors
 from .processors import CountedAttnProcessor
 
 __all__ = ["RoutedAttnProcessor", "routable_reason", "routed"]
-
-logger = logging.getLogger("pasa_diffusers")
 
 _ACTIVE: contextvars.ContextVar[RoutedAttnProcessor] = contextvars.ContextVar("pasa_routed_processor")
 """The routed processor whose stock body is running (what :func:`_dispatch` hands the call to)."""
@@ -60,25 +56,13 @@ class RoutedAttnProcessor:
     stock: Any
 
 
-def _fallback(reason: str, counted: CountedAttnProcessor) -> None:
-    """Count a call that the backend does not take and log its reason once (as ``CountedAttnProcessor``)."""
-    if torch.compiler.is_compiling():
-        return
-    counted.calls += 1
-    counted.fallbacks[reason] = counted.fallbacks.get(reason, 0) + 1
-    if (type(counted).__name__, reason) not in processors._WARNED:
-        processors._WARNED.add((type(counted).__name__, reason))
-        logger.warning("%s: %s in %s; computing it without the backend (counted in .fallbacks, logged once per "
-                       "process)", type(counted).__name__, reason, counted.name or "an attention module")
-
-
 def _attend_bnhd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
                  dropout_p: float, is_causal: bool, scale: float | None) -> torch.Tensor:
     """One attention call of a routed body on ``(B, N, H, D)`` tensors, in the input dtype."""
     counted = _ACTIVE.get().counted
     special = "causal" if is_causal else "dropout" if dropout_p > 0.0 else None
     if special is not None:
-        _fallback(special, counted)
+        counted.count_call(special)
         out = torch_functional.scaled_dot_product_attention(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=attn_mask,
             dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=query.shape[2] != key.shape[2])
@@ -94,7 +78,7 @@ def _dispatch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     if parallel_config is not None or attention_kwargs:
         from diffusers.models.attention_dispatch import dispatch_attention_fn
 
-        _fallback("context parallel" if parallel_config is not None else "attention kwargs", _ACTIVE.get().counted)
+        _ACTIVE.get().counted.count_call("context parallel" if parallel_config is not None else "attention kwargs")
         return dispatch_attention_fn(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                                      scale=scale, enable_gqa=enable_gqa, attention_kwargs=attention_kwargs,
                                      backend=backend, parallel_config=parallel_config)
