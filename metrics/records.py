@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["json_float", "from_json_float", "json_safe", "dumps", "markdown_table", "versions", "write_atomic",
-           "atomic_path", "write_json"]
+__all__ = ["json_float", "from_json_float", "json_safe", "dumps", "markdown_table", "versions", "write_synced",
+           "write_atomic", "atomic_path", "write_json"]
 
 
 def json_float(value: float) -> float | str | None:
@@ -136,14 +136,21 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
+def write_synced(path: str | os.PathLike, data: str | bytes) -> Path:
+    """Write ``data`` (text as UTF-8, or bytes) to ``path``, flushed and fsynced (not atomic); return the path."""
+    target = Path(path)
+    with open(target, "wb") as f:
+        f.write(data.encode("utf-8") if isinstance(data, str) else data)
+        f.flush()
+        os.fsync(f.fileno())
+    return target
+
+
 def write_atomic(path: str | os.PathLike, data: str | bytes) -> Path:
     """Write ``data`` (text as UTF-8, or bytes) to ``path`` atomically, flushed and fsynced; return the path."""
     target = Path(path)
     with atomic_path(target) as tmp:
-        with open(tmp, "wb") as f:
-            f.write(data.encode("utf-8") if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
+        write_synced(tmp, data)
     return target
 
 

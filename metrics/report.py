@@ -5,7 +5,8 @@
 
 Report layout (``report.json``)::
 
-    {"command", "versions", "model", "reference": "fp32", "settings": {...},
+    {"command", "versions", "model", "model_note": what the model is (built-in models) or null,
+     "reference": "fp32", "settings": {...},
      "samples": n, "lpips": label or the reason it is missing, "statistics": stats.METHOD,
      "aggregate": {backend: {metric: {"mean", "std", "ci95": [lo, hi], "n"}}},
      "paired":    {"A - B": {metric: {"mean", "std", "ci95": [lo, hi], "n"}}},
@@ -24,6 +25,7 @@ all of whose attention calls fell back to another computation is an error, not a
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -35,10 +37,10 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from . import stats
-from .records import atomic_path, dumps, from_json_float, markdown_table, write_atomic
+from .records import atomic_path, dumps, from_json_float, markdown_table, write_synced
 
-__all__ = ["METRICS", "worst_key", "build_report", "write_report", "table_rows", "paired_rows", "format_table",
-           "format_markdown"]
+__all__ = ["METRICS", "worst_key", "build_report", "write_report", "table_rows", "paired_rows", "verdict",
+           "format_table", "format_markdown"]
 
 METRICS: dict[str, tuple[str, str]] = {
     "psnr": ("PSNR dB", ".2f"),
@@ -99,7 +101,8 @@ def build_report(records: Sequence[dict[str, Any]], *, backends: Sequence[str], 
     Args:
         records: one per (sample, backend); every backend must have a record for every sample.
         backends: the backends to report, in table order.
-        meta: ``command``, ``versions``, ``model``, ``settings`` and ``lpips`` (copied as they are).
+        meta: ``command``, ``versions``, ``model``, ``model_note`` (what the model is, in words, or None),
+            ``settings`` and ``lpips`` (copied as they are).
         worst: how many worst samples to list per backend.
         video: the path (relative to the report) of a record's side-by-side video.
     """
@@ -127,7 +130,7 @@ def build_report(records: Sequence[dict[str, Any]], *, backends: Sequence[str], 
     per_frame = {name: {"psnr": stats.per_frame([[from_json_float(v) for v in r["psnr_per_frame"]] for r in rows])}
                  for name, rows in by_backend.items()}
     return {
-        **{key: meta.get(key) for key in ("command", "versions", "model")},
+        **{key: meta.get(key) for key in ("command", "versions", "model", "model_note")},
         "reference": "fp32",
         "settings": meta.get("settings", {}),
         "samples": len(samples),
@@ -188,10 +191,19 @@ def _fallback_cell(fallbacks: dict[str, Any]) -> str:
     return share + " (" + ", ".join(f"{reason} {100 * n / calls:.0f}%" for reason, n in reasons.items()) + ")"
 
 
+def _on_cpu(report: dict[str, Any]) -> bool:
+    return report["settings"].get("device") == "cpu"
+
+
+def _title(report: dict[str, Any], metric: str) -> str:
+    """The column title of ``metric``; times measured on a CPU say so (``CPU time s``)."""
+    return "CPU time s" if metric == "seconds" and _on_cpu(report) else METRICS[metric][0]
+
+
 def table_rows(report: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     """The scores table: ``(columns, rows)``, one row per backend."""
     metrics = _columns(report)
-    columns = ["backend", *(METRICS[m][0] for m in metrics), "samples with non-finite frames",
+    columns = ["backend", *(_title(report, m) for m in metrics), "samples with non-finite frames",
                "attention fallbacks"]
     rows = []
     for name, per in report["aggregate"].items():
@@ -256,7 +268,7 @@ def _aligned(columns: list[str], rows: list[list[str]]) -> str:
 
 
 def format_table(report: dict[str, Any]) -> str:
-    """The scores and the paired differences as aligned plain-text tables, for the terminal."""
+    """The scores and the paired differences as aligned plain-text tables, then the verdict, for the terminal."""
     text = (f"Scores against the fp32 reference over {report['samples']} samples: mean [95% bootstrap interval]\n"
             + _aligned(*table_rows(report)))
     columns, rows = paired_rows(report)
@@ -264,19 +276,141 @@ def format_table(report: dict[str, Any]) -> str:
         text += "\n\nPaired differences A \u2212 B over the same samples: mean [95% bootstrap interval]\n"
         text += _aligned(columns, rows)
     note = _unpaired_note(report)
-    return text + ("\n" + note if note else "")
+    text += ("\n" + note) if note else ""
+    return text + "\n\nVerdict:\n" + "\n".join(f"- {sentence}" for sentence in verdict(report))
+
+
+# ------------------------------------------------------------------------------------------------- verdict
+
+FIRM_SAMPLES = 10
+"""Below this many samples the percentile bootstrap interval is too narrow: the verdict says to read it as a guide."""
+
+FALLBACK_CASES = "a single key, where softmax is exactly 1; an attention mask, computed by PyTorch's SDPA"
+"""The documented cases in which a PASA processor computes a call another way (``install.fallback_summary``)."""
+
+
+def _count(n: int, word: str) -> str:
+    """``1 thread``, ``2 threads``."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _join(names: Sequence[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def _db(value: float, sign: bool = False) -> str:
+    return _number(value, ".2f", sign)
+
+
+def _finiteness(report: dict[str, Any]) -> str:
+    """Which backends give non-finite frames (how many), and which stay finite."""
+    health = report["health"]
+    broken = [name for name, h in health.items() if h["nonfinite_frames"]]
+    finite = [name for name in health if name not in broken]
+    parts = [f"{name} gives non-finite (NaN or inf) frames in {health[name]['broken_samples']} of "
+             f"{health[name]['samples']} samples ({health[name]['nonfinite_frames']} of {health[name]['frames']} "
+             "frames), which no score counts" for name in broken]
+    if finite:
+        subject = _join(finite) if broken else "every backend"
+        parts.append(f"{subject} {'stay' if broken and len(finite) > 1 else 'stays'} finite in every frame")
+    return "; ".join(parts) + "."
+
+
+def _identical(report: dict[str, Any]) -> list[str]:
+    """The backends whose videos equal the reference's on some samples (PSNR inf)."""
+    sentences = []
+    for name, h in report["health"].items():
+        if h["identical_samples"]:
+            where = "every sample" if h["identical_samples"] == h["samples"] else \
+                f"{h['identical_samples']} of {h['samples']} samples"
+            sentences.append(f"{name} is identical to FP32 on {where} (PSNR inf).")
+    return sentences
+
+
+def _pair_sentence(pair: str, summary: dict[str, Any] | None) -> str | None:
+    """The PSNR difference ``A - B`` in words, with its interval; None when no sample has both values."""
+    a, _, b = pair.partition(" - ")
+    if not summary or summary["mean"] is None:
+        return None
+    mean, n = from_json_float(summary["mean"]), summary["n"]
+    if math.isinf(mean):
+        better, other = (a, b) if mean > 0 else (b, a)
+        return f"{better} is identical to FP32 on a sample where {other} is not (an infinite PSNR difference)."
+    if summary["ci95"] is None:
+        return f"{a} {MINUS} {b} is {_db(mean, True)} dB of PSNR on the one sample where both have one: no interval."
+    lo, hi = summary["ci95"]
+    if lo <= 0 <= hi:
+        return (f"{a} and {b} cannot be told apart: {a} {MINUS} {b} is {_db(mean, True)} dB of PSNR (95 % CI "
+                f"{_db(lo, True)} to {_db(hi, True)}, which holds 0) over {n} samples.")
+    better, other, gap, lo, hi = (a, b, mean, lo, hi) if lo > 0 else (b, a, -mean, -hi, -lo)
+    return (f"{better} is {_db(gap)} dB (95 % CI {_db(lo)} to {_db(hi)}) closer to FP32 than {other} in PSNR, "
+            f"over {n} samples.")
+
+
+def _single_backend(report: dict[str, Any]) -> list[str]:
+    """With one backend there is no pair: its mean PSNR and interval."""
+    if len(report["aggregate"]) != 1:
+        return []
+    name, per = next(iter(report["aggregate"].items()))
+    summary = per.get("psnr")
+    if not summary or summary["mean"] is None or math.isinf(from_json_float(summary["mean"])):
+        return []
+    interval = f" (95 % CI {_db(summary['ci95'][0])} to {_db(summary['ci95'][1])})" if summary["ci95"] else ""
+    return [f"{name} has a PSNR of {_db(from_json_float(summary['mean']))} dB{interval} against FP32 over "
+            f"{summary['n']} samples."]
+
+
+def verdict(report: dict[str, Any]) -> list[str]:
+    """What the report finds, in sentences computed from its health and its paired PSNR differences: which
+    backends give non-finite frames, which stay finite, and how far apart each pair is (with its interval)."""
+    sentences = [_finiteness(report), *_identical(report)]
+    sentences += [text for pair, per in report["paired"].items() if (text := _pair_sentence(pair, per.get("psnr")))]
+    sentences += _single_backend(report)
+    if report["samples"] < FIRM_SAMPLES:
+        sentences.append(f"With {report['samples']} samples read the intervals as a rough guide (below about "
+                         f"{FIRM_SAMPLES} the bootstrap interval is too narrow); more images or seeds make them firm.")
+    return sentences
+
+
+def _fallback_note(report: dict[str, Any]) -> str:
+    """The fallback column in one line: what a fallback is, and why half of SVD's calls are one."""
+    text = ("Attention fallbacks: the share of the attention calls a backend targets that it did not compute itself "
+            f"but computed exactly another way, in documented cases only ({FALLBACK_CASES}), with the reason.")
+    if any("single key" in h["fallbacks"]["reasons"] for h in report["health"].values()):
+        text += (" In SVD's UNet every transformer block has one self-attention and one cross-attention to the "
+                 "image embedding, a single key, so 50 % is expected of the backends that run the PASA op (the "
+                 "pasa variants and naive-half).")
+    return text
+
+
+def _timing_note(report: dict[str, Any]) -> list[str]:
+    """On a CPU: the times are CPU times, which say nothing about GPU speed."""
+    if not _on_cpu(report):
+        return []
+    threads = report["settings"].get("cpu_threads")
+    where = f"this CPU ({_count(threads, 'thread')})" if threads else "this CPU"
+    return [f"Times are seconds per video on {where}. CPU times say nothing about GPU speed: on the CPU the PASA "
+            "backends run their exact PyTorch reference, not the Triton kernels."]
 
 
 # ------------------------------------------------------------------------------------------------ markdown
 
 
-def _settings_line(report: dict[str, Any]) -> str:
-    s = report["settings"]
-    return (f"{len(s['images'])} image(s) x {len(s['seeds'])} seed(s) = {report['samples']} samples; "
-            f"{s['num_frames']} frames of {s['height']}x{s['width']}, {s['num_inference_steps']} steps; "
-            f"{s['device']}" + (f" ({s['cpu_threads']} threads)" if "cpu_threads" in s else "")
-            + f", model in {s['dtype']}. Every backend and the fp32 reference ran on the same samples "
-            "from the same initial noise.")
+def _intro(report: dict[str, Any]) -> list[str]:
+    """What was compared, on what model and samples, and what the model is."""
+    s, names = report["settings"], list(report["aggregate"])
+    lines = [f"Compared: the attention backend{'s' if len(names) > 1 else ''} {_join(names)}, each against FP32 "
+             f"attention (`{report['reference']}`, the reference), in the model `{report['model']}`, on "
+             f"{report['samples']} samples = {len(s['images'])} image(s) x {len(s['seeds'])} seed(s). Each sample is "
+             "one image animated from one seed's noise by the reference and by every backend: only attention differs.",
+             "", f"{_count(s['num_frames'], 'frame')} of {s['height']}x{s['width']}, "
+             f"{_count(s['num_inference_steps'], 'step')}; {s['device']}"
+             + (f" ({_count(s['cpu_threads'], 'thread')})" if "cpu_threads" in s else "")
+             + f", model in {s['dtype']}."]
+    if report.get("model_note"):
+        lines += ["", f"The model: `{report['model']}` is {report['model_note']}."]
+    return lines
 
 
 def _worst_section(report: dict[str, Any]) -> list[str]:
@@ -294,8 +428,10 @@ def _worst_section(report: dict[str, Any]) -> list[str]:
 
 
 def format_markdown(report: dict[str, Any], plots: Sequence[str] = ()) -> str:
-    """The markdown report: summary, scores, paired differences, worst samples, plots, method, settings."""
-    lines = [f"# pasa compare: {report['model']}, {report['samples']} samples", "", _settings_line(report), "",
+    """The markdown report: what was compared on what model, the verdict in words, scores (with what a fallback
+    is, and CPU times marked), paired differences, worst samples, plots, method, settings."""
+    lines = [f"# pasa compare: {report['model']}, {report['samples']} samples", "", *_intro(report), "",
+             "## Verdict", "", *(f"- {sentence}" for sentence in verdict(report)), "",
              "## Scores against the fp32 reference", "",
              "Mean over samples [95% bootstrap interval]; a sample's score is the mean over its frames "
              "(frames with non-finite pixels are left out and counted).", "",
@@ -303,8 +439,9 @@ def format_markdown(report: dict[str, Any], plots: Sequence[str] = ()) -> str:
     if report["lpips"] and "unavailable" in report["lpips"]:
         lines += [report["lpips"], ""]
     lines += ["Temporal PSNR compares frame differences (data range 2); flicker is the mean frame change of the "
-              "backend over the reference's. Attention fallbacks: the share of the attention calls a backend "
-              "targets that were computed another way (e.g. a single key, where softmax is 1), and why."]
+              "backend over the reference's.", "", _fallback_note(report)]
+    for note in _timing_note(report):
+        lines += ["", note]
     columns, rows = paired_rows(report)
     note = _unpaired_note(report)
     if rows or note:
@@ -361,8 +498,7 @@ def _distributions(report: dict[str, Any], records: Sequence[dict[str, Any]], pa
         ax.grid(alpha=0.3, axis="y")
     fig.suptitle(f"{report['model']}: {report['samples']} samples against the fp32 reference", fontsize=10)
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp)
+    fig.savefig(path, format="png")
     return path
 
 
@@ -393,22 +529,27 @@ def _per_frame_plot(report: dict[str, Any], path: Path) -> Path:
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)
     fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp)
+    fig.savefig(path, format="png")
     return path
 
 
 def write_report(report: dict[str, Any], records: Sequence[dict[str, Any]], out_dir: str | Path) -> dict[str, Path]:
-    """Write ``distributions.png``, ``psnr_per_frame.png``, ``report.md`` and, last, ``report.json``.
+    """Write ``distributions.png``, ``psnr_per_frame.png``, ``report.md`` and ``report.json``.
 
-    Each file is written atomically (temporary file + rename), so ``report.json`` exists only when the
-    whole report does.  Returns ``{"distributions", "psnr_per_frame", "markdown", "json"}`` -> path.
+    Every file is first written to a temporary name beside its target; only when all four are complete
+    are they renamed onto the targets, ``report.json`` last.  So the report of an earlier run stays
+    whole until the new one replaces it, a failure leaves it untouched, and ``report.json`` is never
+    newer than the rest.  Returns ``{"distributions", "psnr_per_frame", "markdown", "json"}`` -> path.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    written = {"distributions": _distributions(report, records, out / "distributions.png"),
-               "psnr_per_frame": _per_frame_plot(report, out / "psnr_per_frame.png")}
-    written["markdown"] = write_atomic(out / "report.md",
-                                       format_markdown(report, [p.name for p in written.values()]))
-    written["json"] = write_atomic(out / "report.json", dumps(report) + "\n")
-    return written
+    paths = {"json": out / "report.json", "markdown": out / "report.md",
+             "psnr_per_frame": out / "psnr_per_frame.png", "distributions": out / "distributions.png"}
+    with contextlib.ExitStack() as renames:  # closed in reverse: the plots, then report.md, then report.json
+        tmp = {kind: renames.enter_context(atomic_path(path)) for kind, path in paths.items()}
+        _distributions(report, records, tmp["distributions"])
+        _per_frame_plot(report, tmp["psnr_per_frame"])
+        write_synced(tmp["markdown"], format_markdown(report, [paths["distributions"].name,
+                                                               paths["psnr_per_frame"].name]))
+        write_synced(tmp["json"], dumps(report) + "\n")
+    return {kind: paths[kind] for kind in ("distributions", "psnr_per_frame", "markdown", "json")}

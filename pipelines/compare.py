@@ -8,9 +8,11 @@ attention differs between the videos.  Each backend's frames are scored with
 ``metrics.score_video`` against the reference's.
 
 ``evaluate`` runs a whole evaluation into an output folder: one record per (sample, backend) appended
-to ``samples.jsonl`` as soon as it is scored, resume, refusal of a mixed folder (``runlog.py``),
-sharding over torchrun ranks (``distributed.py``), and at the end the report with statistics over the
-samples (``metrics.report``).  ``run_comparison`` is the same comparison for one sample, in memory.
+to ``samples.jsonl`` as soon as it is scored, resume, refusal of a mixed folder, of a damaged log and of
+a second run into a folder in use (``runlog.py``), sharding over torchrun ranks (``distributed.py``),
+and at the end the report with statistics over the samples (``metrics.report``).  Ctrl-C raises
+``RunInterrupted``, which says how many results are safe on disk.  ``run_comparison`` is the same
+comparison for one sample, in memory.
 
 A record of ``samples.jsonl``::
 
@@ -44,11 +46,24 @@ from pasa_diffusers.metrics.report import worst_key
 
 from . import runlog
 from .distributed import Dist
+from .resonant import PLANTED_LAYERS
 from .samples import Sample, image_identity, make_samples
 from .svd import generate, load_image, load_svd, make_latents
 
-__all__ = ["VideoRun", "CompareConfig", "check_backends", "compare_sample", "sample_record", "run_comparison",
-           "evaluate"]
+__all__ = ["VideoRun", "CompareConfig", "MODEL_NOTES", "RunInterrupted", "check_backends", "compare_sample",
+           "sample_record", "run_comparison", "evaluate"]
+
+MODEL_NOTES: dict[str, str] = {
+    "tiny": "a tiny SVD with random weights, built in code to run on a CPU in seconds: its videos look like noise "
+            "by design, and what counts is how far each backend's video lies from the FP32 one",
+    "tiny-resonant": "the tiny SVD with random weights and an FP16 overflow planted in "
+                     f"{len(PLANTED_LAYERS)} attention layers (a large query and key bias, in phase along the head "
+                     "dimension: pipelines/resonant.py), so that naive FP16 attention overflows there: its videos look "
+                     "like noise by design, and what counts is how far each backend's video lies from the FP32 one",
+    "svd-xt-random": "SVD-XT at full size with seeded random weights, for time and memory at the real sizes: its "
+                     "videos look like noise by design, and it plants no overflow",
+}
+"""What each built-in model is, for the report (which would otherwise read as a failure: noise videos)."""
 
 
 def check_backends(names: Sequence[str]) -> list[str]:
@@ -288,15 +303,18 @@ class _WorstVideos:
 
 
 def _run_shard(pipe: Any, config: CompareConfig, work: list[tuple[Sample, list[str]]], positions: dict[Any, int],
-               out: Path, dist: Dist, scorer: metrics.LPIPSScorer | None, lpips_note: str, progress: bool) -> None:
-    """Generate, score and log this rank's samples; each record is on disk before the next video starts."""
+               out: Path, dist: Dist, scorer: metrics.LPIPSScorer | None, lpips_note: str, progress: bool,
+               initial: int) -> None:
+    """Generate, score and log this rank's samples; each record is on disk before the next video starts.
+
+    The bar counts results (records) from ``initial``, those already done."""
     from tqdm.auto import tqdm
 
     worst = _WorstVideos(out, config.worst, config.fps)
-    total = sum(1 + len(names) for _, names in work)
+    total = initial + sum(len(names) for _, names in work)
     desc = "compare" if dist.world_size == 1 else f"compare rank {dist.rank}/{dist.world_size}"
     with runlog.LogWriter(runlog.log_path(out, dist.rank, dist.world_size)) as log, \
-            tqdm(total=total, desc=desc, unit="video", file=sys.stderr, disable=not progress,
+            tqdm(total=total, initial=initial, desc=desc, unit="result", file=sys.stderr, disable=not progress,
                  position=dist.rank) as bar:
         for sample, names in work:
             bar.set_postfix_str(f"{sample.label} {REFERENCE}")
@@ -305,7 +323,6 @@ def _run_shard(pipe: Any, config: CompareConfig, work: list[tuple[Sample, list[s
                                   num_inference_steps=config.num_inference_steps, height=config.height,
                                   width=config.width)
             reference = next(runs)
-            bar.update()
             for run in runs:
                 scores = metrics.score_video(reference.frames, run.frames, lpips_scorer=scorer,
                                              lpips_reason=lpips_note)
@@ -318,21 +335,76 @@ def _run_shard(pipe: Any, config: CompareConfig, work: list[tuple[Sample, list[s
                 bar.set_postfix_str(f"{sample.label} {run.backend}")
 
 
-def _finish(out: Path, config: CompareConfig, samples: list[Sample], meta: dict[str, Any]) -> dict[str, Any]:
-    """Rank 0, once every rank is done: merge the logs, build the report, keep the worst GIFs, write it."""
-    order = [(s.image, s.seed, b) for s in samples for b in config.backends]
+def _finish(out: Path, config: CompareConfig, order: list[runlog.Key], meta: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0, once every rank is done: merge the logs, build and write the report, then keep only the worst GIFs."""
     logged = runlog.merge_logs(out, order)
     if len(logged) != len(order):
         missing = [key for key in order if key not in {runlog.record_key(r) for r in logged}]
         raise RuntimeError(f"evaluate: {len(missing)} record(s) missing after every rank finished, e.g. {missing[0]}")
     report = metrics.build_report(logged, backends=config.backends, meta=meta, worst=config.worst,
                                   video=lambda r: _video_name(r) if (out / _video_name(r)).is_file() else "")
+    metrics.write_report(report, logged, out)
     keep = {out / w["video"] for entries in report["worst"].values() for w in entries if w["video"]}
     for gif in (out / runlog.VIDEOS).glob("*.gif"):
         if gif not in keep:
             gif.unlink()
-    metrics.write_report(report, logged, out)
     return report
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C during ``evaluate``: ``done`` of the run's ``total`` results are on disk, and the same call resumes."""
+
+    def __init__(self, out: Path, done: int, total: int) -> None:
+        super().__init__(f"interrupted after {done} of {total} results; rerun the same command to resume")
+        self.out, self.done, self.total = out, done, total
+
+
+def _keys(samples: list[Sample], backends: Sequence[str]) -> list[runlog.Key]:
+    """Every record of the run, in report order: sample by sample, backend by backend."""
+    return [(s.image, s.seed, b) for s in samples for b in backends]
+
+
+def _count_done(out: Path, order: list[runlog.Key]) -> int:
+    return len(runlog.done_records(out, set(order))) if out.is_dir() else 0
+
+
+def _lock(lock: runlog.FolderLock, dist: Dist, *, create: bool) -> None:
+    """Rank 0 takes the folder's lock (if the folder exists, or creating it when ``create``); every rank calls
+    this, and every rank raises rank 0's ``FolderInUseError``: the ranks of one run share the folder."""
+    refusal = None
+    if dist.is_main and (create or lock.out.is_dir()):
+        try:
+            lock.acquire()
+        except runlog.FolderInUseError as exc:
+            refusal = str(exc)
+    refusal = dist.share(refusal)
+    if refusal:
+        raise runlog.FolderInUseError(refusal)
+
+
+def _check_images(config: CompareConfig) -> None:
+    """Open every image at the run's size, so that an unusable one fails before the folder is written."""
+    for image in config.images:
+        load_image(image, (config.width, config.height))
+
+
+def _load(config: CompareConfig, dist: Dist, dtype: torch.dtype,
+          load_pipeline: Callable[[str, torch.dtype], Any] | None) -> Any:
+    if load_pipeline is None:
+        return load_svd(config.model, device=dist.device, dtype=dtype, local_files_only=config.local_files_only)
+    return load_pipeline(dist.device, dtype)
+
+
+def _meta(config: CompareConfig, run: dict[str, Any], dist: Dist, dtype: torch.dtype, lpips_note: str,
+          command: str) -> dict[str, Any]:
+    """What the report says about the run besides its records."""
+    settings = {"images": list(config.images), "seeds": list(config.seeds), "backends": list(config.backends),
+                "num_frames": config.num_frames, "num_inference_steps": config.num_inference_steps,
+                "height": config.height, "width": config.width, "device": torch.device(dist.device).type,
+                "dtype": dtype, "attention_cast": run["attention_cast"], "processes": dist.world_size,
+                **({"cpu_threads": run["cpu_threads"]} if "cpu_threads" in run else {})}
+    return {"command": command, "versions": run["versions"], "model": config.model,
+            "model_note": MODEL_NOTES.get(config.model), "lpips": lpips_note, "settings": records.json_safe(settings)}
 
 
 def evaluate(config: CompareConfig, out: str | Path, *, dist: Dist | None = None,
@@ -340,48 +412,65 @@ def evaluate(config: CompareConfig, out: str | Path, *, dist: Dist | None = None
              command: str = "") -> dict[str, Any] | None:
     """Run (or resume) the evaluation ``config`` into the folder ``out``; return the report on rank 0.
 
+    Nothing is written before the inputs are known to be usable: the folder is checked (read only), the
+    images opened and the pipeline loaded first; only then is ``out`` created, locked and its manifest
+    written.  A folder that already exists is locked at once, so a second run into it stops before
+    loading anything.
+
     Args:
         config: the model, samples, backends and settings.
         out: the run folder (``runlog``): a new or empty folder starts a run, a folder holding the same
-            run resumes it, a folder holding anything else raises ``runlog.MixedRunError``.
+            run resumes it, a folder holding anything else raises ``runlog.MixedRunError``, a damaged log
+            line ``runlog.DamagedLogError``, a folder another run holds ``runlog.FolderInUseError``.
         dist: this process's rank and device (``distributed.session``); default: one process on the CPU.
-            Each rank generates its share of the samples still to do; rank 0 writes the report when
-            every rank is done and returns it, the other ranks return None.
+            Each rank generates its share of the samples still to do; rank 0 holds the folder's lock and
+            writes the report when every rank is done and returns it, the other ranks return None.
         load_pipeline: ``(device, dtype) -> pipeline`` (default ``load_svd(config.model, ...)``); called
             only when there is something left to generate.
-        progress: a tqdm bar per rank on stderr.
+        progress: a tqdm bar per rank on stderr, and (rank 0) a line saying how much a resume finds done.
         command: the command line, recorded in the manifest and the report.
+
+    Raises:
+        RunInterrupted: on Ctrl-C (a ``KeyboardInterrupt``), saying how many results are on disk.
     """
     dist = dist or Dist()
-    dtype = config.dtype or _default_dtype(dist.device)
+    out = Path(out)
     check_backends(config.backends)
     samples = config.samples()
+    try:
+        with runlog.FolderLock(out) as lock:
+            return _evaluate(config, samples, out, dist, lock, load_pipeline, progress, command)
+    except KeyboardInterrupt:
+        order = _keys(samples, config.backends)
+        raise RunInterrupted(out, _count_done(out, order), len(order)) from None
+
+
+def _evaluate(config: CompareConfig, samples: list[Sample], out: Path, dist: Dist, lock: runlog.FolderLock,
+              load_pipeline: Callable[[str, torch.dtype], Any] | None, progress: bool,
+              command: str) -> dict[str, Any] | None:
+    """``evaluate`` inside its lock's lifetime."""
+    dtype = config.dtype or _default_dtype(dist.device)
+    order = _keys(samples, config.backends)
     scorer, lpips_note = _lpips(config.lpips_weights, dist.device)
     run = _run_identity(config, dist.device, dtype, lpips_note)
-    out = Path(out)
-    runlog.check_folder(out, run)  # every rank, before anyone writes: a mixed folder is refused by all
-    dist.barrier()
+    runlog.check_folder(out, run)  # every rank, reading only: another run's folder is refused by all
+    _lock(lock, dist, create=False)  # a folder in use is refused here, before anything is loaded
+    done = runlog.done_records(out, set(order))
+    work = dist.shard(_pending(samples, config.backends, set(done)))
+    if progress and dist.is_main and done:
+        print(f"resuming: {len(done)} of {len(order)} results already done", file=sys.stderr)
+    _check_images(config)
+    pipe = _load(config, dist, dtype, load_pipeline) if work else None
+    _lock(lock, dist, create=True)
     if dist.is_main:
         runlog.prepare_folder(out, run, command)
-    dist.barrier()
-    runlog.check_folder(out, run)  # every rank's run is rank 0's (same versions, GPU, threads)
-    work = dist.shard(_pending(samples, config.backends, set(runlog.done_records(out))))
-    dist.barrier()  # everyone has read what is done before anyone appends
+    dist.barrier()  # the folder is written, and every rank has read what is done, before anyone appends
+    runlog.check_manifest(out, run)  # every rank's run is rank 0's (same versions, GPU, threads)
     if work:
-        if load_pipeline is None:
-            pipe = load_svd(config.model, device=dist.device, dtype=dtype, local_files_only=config.local_files_only)
-        else:
-            pipe = load_pipeline(dist.device, dtype)
         positions = {sample.key: i for i, sample in enumerate(samples)}
-        _run_shard(pipe, config, work, positions, out, dist, scorer, lpips_note, progress)
+        _run_shard(pipe, config, work, positions, out, dist, scorer, lpips_note, progress,
+                   initial=len(done) if dist.world_size == 1 else 0)
     dist.barrier()
     if not dist.is_main:
         return None
-    settings = {"images": list(config.images), "seeds": list(config.seeds), "backends": list(config.backends),
-                "num_frames": config.num_frames, "num_inference_steps": config.num_inference_steps,
-                "height": config.height, "width": config.width, "device": torch.device(dist.device).type,
-                "dtype": dtype, "attention_cast": run["attention_cast"], "processes": dist.world_size,
-                **({"cpu_threads": run["cpu_threads"]} if "cpu_threads" in run else {})}
-    meta = {"command": command, "versions": run["versions"], "model": config.model, "lpips": lpips_note,
-            "settings": records.json_safe(settings)}
-    return _finish(out, config, samples, meta)
+    return _finish(out, config, order, _meta(config, run, dist, dtype, lpips_note, command))

@@ -5,7 +5,8 @@ command with ``WORLD_SIZE``, ``RANK`` and ``LOCAL_RANK`` set; ``session`` joins 
 ``torch.distributed`` process group (NCCL on CUDA, each rank on ``cuda:LOCAL_RANK``; gloo on the CPU).
 Over several machines it is the same command with torchrun's rendezvous options (``--nnodes``,
 ``--rdzv-backend c10d --rdzv-endpoint HOST:PORT``) and an output folder on a filesystem every machine
-shares.  The group only synchronises (barriers): the results travel through files (``runlog``).
+shares.  The group only synchronises (barriers, and ``Dist.share`` for rank 0's word on the folder's lock):
+the results travel through files (``runlog``).
 
 Without ``WORLD_SIZE`` (or with 1) ``session`` is a single process and never imports
 ``torch.distributed``.
@@ -47,6 +48,16 @@ class Dist:
             import torch.distributed
 
             torch.distributed.barrier()
+
+    def share(self, value: T) -> T:
+        """Rank 0's ``value``, on every rank (every rank calls it; ``value`` itself for a single process)."""
+        if self.world_size == 1:
+            return value
+        import torch.distributed
+
+        box = [value]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
 
     def shard(self, items: Sequence[T]) -> list[T]:
         """This rank's share of ``items``: every ``world_size``-th one from position ``rank``."""

@@ -1,4 +1,4 @@
-"""The folder of one ``pasa compare`` run: its manifest, the append-only sample logs, resume and merging.
+"""The folder of one ``pasa compare`` run: its manifest, the append-only sample logs, resume, merging and the lock.
 
 Layout of ``OUT``::
 
@@ -7,19 +7,26 @@ Layout of ``OUT``::
     shards/rank-R-of-W.jsonl   the same, one file per rank of a torchrun run; merged into samples.jsonl
     videos/                    side-by-side GIFs (at the end: those of the worst samples)
     report.json, report.md, distributions.png, psnr_per_frame.png
-                               written last, each atomically, report.json the very last
+                               written last, each to a temporary name first, then all renamed
+    .lock                      the lock of the run in progress (``FolderLock``)
 
 Rules:
 
 - A record is appended as one line, flushed and fsynced before the next video starts, so a killed run
-  loses at most the video in progress.  A line cut short by a kill (no final newline) is ignored when
-  read and cut off before the next append.
+  loses at most the video in progress.  A last line cut short by a kill (no final newline) is ignored
+  when read and cut off before the next append: its result is computed again.
+- Any other damaged line (not a JSON record with every field of ``RECORD_FIELDS``, or a record of
+  another run) stops the run before it writes anything (``DamagedLogError``, naming the file and the
+  line): nothing in the folder is guessed at or silently dropped.
 - Resuming is running the same command again: the records already in ``samples.jsonl`` or in a shard
-  are skipped.  A folder holding another run (a different ``run.json``), or files but no ``run.json``,
-  is refused (``MixedRunError``): results of two runs are never mixed.
-- The report files of an earlier attempt are deleted when a run starts, so an interrupted run never
-  leaves a complete-looking report beside newer samples; the report is written only once every
-  record is in.
+  are skipped.  A folder holding another run's records (a different ``run.json``), or files but no
+  ``run.json``, is refused (``MixedRunError``): results of two runs are never mixed.  A ``run.json``
+  with no record yet is simply replaced by the new run's.
+- One run per folder at a time: the run holds an exclusive ``flock`` on ``.lock`` (``FolderLock``;
+  under torchrun rank 0 holds it for all its ranks); a second run is refused at once
+  (``FolderInUseError``).  The kernel drops the lock when its process ends, even by ``kill -9``.
+- The report of an earlier attempt stays until the new report replaces it; the report is written only
+  once every record is in.
 - ``merge_logs`` rewrites ``samples.jsonl`` (atomically) as the union of every log, in sample order,
   each (image, seed, backend) once, then deletes the shards.
 
@@ -27,25 +34,32 @@ Only the standard library and ``metrics.records`` are used here.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
-from collections.abc import Sequence
+import socket
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
 from pasa_diffusers.metrics.records import dumps, write_atomic, write_json
 
-__all__ = ["MANIFEST", "SAMPLES", "SHARDS", "VIDEOS", "REPORT_FILES", "KIND", "MixedRunError", "Key", "record_key",
-           "read_log", "check_folder", "prepare_folder", "done_records", "log_path", "LogWriter", "merge_logs"]
+__all__ = ["MANIFEST", "SAMPLES", "SHARDS", "VIDEOS", "LOCK", "KIND", "RECORD_FIELDS", "MixedRunError",
+           "DamagedLogError", "FolderInUseError", "Key", "record_key", "read_log", "check_folder", "check_manifest",
+           "prepare_folder", "done_records", "log_path", "LogWriter", "merge_logs", "FolderLock"]
 
 MANIFEST = "run.json"
 SAMPLES = "samples.jsonl"
 SHARDS = "shards"
 VIDEOS = "videos"
-REPORT_FILES = ("report.json", "report.md", "distributions.png", "psnr_per_frame.png")
-"""Written by the report at the end; deleted when a run (or a resume) starts."""
+LOCK = ".lock"
 KIND = "pasa compare"
 FORMAT = 1
+
+RECORD_FIELDS = ("image", "seed", "sample", "backend", "psnr", "ssim", "lpips", "temporal_psnr", "flicker", "frames",
+                 "nonfinite_frames", "first_nonfinite", "identical_frames", "psnr_per_frame", "ssim_per_frame",
+                 "fallbacks", "seconds", "rank")
+"""The fields of a record of format ``FORMAT`` (``pipelines/compare.py`` says what each holds)."""
 
 Key = tuple[str, int, str]
 """``(image, seed, backend)``: one record."""
@@ -55,23 +69,62 @@ class MixedRunError(ValueError):
     """The output folder holds another run's results (or files that are not a run's)."""
 
 
+class DamagedLogError(ValueError):
+    """A line of a log that is not a record of this run; the message names the file, the line and the repair."""
+
+
+class FolderInUseError(RuntimeError):
+    """Another run holds the folder's lock."""
+
+
 def record_key(record: dict[str, Any]) -> Key:
     """``(image, seed, backend)`` of a record of ``samples.jsonl``."""
     return record["image"], int(record["seed"]), record["backend"]
 
 
-def read_log(path: Path) -> list[dict[str, Any]]:
-    """The records of one log file; a last line without its newline (cut by a kill) is left out."""
+def _damaged(path: Path, number: int, what: str) -> DamagedLogError:
+    return DamagedLogError(f"{path}, line {number}: {what}; delete that line (its result is computed again when "
+                           "you rerun the command) or start over with a new --out")
+
+
+def _parse(line: bytes) -> tuple[dict[str, Any] | None, str]:
+    """The record a line holds, or ``None`` and why it is not one."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        return None, f"not a JSON record: {exc.msg}: column {exc.colno}"
+    except UnicodeDecodeError as exc:
+        return None, f"not text ({exc.reason} at byte {exc.start})"
+    if not isinstance(record, dict):
+        return None, f"not a JSON object but {type(record).__name__}"
+    missing = [name for name in RECORD_FIELDS if name not in record]
+    if missing:
+        return None, f"a record without {', '.join(missing)}"
+    if not (isinstance(record["image"], str) and isinstance(record["backend"], str)
+            and type(record["seed"]) is int):
+        return None, "image, backend and seed must be two strings and an integer"
+    return record, ""
+
+
+def read_log(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of one log file; a last line without its newline (cut by a kill) is left out.
+
+    Raises ``DamagedLogError`` naming the file and the line for any other line that is not a record.
+    """
+    return [record for _, record in _numbered_records(Path(path))]
+
+
+def _numbered_records(path: Path) -> list[tuple[int, dict[str, Any]]]:
     if not path.is_file():
         return []
     lines = path.read_bytes().split(b"\n")
-    records = []
+    found = []
     for number, line in enumerate(lines[:-1], start=1):  # lines[-1] is b"" or an unfinished line
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{number}: not a JSON record ({exc}); the file is damaged") from exc
-    return records
+        record, why = _parse(line)
+        if record is None:
+            raise _damaged(path, number, f"damaged ({why})")
+        found.append((number, record))
+    return found
 
 
 def _logs(out: Path) -> list[Path]:
@@ -83,15 +136,10 @@ def _show(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def check_folder(out: str | os.PathLike, run: dict[str, Any]) -> bool:
-    """Whether ``out`` already holds this ``run`` (a resume); ``False`` for a new or empty folder.
-
-    Raises ``MixedRunError`` when ``out`` holds another run, naming each setting that differs, or files
-    without a ``run.json``.  Reads only.
-    """
-    out = Path(out)
-    if not out.exists() or not any(out.iterdir()):
-        return False
+def _read_manifest(out: Path) -> dict[str, Any] | None:
+    """The manifest of ``out``; ``None`` for a new folder or one holding nothing but the lock file."""
+    if not out.is_dir() or all(entry.name == LOCK for entry in out.iterdir()):
+        return None
     manifest_path = out / MANIFEST
     if not manifest_path.is_file():
         raise MixedRunError(f"--out {out}: the folder is not empty and holds no {MANIFEST} of a pasa compare run; "
@@ -100,34 +148,68 @@ def check_folder(out: str | os.PathLike, run: dict[str, Any]) -> bool:
         manifest = json.loads(manifest_path.read_text())
     except json.JSONDecodeError as exc:
         raise MixedRunError(f"--out {out}: {MANIFEST} is not valid JSON ({exc}); choose another folder") from exc
-    if manifest.get("kind") != KIND or manifest.get("format") != FORMAT:
+    if not isinstance(manifest, dict) or manifest.get("kind") != KIND or manifest.get("format") != FORMAT:
         raise MixedRunError(f"--out {out}: {MANIFEST} is not a pasa compare run of format {FORMAT}")
-    there = manifest.get("run", {})
-    if there == json.loads(dumps(run)):
-        return True
-    here = json.loads(dumps(run))
+    return manifest
+
+
+def _another_run(out: Path, there: dict[str, Any], here: dict[str, Any]) -> MixedRunError:
     changed = [f"{key} {_show(there.get(key))} there, {_show(here.get(key))} now"
                for key in sorted(set(there) | set(here)) if there.get(key) != here.get(key)]
-    raise MixedRunError(f"--out {out} holds another run ({'; '.join(changed)}); a resume needs the same "
-                        "settings: choose another --out, or delete the folder to start over")
+    return MixedRunError(f"--out {out} holds another run ({'; '.join(changed)}); a resume needs the same "
+                         "settings: choose another --out, or delete the folder to start over")
+
+
+def check_folder(out: str | os.PathLike, run: dict[str, Any]) -> bool:
+    """Whether ``out`` already holds this ``run`` (a resume); ``False`` for a new or empty folder, or one
+    whose ``run.json`` has no record yet (the new run replaces it).
+
+    Raises ``MixedRunError`` when ``out`` holds another run's records, naming each setting that differs,
+    or files without a ``run.json``; ``DamagedLogError`` for a damaged log line.  Reads only.
+    """
+    out = Path(out)
+    manifest = _read_manifest(out)
+    if manifest is None:
+        return False
+    there, here = manifest.get("run", {}), json.loads(dumps(run))
+    if there == here:
+        return True
+    if not done_records(out):
+        return False
+    raise _another_run(out, there, here)
+
+
+def check_manifest(out: str | os.PathLike, run: dict[str, Any]) -> None:
+    """Raise ``MixedRunError`` unless ``out``'s manifest is ``run`` (under torchrun: each rank's run is rank 0's)."""
+    out = Path(out)
+    there = (_read_manifest(out) or {}).get("run", {})
+    here = json.loads(dumps(run))
+    if there != here:
+        raise _another_run(out, there, here)
 
 
 def prepare_folder(out: str | os.PathLike, run: dict[str, Any], command: str) -> None:
-    """Create ``out``, write its manifest if it has none, and delete the report files of an earlier attempt."""
+    """Create ``out`` and write its manifest, unless it already holds this run's (a resume keeps its command)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    if not (out / MANIFEST).is_file():
+    manifest = _read_manifest(out)
+    if manifest is None or manifest.get("run") != json.loads(dumps(run)):
         write_json(out / MANIFEST, {"kind": KIND, "format": FORMAT, "command": command, "run": run})
-    for name in REPORT_FILES:
-        (out / name).unlink(missing_ok=True)
 
 
-def done_records(out: str | os.PathLike) -> dict[Key, dict[str, Any]]:
-    """Every record already logged in ``out`` (``samples.jsonl``, then the shards), the first of each key."""
+def done_records(out: str | os.PathLike, keys: Collection[Key] | None = None) -> dict[Key, dict[str, Any]]:
+    """Every record already logged in ``out`` (``samples.jsonl``, then the shards), the first of each key.
+
+    With ``keys``, a record whose key is not one of them raises ``DamagedLogError`` (the folder was mixed
+    by hand), as does a damaged line.
+    """
     done: dict[Key, dict[str, Any]] = {}
     for path in _logs(Path(out)):
-        for record in read_log(path):
-            done.setdefault(record_key(record), record)
+        for number, record in _numbered_records(path):
+            key = record_key(record)
+            if keys is not None and key not in keys:
+                raise _damaged(path, number, f"a record of {key}, which is not part of this run")
+            done.setdefault(key, record)
     return done
 
 
@@ -176,15 +258,12 @@ class LogWriter:
 def merge_logs(out: str | os.PathLike, order: Sequence[Key]) -> list[dict[str, Any]]:
     """Rewrite ``samples.jsonl`` as every logged record in ``order`` (each once) and delete the shards.
 
-    Returns the records.  A logged record whose key is not in ``order`` raises ``ValueError`` (the
-    folder was mixed by hand); keys of ``order`` without a record are simply absent from the result.
+    Returns the records.  A logged record whose key is not in ``order`` raises ``DamagedLogError``; keys
+    of ``order`` without a record are simply absent from the result.
     """
     out = Path(out)
-    done = done_records(out)
     position = {key: i for i, key in enumerate(order)}
-    stray = [key for key in done if key not in position]
-    if stray:
-        raise ValueError(f"merge_logs: {out} holds records that are not part of this run, e.g. {stray[0]}")
+    done = done_records(out, position)
     records = sorted(done.values(), key=lambda record: position[record_key(record)])
     write_atomic(out / SAMPLES, "".join(dumps(record, indent=None) + "\n" for record in records))
     for shard in _logs(out)[1:]:
@@ -194,3 +273,45 @@ def merge_logs(out: str | os.PathLike, order: Sequence[Key]) -> list[dict[str, A
         shards.rmdir()
     return records
 
+
+class FolderLock:
+    """One run per folder: an exclusive, non-blocking ``flock`` on ``OUT/.lock`` from ``acquire`` to ``release``.
+
+    The lock belongs to the open file, so the kernel drops it when the process ends in any way (``kill
+    -9`` included): it never stays stuck.  The file holds the holder's pid and host, for the message of
+    the run that is refused; it stays in the folder (``check_folder`` ignores it).  Use as a context
+    manager (``release`` on exit); ``acquire`` creates the folder and may be called again.
+    """
+
+    def __init__(self, out: str | os.PathLike) -> None:
+        self.out = Path(out)
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        """Take the lock, or raise ``FolderInUseError`` at once if another process holds it."""
+        if self._fd is not None:
+            return
+        self.out.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise FolderInUseError(f"--out {self.out}: another pasa compare is running into this folder (pid and host "
+                                   f"{holder}); wait for it to end, or choose another --out") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        """Drop the lock (a no-op if it is not held)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> FolderLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

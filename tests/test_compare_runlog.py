@@ -1,7 +1,12 @@
-"""The run folder of `pasa compare` (pipelines/runlog.py), its samples, and the --images/--seeds flags; no model."""
+"""The run folder of `pasa compare` (pipelines/runlog.py): logs, damaged lines, manifests, the lock; its samples,
+and the --images/--seeds flags; no model."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 
 import PIL.Image
 import pytest
@@ -15,7 +20,8 @@ RUN = {"model": "tiny", "seeds": [0, 1], "num_frames": 2}
 
 
 def rec(image: str, seed: int, backend: str, value: float = 1.0) -> dict:
-    return {"image": image, "seed": seed, "backend": backend, "psnr": value}
+    """A record of the logs' format: every field of ``runlog.RECORD_FIELDS``."""
+    return {**dict.fromkeys(runlog.RECORD_FIELDS), "image": image, "seed": seed, "backend": backend, "psnr": value}
 
 
 def test_seed_list():
@@ -92,8 +98,36 @@ def test_log_writer_appends_and_cuts_a_line_left_unfinished(tmp_path):
     assert path.read_text().count("\n") == 2
     with open(path, "a") as f:
         f.write("garbage\n")
-    with pytest.raises(ValueError, match="samples.jsonl:3: not a JSON record"):
+    with pytest.raises(runlog.DamagedLogError, match=r"samples.jsonl, line 3: damaged \(not a JSON record"):
         runlog.read_log(path)
+
+
+@pytest.mark.parametrize("line, why", [
+    ('{"image": "a", "seed": 1, "back\n', "not a JSON record: Unterminated string"),
+    ("[1, 2]\n", "not a JSON object but list"),
+    ('{"image": "a", "seed": 1, "backend": "pasa"}\n', "a record without sample, psnr"),
+    (json.dumps({**rec("a", 0, "pasa"), "seed": "0"}) + "\n", "image, backend and seed must be"),
+    (b'{"image": "\xc3\x28"}\n', "not text (invalid continuation byte at byte 11)"),
+])
+def test_a_damaged_line_names_the_file_the_line_and_the_repair(tmp_path, line, why):
+    path = tmp_path / runlog.SAMPLES
+    good = json.dumps(rec("a", 0, "pasa")) + "\n"
+    path.write_bytes(good.encode() + (line if isinstance(line, bytes) else line.encode()) + good.encode())
+    with pytest.raises(runlog.DamagedLogError) as info:
+        runlog.read_log(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}, line 2: damaged ({why}") and "\n" not in message
+    assert message.endswith("delete that line (its result is computed again when you rerun the command) or start "
+                            "over with a new --out")
+
+
+def test_a_record_of_another_run_is_a_damaged_line(tmp_path):
+    with runlog.LogWriter(tmp_path / runlog.SAMPLES) as log:
+        log.append(rec("a", 0, "pasa"))
+        log.append(rec("b", 0, "pasa"))
+    assert len(runlog.done_records(tmp_path)) == 2
+    with pytest.raises(runlog.DamagedLogError, match=r"line 2: a record of \('b', 0, 'pasa'\), which is not part"):
+        runlog.done_records(tmp_path, {("a", 0, "pasa")})
 
 
 def test_check_folder_resumes_the_same_run_and_refuses_others(tmp_path):
@@ -101,6 +135,8 @@ def test_check_folder_resumes_the_same_run_and_refuses_others(tmp_path):
     assert runlog.check_folder(out, RUN) is False
     runlog.prepare_folder(out, RUN, "pasa compare")
     assert runlog.check_folder(out, RUN) is True
+    with runlog.LogWriter(out / runlog.SAMPLES) as log:
+        log.append(rec("a", 0, "pasa"))
     with pytest.raises(runlog.MixedRunError, match=r"holds another run \(seeds \[0, 1\] there, \[0, 1, 2\] now\)"):
         runlog.check_folder(out, {**RUN, "seeds": [0, 1, 2]})
     with pytest.raises(runlog.MixedRunError, match="model \"tiny\" there, \"tiny-resonant\" now; num_frames"):
@@ -112,14 +148,55 @@ def test_check_folder_resumes_the_same_run_and_refuses_others(tmp_path):
         runlog.check_folder(foreign, RUN)
 
 
-def test_prepare_folder_deletes_the_report_of_an_earlier_attempt(tmp_path):
+def test_a_manifest_without_records_is_taken_over_and_records_are_not(tmp_path):
+    other = {**RUN, "seeds": [0, 1, 2]}
     runlog.prepare_folder(tmp_path, RUN, "first")
-    for name in runlog.REPORT_FILES:
-        (tmp_path / name).write_text("old")
+    assert runlog.check_folder(tmp_path, other) is False, "no result is there: nothing to protect"
+    runlog.prepare_folder(tmp_path, other, "second")
+    assert json.loads((tmp_path / runlog.MANIFEST).read_text())["run"] == other
+    runlog.check_manifest(tmp_path, other)
+    with pytest.raises(runlog.MixedRunError, match="holds another run"):
+        runlog.check_manifest(tmp_path, RUN)
+    (tmp_path / runlog.SAMPLES).write_text(json.dumps(rec("a", 0, "pasa")) + "\n")
+    with pytest.raises(runlog.MixedRunError, match="holds another run"):
+        runlog.check_folder(tmp_path, RUN)
+
+
+def test_prepare_folder_keeps_the_report_and_the_first_command(tmp_path):
+    runlog.prepare_folder(tmp_path, RUN, "first")
+    (tmp_path / "report.json").write_text("old")
     (tmp_path / runlog.SAMPLES).write_text(json.dumps(rec("a", 0, "pasa")) + "\n")
     runlog.prepare_folder(tmp_path, RUN, "second")
-    assert sorted(p.name for p in tmp_path.iterdir()) == [runlog.MANIFEST, runlog.SAMPLES]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json", runlog.MANIFEST, runlog.SAMPLES]
     assert json.loads((tmp_path / runlog.MANIFEST).read_text())["command"] == "first"
+
+
+def test_the_folder_lock_admits_one_holder_and_leaves_no_trace_in_the_run(tmp_path):
+    out = tmp_path / "new"
+    with runlog.FolderLock(out) as first:
+        first.acquire()
+        first.acquire()  # again: a no-op
+        assert runlog.check_folder(out, RUN) is False, "a folder holding only the lock file is empty"
+        with pytest.raises(runlog.FolderInUseError, match=rf"--out {out}: another pasa compare is running into "
+                                                          rf"this folder \(pid and host {os.getpid()} "):
+            runlog.FolderLock(out).acquire()
+    with runlog.FolderLock(out) as second:
+        second.acquire()
+
+
+def test_the_lock_of_a_killed_process_is_free(tmp_path):
+    code = ("import sys, time; from pasa_diffusers.pipelines.runlog import FolderLock; "
+            f"FolderLock({str(tmp_path)!r}).acquire(); print('locked', flush=True); time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        with pytest.raises(runlog.FolderInUseError, match=f"pid and host {holder.pid} "):
+            runlog.FolderLock(tmp_path).acquire()
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    with runlog.FolderLock(tmp_path) as lock:
+        lock.acquire()
 
 
 def test_merge_logs_unites_shards_in_order_once_each(tmp_path):
@@ -137,5 +214,5 @@ def test_merge_logs_unites_shards_in_order_once_each(tmp_path):
     assert [r["psnr"] for r in merged] == [1.0, 2.0, 4.0]
     assert runlog.read_log(tmp_path / runlog.SAMPLES) == merged
     assert not (tmp_path / runlog.SHARDS).exists()
-    with pytest.raises(ValueError, match="not part of this run"):
+    with pytest.raises(runlog.DamagedLogError, match="not part of this run"):
         runlog.merge_logs(tmp_path, order[:2])

@@ -12,8 +12,9 @@ import pytest
 from pasa_diffusers.metrics import stats
 from pasa_diffusers.metrics.records import (dumps, from_json_float, json_float, json_safe, markdown_table,
                                             write_atomic)
+from pasa_diffusers.metrics import report as report_module
 from pasa_diffusers.metrics.report import build_report, format_markdown, format_table, paired_rows, table_rows, \
-    write_report
+    verdict, write_report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -207,3 +208,87 @@ def test_write_report_writes_every_file_and_no_temporary_one(tmp_path):
     for name in ("distributions", "psnr_per_frame"):
         assert written[name].read_bytes()[:8] == PNG_SIGNATURE
         assert iio.imread(written[name]).std() > 0
+
+
+def test_write_report_replaces_the_old_report_only_once_the_new_one_is_complete(tmp_path, monkeypatch):
+    records = make_records()
+    write_report(build_report(records, backends=BACKENDS, meta=META), records, tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    newer = build_report(records, backends=BACKENDS, meta={**META, "command": "pasa compare --newer"})
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(report_module, "format_markdown", fail)  # after both plots were written
+    with pytest.raises(RuntimeError, match="disk full"):
+        write_report(newer, records, tmp_path)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before, "the old report is whole, no temporary file"
+    monkeypatch.undo()
+    write_report(newer, records, tmp_path)
+    assert json.loads((tmp_path / "report.json").read_text())["command"] == "pasa compare --newer"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(before)
+
+
+# ------------------------------------------------------------------------------------------ the report in words
+
+
+def set_psnr(records: list[dict], backend: str, values: list[float]) -> list[dict]:
+    rows = [r for r in records if r["backend"] == backend]
+    for r, value in zip(rows, values, strict=True):
+        r["psnr"] = value
+    return records
+
+
+def pair_words(summary: dict, better: str, other: str) -> str:
+    """The sentence the verdict must hold for a resolved pair, written from the paired summary."""
+    mean, (lo, hi) = summary["mean"], summary["ci95"]
+    if better != "pasa":
+        mean, lo, hi = -mean, -hi, -lo
+    return (f"{better} is {mean:.2f} dB (95 % CI {lo:.2f} to {hi:.2f}) closer to FP32 than {other} in PSNR, "
+            f"over {summary['n']} samples.")
+
+
+def test_the_verdict_follows_the_records():
+    report = build_report(make_records(), backends=BACKENDS, meta=META)
+    sentences = verdict(report)
+    assert sentences[0] == ("naive-half gives non-finite (NaN or inf) frames in 4 of 4 samples (8 of 8 frames), "
+                            "which no score counts; pasa and bf16 stay finite in every frame.")
+    assert pair_words(report["paired"]["pasa - bf16"]["psnr"], "pasa", "bf16") in sentences
+    assert sentences[-1].startswith("With 4 samples read the intervals as a rough guide")
+
+    swapped = build_report(set_psnr(make_records(), "bf16", [50.0, 48.5, 49.0, 51.0]), backends=BACKENDS, meta=META)
+    assert pair_words(swapped["paired"]["pasa - bf16"]["psnr"], "bf16", "pasa") in verdict(swapped)
+
+    noise = build_report(set_psnr(make_records(), "bf16", [45.0, 40.5, 44.0, 44.25]), backends=BACKENDS, meta=META)
+    summary = noise["paired"]["pasa - bf16"]["psnr"]
+    lo, hi = summary["ci95"]
+    assert lo < 0 < hi
+    assert (f"pasa and bf16 cannot be told apart: pasa \u2212 bf16 is {summary['mean']:+.2f} dB of PSNR (95 % CI "
+            f"\u2212{-lo:.2f} to +{hi:.2f}, which holds 0) over 4 samples.") in verdict(noise)
+
+    finite = [r for r in make_records() if r["backend"] != "naive-half"]
+    healthy = build_report(finite, backends=("pasa", "bf16"), meta=META)
+    assert verdict(healthy)[0] == "every backend stays finite in every frame."
+
+
+def test_the_report_explains_the_model_the_fallbacks_and_cpu_times():
+    meta = {**META, "model_note": "a model with a note that the test wrote"}
+    md = format_markdown(build_report(make_records(), backends=BACKENDS, meta=meta))
+    opening = md.split("## Scores", 1)[0]
+    assert opening.startswith("# pasa compare: tiny-resonant, 4 samples\n\nCompared: the attention backends pasa, "
+                              "naive-half and bf16, each against FP32 attention (`fp32`, the reference), in the model "
+                              "`tiny-resonant`, on 4 samples = 2 image(s) x 2 seed(s).")
+    assert "The model: `tiny-resonant` is a model with a note that the test wrote." in opening
+    assert "## Verdict" in opening and verdict(build_report(make_records(), backends=BACKENDS, meta=meta))[1] in opening
+    assert "computed exactly another way, in documented cases only (a single key" in md
+    assert "so 50 % is expected of the backends that run the PASA op" in md
+    assert "| CPU time s |" in md and "CPU times say nothing about GPU speed" in md
+
+    on_gpu = {**META, "settings": {**META["settings"], "device": "cuda"}}
+    bf16_only = [r for r in make_records() if r["backend"] == "bf16"]
+    md = format_markdown(build_report(bf16_only, backends=("bf16",), meta=on_gpu))
+    assert "The model:" not in md and "| time s |" in md and "CPU times" not in md
+    assert "50 % is expected" not in md, "no call fell back: nothing to explain"
+    summary = build_report(bf16_only, backends=("bf16",), meta=on_gpu)["aggregate"]["bf16"]["psnr"]
+    assert (f"bf16 has a PSNR of {summary['mean']:.2f} dB (95 % CI {summary['ci95'][0]:.2f} to "
+            f"{summary['ci95'][1]:.2f}) against FP32 over 4 samples.") in md

@@ -1,8 +1,9 @@
 """``pasa compare``: every backend's videos scored against the FP32-attention ones, over images and seeds.
 
 The samples are every (image, seed) of ``--images`` x ``--seeds``; each finished (sample, backend) is
-appended to ``OUT/samples.jsonl`` at once, the same command resumes a killed run, and the report
-(``report.md``, ``report.json``, plots, the worst samples' side-by-side GIFs) is written at the end.
+appended to ``OUT/samples.jsonl`` at once, the same command resumes a killed or interrupted run (Ctrl-C
+exits 130 saying how many results are done), a second run into a folder in use is refused, and the
+report (``report.md``, ``report.json``, plots, the worst samples' side-by-side GIFs) is written at the end.
 Under ``torchrun --standalone --nproc-per-node N --no-python pasa compare ...`` the samples are shared
 out over the N processes (one per GPU with ``--device cuda``); rank 0 writes the report.
 """
@@ -12,20 +13,23 @@ import argparse
 import os
 import shlex
 import sys
+import tempfile
 from pathlib import Path
 
 from pasa_diffusers.backends import COMPARED, DEFAULT_COMPARED, REFERENCE
 from pasa_diffusers.pipelines.names import BUILTIN_IMAGES
 
 from .common import (MAX_SEED, SCORED_MIN_SIZE, UsageError, add_generation_args, backend_help, check_device,
-                     check_file, check_image, check_model, check_out_dir, int_range, load_model, model_dtype,
-                     model_help, positive_float)
+                     check_file, check_image, check_model, int_range, load_model, model_dtype, model_help,
+                     positive_float)
 
-__all__ = ["add_parser", "validate", "run", "seed_list", "image_list", "backend_list"]
+__all__ = ["add_parser", "validate", "check_out", "run", "seed_list", "image_list", "backend_list"]
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
 """Files of a folder given to ``--images`` that are taken as images (case-insensitive)."""
 MAX_SEEDS = 100_000
+INTERRUPTED = 130
+"""The exit status after Ctrl-C (128 + SIGINT), as a shell reports a command killed by it."""
 
 
 def _items(text: str) -> list[str]:
@@ -102,19 +106,34 @@ def backend_list(text: str) -> list[str]:
     return _no_repeats(names, "backend")
 
 
+def check_out(path: str) -> None:
+    """Refuse an ``--out`` that is (or lies under) a file, or where nothing can be written, creating nothing:
+    ``compare.evaluate`` makes the folder only once the model and the images are known to be usable."""
+    out = Path(path).expanduser()
+    base = next(p for p in (out, *out.parents) if p.exists())  # the last parent, "/" or ".", exists
+    if not base.is_dir():
+        raise UsageError(f"--out {path}: {base} is a file, not a folder")
+    try:
+        with tempfile.TemporaryDirectory(dir=base):
+            pass
+    except OSError as exc:
+        raise UsageError(f"--out {path}: cannot write there ({exc.strerror or exc})") from exc
+
+
 def validate(args: argparse.Namespace) -> None:
-    """What ``type=`` cannot check, before any heavy import: model, images, output folder, device, torchrun."""
+    """What ``type=`` cannot check, before any heavy import and before anything is written: model, images,
+    LPIPS weights, device, torchrun, output folder (checked, not created)."""
     check_model(args.model)
     for image in args.images:
         if not image.startswith("builtin:"):
             check_image(image, "--images")
-    check_out_dir(args.out)
     if args.lpips_weights is not None:
         check_file(args.lpips_weights, "--lpips-weights")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and ":" in args.device:
         raise UsageError(f"--device {args.device}: under torchrun each rank runs on cuda:LOCAL_RANK; "
                          "pass --device cuda")
     check_device(args.device)
+    check_out(args.out)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -134,10 +153,13 @@ def run(args: argparse.Namespace) -> int:
 
         try:
             report = compare.evaluate(config, args.out, dist=dist, load_pipeline=load, command=command)
-        except runlog.MixedRunError as exc:
+        except (runlog.MixedRunError, runlog.DamagedLogError, runlog.FolderInUseError) as exc:
             raise UsageError(str(exc)) from exc
         except install.AllCallsFellBackError as exc:
             raise UsageError(f"--backends: {exc}; choose another backend or --dtype") from exc
+        except compare.RunInterrupted as exc:
+            print(f"pasa compare: {exc}", file=sys.stderr)
+            return INTERRUPTED
     if report is not None:
         print(metrics.format_table(report))
         print(f"wrote {args.out}/report.md, report.json, samples.jsonl, plots and the worst samples' videos")
