@@ -16,7 +16,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from diffusers.models.attention_processor import Attention
 
 from pasa_diffusers.beta import DEFAULT_BETA
 from pasa_diffusers.diagnose import CAUSE_RULE, RISK_RULE, LayerRecorder, StepClock, recording, summarize
@@ -39,10 +38,10 @@ class DiagnosticAttnProcessor(SDPAAttnProcessor):
         self.name = recorder.name
         self.recorder = recorder
 
-    def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn: Attention,
+    def attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None,
                   attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        self.recorder.record(query, key, attn.scale)
-        return super().attention(query, key, value, attn, attention_mask)
+        self.recorder.record(query, key, scale)
+        return super().attention(query, key, value, scale, attention_mask)
 
 
 def _timed_generate(pipe: Any, image: Any, settings: dict[str, Any], desc: str, progress: bool,
@@ -110,7 +109,7 @@ def diagnose(pipe: Any, image: Any, *, num_frames: int, num_inference_steps: int
             clock.step = i + 1
             peak = max((r["max_abs_qk"] for layer in recorders for r in layer.records), default=0.0)
             hot = sum(any(r["overflow_count"] for r in layer.records) for layer in recorders)
-            bar.set_postfix_str(f"max|q.k| {peak:.3g}, {hot} layer(s) overflow")
+            bar.set_postfix_str(f"max|q.k| {peak:.3g}, overflowing layers {hot}")
 
         frames, seconds_with = _timed_generate(pipe, image, settings, "diagnose", progress, on_step)
     match_plain = seconds_without = None

@@ -25,21 +25,31 @@ The phases ``phi_h`` are half a step off the grid ``2 pi d / D`` (and ``D`` is a
 ``c[h, d]`` is near zero and the signs of q's and k's token means follow the planted pattern.  Every
 layer not planted keeps its weights: its scores stay those of the tiny model (below 100).
 
-The result is still a ``StableVideoDiffusionPipeline``; ``save_pretrained`` writes the biases, but
-``from_pretrained`` rebuilds bias-free projections from the config and drops them.
+The projection biases are real parameters that the UNet's config describes: ``build_tiny_resonant``
+makes the UNet a ``QKBiasUNetSpatioTemporalConditionModel``, SVD's UNet with one more config entry,
+``qk_bias_layers`` (the attention modules whose ``to_q`` and ``to_k`` carry a bias).  The result is
+still a ``StableVideoDiffusionPipeline``; ``save_pretrained`` writes the biases and records the UNet's
+class under this module's name in ``model_index.json``, and ``from_pretrained`` (in a process that
+has imported this module, as ``load_svd`` does) rebuilds the biased projections from the config and
+loads them: the same model.  Without this module imported, diffusers refuses the folder and says to
+import it.
 """
 from __future__ import annotations
 
+import inspect
 import math
+from typing import Any
 
 import torch
-from diffusers import StableVideoDiffusionPipeline
+from diffusers import ModelMixin  # noqa: F401  (from_pretrained looks its loading methods up in this module)
+from diffusers import StableVideoDiffusionPipeline, UNetSpatioTemporalConditionModel
+from diffusers.configuration_utils import register_to_config
 from diffusers.models.attention_processor import Attention
 
 from pasa_diffusers.rules import FP16_MAX
 
-__all__ = ["PLANTED_LAYERS", "PATTERNS", "DEFAULT_MARGIN", "phase_pattern", "bias_amplitude", "plant_resonance",
-           "build_tiny_resonant"]
+__all__ = ["PLANTED_LAYERS", "PATTERNS", "DEFAULT_MARGIN", "QKBiasUNetSpatioTemporalConditionModel", "with_qk_biases",
+           "phase_pattern", "bias_amplitude", "plant_resonance", "build_tiny_resonant"]
 
 PLANTED_LAYERS: tuple[str, ...] = (
     "down_blocks.0.attentions.0.transformer_blocks.0.attn1",
@@ -54,6 +64,68 @@ PATTERNS = ("in-phase", "anti-phase", "random")
 
 DEFAULT_MARGIN = 2.0
 """Planted raw scores sit near ``DEFAULT_MARGIN * 65504``."""
+
+
+def _with_parameter(parameter: inspect.Parameter) -> inspect.Signature:
+    """``UNetSpatioTemporalConditionModel.__init__``'s signature with ``parameter`` added last.
+
+    diffusers reads a model's config keys from its ``__init__`` signature (``register_to_config`` records
+    them, ``from_config`` passes them back): the subclass declares the parent's parameters and its own
+    through ``__signature__`` instead of copying the parent's thirteen parameters and their defaults."""
+    parent = inspect.signature(UNetSpatioTemporalConditionModel.__init__)
+    return parent.replace(parameters=[*parent.parameters.values(), parameter])
+
+
+class QKBiasUNetSpatioTemporalConditionModel(UNetSpatioTemporalConditionModel):
+    """SVD's UNet whose attention modules ``qk_bias_layers`` (paths under the UNet) have biased ``to_q``
+    and ``to_k``: the biases are parameters, saved and loaded with the others, and the config lists where
+    they are.  Every other argument is ``UNetSpatioTemporalConditionModel``'s."""
+
+    def __init__(self, *args: Any, qk_bias_layers: tuple[str, ...] | list[str] = (), **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        modules = dict(self.named_modules())
+        for path in qk_bias_layers:
+            attn = modules.get(path)
+            if not isinstance(attn, Attention):
+                raise ValueError(f"QKBiasUNetSpatioTemporalConditionModel: qk_bias_layers names {path!r}, "
+                                 "which is not an Attention module of the UNet")
+            attn.to_q = _with_zero_bias(attn.to_q)
+            attn.to_k = _with_zero_bias(attn.to_k)
+
+    __init__.__signature__ = _with_parameter(inspect.Parameter(
+        "qk_bias_layers", inspect.Parameter.KEYWORD_ONLY, default=(), annotation="tuple[str, ...] | list[str]"))
+    __init__ = register_to_config(__init__)
+
+
+def _with_zero_bias(linear: torch.nn.Linear) -> torch.nn.Linear:
+    """``linear`` itself when it has a bias, else a ``Linear`` holding the same weight tensor and a zero bias."""
+    if linear.bias is not None:
+        return linear
+    weight = linear.weight
+    out = torch.nn.Linear(linear.in_features, linear.out_features, bias=True, device=weight.device, dtype=weight.dtype)
+    out.weight = weight
+    with torch.no_grad():
+        out.bias.zero_()
+    return out
+
+
+def with_qk_biases(unet: UNetSpatioTemporalConditionModel,
+                   layers: tuple[str, ...]) -> QKBiasUNetSpatioTemporalConditionModel:
+    """``unet`` as a ``QKBiasUNetSpatioTemporalConditionModel`` whose ``layers`` have biased ``to_q``/``to_k``
+    (zero where ``unet`` had none; any it lists already stay biased): the same weights, the same
+    tensors, its mode (eval or train) kept."""
+    listed = tuple(getattr(unet.config, "qk_bias_layers", ()))
+    config = {key: value for key, value in unet.config.items() if not key.startswith("_")}
+    with torch.device("meta"):
+        biased = QKBiasUNetSpatioTemporalConditionModel.from_config(
+            {**config, "qk_bias_layers": [*listed, *(path for path in layers if path not in listed)]})
+    state = unet.state_dict()
+    for key, parameter in biased.state_dict().items():
+        if key not in state:  # a new bias, next to its weight
+            weight = state[key.removesuffix("bias") + "weight"]
+            state[key] = torch.zeros(parameter.shape, dtype=weight.dtype, device=weight.device)
+    biased.load_state_dict(state, strict=True, assign=True)
+    return biased.train(unet.training)
 
 
 def phase_pattern(heads: int, head_dim: int) -> torch.Tensor:
@@ -79,25 +151,26 @@ def _random_orthogonal(c: torch.Tensor, generator: torch.Generator | None) -> to
     return r * (c.norm(dim=-1, keepdim=True) / r.norm(dim=-1, keepdim=True))
 
 
-def _with_bias(linear: torch.nn.Linear, bias: torch.Tensor) -> torch.nn.Linear:
-    """A copy of ``linear`` (same weights) whose bias is its own (if any) plus ``bias``."""
-    weight = linear.weight
-    out = torch.nn.Linear(linear.in_features, linear.out_features, bias=True, device=weight.device, dtype=weight.dtype)
+def _add_bias(linear: torch.nn.Linear, bias: torch.Tensor) -> None:
+    """Add ``bias`` to ``linear.bias`` in place (the sum taken in float64)."""
     with torch.no_grad():
-        out.weight.copy_(weight)
-        total = bias.to(torch.float64) + (linear.bias.double() if linear.bias is not None else 0.0)
-        out.bias.copy_(total.to(weight.dtype))
-    return out
+        linear.bias.copy_((linear.bias.double() + bias.to(torch.float64)).to(linear.bias.dtype))
 
 
 def plant_resonance(attn: Attention, *, pattern: str = "in-phase", margin: float = DEFAULT_MARGIN,
                     generator: torch.Generator | None = None) -> None:
-    """Plant the bias ``b c`` on ``attn.to_q`` and the ``pattern``'s key bias on ``attn.to_k`` (in place).
+    """Add the bias ``b c`` to ``attn.to_q``'s bias and the ``pattern``'s key bias to ``attn.to_k``'s (in place).
 
-    ``generator`` draws the ``"random"`` direction (default: torch's global generator).
+    Both projections must have a bias (``with_qk_biases`` gives a UNet's attention modules one, listed in
+    its config so that ``save_pretrained`` keeps it).  ``generator`` draws the ``"random"`` direction
+    (default: torch's global generator).
     """
     if pattern not in PATTERNS:
         raise ValueError(f"plant_resonance: unknown pattern={pattern!r}; expected one of {PATTERNS}")
+    if attn.to_q.bias is None or attn.to_k.bias is None:
+        raise ValueError("plant_resonance: attn.to_q and attn.to_k must have a bias to plant into; make the UNet "
+                         "with_qk_biases(unet, layers) first, so that its config lists them and save_pretrained "
+                         "keeps what is planted")
     heads = attn.heads
     head_dim = attn.to_q.out_features // heads
     if attn.to_k.out_features != heads * head_dim:
@@ -111,8 +184,8 @@ def plant_resonance(attn: Attention, *, pattern: str = "in-phase", margin: float
         ck = -c
     else:
         ck = _random_orthogonal(c, generator)
-    attn.to_q = _with_bias(attn.to_q, b * c.flatten())
-    attn.to_k = _with_bias(attn.to_k, b * ck.flatten())
+    _add_bias(attn.to_q, b * c.flatten())
+    _add_bias(attn.to_k, b * ck.flatten())
 
 
 def build_tiny_resonant(pipe: StableVideoDiffusionPipeline, *, layers: tuple[str, ...] = PLANTED_LAYERS,
@@ -121,7 +194,8 @@ def build_tiny_resonant(pipe: StableVideoDiffusionPipeline, *, layers: tuple[str
     """The tiny pipeline with resonance planted in ``layers`` (paths of ``pipe.unet`` attention modules).
 
     Args:
-        pipe: the pipeline to plant into, in place (e.g. ``load_svd("tiny")``).
+        pipe: the pipeline to plant into, in place (e.g. ``load_svd("tiny")``); its UNet becomes a
+            ``QKBiasUNetSpatioTemporalConditionModel`` (``with_qk_biases``) with the same weights.
         layers: module paths, e.g. ``PLANTED_LAYERS``.
         pattern: ``"in-phase"``, ``"anti-phase"`` or ``"random"`` (see the module docstring).
         margin: planted raw scores sit near ``margin * 65504``; PASA half stays finite for
@@ -132,9 +206,11 @@ def build_tiny_resonant(pipe: StableVideoDiffusionPipeline, *, layers: tuple[str
     """
     modules = dict(pipe.unet.named_modules())
     for path in layers:
-        module = modules.get(path)
-        if not isinstance(module, Attention):
+        if not isinstance(modules.get(path), Attention):
             raise ValueError(f"build_tiny_resonant: {path!r} is not an Attention module of the UNet")
-        plant_resonance(module, pattern=pattern, margin=margin, generator=generator)
+    pipe.unet = with_qk_biases(pipe.unet, layers)
+    modules = dict(pipe.unet.named_modules())
+    for path in layers:
+        plant_resonance(modules[path], pattern=pattern, margin=margin, generator=generator)
     pipe.register_to_config(_name_or_path="tiny-resonant")
     return pipe

@@ -1,5 +1,7 @@
 """Stable Video Diffusion: loading (hub id, local folder, built-in models) and generation from explicit latents.
 
+Conditioning images are read by ``images.load_image`` (re-exported here): any mode PIL opens, as 8-bit RGB.
+
 Every backend comparison starts from the same initial noise: ``make_latents`` draws it on the CPU from
 a seed, ``generate`` hands it to the pipeline (which only scales it by ``init_noise_sigma``) together
 with a CPU generator seeded alike for the noise augmentation of the conditioning image.  Frames come
@@ -9,16 +11,14 @@ visible to the caller.
 from __future__ import annotations
 
 import json
+import logging
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 import huggingface_hub.constants
 import numpy as np
 import PIL.Image
-import PIL.ImageOps
-import skimage.data
 import torch
 from diffusers import (
     AutoencoderKLTemporalDecoder,
@@ -28,7 +28,8 @@ from diffusers import (
 from safetensors import SafetensorError, safe_open
 from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
 
-from .names import BUILTIN_IMAGES, BUILTIN_MODELS, is_hub_id
+from .images import load_image
+from .names import BUILTIN_MODELS, is_hub_id
 from .resonant import build_tiny_resonant
 from .svd_xt_random import build_svd_xt_random, svd_xt_scheduler
 
@@ -36,6 +37,35 @@ __all__ = ["ModelLoadError", "load_svd", "load_image", "make_latents", "generate
 
 TINY_DEFAULTS: dict[str, int] = {"height": 32, "width": 32, "num_frames": 2, "num_inference_steps": 2}
 """Generation settings that run the tiny pipeline in about a second on two CPU cores."""
+
+
+class _Fp32CastWarningFilter(logging.Filter):
+    """diffusers' "There are modules in X that should be kept in float32: [...]" warning, at most once per
+    message, and never with an empty list.
+
+    ``ModelMixin.to`` (diffusers 0.42) logs it on every dtype cast, also when the model keeps no module in
+    float32 (``_keep_in_fp32_modules`` is None or empty: the list it prints is ``[]`` and says nothing).
+    SVD casts often: ``load_svd(dtype=...)`` casts each component, and the pipeline itself casts its fp16
+    VAE to float32 and back around the image encoding (``force_upcast``).
+    """
+
+    _MARK = "that should be kept in float32: "
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if self._MARK not in message:
+            return True
+        if message.partition(self._MARK)[2].startswith("[]") or message in self.seen:
+            return False
+        self.seen.add(message)
+        return True
+
+
+logging.getLogger("diffusers.models.modeling_utils").addFilter(_Fp32CastWarningFilter())
 
 
 def _tiny_pipeline() -> StableVideoDiffusionPipeline:
@@ -225,35 +255,6 @@ def load_svd(
         return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
     pipe = _from_pretrained(model, dtype=dtype, variant=variant, local_files_only=local_files_only)
     return pipe.to(device)
-
-
-def load_image(spec: str | os.PathLike, size: int | tuple[int, int] | None = None) -> PIL.Image.Image:
-    """Load an RGB conditioning image.
-
-    Args:
-        spec: an image file path, or ``builtin:<name>`` with a name from ``BUILTIN_IMAGES``
-            (scikit-image's bundled data, no download).
-        size: ``(width, height)`` or one int for a square; the image is centre-cropped to that aspect
-            ratio and resized (bicubic).  ``None`` keeps the original size.
-    """
-    text = os.fspath(spec)
-    if text.startswith("builtin:"):
-        name = text.removeprefix("builtin:")
-        if name not in BUILTIN_IMAGES:
-            choices = ", ".join(f"builtin:{n}" for n in BUILTIN_IMAGES)
-            raise ValueError(f"load_image: unknown builtin image spec={text!r}; expected one of {choices}")
-        image = PIL.Image.fromarray(getattr(skimage.data, name)())
-    else:
-        path = Path(text).expanduser()
-        if not path.is_file():
-            raise FileNotFoundError(f"load_image: no such image file spec={text!r}")
-        with PIL.Image.open(path) as opened:
-            image = opened.convert("RGB")
-    image = image.convert("RGB")
-    if size is not None:
-        width, height = (size, size) if isinstance(size, int) else size
-        image = PIL.ImageOps.fit(image, (width, height), method=PIL.Image.Resampling.BICUBIC)
-    return image
 
 
 def make_latents(

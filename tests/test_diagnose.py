@@ -181,9 +181,9 @@ class _Capture(P.SDPAAttnProcessor):
         super().__init__()
         self.calls_qk: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def attention(self, query, key, value, attn, attention_mask=None):
+    def attention(self, query, key, value, scale, attention_mask=None):
         self.calls_qk.append((query.transpose(1, 2).double(), key.transpose(1, 2).double()))
-        return super().attention(query, key, value, attn, attention_mask)
+        return super().attention(query, key, value, scale, attention_mask)
 
 
 def test_diagnosis_matches_brute_force_per_step(resonant_run):
@@ -245,8 +245,8 @@ class _Raising(P.SDPAAttnProcessor):
         super().__init__()
         self.recorder = recorder
 
-    def attention(self, query, key, value, attn, attention_mask=None):
-        self.recorder.record(query, key, attn.scale)
+    def attention(self, query, key, value, scale, attention_mask=None):
+        self.recorder.record(query, key, scale)
         raise RuntimeError("planted failure")
 
 
@@ -292,6 +292,30 @@ def test_reports(resonant_run, tmp_path):
         assert len(rows) >= len(result["layers"])
         assert top["short"] in rows[0] and "in-phase resonance" in rows[0]
         assert "3 of 24 attention layers overflow" in table
+
+
+def test_the_legend_says_the_overflows_column_holds_counts(resonant_run):
+    from pasa_diffusers.diagnose.render import LEGEND
+
+    result, _, _, _ = resonant_run
+    table = risk_table(result, use_rich=False)
+    assert LEGEND in table and "overflows = how many raw scores |q . k| exceed 65504, summed over all calls" in LEGEND
+    hot = next(layer for layer in ranked(result) if layer["overflows"])
+    row = next(line for line in table.splitlines() if f" {hot['short']} " in line)
+    assert f"{hot['overflow_count']:,}" in row.split()  # the column holds the count, not a yes/no
+
+
+@pytest.mark.parametrize("hot, steps, frames, text", [
+    (1, 1, 2, "1 of 24 attention layers overflows FP16 (2 frames, 1 step, "),
+    (3, 2, 2, "3 of 24 attention layers overflow FP16 (2 frames, 2 steps, "),
+    (0, 3, 2, "0 of 24 attention layers overflow FP16 (2 frames, 3 steps, "),
+])
+def test_the_footer_counts_in_words(resonant_run, hot, steps, frames, text):
+    result, _, _, _ = resonant_run
+    layers = [{**layer, "overflows": i < hot} for i, layer in enumerate(result["layers"])]
+    settings = {**result["settings"], "num_inference_steps": steps, "num_frames": frames}
+    table = risk_table({**result, "layers": layers, "settings": settings}, use_rich=False)
+    assert text in table
 
 
 def test_short_path():

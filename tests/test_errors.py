@@ -2,8 +2,9 @@
 ``pasa <command>: error: <message naming the flag>``, exit status 2, no traceback, and (for argument
 mistakes) an answer before torch is imported.  ``docs/ERRORS.md`` tabulates the same probes.
 
-``{tmp}`` in a probe's arguments stands for a folder holding ``afile`` (a text file) and ``empty/`` (an
-empty folder).
+``{tmp}`` in a probe's arguments stands for a folder holding ``afile`` (a text file), ``empty/`` (an
+empty folder), ``fifo`` (a named pipe), ``dangling`` (a symbolic link to nothing), ``nan.tif`` (a float
+TIFF with NaN pixels), ``cut.png`` (a PNG cut short) and ``rgba.png`` (half of it transparent).
 """
 from __future__ import annotations
 
@@ -38,13 +39,24 @@ PROBES: list[tuple[str, str]] = [
     ("generate --fps 0", "argument --fps: must be a finite number > 0, got 0"),
     ("generate --fps nan", "argument --fps: must be a finite number > 0, got nan"),
     ("generate --device gpu", "argument --device: expected cpu, cuda or cuda:N, got 'gpu'"),
-    ("generate --attention flash", "argument --attention: invalid choice: 'flash' (choose from"),
+    ("generate --attention bogus", "argument --attention: invalid choice: 'bogus' (choose from"),
     ("generate --dtype fp8", "argument --dtype: invalid choice: 'fp8' (choose from"),
     ("generate --out {tmp}/afile", "--out {tmp}/afile: {tmp}/afile is a file, not a folder"),
     ("generate --out {tmp}/afile/videos", "--out {tmp}/afile/videos: {tmp}/afile is a file, not a folder"),
-    ("generate --out /proc/pasa-out", "--out /proc/pasa-out: cannot write there ("),
+    ("generate --out /proc/pasa-out", "--out /proc/pasa-out: cannot create the folder under /proc ("),
+    ("generate --out /proc/self", "--out /proc/self: /proc/self is not a writable folder (creating a file in it "
+                                  "fails: "),
+    ("generate --out /dev/null", "--out /dev/null: /dev/null is a character device, not a folder"),
+    ("generate --out /dev/null/videos", "--out /dev/null/videos: /dev/null is a character device, not a folder"),
+    ("generate --out {tmp}/fifo", "--out {tmp}/fifo: {tmp}/fifo is a named pipe, not a folder"),
+    ("generate --out {tmp}/dangling/videos",
+     "--out {tmp}/dangling/videos: {tmp}/dangling is a symbolic link to nothing, not a folder"),
     ("generate --image {tmp}/missing.png", "--image {tmp}/missing.png: no such file"),
     ("generate --image {tmp}/afile", "--image {tmp}/afile: not a readable image (UnidentifiedImageError"),
+    ("generate --image {tmp}/nan.tif",
+     "--image {tmp}/nan.tif: mode F image holds 1 NaN or infinite value(s) of 64; no picture to read"),
+    ("generate --image {tmp}/cut.png", "--image {tmp}/cut.png: not a readable image ("),
+    ("compare --images {tmp}/nan.tif", "--images {tmp}/nan.tif: mode F image holds 1 NaN or infinite value(s) of 64"),
     ("generate --image builtin:moon", "--image builtin:moon: unknown builtin image; expected one of builtin:astronaut"),
     ("generate --model {tmp}/empty", "--model {tmp}/empty: the folder has no model_index.json"),
     ("generate --model {tmp}/afile", "--model {tmp}/afile: a file, not a pipeline folder or a hub id 'org/name'"),
@@ -64,17 +76,29 @@ PROBES: list[tuple[str, str]] = [
     ("save-model {tmp}/new", "the following arguments are required: --model"),
     ("save-model --model tiny {tmp}", "DIR {tmp}: the folder is not empty; pass a new or empty folder"),
     ("save-model --model tiny {tmp}/afile", "DIR {tmp}/afile: {tmp}/afile is a file, not a folder"),
-    ("save-model --model tiny-resonant {tmp}/new", "--model tiny-resonant: cannot be saved: its planted to_q/to_k "
-                                                    "biases are not in the UNet's config"),
     ("save-model --model tny {tmp}/new", "--model tny: no such folder, and not a hub id 'org/name'"),
 ]
 
 
 @pytest.fixture(scope="module")
 def tmp(tmp_path_factory) -> Path:
+    import numpy as np
+    import PIL.Image
+
     folder = tmp_path_factory.mktemp("probes")
     (folder / "afile").write_text("not an image, not a folder\n")
     (folder / "empty").mkdir()
+    os.mkfifo(folder / "fifo")
+    (folder / "dangling").symlink_to(folder / "nothing")
+    values = np.linspace(0, 1, 64, dtype=np.float32).reshape(8, 8)
+    values[2, 5] = np.nan
+    PIL.Image.fromarray(values).save(folder / "nan.tif")
+    rgb = np.random.default_rng(0).integers(0, 256, size=(16, 16, 3), dtype=np.uint8)
+    PIL.Image.fromarray(rgb).save(folder / "cut.png")
+    (folder / "cut.png").write_bytes((folder / "cut.png").read_bytes()[:-100])
+    alpha = np.full((16, 16, 1), 255, dtype=np.uint8)
+    alpha[:8] = 0
+    PIL.Image.fromarray(np.concatenate([rgb, alpha], axis=-1)).save(folder / "rgba.png")
     return folder
 
 
@@ -85,10 +109,11 @@ def _run_in_a_scratch_folder(tmp_path, monkeypatch):
 
 
 def pasa(args: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, float]:
-    """Run the console script; return the finished process and its wall time in seconds."""
+    """Run the console script (``TRITON_INTERPRET`` only when ``env`` sets it); return the finished process
+    and its wall time in seconds."""
     start = time.perf_counter()
-    done = subprocess.run([PASA, *args], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **(env or {})})
+    base = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([PASA, *args], capture_output=True, text=True, timeout=300, env={**base, **(env or {})})
     return done, time.perf_counter() - start
 
 
@@ -130,6 +155,32 @@ def test_debug_shows_the_traceback(how):
                    env={"PASA_DEBUG": "1"} if how == "env" else None)
     assert done.returncode != 0
     assert "Traceback" in done.stderr and "argument --frames: must be an integer >= 2" in done.stderr
+
+
+def test_an_image_notice_comes_before_any_work(tmp):
+    """A transparent --image is composited on white, and says so on one line, at the argument checks."""
+    done, seconds = pasa(["generate", "--image", f"{tmp}/rgba.png", "--out", f"{tmp}/afile"])
+    notice, error = done.stderr.splitlines()
+    assert notice == (f"load_image: {tmp}/rgba.png (mode RGBA) has 128 of 256 pixels not opaque (50.0%); "
+                      "composited on a white background")
+    assert error == f"pasa generate: error: --out {tmp}/afile: {tmp}/afile is a file, not a folder"
+    assert done.returncode == 2 and seconds < FAST_S
+
+
+@pytest.mark.parametrize("value", ["1", "true", "ON"])
+def test_triton_interpret_is_announced_at_the_start_of_a_command(value, tmp_path):
+    """Triton's interpreter runs every kernel in numpy (minutes per tiny-model step): one line says so."""
+    done, _ = pasa(["save-model", "--model", "tiny", str(tmp_path / "saved")], env={"TRITON_INTERPRET": value})
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines()[0] == (
+        f"pasa: warning: TRITON_INTERPRET={value} is set: the PASA kernels run in Triton's interpreter (numpy on "
+        "the CPU, hundreds of times slower; meant for tests); unset it for real runs")
+    assert done.stdout.startswith("saved tiny (")
+
+
+def test_a_mistake_stays_one_line_under_triton_interpret(tmp):
+    done, _ = pasa(["generate", "--out", f"{tmp}/afile"], env={"TRITON_INTERPRET": "1"})
+    assert done.stderr == f"pasa generate: error: --out {tmp}/afile: {tmp}/afile is a file, not a folder\n"
 
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a CUDA machine may have the GPU")

@@ -1,23 +1,32 @@
-"""pasa_diffusers.pipelines.svd: the built-in pipelines, save/load through safetensors, explicit latents, frames,
-images; and the names the pipelines take (``pipelines.names``).
+"""pasa_diffusers.pipelines.svd: the built-in pipelines, save/load through safetensors (tiny-resonant's planted
+biases included), explicit latents, frames, images in every mode PIL opens (``pipelines.images``); and the
+names the pipelines take (``pipelines.names``).
 
 Frames are pixels in [0, 1]; tolerances below are absolute pixel differences.
 """
 from __future__ import annotations
 
 import inspect
+import json
+import logging
+import re
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import PIL.Image
 import pytest
 import torch
-from diffusers import UNetSpatioTemporalConditionModel
+from diffusers import StableVideoDiffusionPipeline, UNetSpatioTemporalConditionModel
 from diffusers.models.attention_processor import Attention
 
 from pasa_diffusers import install as I
 from pasa_diffusers import processors as P
+from pasa_diffusers.pipelines.images import ImageError
 from pasa_diffusers.pipelines.names import BUILTIN_IMAGES, BUILTIN_MODELS, is_hub_id
+from pasa_diffusers.pipelines.resonant import (PLANTED_LAYERS, QKBiasUNetSpatioTemporalConditionModel, plant_resonance,
+                                               with_qk_biases)
 from pasa_diffusers.pipelines.svd import (
     ModelLoadError,
     TINY_DEFAULTS,
@@ -105,6 +114,78 @@ def test_saved_pipeline_loads_back_offline_and_generates(pipe, image, tmp_path):
     # Bitwise-equal weights, yet the loaded CLIP weights sit at unaligned addresses in the safetensors
     # buffer and the CPU GEMMs take another path: embeddings differ by 2.4e-7, frames by 2e-5.
     assert np.abs(frames - run(pipe, image)).max() <= 1e-4
+
+
+def test_tiny_resonant_saved_and_loaded_is_the_same_model(tmp_path):
+    """The planted biases are parameters the UNet's config lists: from_pretrained rebuilds and loads them."""
+    pipe = load_svd("tiny-resonant")
+    pipe.save_pretrained(tmp_path, safe_serialization=True)
+    index = json.loads((tmp_path / "model_index.json").read_text())
+    assert index["unet"] == ["pasa_diffusers.pipelines.resonant", "QKBiasUNetSpatioTemporalConditionModel"]
+    planted = sorted(key for key in state(pipe)
+                     if key.startswith("unet.") and key.endswith(("to_q.bias", "to_k.bias")))
+    assert planted == sorted(f"unet.{path}.{name}.bias" for path in PLANTED_LAYERS for name in ("to_q", "to_k"))
+    loads = (StableVideoDiffusionPipeline.from_pretrained(tmp_path), load_svd(str(tmp_path), local_files_only=True))
+    for loaded in loads:
+        assert type(loaded.unet) is QKBiasUNetSpatioTemporalConditionModel and not loaded.unet.training
+        assert list(loaded.unet.config.qk_bias_layers) == list(PLANTED_LAYERS)
+        assert_same_weights(pipe, loaded)
+        # b max|c|, with b = sqrt(2 * 65504 / (D / 2)) >= 90 for D <= 32
+        assert min(state(loaded)[key].abs().max() for key in planted) > 80
+
+
+def test_a_planted_folder_without_its_module_is_refused_not_dropped(tmp_path):
+    """Plain diffusers in a fresh process, without pasa_diffusers imported: an error naming the module to
+    import (diffusers 0.42's custom-component rule), never the UNet without its biases."""
+    load_svd("tiny-resonant").save_pretrained(tmp_path)
+    code = ("from diffusers import StableVideoDiffusionPipeline; "
+            f"StableVideoDiffusionPipeline.from_pretrained({str(tmp_path)!r})")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "import pasa_diffusers.pipelines.resonant before calling `from_pretrained`" in done.stderr
+
+
+def test_with_qk_biases_keeps_the_weights_and_plant_resonance_needs_them(pipe):
+    layer = PLANTED_LAYERS[1]
+    biased = with_qk_biases(pipe.unet, (layer,))
+    before, after = pipe.unet.state_dict(), biased.state_dict()
+    assert set(after) - set(before) == {f"{layer}.to_q.bias", f"{layer}.to_k.bias"}
+    assert all(after[key] is before[key] or torch.equal(after[key], before[key]) for key in before)
+    assert not after[f"{layer}.to_q.bias"].any() and not biased.training
+    assert {t.device.type for t in after.values()} == {"cpu"}
+    with pytest.raises(ValueError, match=r"^plant_resonance: attn.to_q and attn.to_k must have a bias"):
+        plant_resonance(dict(pipe.unet.named_modules())[PLANTED_LAYERS[0]])
+    with pytest.raises(ValueError, match=r"qk_bias_layers names 'mid_block', which is not an Attention module"):
+        with_qk_biases(pipe.unet, ("mid_block",))
+
+
+class _Messages(logging.Handler):
+    """The messages a logger passes on (after its filters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_dtype_casts_warn_about_float32_modules_only_when_there_are_some(image):
+    """diffusers' ModelMixin.to logs "should be kept in float32: []" on every cast (load_svd's, and the
+    pipeline's own fp16 VAE upcast and back); an empty list says nothing and is not shown, a real one once."""
+    logger = logging.getLogger("diffusers.models.modeling_utils")
+    seen = _Messages()
+    logger.addHandler(seen)
+    try:
+        half = load_svd("tiny", dtype=torch.float16)
+        run(half, image, num_inference_steps=1)
+        assert not [m for m in seen.messages if "kept in float32" in m]
+        message = "There are modules in X that should be kept in float32: ['norm']. Casting directly ..."
+        logger.warning(message)
+        logger.warning(message)
+        assert seen.messages.count(message) == 1
+    finally:
+        logger.removeHandler(seen)
 
 
 def _parameters(model: torch.nn.Module) -> int:
@@ -255,6 +336,322 @@ def test_bad_image_specs(tmp_path):
         load_image(missing)
 
 
+# ---------------------------------------------------------------------------------------------- images: every mode
+# Each case writes a real file, checks the mode PIL opens it in, and compares the RGB pixels load_image
+# conditions on with the picture the file holds.
+
+GRAD_W, GRAD_H = 64, 6
+
+
+def _gradient(lo: float, hi: float, dtype) -> np.ndarray:
+    """``(GRAD_H, GRAD_W)`` values from ``lo`` to ``hi`` along the width."""
+    return np.linspace(lo, hi, GRAD_W)[None].repeat(GRAD_H, 0).astype(dtype)
+
+
+def _scaled(values: np.ndarray, lo: float, hi: float) -> np.ndarray:
+    """``values`` mapped from ``[lo, hi]`` to 8 bits, as gray RGB."""
+    gray = np.rint((values.astype(np.float64) - lo) * (255 / (hi - lo)))
+    return np.repeat(gray[..., None], 3, axis=-1)
+
+
+def _png16_rgb(path, rgb: np.ndarray) -> None:
+    """A 16-bit RGB PNG, written by hand: PIL opens such files but cannot write them."""
+    import struct
+    import zlib
+
+    height, width, _ = rgb.shape
+    rows = b"".join(b"\x00" + row.astype(">u2").tobytes() for row in rgb)
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 16, 2, 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows))
+                     + chunk(b"IEND", b""))
+
+
+def _composited(rgb: np.ndarray, alpha: np.ndarray) -> np.ndarray:
+    """``rgb`` over a white background with ``alpha`` in [0, 255]."""
+    a = alpha.astype(np.float64)[..., None] / 255
+    return rgb.astype(np.float64) * a + 255 * (1 - a)
+
+
+def _random_rgb(rng, shape=(GRAD_H, GRAD_W)) -> np.ndarray:
+    return rng.integers(0, 256, size=(*shape, 3), dtype=np.uint8)
+
+
+def _case_i16(tmp_path, rng):
+    values = _gradient(0, 65535, np.uint16)
+    path = tmp_path / "gray16.png"
+    PIL.Image.fromarray(values).save(path)
+    return path, "I;16", _scaled(values, 0, 65535), None
+
+
+def _case_i16b(tmp_path, rng):
+    values = _gradient(0, 65535, np.uint16)
+    path = tmp_path / "gray16b.tif"
+    PIL.Image.frombytes("I;16B", (GRAD_W, GRAD_H), values.astype(">u2").tobytes()).save(path)
+    return path, "I;16B", _scaled(values, 0, 65535), None
+
+
+def _case_12_bit(tmp_path, rng):
+    import PIL.TiffImagePlugin
+
+    values = _gradient(0, 4095, np.uint16)
+    tags = PIL.TiffImagePlugin.ImageFileDirectory_v2()
+    tags[281] = 4095  # MaxSampleValue: 12-bit data in 16-bit samples
+    path = tmp_path / "gray12.tif"
+    PIL.Image.fromarray(values).save(path, tiffinfo=tags)
+    return path, "I;16", _scaled(values, 0, 4095), None
+
+
+def _case_i32_16bit_values(tmp_path, rng):
+    values = _gradient(0, 65535, np.int32)
+    path = tmp_path / "gray32.tif"
+    PIL.Image.fromarray(values).save(path)
+    return path, "I", _scaled(values, 0, 65535), None
+
+
+def _case_pgm16(tmp_path, rng):
+    values = _gradient(0, 65535, np.int32)
+    path = tmp_path / "gray16.pgm"
+    PIL.Image.fromarray(values).save(path)
+    return path, "I", _scaled(values, 0, 65535), None
+
+
+def _case_i32_wide(tmp_path, rng):
+    values = _gradient(-50_000, 150_000, np.int32)
+    path = tmp_path / "wide32.tif"
+    PIL.Image.fromarray(values).save(path)
+    return path, "I", _scaled(values, -50_000, 150_000), "holds values in [-50000, 150000], outside [0, 65535]"
+
+
+def _case_float_unit(tmp_path, rng):
+    values = _gradient(0.0, 1.0, np.float32)
+    path = tmp_path / "unit.tif"
+    PIL.Image.fromarray(values).save(path)
+    return path, "F", _scaled(values, 0, 1), None
+
+
+def _case_float_wide(tmp_path, rng):
+    values = _gradient(-3.0, 5.0, np.float32)
+    path = tmp_path / "wide.tif"
+    PIL.Image.fromarray(values).save(path)
+    return path, "F", _scaled(values, -3, 5), "holds values in [-3, 5], outside [0, 1], and declares no range"
+
+
+def _case_float_declared(tmp_path, rng):
+    import PIL.TiffImagePlugin
+
+    values = _gradient(-1.0, 3.0, np.float32)
+    tags = PIL.TiffImagePlugin.ImageFileDirectory_v2()
+    tags[340], tags[341] = -2.0, 6.0  # SMinSampleValue, SMaxSampleValue
+    path = tmp_path / "declared.tif"
+    PIL.Image.fromarray(values).save(path, tiffinfo=tags)
+    return path, "F", _scaled(values, -2, 6), None
+
+
+def _case_rgb16(tmp_path, rng):
+    rgb = rng.integers(0, 65536, size=(GRAD_H, GRAD_W, 3)).astype(np.uint16)
+    path = tmp_path / "rgb16.png"
+    _png16_rgb(path, rgb)
+    return path, "RGB", rgb / 257, None  # PIL keeps the high byte: within 1 of the rounded value
+
+
+def _case_one_bit(tmp_path, rng):
+    bits = rng.integers(0, 2, size=(GRAD_H, GRAD_W)).astype(bool)
+    path = tmp_path / "bits.png"
+    PIL.Image.fromarray(bits).save(path)
+    return path, "1", np.repeat(bits[..., None] * 255.0, 3, axis=-1), None
+
+
+def _case_gray(tmp_path, rng):
+    gray = rng.integers(0, 256, size=(GRAD_H, GRAD_W)).astype(np.uint8)
+    path = tmp_path / "gray.png"
+    PIL.Image.fromarray(gray).save(path)
+    return path, "L", np.repeat(gray[..., None], 3, axis=-1), None
+
+
+def _palette(rng) -> tuple[PIL.Image.Image, np.ndarray]:
+    """A 4-colour palette image and its RGB pixels."""
+    colours = _random_rgb(rng, (4,))
+    index = rng.integers(0, 4, size=(GRAD_H, GRAD_W)).astype(np.uint8)
+    image = PIL.Image.fromarray(index, mode="L").convert("P")
+    image.putpalette(colours.flatten().tolist())
+    return image, colours[index]
+
+
+def _case_palette(tmp_path, rng):
+    image, rgb = _palette(rng)
+    path = tmp_path / "palette.png"
+    image.save(path)
+    return path, "P", rgb, None
+
+
+def _case_palette_transparency(tmp_path, rng):
+    image, rgb = _palette(rng)
+    index = np.asarray(image)
+    path = tmp_path / "palette_trns.png"
+    image.save(path, transparency=bytes([0, 128, 255, 255]))  # entry 0 transparent, entry 1 half
+    alpha = np.array([0, 128, 255, 255])[index]
+    return path, "P", _composited(rgb, alpha), "composited on a white background"
+
+
+def _case_palette_alpha(tmp_path, rng):
+    image, rgb = _palette(rng)
+    alpha = rng.integers(0, 256, size=(GRAD_H, GRAD_W)).astype(np.uint8)
+    pa = image.convert("PA")
+    pa.putalpha(PIL.Image.fromarray(alpha))
+    path = tmp_path / "palette_alpha.tif"
+    pa.save(path)
+    return path, "PA", _composited(rgb, alpha), "composited on a white background"
+
+
+def _case_gray_alpha(tmp_path, rng):
+    gray = rng.integers(0, 256, size=(GRAD_H, GRAD_W)).astype(np.uint8)
+    alpha = rng.integers(0, 256, size=(GRAD_H, GRAD_W)).astype(np.uint8)
+    path = tmp_path / "gray_alpha.png"
+    PIL.Image.fromarray(np.stack([gray, alpha], axis=-1)).save(path)
+    return path, "LA", _composited(np.repeat(gray[..., None], 3, axis=-1), alpha), "composited on a white"
+
+
+def _case_rgba(tmp_path, rng):
+    rgb = _random_rgb(rng)
+    alpha = rng.integers(0, 256, size=(GRAD_H, GRAD_W)).astype(np.uint8)
+    path = tmp_path / "rgba.png"
+    PIL.Image.fromarray(np.concatenate([rgb, alpha[..., None]], axis=-1)).save(path)
+    return path, "RGBA", _composited(rgb, alpha), "composited on a white background"
+
+
+def _case_rgba_opaque(tmp_path, rng):
+    rgb = _random_rgb(rng)
+    path = tmp_path / "opaque.png"
+    PIL.Image.fromarray(rgb).convert("RGBA").save(path)
+    return path, "RGBA", rgb, None
+
+
+_CMYK_COLOURS = {(0, 0, 0, 0): (255, 255, 255), (255, 0, 0, 0): (0, 255, 255), (0, 255, 0, 0): (255, 0, 255),
+                 (0, 0, 255, 0): (255, 255, 0), (0, 255, 255, 0): (255, 0, 0), (0, 0, 0, 255): (0, 0, 0),
+                 (0, 0, 0, 128): (127, 127, 127)}
+
+
+def _case_cmyk(tmp_path, rng):
+    cmyk, rgb = (np.array(list(side), dtype=np.uint8)[None] for side in zip(*_CMYK_COLOURS.items()))
+    path = tmp_path / "cmyk.tif"
+    PIL.Image.fromarray(cmyk, mode="CMYK").save(path)
+    return path, "CMYK", rgb, None
+
+
+def _case_ycbcr(tmp_path, rng):
+    rgb = _random_rgb(rng)
+    path = tmp_path / "ycbcr.tif"
+    PIL.Image.fromarray(rgb).convert("YCbCr").save(path)
+    return path, "YCbCr", rgb, None
+
+
+def _case_lab(tmp_path, rng):
+    """sRGB colours as 8-bit CIELAB (D65, TIFF's encoding: L* scaled to 255, a* and b* signed bytes)."""
+    import skimage.color
+
+    rgb = rng.integers(32, 224, size=(GRAD_H, GRAD_W, 3)).astype(np.uint8)
+    lab = skimage.color.rgb2lab(rgb / 255, illuminant="D65")
+    encoded = np.stack([np.rint(lab[..., 0] * 2.55).astype(np.uint8),
+                        *(np.rint(lab[..., i]).astype(np.int8).view(np.uint8) for i in (1, 2))], axis=-1)
+    path = tmp_path / "lab.tif"
+    PIL.Image.frombytes("LAB", (GRAD_W, GRAD_H), encoded.tobytes()).save(path)
+    return path, "LAB", rgb, None
+
+
+IMAGE_CASES = {
+    "I;16 png (16-bit gray)": (_case_i16, 0), "I;16B tiff": (_case_i16b, 0), "I;16 tiff, 12-bit": (_case_12_bit, 0),
+    "I tiff, 16-bit values": (_case_i32_16bit_values, 0), "I pgm, 16-bit": (_case_pgm16, 0),
+    "I tiff, wider range": (_case_i32_wide, 0), "F tiff in [0, 1]": (_case_float_unit, 0),
+    "F tiff, wider range": (_case_float_wide, 0), "F tiff, declared range": (_case_float_declared, 0),
+    "16-bit RGB png": (_case_rgb16, 1), "1-bit png": (_case_one_bit, 0), "L png": (_case_gray, 0),
+    "P png": (_case_palette, 0), "P png, tRNS": (_case_palette_transparency, 0.5),
+    "PA tiff": (_case_palette_alpha, 0.5), "LA png": (_case_gray_alpha, 0.5), "RGBA png": (_case_rgba, 0.5),
+    "RGBA png, opaque": (_case_rgba_opaque, 0),
+    "CMYK tiff": (_case_cmyk, 0), "YCbCr tiff": (_case_ycbcr, 3), "LAB tiff": (_case_lab, 8),
+}
+"""Case name -> (writer, largest |pixel - exact value| allowed).  Scaling rounds exactly (0: the same
+rounded values); compositing rounds once (0.5); PIL reads 16-bit RGB by its high byte (below 1);
+YCbCr rounds twice per channel through PIL's conversions (measured at most 3); 8-bit CIELAB quantises
+a* and b* to steps of 1 (measured at most 7 over channels in [32, 224], where PIL's own LAB
+conversion is off by up to 53)."""
+
+
+@pytest.mark.parametrize("case", IMAGE_CASES)
+def test_every_image_mode_is_read_as_the_picture_it_holds(case, tmp_path, gen, caplog):
+    write, atol = IMAGE_CASES[case]
+    rng = np.random.default_rng(draw_seed(gen))
+    path, mode, expected, notice = write(tmp_path, rng)
+    with PIL.Image.open(path) as opened:
+        assert opened.mode == mode
+    with caplog.at_level("WARNING", logger="pasa_diffusers"):
+        image = load_image(path)
+    pixels = np.asarray(image).astype(np.float64)
+    assert image.mode == "RGB" and pixels.shape == expected.shape
+    assert np.abs(pixels - expected).max() <= atol
+    notices = [record.getMessage() for record in caplog.records if record.name == "pasa_diffusers"]
+    if notice is None:
+        assert notices == []
+    else:
+        assert len(notices) == 1 and notices[0].startswith(f"load_image: {path} (mode {mode})") and notice in notices[0]
+
+
+def test_a_16_bit_gradient_keeps_its_gradient(tmp_path):
+    """The bug this guards against: PIL's convert clips 16-bit gray at 255, a near-white picture."""
+    path = tmp_path / "gray16.png"
+    PIL.Image.fromarray(_gradient(0, 65535, np.uint16)).save(path)
+    with PIL.Image.open(path) as opened:
+        assert (np.asarray(opened.convert("RGB")) == 255).mean() > 0.95  # what PIL alone gives
+    row = np.asarray(load_image(path))[0, :, 0].astype(int)
+    assert row[0] == 0 and row[-1] == 255 and (np.diff(row) > 0).all()  # 0 .. 255, strictly rising
+    assert (np.asarray(load_image(path, (16, 8)))[..., 0] == 255).mean() < 0.2
+
+
+def test_a_16_bit_transparent_value_is_composited(tmp_path, caplog):
+    values = _gradient(0, 65535, np.uint16)
+    path = tmp_path / "gray16_trns.png"
+    PIL.Image.fromarray(values).save(path, transparency=0)
+    with caplog.at_level("WARNING", logger="pasa_diffusers"):
+        pixels = np.asarray(load_image(path)).astype(np.float64)
+    expected = _scaled(values, 0, 65535)
+    expected[values == 0] = 255
+    assert np.array_equal(pixels, expected)
+    assert f"{GRAD_H} of {GRAD_W * GRAD_H} pixels not opaque" in caplog.text
+
+
+@pytest.mark.parametrize("values, message", [
+    (np.where(np.arange(GRAD_W) == 3, np.nan, 0.5)[None].repeat(GRAD_H, 0),
+     "mode F image holds 6 NaN or infinite value(s) of 384; no picture to read"),
+    (np.full((GRAD_H, GRAD_W), np.inf), "mode F image holds 384 NaN or infinite value(s) of 384"),
+    (np.full((GRAD_H, GRAD_W), 7.0), "mode F image holds the single value 7, outside [0, 1]; no range to scale it"),
+])
+def test_a_float_image_without_a_picture_is_refused(values, message, tmp_path):
+    path = tmp_path / "bad.tif"
+    PIL.Image.fromarray(values.astype(np.float32)).save(path)
+    with pytest.raises(ImageError, match=rf"^load_image: spec='{re.escape(str(path))}': {re.escape(message)}"):
+        load_image(str(path))
+
+
+def test_exif_orientation_is_applied(tmp_path):
+    rgb = _random_rgb(np.random.default_rng(0))
+    exif = PIL.Image.Exif()
+    exif[0x0112] = 6  # "rotate 90 degrees clockwise to display"
+    path = tmp_path / "rotated.png"
+    PIL.Image.fromarray(rgb).save(path, exif=exif)
+    np.testing.assert_array_equal(np.asarray(load_image(path)), np.rot90(rgb, k=-1))
+
+
+def test_a_truncated_image_is_an_image_error(tmp_path):
+    path = tmp_path / "cut.png"
+    PIL.Image.fromarray(_random_rgb(np.random.default_rng(0))).save(path)
+    path.write_bytes(path.read_bytes()[:-40])
+    with pytest.raises(ImageError, match=r"not a readable image \((OSError|SyntaxError|EOFError)"):
+        load_image(path)
+
+
 # ---------------------------------------------------------------------------------------------- latents and generation
 
 
@@ -349,7 +746,7 @@ def test_non_finite_values_survive_into_frames(pipe, image, gen):
     assert finite.sum() == frames.size - 3 and frames[finite].min() >= 0 and frames[finite].max() <= 1
 
     class NaNAttnProcessor(P.CountedAttnProcessor):
-        def attention(self, query, key, value, attn, attention_mask=None):
+        def attention(self, query, key, value, scale, attention_mask=None):
             return torch.full_like(query, float("nan"))
 
     pipe.unet.set_attn_processor(NaNAttnProcessor())

@@ -5,7 +5,9 @@ One module per subcommand (``numerics``, ``generate``, ``compare``, ``diagnose``
 ``UsageError``, called before ``run``);
 ``common`` holds the arguments they share.  Every argument is checked before torch or diffusers is
 imported.  A user mistake prints one line ``pasa <command>: error: <message>`` to stderr and exits 2;
-a traceback is shown only with ``--debug`` (or ``PASA_DEBUG=1``) or for an internal error.
+a traceback is shown only with ``--debug`` (or ``PASA_DEBUG=1``) or for an internal error.  A command
+whose arguments pass starts with a one-line warning when ``TRITON_INTERPRET`` turns Triton's
+interpreter on (every kernel then runs in numpy on the CPU: for tests, far too slow for a real run).
 """
 from __future__ import annotations
 
@@ -17,11 +19,24 @@ from typing import NoReturn
 from . import compare, diagnose, generate, numerics, save_model
 from .common import UsageError
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "interpreter_warning"]
 
 _COMMANDS = (numerics, generate, compare, diagnose, save_model)
 _NAMES = {command.__name__.rsplit(".", 1)[-1].replace("_", "-"): command for command in _COMMANDS}
 """Command name (``save-model`` for the module ``save_model``) -> its module."""
+
+
+_TRITON_TRUE = ("1", "true", "on", "yes")
+"""Values of ``TRITON_INTERPRET`` (any case) that turn Triton's interpreter on, as Triton 3 reads them."""
+
+
+def interpreter_warning() -> str | None:
+    """The warning line for a ``TRITON_INTERPRET`` that turns Triton's interpreter on, else ``None``."""
+    value = os.environ.get("TRITON_INTERPRET")
+    if value is None or value.lower() not in _TRITON_TRUE:
+        return None
+    return (f"pasa: warning: TRITON_INTERPRET={value} is set: the PASA kernels run in Triton's interpreter "
+            "(numpy on the CPU, hundreds of times slower; meant for tests); unset it for real runs")
 
 
 class _ArgumentError(Exception):
@@ -64,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         module = _NAMES[args.command]
         if hasattr(module, "validate"):
             module.validate(args)
+        warning = interpreter_warning()
+        if warning is not None:
+            print(warning, file=sys.stderr, flush=True)
         return args.func(args)
     except _ArgumentError as exc:
         if _debug(argv):

@@ -18,6 +18,7 @@ import argparse
 import math
 import os
 import re
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -44,6 +45,7 @@ __all__ = [
     "validate_generation_args",
     "check_device",
     "check_out_dir",
+    "path_kind",
     "check_image",
     "check_model",
     "check_file",
@@ -147,7 +149,8 @@ def add_generation_args(p: argparse.ArgumentParser, out: str, frames: int = 4, s
                           why="SVD needs multiples of 8" + (", SSIM an 11x11 window" if min_size > MIN_SIZE else ""))
     add_model_args(p)
     p.add_argument("--image", default="builtin:rocket",
-                   help=f"conditioning image: a file or builtin:{'|'.join(BUILTIN_IMAGES)}")
+                   help=f"conditioning image: a file (any mode PIL opens; transparency is composited on white) "
+                        f"or builtin:{'|'.join(BUILTIN_IMAGES)} (default builtin:rocket)")
     p.add_argument("--frames", type=int_range(MIN_FRAMES, why="SVD needs two frames"), default=frames,
                    help=f"frames per video, >= {MIN_FRAMES} (default {frames})")
     p.add_argument("--steps", type=int_range(1), default=steps, help=f"denoising steps, >= 1 (default {steps})")
@@ -183,20 +186,42 @@ def check_device(name: str, flag: str = "--device") -> None:
                          f"indices 0..{torch.cuda.device_count() - 1}")
 
 
+_KINDS = ((stat.S_ISREG, "a file"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket"))
+
+
+def path_kind(path: Path) -> str:
+    """What ``path`` (which exists, or is a link) is, in words: ``"a folder"``, ``"a file"``, ``"a character
+    device"``, ... or ``"a symbolic link to nothing"``."""
+    if not path.exists():
+        return "a symbolic link to nothing"
+    mode = path.stat().st_mode
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    return next((kind for test, kind in _KINDS if test(mode)), "neither a file nor a folder")
+
+
 def check_out_dir(path: str | os.PathLike, flag: str = "--out") -> Path:
     """Create the output folder now and check a file can be written in it: a path that is (or lies
-    under) a file, or a place that cannot be written, is refused before any work.  Call it last in a
-    ``validate``, so that a refused command leaves no folder behind for its other mistakes."""
+    under) something other than a folder, a folder that cannot be created or one that cannot be written
+    (``/proc/self``) is refused before any work.  Call it last in a ``validate``, so that a refused
+    command leaves no folder behind for its other mistakes."""
     out = Path(path).expanduser()
-    blocker = next((p for p in (out, *out.parents) if p.exists()), None)
-    if blocker is not None and not blocker.is_dir():
-        raise UsageError(f"{flag} {os.fspath(path)}: {blocker} is a file, not a folder")
+    given = f"{flag} {os.fspath(path)}"
+    blocker = next((p for p in (out, *out.parents) if p.exists() or p.is_symlink()), None)
+    if blocker is not None and path_kind(blocker) != "a folder":
+        raise UsageError(f"{given}: {blocker} is {path_kind(blocker)}, not a folder")
+    if blocker != out:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(f"{given}: cannot create the folder under {blocker} ({exc.strerror or exc})") from exc
     try:
-        out.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=out):
             pass
     except OSError as exc:
-        raise UsageError(f"{flag} {os.fspath(path)}: cannot write there ({exc.strerror or exc})") from exc
+        raise UsageError(f"{given}: {out} is not a writable folder (creating a file in it fails: "
+                         f"{exc.strerror or exc})") from exc
     return out
 
 
@@ -211,20 +236,21 @@ def check_file(path: str | os.PathLike, flag: str) -> Path:
 
 
 def check_image(spec: str, flag: str = "--image") -> None:
-    """Refuse an unknown ``builtin:`` name, a missing file or a file PIL cannot read as an image."""
+    """Refuse an unknown ``builtin:`` name, a missing file, or a file that ``pipelines.images.read_rgb``
+    cannot read as an RGB picture (not an image, truncated, NaN pixels...).  The file is read whole, as
+    the run will read it, so its notices (transparency composited, a range assumed) come before any work."""
     if spec.startswith("builtin:"):
         if spec.removeprefix("builtin:") not in BUILTIN_IMAGES:
             raise UsageError(f"{flag} {spec}: unknown builtin image; expected one of "
                              f"{', '.join('builtin:' + n for n in BUILTIN_IMAGES)}")
         return
     path = check_file(spec, flag)
-    import PIL.Image
+    from pasa_diffusers.pipelines.images import ImageError, read_rgb
 
     try:
-        with PIL.Image.open(path) as image:
-            image.verify()
-    except Exception as exc:  # PIL raises many types for a file that is not an image
-        raise UsageError(f"{flag} {spec}: not a readable image ({type(exc).__name__}: {exc})") from exc
+        read_rgb(path)
+    except ImageError as exc:
+        raise UsageError(f"{flag} {spec}: {exc}") from exc
 
 
 def check_model(model: str, flag: str = "--model") -> None:

@@ -28,6 +28,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("diagnose", help="which attention layers overflow in FP16, and why")
+    p = sub.add_parser("diagnose", help="which attention layers overflow in FP16, and why",
+                       description="Run one generation of --model with every attention layer of the UNet recorded "
+                                   "and print the layers ranked by FP16 overflow risk (largest raw q.k, how many "
+                                   "scores exceed 65504, PASA's shifted scores, the cause: bias, resonance or "
+                                   "amplitude); write diagnosis.json, heatmap.png and bias_resonance.png into --out.")
     add_generation_args(p, "out/diagnose", frames=2, steps=2)
     p.set_defaults(func=run)

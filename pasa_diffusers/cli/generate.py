@@ -52,7 +52,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="animate an image with SVD using one attention backend")
+    p = sub.add_parser("generate", help="animate an image with SVD using one attention backend",
+                       description="Animate --image with the SVD pipeline --model, its attention computed by "
+                                   "--attention, from the initial noise of --seed; write the video as mp4, gif and "
+                                   "PNG frames into --out, and print the processors installed, the attention calls "
+                                   "and their fallbacks, and whether every frame is finite.")
     add_generation_args(p, "out/generate")
     p.add_argument("--attention", choices=tuple(BACKENDS), default="pasa", metavar="BACKEND",
                    help=f"the attention backend (default pasa): {backend_help(tuple(BACKENDS))}")

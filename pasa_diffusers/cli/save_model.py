@@ -2,9 +2,9 @@
 
 Its use is ``svd-xt-random``: SVD-XT's full-size pipeline with random weights, built on the device in
 the dtype given, is saved once and then loaded by every command with the same weights
-(``pasa save-model --model svd-xt-random --device cuda --dtype fp16 DIR``).  Any ``--model`` saves
-(a hub id, another folder, ``tiny``) except ``tiny-resonant``, whose planted projection biases
-``from_pretrained`` would drop.
+(``pasa save-model --model svd-xt-random --device cuda --dtype fp16 DIR``).  Any ``--model`` saves (a
+hub id, another folder, ``tiny``, ``tiny-resonant``: its planted projection biases are parameters its
+UNet's config lists, ``pipelines/resonant.py``, so ``--model DIR`` loads the same model).
 """
 from __future__ import annotations
 
@@ -16,15 +16,10 @@ from .common import UsageError, add_model_args, check_device, check_model, check
 
 __all__ = ["add_parser", "validate", "run"]
 
-_NOT_SAVABLE = {"tiny-resonant": "its planted to_q/to_k biases are not in the UNet's config, so from_pretrained "
-                                 "would load it without them; pass --model tiny-resonant to the commands instead"}
-
 
 def validate(args: argparse.Namespace) -> None:
     """Check the model, the device and, last, the folder: new or empty, and writable (created here)."""
     check_model(args.model)
-    if args.model in _NOT_SAVABLE:
-        raise UsageError(f"--model {args.model}: cannot be saved: {_NOT_SAVABLE[args.model]}")
     check_device(args.device)
     folder = Path(args.folder).expanduser()
     if folder.is_dir() and any(folder.iterdir()):

@@ -13,14 +13,18 @@ from typing import Any
 
 from pasa_diffusers.metrics.records import atomic_path, write_json
 
+from ..rules import FP16_MAX
 from .plots import bias_resonance, heatmap
-from .rules import RISK_RULE
 
-__all__ = ["ranked", "risk_table", "write_diagnosis"]
+__all__ = ["LEGEND", "ranked", "risk_table", "write_diagnosis"]
 
 _COLUMNS = ("#", "layer", "kind", "level", "heads x D", "calls", "max|q.k|", "risk", "overflows", "max|S'| PASA",
             "cause")
 _NUMERIC = ("#", "calls", "max|q.k|", "risk", "overflows", "max|S'| PASA")
+LEGEND = (f"risk = max |q . k| / {FP16_MAX:g} (raw product over all calls); overflows = how many raw scores "
+          f"|q . k| exceed {FP16_MAX:g}, summed over all calls (- for none); level = block @ spatial tokens; "
+          "max|S'| = PASA's shifted scores")
+"""What the table's columns hold, printed under it."""
 
 
 def ranked(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -36,16 +40,21 @@ def _row(rank: int, layer: dict[str, Any]) -> list[str]:
             f"{layer['risk']:.3g}", over, f"{layer['max_abs_shifted']:.4g}", layer["cause"]]
 
 
+def _count(n: int, noun: str) -> str:
+    """``"1 step"``, ``"2 steps"``."""
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def _footer(result: dict[str, Any]) -> str:
-    hot = [layer for layer in result["layers"] if layer["overflows"]]
+    hot = sum(1 for layer in result["layers"] if layer["overflows"])
     over = result["overhead"]
     timing = (f"overhead: {over['seconds_with']:.3g} s diagnosed vs {over['seconds_without']:.3g} s plain "
               f"(x{over['ratio']:.3g})" if over["seconds_without"] else f"diagnosed in {over['seconds_with']:.3g} s")
     s = result["settings"]
-    return (f"{result['model']}: {len(hot)} of {len(result['layers'])} attention layers overflow FP16 "
-            f"({s['num_frames']} frames, {s['num_inference_steps']} steps, {s['height']}x{s['width']}, "
-            f"{s['device']} {s['dtype']}); {timing}\n{RISK_RULE}; level = block @ spatial tokens; "
-            f"max|S'| = PASA's shifted scores")
+    verb = "overflows" if hot == 1 else "overflow"
+    return (f"{result['model']}: {hot} of {_count(len(result['layers']), 'attention layer')} {verb} FP16 "
+            f"({_count(s['num_frames'], 'frame')}, {_count(s['num_inference_steps'], 'step')}, "
+            f"{s['height']}x{s['width']}, {s['device']} {s['dtype']}); {timing}\n{LEGEND}")
 
 
 def _plain_table(rows: list[list[str]]) -> str:
