@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["json_float", "from_json_float", "json_safe", "dumps", "markdown_table", "versions", "write_synced",
-           "write_atomic", "atomic_path", "write_json"]
+           "write_atomic", "atomic_path", "write_json", "count"]
 
 
 def json_float(value: float) -> float | str | None:
@@ -157,3 +157,8 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> Path:
 def write_json(path: str | os.PathLike, obj: Any) -> Path:
     """Write ``obj`` as indented JSON (the convention above) to ``path`` atomically; return the path."""
     return write_atomic(path, dumps(obj) + "\n")
+
+
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` and ``noun``, in the plural unless ``n`` is 1: ``count(1, "sample")`` is ``"1 sample"``."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"

@@ -37,7 +37,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from . import stats
-from .records import atomic_path, dumps, from_json_float, markdown_table, write_synced
+from .records import atomic_path, count, dumps, from_json_float, markdown_table, write_synced
 
 __all__ = ["METRICS", "worst_key", "build_report", "write_report", "table_rows", "paired_rows", "verdict",
            "format_table", "format_markdown"]
@@ -269,7 +269,7 @@ def _aligned(columns: list[str], rows: list[list[str]]) -> str:
 
 def format_table(report: dict[str, Any]) -> str:
     """The scores and the paired differences as aligned plain-text tables, then the verdict, for the terminal."""
-    text = (f"Scores against the fp32 reference over {report['samples']} samples: mean [95% bootstrap interval]\n"
+    text = (f"Scores against the fp32 reference over {count(report['samples'], 'sample')}: mean [95% bootstrap interval]\n"
             + _aligned(*table_rows(report)))
     columns, rows = paired_rows(report)
     if rows:
@@ -289,11 +289,6 @@ FALLBACK_CASES = "a single key, where softmax is exactly 1; an attention mask, c
 """The documented cases in which a PASA processor computes a call another way (``install.fallback_summary``)."""
 
 
-def _count(n: int, word: str) -> str:
-    """``1 thread``, ``2 threads``."""
-    return f"{n} {word}{'' if n == 1 else 's'}"
-
-
 def _join(names: Sequence[str]) -> str:
     """``a``, ``a and b``, ``a, b and c``."""
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
@@ -309,8 +304,8 @@ def _finiteness(report: dict[str, Any]) -> str:
     broken = [name for name, h in health.items() if h["nonfinite_frames"]]
     finite = [name for name in health if name not in broken]
     parts = [f"{name} gives non-finite (NaN or inf) frames in {health[name]['broken_samples']} of "
-             f"{health[name]['samples']} samples ({health[name]['nonfinite_frames']} of {health[name]['frames']} "
-             "frames), which no score counts" for name in broken]
+             f"{count(health[name]['samples'], 'sample')} ({health[name]['nonfinite_frames']} of "
+             f"{count(health[name]['frames'], 'frame')}), which no score counts" for name in broken]
     if finite:
         subject = _join(finite) if broken else "every backend"
         parts.append(f"{subject} {'stay' if broken and len(finite) > 1 else 'stays'} finite in every frame")
@@ -323,7 +318,7 @@ def _identical(report: dict[str, Any]) -> list[str]:
     for name, h in report["health"].items():
         if h["identical_samples"]:
             where = "every sample" if h["identical_samples"] == h["samples"] else \
-                f"{h['identical_samples']} of {h['samples']} samples"
+                f"{h['identical_samples']} of {count(h['samples'], 'sample')}"
             sentences.append(f"{name} is identical to FP32 on {where} (PSNR inf).")
     return sentences
 
@@ -342,10 +337,10 @@ def _pair_sentence(pair: str, summary: dict[str, Any] | None) -> str | None:
     lo, hi = summary["ci95"]
     if lo <= 0 <= hi:
         return (f"{a} and {b} cannot be told apart: {a} {MINUS} {b} is {_db(mean, True)} dB of PSNR (95 % CI "
-                f"{_db(lo, True)} to {_db(hi, True)}, which holds 0) over {n} samples.")
+                f"{_db(lo, True)} to {_db(hi, True)}, which holds 0) over {count(n, 'sample')}.")
     better, other, gap, lo, hi = (a, b, mean, lo, hi) if lo > 0 else (b, a, -mean, -hi, -lo)
     return (f"{better} is {_db(gap)} dB (95 % CI {_db(lo)} to {_db(hi)}) closer to FP32 than {other} in PSNR, "
-            f"over {n} samples.")
+            f"over {count(n, 'sample')}.")
 
 
 def _single_backend(report: dict[str, Any]) -> list[str]:
@@ -358,7 +353,7 @@ def _single_backend(report: dict[str, Any]) -> list[str]:
         return []
     interval = f" (95 % CI {_db(summary['ci95'][0])} to {_db(summary['ci95'][1])})" if summary["ci95"] else ""
     return [f"{name} has a PSNR of {_db(from_json_float(summary['mean']))} dB{interval} against FP32 over "
-            f"{summary['n']} samples."]
+            f"{count(summary['n'], 'sample')}."]
 
 
 def verdict(report: dict[str, Any]) -> list[str]:
@@ -368,7 +363,7 @@ def verdict(report: dict[str, Any]) -> list[str]:
     sentences += [text for pair, per in report["paired"].items() if (text := _pair_sentence(pair, per.get("psnr")))]
     sentences += _single_backend(report)
     if report["samples"] < FIRM_SAMPLES:
-        sentences.append(f"With {report['samples']} samples read the intervals as a rough guide (below about "
+        sentences.append(f"With {count(report['samples'], 'sample')} read the intervals as a rough guide (below about "
                          f"{FIRM_SAMPLES} the bootstrap interval is too narrow); more images or seeds make them firm.")
     return sentences
 
@@ -389,7 +384,7 @@ def _timing_note(report: dict[str, Any]) -> list[str]:
     if not _on_cpu(report):
         return []
     threads = report["settings"].get("cpu_threads")
-    where = f"this CPU ({_count(threads, 'thread')})" if threads else "this CPU"
+    where = f"this CPU ({count(threads, 'thread')})" if threads else "this CPU"
     return [f"Times are seconds per video on {where}. CPU times say nothing about GPU speed: on the CPU the PASA "
             "backends run their exact PyTorch reference, not the Triton kernels."]
 
@@ -402,11 +397,12 @@ def _intro(report: dict[str, Any]) -> list[str]:
     s, names = report["settings"], list(report["aggregate"])
     lines = [f"Compared: the attention backend{'s' if len(names) > 1 else ''} {_join(names)}, each against FP32 "
              f"attention (`{report['reference']}`, the reference), in the model `{report['model']}`, on "
-             f"{report['samples']} samples = {len(s['images'])} image(s) x {len(s['seeds'])} seed(s). Each sample is "
+             f"{count(report['samples'], 'sample')} = {count(len(s['images']), 'image')} x "
+             f"{count(len(s['seeds']), 'seed')}. Each sample is "
              "one image animated from one seed's noise by the reference and by every backend: only attention differs.",
-             "", f"{_count(s['num_frames'], 'frame')} of {s['height']}x{s['width']}, "
-             f"{_count(s['num_inference_steps'], 'step')}; {s['device']}"
-             + (f" ({_count(s['cpu_threads'], 'thread')})" if "cpu_threads" in s else "")
+             "", f"{count(s['num_frames'], 'frame')} of {s['height']}x{s['width']}, "
+             f"{count(s['num_inference_steps'], 'step')}; {s['device']}"
+             + (f" ({count(s['cpu_threads'], 'thread')})" if "cpu_threads" in s else "")
              + f", model in {s['dtype']}."]
     if report.get("model_note"):
         lines += ["", f"The model: `{report['model']}` is {report['model_note']}."]
@@ -430,7 +426,7 @@ def _worst_section(report: dict[str, Any]) -> list[str]:
 def format_markdown(report: dict[str, Any], plots: Sequence[str] = ()) -> str:
     """The markdown report: what was compared on what model, the verdict in words, scores (with what a fallback
     is, and CPU times marked), paired differences, worst samples, plots, method, settings."""
-    lines = [f"# pasa compare: {report['model']}, {report['samples']} samples", "", *_intro(report), "",
+    lines = [f"# pasa compare: {report['model']}, {count(report['samples'], 'sample')}", "", *_intro(report), "",
              "## Verdict", "", *(f"- {sentence}" for sentence in verdict(report)), "",
              "## Scores against the fp32 reference", "",
              "Mean over samples [95% bootstrap interval]; a sample's score is the mean over its frames "
@@ -496,7 +492,7 @@ def _distributions(report: dict[str, Any], records: Sequence[dict[str, Any]], pa
         title = METRICS[metric][0] + " per sample"
         ax.set_title(title + (f"\n(identical to fp32 drawn at {cap:g})" if capped else ""), fontsize=9)
         ax.grid(alpha=0.3, axis="y")
-    fig.suptitle(f"{report['model']}: {report['samples']} samples against the fp32 reference", fontsize=10)
+    fig.suptitle(f"{report['model']}: {count(report['samples'], 'sample')} against the fp32 reference", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, format="png")
     return path
@@ -521,7 +517,7 @@ def _per_frame_plot(report: dict[str, Any], path: Path) -> Path:
     ax.set_xlabel("frame index")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("PSNR (dB)")
-    title = f"PSNR per frame vs fp32: mean over {report['samples']} samples, 95% bootstrap band"
+    title = f"PSNR per frame vs fp32: mean over {count(report['samples'], 'sample')}, 95% bootstrap band"
     if left_out:
         title += f"\n(not drawn, no finite mean: {', '.join(left_out)})"
     ax.set_title(title, fontsize=9)

@@ -374,7 +374,7 @@ def fallback_summary(model_or_pipeline: Any, *, strict: bool = False) -> dict[st
     fallback_calls = sum(fallbacks.values())
     if strict and calls and fallback_calls == calls:
         raise AllCallsFellBackError(
-            f"backend {', '.join(sorted(backends))}: all {calls} attention calls fell back "
+            f"backend {', '.join(sorted(backends))}: {'the one attention call' if calls == 1 else f'all {calls} attention calls'} fell back "
             f"({', '.join(f'{reason}: {count}' for reason, count in sorted(fallbacks.items()))}); "
             "none ran the backend itself, so its output is not the backend's"
         )

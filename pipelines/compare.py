@@ -355,7 +355,8 @@ class RunInterrupted(KeyboardInterrupt):
     """Ctrl-C during ``evaluate``: ``done`` of the run's ``total`` results are on disk, and the same call resumes."""
 
     def __init__(self, out: Path, done: int, total: int) -> None:
-        super().__init__(f"interrupted after {done} of {total} results; rerun the same command to resume")
+        super().__init__(f"interrupted after {done} of {records.count(total, 'result')}; rerun the same command to "
+                         "resume")
         self.out, self.done, self.total = out, done, total
 
 
@@ -458,7 +459,7 @@ def _evaluate(config: CompareConfig, samples: list[Sample], out: Path, dist: Dis
     done = runlog.done_records(out, set(order))
     work = dist.shard(_pending(samples, config.backends, set(done)))
     if progress and dist.is_main and done:
-        print(f"resuming: {len(done)} of {len(order)} results already done", file=sys.stderr)
+        print(f"resuming: {len(done)} of {records.count(len(order), 'result')} already done", file=sys.stderr)
     _check_images(config)
     pipe = _load(config, dist, dtype, load_pipeline) if work else None
     _lock(lock, dist, create=True)

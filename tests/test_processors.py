@@ -443,7 +443,7 @@ def test_strict_summary_refuses_a_backend_whose_calls_all_fell_back(pipe, gen):
     with torch.no_grad():
         cross(torch.randn(2, 64, 32, generator=gen), encoder_hidden_states=torch.randn(2, 1, 32, generator=gen))
     assert I.fallback_summary(pipe.unet)["fallbacks"] == {"single key": 1}
-    with pytest.raises(I.AllCallsFellBackError, match=r"^backend pasa: all 1 attention calls fell back "
+    with pytest.raises(I.AllCallsFellBackError, match=r"^backend pasa: the one attention call fell back "
                                                       r"\(single key: 1\); none ran the backend itself"):
         I.fallback_summary(pipe.unet, strict=True)
 

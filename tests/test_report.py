@@ -277,7 +277,7 @@ def test_the_report_explains_the_model_the_fallbacks_and_cpu_times():
     opening = md.split("## Scores", 1)[0]
     assert opening.startswith("# pasa compare: tiny-resonant, 4 samples\n\nCompared: the attention backends pasa, "
                               "naive-half and bf16, each against FP32 attention (`fp32`, the reference), in the model "
-                              "`tiny-resonant`, on 4 samples = 2 image(s) x 2 seed(s).")
+                              "`tiny-resonant`, on 4 samples = 2 images x 2 seeds.")
     assert "The model: `tiny-resonant` is a model with a note that the test wrote." in opening
     assert "## Verdict" in opening and verdict(build_report(make_records(), backends=BACKENDS, meta=meta))[1] in opening
     assert "computed exactly another way, in documented cases only (a single key" in md
@@ -292,3 +292,14 @@ def test_the_report_explains_the_model_the_fallbacks_and_cpu_times():
     summary = build_report(bf16_only, backends=("bf16",), meta=on_gpu)["aggregate"]["bf16"]["psnr"]
     assert (f"bf16 has a PSNR of {summary['mean']:.2f} dB (95 % CI {summary['ci95'][0]:.2f} to "
             f"{summary['ci95'][1]:.2f}) against FP32 over 4 samples.") in md
+
+
+def test_counts_are_in_the_singular_for_one():
+    """"1 sample", not "1 samples", wherever a count is printed."""
+    from pasa_diffusers.metrics.records import count
+
+    assert (count(1, "sample"), count(2, "sample"), count(0, "result")) == ("1 sample", "2 samples", "0 results")
+    report = build_report(make_records()[:len(BACKENDS)], backends=BACKENDS, meta=META)
+    text = format_markdown(report) + format_table(report)
+    assert report["samples"] == 1 and "1 sample" in text
+    assert "1 samples" not in text

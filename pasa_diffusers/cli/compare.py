@@ -20,7 +20,7 @@ from pasa_diffusers.backends import COMPARED, DEFAULT_COMPARED, REFERENCE
 from pasa_diffusers.pipelines.names import BUILTIN_IMAGES
 
 from .common import (MAX_SEED, SCORED_MIN_SIZE, UsageError, add_generation_args, backend_help, check_device,
-                     check_file, check_image, check_model, int_range, load_model, model_dtype, model_help,
+                     check_file, check_image, check_model, int_range, load_model, model_dtype, model_help, path_kind,
                      positive_float)
 
 __all__ = ["add_parser", "validate", "check_out", "run", "seed_list", "image_list", "backend_list"]
@@ -112,7 +112,7 @@ def check_out(path: str) -> None:
     out = Path(path).expanduser()
     base = next(p for p in (out, *out.parents) if p.exists())  # the last parent, "/" or ".", exists
     if not base.is_dir():
-        raise UsageError(f"--out {path}: {base} is a file, not a folder")
+        raise UsageError(f"--out {path}: {base} is {path_kind(base)}, not a folder")
     try:
         with tempfile.TemporaryDirectory(dir=base):
             pass
