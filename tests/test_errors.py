@@ -8,6 +8,7 @@ TIFF with NaN pixels), ``cut.png`` (a PNG cut short) and ``rgba.png`` (half of i
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -260,3 +261,10 @@ def test_a_folder_missing_a_component(saved, tmp_path, capsys):
     line = main_error(["generate", "--model", str(folder), "--out", str(tmp_path / "out")], capsys)
     assert line == (f"pasa generate: error: --model {folder}: folder model='{folder}' lacks the component folder(s) "
                     "['image_encoder'] that its model_index.json lists; save the pipeline again with save_pretrained()")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("fa3_fwd_interface") is not None, reason="fa3-fwd is installed here")
+def test_a_peer_whose_package_is_missing_is_one_line():
+    done, _ = pasa(["compare", "--backends", "pasa,fa3"])
+    assert_usage_error(done, "compare", "argument --backends: backend 'fa3' needs the fa3-fwd package (module "
+                                        "fa3_fwd_interface), which is not installed: pip install fa3-fwd")

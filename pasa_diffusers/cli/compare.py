@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pasa_diffusers.backends import COMPARED, DEFAULT_COMPARED, REFERENCE
+from pasa_diffusers.backends import COMPARED, DEFAULT_COMPARED, REFERENCE, missing
 from pasa_diffusers.pipelines.names import BUILTIN_IMAGES
 
 from .common import (MAX_SEED, SCORED_MIN_SIZE, UsageError, add_generation_args, backend_help, check_device,
@@ -103,6 +103,9 @@ def backend_list(text: str) -> list[str]:
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown backend(s) {', '.join(unknown)}; choose from "
                                          f"{', '.join(COMPARED)} ({REFERENCE} is always the reference)")
+    absent = [reason for name in names if (reason := missing(name))]
+    if absent:
+        raise argparse.ArgumentTypeError("; ".join(absent))
     return _no_repeats(names, "backend")
 
 
