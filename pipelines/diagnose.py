@@ -1,32 +1,41 @@
-"""Overflow diagnosis of one SVD generation: which attention layers overflow in FP16, and why.
+"""Overflow diagnosis of one generation (SVD or a video transformer): which attention layers overflow in FP16,
+and why.
 
-``diagnose`` records every attention call of ``pipe.unet`` during one real generation
-(``pasa_diffusers.diagnose.recording`` with a ``DiagnosticAttnProcessor`` per layer around
-``svd.generate``, the pipeline's step callback advancing the step clock), summarises the layers
-(``pasa_diffusers.diagnose.summarize``, with the module kinds of ``install.module_kind``: risk and cause
-as in ``pasa_diffusers/diagnose/rules.py``) and times a plain generation for the overhead.  The
-diagnostic processors compute the stock attention, so the video is the one the pipeline makes without
-them.  Render the result with ``pasa_diffusers.diagnose.risk_table`` and ``write_diagnosis``.
+``diagnose`` records every attention call of the pipeline's denoiser (``video.denoiser``: SVD's UNet, a
+video pipeline's transformer) during one real generation (``pasa_diffusers.diagnose.recording`` with a
+``DiagnosticAttnProcessor`` per layer around ``video.generate_frames``, the pipeline's step callback
+advancing the step clock), summarises the layers (``pasa_diffusers.diagnose.summarize``, with the module
+kinds of ``install.module_kind``: risk and cause as in ``pasa_diffusers/diagnose/rules.py``) and times a
+plain generation for the overhead.  In a video transformer the model keeps its own processors (QK norms,
+RoPE): each one's attention call is routed to its layer's ``DiagnosticAttnProcessor``
+(``routing.routed``), as ``install.apply`` routes it to a backend, and forward hooks record the largest
+|x| of every block's attention outputs, feed-forward, norms and residual stream
+(``pasa_diffusers.diagnose.recording_activations``).  The diagnostic processors compute the stock
+attention, so the video is the one the pipeline makes without them.  Render the result with
+``pasa_diffusers.diagnose.risk_table``, ``activation_table`` and ``write_diagnosis``.
 """
 from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
 from pasa_diffusers.beta import DEFAULT_BETA
-from pasa_diffusers.diagnose import CAUSE_RULE, RISK_RULE, LayerRecorder, StepClock, recording, summarize
-from pasa_diffusers.install import module_kind
+from pasa_diffusers.diagnose import (CAUSE_RULE, RISK_RULE, LayerRecorder, StepClock, activation_sites, recording,
+                                     recording_activations, summarize, summarize_activations)
+from pasa_diffusers.install import VIDEO_BLOCKS, attention_processors, module_kind
 from pasa_diffusers.metrics.records import versions
 from pasa_diffusers.processors import SDPAAttnProcessor
+from pasa_diffusers.routing import routed
 from pasa_diffusers.rules import FP16_MAX, SHIFT_BLOCK
 
-from .svd import generate
+from .video import NOTICE, denoiser, generate_frames, is_video_pipeline
 
-__all__ = ["DiagnosticAttnProcessor", "diagnose"]
+__all__ = ["DiagnosticAttnProcessor", "routed_recorders", "diagnose"]
 
 
 class DiagnosticAttnProcessor(SDPAAttnProcessor):
@@ -42,6 +51,18 @@ class DiagnosticAttnProcessor(SDPAAttnProcessor):
                   attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         self.recorder.record(query, key, scale)
         return super().attention(query, key, value, scale, attention_mask)
+
+
+def routed_recorders(model: Any) -> Callable[[LayerRecorder], Any]:
+    """A processor factory for ``recording`` on a video transformer: each layer keeps its own processor (QK
+    norms, RoPE), its attention call routed to the recorder's ``DiagnosticAttnProcessor`` (``routing.routed``,
+    as ``install.apply`` routes it to a backend)."""
+    stock = attention_processors(model)
+
+    def make(recorder: LayerRecorder) -> Any:
+        return routed(stock[f"{recorder.name}.processor"], DiagnosticAttnProcessor(recorder))
+
+    return make
 
 
 def _timed_generate(pipe: Any, image: Any, settings: dict[str, Any], desc: str, progress: bool,
@@ -62,7 +83,7 @@ def _timed_generate(pipe: Any, image: Any, settings: dict[str, Any], desc: str, 
         if cuda:
             torch.cuda.synchronize(pipe.device)
         start = time.perf_counter()
-        frames = generate(pipe, image, progress=False, callback_on_step_end=callback, **settings)
+        frames = generate_frames(pipe, image, progress=False, callback_on_step_end=callback, **settings)
         seconds = time.perf_counter() - start
     finally:
         bar.close()
@@ -72,12 +93,13 @@ def _timed_generate(pipe: Any, image: Any, settings: dict[str, Any], desc: str, 
 def diagnose(pipe: Any, image: Any, *, num_frames: int, num_inference_steps: int, seed: int, height: int,
              width: int, progress: bool = True, max_elements: int = 2 ** 26, model: str | None = None,
              measure_overhead: bool = True) -> dict[str, Any]:
-    """Diagnose FP16 overflow in every attention layer of ``pipe.unet`` during one generation.
+    """Diagnose FP16 overflow in every attention layer of the pipeline's denoiser during one generation.
 
     Args:
-        pipe: a pipeline from ``pasa_diffusers.pipelines.svd.load_svd``; its processors are restored afterwards (also
-            on error).
-        image, num_frames, num_inference_steps, seed, height, width: as ``pasa_diffusers.pipelines.svd.generate``.
+        pipe: a pipeline from ``pasa_diffusers.pipelines.video.load_pipeline`` (SVD or a video transformer); its
+            processors are restored afterwards (also on error).
+        image, num_frames, num_inference_steps, seed, height, width: as ``video.generate_frames`` (``image``
+            is unused by a text-to-video pipeline).
         progress: tqdm bars over the denoising steps (stderr).
         max_elements: most scores held at once per call (``call_stats``).
         model: the name reported (default: the pipeline's ``name_or_path``).
@@ -97,13 +119,19 @@ def diagnose(pipe: Any, image: Any, *, num_frames: int, num_inference_steps: int
         ``settings`` holds the generation settings, ``device``, ``dtype``, ``max_elements``, ``beta``,
         ``block_n`` and ``versions`` (``metrics.records.versions``).
         ``overhead`` = ``{"seconds_with", "seconds_without", "ratio"}`` (``None`` values without
-        ``measure_overhead``); ``frames`` = ``{"finite", "match_plain"}``.
+        ``measure_overhead``); ``frames`` = ``{"finite", "match_plain"}``.  A video transformer's result
+        also holds ``activations`` (``pasa_diffusers.diagnose.summarize_activations``: per block and role the
+        largest |x|, its risk against 65504, ``overflows``) and ``conditioning`` (``video.NOTICE``).
     """
-    unet = pipe.unet
+    net = denoiser(pipe)
+    video = is_video_pipeline(pipe)
     clock = StepClock()
     settings = {"num_frames": num_frames, "num_inference_steps": num_inference_steps, "seed": seed,
                 "height": height, "width": width}
-    with recording(unet, DiagnosticAttnProcessor, clock=clock, max_elements=max_elements) as recorders:
+    factory = routed_recorders(net) if video else DiagnosticAttnProcessor
+    sites = activation_sites(net, VIDEO_BLOCKS) if video else []
+    with (recording(net, factory, clock=clock, max_elements=max_elements) as recorders,
+          recording_activations(net, sites, clock=clock) as activations):
 
         def on_step(i: int, bar: Any) -> None:
             clock.step = i + 1
@@ -116,9 +144,9 @@ def diagnose(pipe: Any, image: Any, *, num_frames: int, num_inference_steps: int
     if measure_overhead:
         plain, seconds_without = _timed_generate(pipe, image, settings, "plain (timing)", progress)
         match_plain = bool(np.array_equal(plain, frames, equal_nan=True))
-    return {
+    result = {
         "model": model or pipe.name_or_path or f"unnamed {type(pipe).__name__}",
-        "settings": {**settings, "device": str(pipe.device), "dtype": str(unet.dtype).removeprefix("torch."),
+        "settings": {**settings, "device": str(pipe.device), "dtype": str(net.dtype).removeprefix("torch."),
                      "max_elements": max_elements, "beta": DEFAULT_BETA, "block_n": SHIFT_BLOCK,
                      "versions": versions()},
         "rules": {"risk": RISK_RULE, "cause": CAUSE_RULE},
@@ -128,3 +156,6 @@ def diagnose(pipe: Any, image: Any, *, num_frames: int, num_inference_steps: int
         "frames": {"finite": bool(np.isfinite(frames).all()), "match_plain": match_plain},
         "fp16_max": FP16_MAX,
     }
+    if video:
+        result.update(activations=summarize_activations(activations, num_inference_steps), conditioning=NOTICE)
+    return result

@@ -1,12 +1,12 @@
 """What the pipelines take by name, stated once and torch-free: built-in models, hub ids, built-in images.
 
-``load_svd`` (``svd.py``) and the command line (``pasa_diffusers.cli.common``, which checks its
-arguments before torch is imported) both read these, so a name is accepted by one exactly when it is
-accepted by the other.
+``load_svd`` (``svd.py``), ``load_video`` (``video.py``) and the command line (``pasa_diffusers.cli.common``,
+which checks its arguments before torch is imported) all read these, so a name is accepted by a loader
+exactly when the command line accepts it.
 """
 from __future__ import annotations
 
-__all__ = ["BUILTIN_MODELS", "BUILTIN_IMAGES", "is_hub_id"]
+__all__ = ["BUILTIN_MODELS", "BUILTIN_VIDEO_MODELS", "TINY_VIDEO_SETTINGS", "ALL_BUILTIN_MODELS", "BUILTIN_IMAGES", "is_hub_id"]
 
 BUILTIN_MODELS: dict[str, str] = {
     "tiny": "an embedded random SVD built from configs: runs on a CPU in seconds",
@@ -14,7 +14,20 @@ BUILTIN_MODELS: dict[str, str] = {
     "svd-xt-random": "SVD-XT's full-size pipeline (2.25 B parameters) with seeded random weights, built from "
                      "diffusers' default configs on the device",
 }
-"""Models built in code (no download, no file), by name, with what each is."""
+"""SVD pipelines built in code (no download, no file), by name, with what each is (``svd.load_svd``)."""
+
+BUILTIN_VIDEO_MODELS: dict[str, str] = {
+    "tiny-wan": "an embedded random Wan 2.1 text-to-video pipeline (WanPipeline: tiny transformer and VAE) built "
+                "from configs: runs on a CPU in seconds",
+}
+"""Video-transformer pipelines built in code, by name, with what each is (``video.load_video``)."""
+
+TINY_VIDEO_SETTINGS: dict[str, int] = {"num_frames": 9, "height": 64, "width": 64}
+"""Frames and size of a generation of the built-in video models: 3 latent frames of 8 x 8 (48 video tokens),
+as ``video_dits.example_inputs``."""
+
+ALL_BUILTIN_MODELS: dict[str, str] = {**BUILTIN_MODELS, **BUILTIN_VIDEO_MODELS}
+"""Every model built in code: what ``--model`` takes besides a hub id or a folder."""
 
 BUILTIN_IMAGES = ("astronaut", "coffee", "rocket")
 """Names accepted as ``builtin:<name>`` by ``load_image`` (images bundled with scikit-image)."""

@@ -14,10 +14,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from diffusers import (CogVideoXTransformer3DModel, HunyuanVideoTransformer3DModel, LTXVideoTransformer3DModel,
-                       MochiTransformer3DModel, WanTransformer3DModel)
+from diffusers import (AutoencoderKLWan, CogVideoXTransformer3DModel, HunyuanVideoTransformer3DModel,
+                       LTXVideoTransformer3DModel, MochiTransformer3DModel, WanTransformer3DModel)
 
-__all__ = ["FAMILIES", "FULL_SIZE", "tiny_transformer", "full_size_transformer", "example_inputs",
+__all__ = ["FAMILIES", "FULL_SIZE", "tiny_transformer", "tiny_wan_vae", "full_size_transformer", "example_inputs",
            "full_size_inputs"]
 
 TEXT_TOKENS = 7
@@ -166,3 +166,16 @@ def full_size_inputs(name: str, model: torch.nn.Module, resolution: str, *, batc
     return {"hidden_states": randn(batch, latent_frames, cfg.in_channels, cfg.sample_height, cfg.sample_width),
             "encoder_hidden_states": randn(batch, cfg.max_text_seq_length, cfg.text_embed_dim),
             "timestep": timestep, "return_dict": False}
+
+
+def tiny_wan_vae(*, seed: int = 0) -> torch.nn.Module:
+    """A tiny random ``AutoencoderKLWan`` for ``tiny_transformer("wan")`` (4 latent channels), fp32, eval mode,
+    seeded: Wan's compression (8x in space, 4x in time: three downsamplings, the last two also temporal, causal
+    3D convolutions) at 8 base channels, one residual block per level, latents neither shifted nor scaled."""
+    channels = 4  # the in_channels of _wan()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        vae = AutoencoderKLWan(base_dim=8, z_dim=channels, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                               temperal_downsample=[False, True, True], latents_mean=[0.0] * channels,
+                               latents_std=[1.0] * channels)
+    return vae.eval()

@@ -7,9 +7,11 @@ in a fraction of a second with one line ``pasa <command>: error: <message>`` (ex
 The limits come from what the pipeline needs:
 
 - ``--frames`` >= 2: one frame fails inside diffusers' SVD pipeline (a tensor-size mismatch,
-  diffusers 0.42);
+  diffusers 0.42); a video transformer's pipeline takes ``4k + 1`` frames (Wan: its VAE compresses time
+  4x), checked once the model is loaded (``generation_settings``);
 - ``--height``/``--width``: multiples of 8 (``StableVideoDiffusionPipeline.check_inputs``), at
   least 8, and at least 16 for a command that scores frames (SSIM's 11 x 11 Gaussian window, sigma 1.5);
+  multiples of 16 for Wan (VAE 8x, patch 2);
 - ``--steps`` >= 1; ``--seed`` in [0, 2**63 - 1] (a CPU ``torch.Generator`` seed); ``--fps`` > 0.
 """
 from __future__ import annotations
@@ -25,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from pasa_diffusers.backends import BACKENDS
-from pasa_diffusers.pipelines.names import BUILTIN_IMAGES, BUILTIN_MODELS, is_hub_id
+from pasa_diffusers.pipelines.names import (ALL_BUILTIN_MODELS, BUILTIN_IMAGES, BUILTIN_MODELS, BUILTIN_VIDEO_MODELS,
+                                            TINY_VIDEO_SETTINGS, is_hub_id)
 
 __all__ = [
     "UsageError",
@@ -50,6 +53,8 @@ __all__ = [
     "check_model",
     "check_file",
     "load_model",
+    "generation_settings",
+    "conditioning_notice",
     "load_condition_image",
     "model_dtype",
 ]
@@ -123,7 +128,7 @@ def backend_help(names: tuple[str, ...]) -> str:
 
 def model_help(default: str | None) -> str:
     """The ``--help`` text of ``--model``: the built-in models with what each is, a hub id, a folder."""
-    builtin = "; ".join(f"'{name}': {what}" for name, what in BUILTIN_MODELS.items())
+    builtin = "; ".join(f"'{name}': {what}" for name, what in ALL_BUILTIN_MODELS.items())
     return (f"{builtin}; or a hub id 'org/name' (from the local cache or the hub) or a save_pretrained folder"
             + (f" (default {default})" if default else ""))
 
@@ -139,25 +144,37 @@ def add_model_args(p: argparse.ArgumentParser, default: str | None = "tiny") -> 
 
 
 def add_generation_args(p: argparse.ArgumentParser, out: str, frames: int = 4, steps: int = 4, size: int = 64,
-                        *, min_size: int = MIN_SIZE) -> None:
-    """The flags of a command that generates SVD videos (``add_model_args`` among them), each validated
-    by its ``type=``.
+                        *, min_size: int = MIN_SIZE, video: bool = False) -> None:
+    """The flags of a command that generates videos (``add_model_args`` among them), each validated by its
+    ``type=``.
 
     ``min_size``: the smallest ``--height``/``--width`` (``SCORED_MIN_SIZE`` for a command that scores
-    frames with SSIM).  ``validate_generation_args`` checks what ``type=`` cannot (device, paths)."""
+    frames with SSIM).  ``video``: the command also takes video-transformer pipelines, whose own frames and
+    size are the defaults of ``--frames``, ``--height`` and ``--width`` there (``generation_settings``;
+    ``frames`` and ``size`` stay SVD's).  ``validate_generation_args`` checks what ``type=`` cannot (device,
+    paths)."""
     size_type = int_range(min_size, multiple_of=SIZE_MULTIPLE,
                           why="SVD needs multiples of 8" + (", SSIM an 11x11 window" if min_size > MIN_SIZE else ""))
+    tiny = ", ".join(BUILTIN_VIDEO_MODELS)
+
+    def own(name: str) -> str:
+        return (f"; a video transformer's pipeline: its own, {tiny}: {TINY_VIDEO_SETTINGS[name]}, a loaded one: its "
+                "pipeline's default" if video else "")
+
     add_model_args(p)
     p.add_argument("--image", default="builtin:rocket",
                    help=f"conditioning image: a file (any mode PIL opens; transparency is composited on white) "
-                        f"or builtin:{'|'.join(BUILTIN_IMAGES)} (default builtin:rocket)")
-    p.add_argument("--frames", type=int_range(MIN_FRAMES, why="SVD needs two frames"), default=frames,
-                   help=f"frames per video, >= {MIN_FRAMES} (default {frames})")
+                        f"or builtin:{'|'.join(BUILTIN_IMAGES)} (default builtin:rocket)"
+                        + ("; unused by a text-to-video pipeline" if video else ""))
+    p.add_argument("--frames", type=int_range(MIN_FRAMES, why="SVD needs two frames"), default=None if video else frames,
+                   help=f"frames per video, >= {MIN_FRAMES} (default {frames}" + own("num_frames") + ")")
     p.add_argument("--steps", type=int_range(1), default=steps, help=f"denoising steps, >= 1 (default {steps})")
-    p.add_argument("--height", type=size_type, default=size,
-                   help=f"frame height in pixels: a multiple of 8, >= {min_size} (default {size})")
-    p.add_argument("--width", type=size_type, default=size,
-                   help=f"frame width in pixels: a multiple of 8, >= {min_size} (default {size})")
+    p.add_argument("--height", type=size_type, default=None if video else size,
+                   help=f"frame height in pixels: a multiple of 8, >= {min_size} (default {size}" + own("height") + ")")
+    p.add_argument("--width", type=size_type, default=None if video else size,
+                   help=f"frame width in pixels: a multiple of 8, >= {min_size} (default {size}" + own("width") + ")")
+    if video:
+        p.set_defaults(svd_defaults={"num_frames": frames, "height": size, "width": size})
     p.add_argument("--seed", type=seed, default=0, help="seed of the initial noise, in [0, 2**63-1] (default 0)")
     p.add_argument("--out", default=out, help=f"output folder (created; default {out})")
 
@@ -256,7 +273,7 @@ def check_image(spec: str, flag: str = "--image") -> None:
 def check_model(model: str, flag: str = "--model") -> None:
     """Refuse a local path that is not a ``save_pretrained`` folder and a name that is neither a folder, a
     hub id (``names.is_hub_id``; whether it exists is checked when loading) nor a built-in model."""
-    if model in BUILTIN_MODELS:
+    if model in ALL_BUILTIN_MODELS:
         return
     path = Path(model).expanduser()
     if path.exists():
@@ -267,18 +284,58 @@ def check_model(model: str, flag: str = "--model") -> None:
                              "StableVideoDiffusionPipeline.save_pretrained()")
     elif not is_hub_id(model):
         raise UsageError(f"{flag} {model}: no such folder, and not a hub id 'org/name' nor a built-in model "
-                         f"({', '.join(BUILTIN_MODELS)})")
+                         f"({', '.join(BUILTIN_MODELS)}) or video model ({', '.join(BUILTIN_VIDEO_MODELS)})")
 
 
-def load_model(args: argparse.Namespace) -> Any:
-    """``load_svd`` with the generation flags; a model that cannot be loaded is a ``UsageError`` naming ``--model``."""
+def load_model(args: argparse.Namespace, *, video: bool = False) -> Any:
+    """``load_svd`` with the generation flags, or with ``video`` ``video.load_pipeline`` (an SVD or a
+    video-transformer pipeline, by what ``--model`` holds); a model that cannot be loaded is a
+    ``UsageError`` naming ``--model``, and so is a built-in video model without ``video``."""
     from pasa_diffusers.pipelines.svd import ModelLoadError, load_svd
+    from pasa_diffusers.pipelines.video import load_pipeline
 
+    if not video and args.model in BUILTIN_VIDEO_MODELS:
+        raise UsageError(f"--model {args.model}: a video-transformer pipeline; pasa {getattr(args, 'command', '')} "
+                         "takes SVD pipelines only so far (pasa generate and pasa diagnose take both)")
     try:
-        return load_svd(args.model, device=args.device, dtype=model_dtype(args.device, args.dtype),
-                        local_files_only=args.local_files_only)
+        return (load_pipeline if video else load_svd)(args.model, device=args.device,
+                                                      dtype=model_dtype(args.device, args.dtype),
+                                                      local_files_only=args.local_files_only)
     except ModelLoadError as exc:
-        raise UsageError(f"--model {args.model}: {str(exc).removeprefix('load_svd: ')}") from exc
+        message = str(exc).removeprefix("load_svd: ").removeprefix("load_video: ")
+        raise UsageError(f"--model {args.model}: {message}") from exc
+
+
+_FLAGS = {"num_frames": "--frames", "height": "--height", "width": "--width"}
+
+
+def generation_settings(args: argparse.Namespace, pipe: Any) -> dict[str, int]:
+    """``num_frames``, ``num_inference_steps``, ``seed``, ``height`` and ``width`` of one generation of ``pipe``
+    from the flags of ``add_generation_args(..., video=True)``: a flag not given takes the model's default
+    (SVD: the command's; a video transformer: ``video.default_settings``); a value the video pipeline
+    would round is a ``UsageError`` naming the flag (``video.setting_problem``)."""
+    from pasa_diffusers.pipelines.video import default_settings, is_video_pipeline, setting_problem
+
+    video = is_video_pipeline(pipe)
+    defaults = default_settings(pipe) if video else args.svd_defaults
+    given = {name: getattr(args, flag.removeprefix("--")) for name, flag in _FLAGS.items()}
+    sizes = {name: defaults[name] if value is None else value for name, value in given.items()}
+    problem = setting_problem(pipe, **sizes) if video else None
+    if problem is not None:
+        name, why = problem
+        raise UsageError(f"{_FLAGS[name]} {sizes[name]}: {why}")
+    return {**sizes, "num_inference_steps": args.steps, "seed": args.seed}
+
+
+def conditioning_notice(pipe: Any) -> str | None:
+    """The line a command prints about a video pipeline's conditioning (``video.NOTICE``), or ``None`` (SVD)."""
+    from pasa_diffusers.pipelines.video import NOTICE, PROMPT_SEED, is_video_pipeline, prompt_embeddings
+
+    if not is_video_pipeline(pipe):
+        return None
+    positive, _ = prompt_embeddings(pipe)
+    return (f"{NOTICE}: unit Gaussians of {positive.shape[1]} tokens x {positive.shape[2]} (seed {PROMPT_SEED}: the "
+            "prompt's, then the negative prompt's); no tokenizer or text encoder is loaded")
 
 
 def load_condition_image(args: argparse.Namespace) -> Any:

@@ -5,8 +5,8 @@ import argparse
 import json
 
 from ..backends import BACKENDS
-from .common import (UsageError, add_generation_args, backend_help, load_condition_image, load_model, positive_float,
-                     validate_generation_args)
+from .common import (UsageError, add_generation_args, backend_help, conditioning_notice, generation_settings,
+                     load_condition_image, load_model, positive_float, validate_generation_args)
 
 __all__ = ["add_parser", "validate", "run"]
 
@@ -25,18 +25,21 @@ def validate(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from pasa_diffusers import metrics
-    from pasa_diffusers.pipelines.svd import generate
+    from pasa_diffusers.pipelines.video import generate_frames, is_video_pipeline
 
     from .. import install
 
-    pipe = load_model(args)
+    pipe = load_model(args, video=True)
+    settings = generation_settings(args, pipe)
     try:
         summary = install.apply(pipe, args.attention)
     except ValueError as exc:  # the backend cannot run this model's attention (e.g. its head dims)
         raise UsageError(f"--attention {args.attention}: {exc}") from exc
-    image = load_condition_image(args)
-    frames = generate(pipe, image, num_frames=args.frames, num_inference_steps=args.steps, seed=args.seed,
-                      height=args.height, width=args.width)
+    image = None if is_video_pipeline(pipe) else load_condition_image(args)
+    notice = conditioning_notice(pipe)
+    if notice:
+        print(notice)
+    frames = generate_frames(pipe, image, **settings)
     try:
         fallbacks = install.fallback_summary(pipe, strict=True)
     except install.AllCallsFellBackError as exc:
@@ -52,12 +55,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="animate an image with SVD using one attention backend",
-                       description="Animate --image with the SVD pipeline --model, its attention computed by "
-                                   "--attention, from the initial noise of --seed; write the video as mp4, gif and "
-                                   "PNG frames into --out, and print the processors installed, the attention calls "
-                                   "and their fallbacks, and whether every frame is finite.")
-    add_generation_args(p, "out/generate")
+    p = sub.add_parser("generate", help="one video (SVD or a video transformer) using one attention backend",
+                       description="Animate --image with the SVD pipeline --model (or, for a video-transformer "
+                                   "pipeline such as tiny-wan, generate from fixed prompt embeddings), its attention "
+                                   "computed by --attention, from the initial noise of --seed; write the video as "
+                                   "mp4, gif and PNG frames into --out, and print the processors installed, the "
+                                   "attention calls and their fallbacks, and whether every frame is finite.")
+    add_generation_args(p, "out/generate", video=True)
     p.add_argument("--attention", choices=tuple(BACKENDS), default="pasa", metavar="BACKEND",
                    help=f"the attention backend (default pasa): {backend_help(tuple(BACKENDS))}")
     p.add_argument("--fps", type=positive_float, default=7.0, help="frames per second of the mp4 and gif, > 0 "

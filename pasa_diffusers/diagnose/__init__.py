@@ -8,7 +8,9 @@ One job per module, in the order the data flows:
   and restores the previous processors;
 - ``aggregate.py``: per layer, the calls summarised (maxima, per-head means, per-step series, names);
 - ``rules.py``: the risk and cause of an aggregated layer;
-- ``render.py``: the risk table and ``write_diagnosis`` (``diagnosis.json`` and, from ``plots.py``, the
+- ``activations.py``: outside the scores, the largest |x| of each transformer block's attention output,
+  feed-forward, norms and residual stream (forward hooks), against 65504;
+- ``render.py``: the risk table, the activation table and ``write_diagnosis`` (``diagnosis.json`` and, from ``plots.py``, the
   heatmap and the bias/resonance figure).
 
 The diagnosis installs no processor class of its own and never imports ``install`` or ``processors``:
@@ -27,14 +29,17 @@ _HOMES = {
     "StepClock": ".collect", "LayerRecorder": ".collect", "recording": ".collect",
     "aggregate_layer": ".aggregate", "summarize": ".aggregate", "short_path": ".aggregate",
     "RISK_RULE": ".rules", "CAUSE_RULE": ".rules", "judge": ".rules", "layer_cause": ".rules",
-    "ranked": ".render", "risk_table": ".render", "write_diagnosis": ".render",
+    "ranked": ".render", "risk_table": ".render", "activation_table": ".render", "write_diagnosis": ".render",
+    "ActivationSite": ".activations", "activation_sites": ".activations", "recording_activations": ".activations",
+    "summarize_activations": ".activations",
 }
 __all__ = list(_HOMES)
 
 if TYPE_CHECKING:
+    from .activations import ActivationSite, activation_sites, recording_activations, summarize_activations
     from .aggregate import aggregate_layer, short_path, summarize
     from .collect import LayerRecorder, StepClock, recording
-    from .render import ranked, risk_table, write_diagnosis
+    from .render import activation_table, ranked, risk_table, write_diagnosis
     from .rules import CAUSE_RULE, RISK_RULE, judge, layer_cause
     from .stats import call_stats
 

@@ -32,7 +32,8 @@ def _head_mean(values: list[list[float | None]]) -> list[float | None]:
 
 
 def _block(path: str) -> str:
-    match = re.match(r"(down_blocks\.\d+|up_blocks\.\d+|mid_block)", path)
+    """A UNet's down/up block or mid block; a video transformer's block (``blocks.3``, ``transformer_blocks.0``)."""
+    match = re.match(r"(down_blocks\.\d+|up_blocks\.\d+|mid_block|(?:single_)?(?:transformer_)?blocks\.\d+)", path)
     return match.group(1) if match else path.split(".", 1)[0]
 
 
@@ -83,14 +84,20 @@ def aggregate_layer(path: str, records: list[dict[str, Any]], num_steps: int, *,
     return judge(layer)
 
 
+def _level_key(layer: dict[str, Any]) -> str:
+    """What shares a level: a UNet layer's transformer, a video transformer layer's block."""
+    return layer["block"] if layer["kind"].startswith("video") else _transformer(layer["path"])
+
+
 def _fill_levels(layers: list[dict[str, Any]]) -> None:
-    """``level`` = token count of the spatial attention in the layer's transformer (None if there is none)."""
+    """``level`` = token count of the spatial attention in the layer's transformer, or of the video
+    self-attention in the layer's block (None if there is none)."""
     tokens = {}
     for layer in layers:
-        if layer["kind"].startswith("spatial") and layer["shape_q"] is not None:
-            tokens[_transformer(layer["path"])] = layer["shape_q"][2]
+        if layer["kind"].startswith(("spatial", "video-self")) and layer["shape_q"] is not None:
+            tokens[_level_key(layer)] = layer["shape_q"][2]
     for layer in layers:
-        layer["level"] = tokens.get(_transformer(layer["path"]))
+        layer["level"] = tokens.get(_level_key(layer))
 
 
 def summarize(recorders: list[LayerRecorder], num_steps: int, *, kind: Callable[[str], str]) -> list[dict[str, Any]]:

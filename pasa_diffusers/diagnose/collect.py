@@ -65,8 +65,10 @@ class LayerRecorder:
         self.block_n = block_n
         self.records: list[dict[str, Any]] = []
 
-    def record(self, query: torch.Tensor, key: torch.Tensor, scale: float) -> None:
-        """Record one call from its ``(B, N, H, D)`` query and key (as diffusers' processors hold them)."""
+    def record(self, query: torch.Tensor, key: torch.Tensor, scale: float | None) -> None:
+        """Record one call from its ``(B, N, H, D)`` query and key (as diffusers' processors hold them);
+        ``scale=None`` is SDPA's default, ``1/sqrt(D)`` (what the video transformers' processors pass)."""
+        scale = query.shape[-1] ** -0.5 if scale is None else scale
         stats = call_stats(query.transpose(1, 2), key.transpose(1, 2), scale, beta=self.beta,
                            block_n=self.block_n, max_elements=self.max_elements)
         heads = query.shape[2]

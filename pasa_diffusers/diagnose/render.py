@@ -1,7 +1,8 @@
 """A diagnosis result rendered: the risk table for the terminal, and the files of ``write_diagnosis``.
 
 The result is the dict of ``diagnose`` (the application, ``pipelines/diagnose.py``): ``model``, ``settings``,
-``layers`` (``aggregate.summarize``), ``overhead``; the JSON follows ``metrics.records``' convention.
+``layers`` (``aggregate.summarize``), ``overhead`` and, for a video transformer, ``activations``
+(``activations.summarize_activations``); the JSON follows ``metrics.records``' convention.
 """
 from __future__ import annotations
 
@@ -16,15 +17,22 @@ from pasa_diffusers.metrics.records import atomic_path, write_json
 from ..rules import FP16_MAX
 from .plots import bias_resonance, heatmap
 
-__all__ = ["LEGEND", "ranked", "risk_table", "write_diagnosis"]
+__all__ = ["LEGEND", "ACTIVATION_LEGEND", "ranked", "risk_table", "activation_table", "write_diagnosis"]
 
 _COLUMNS = ("#", "layer", "kind", "level", "heads x D", "calls", "max|q.k|", "risk", "overflows", "max|S'| PASA",
             "cause")
 _NUMERIC = ("#", "calls", "max|q.k|", "risk", "overflows", "max|S'| PASA")
 LEGEND = (f"risk = max |q . k| / {FP16_MAX:g} (raw product over all calls); overflows = how many raw scores "
-          f"|q . k| exceed {FP16_MAX:g}, summed over all calls (- for none); level = block @ spatial tokens; "
-          "max|S'| = PASA's shifted scores")
+          f"|q . k| exceed {FP16_MAX:g}, summed over all calls (- for none); level = block @ spatial tokens (SVD) "
+          "or video tokens (a video transformer); max|S'| = PASA's shifted scores")
 """What the table's columns hold, printed under it."""
+
+_ACTIVATION_COLUMNS = ("block", "role", "module", "calls", "max|x|", "risk", "fp16")
+_ACTIVATION_NUMERIC = ("calls", "max|x|", "risk")
+ACTIVATION_LEGEND = (f"max|x| = largest absolute value of the module's output over all calls; risk = max|x| / "
+                     f"{FP16_MAX:g}; above 1 an fp16 copy of it holds inf; attention output = after the output "
+                     "projection; norm = before the block's modulation")
+"""What the activation table's columns hold, printed under it."""
 
 
 def ranked(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -57,11 +65,44 @@ def _footer(result: dict[str, Any]) -> str:
             f"{s['height']}x{s['width']}, {s['device']} {s['dtype']}); {timing}\n{LEGEND}")
 
 
-def _plain_table(rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in [list(_COLUMNS)] + rows) for i in range(len(_COLUMNS))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [list(_COLUMNS)] + rows]
+def _plain_table(columns: tuple[str, ...], rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in [list(columns)] + rows) for i in range(len(columns))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [list(columns)] + rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def _rich_available() -> bool:
+    try:
+        import rich  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _table(title: str, columns: tuple[str, ...], numeric: tuple[str, ...], rows: list[list[str]],
+           hot: list[bool], footer: str, use_rich: bool | None) -> str:
+    """``rows`` under ``columns`` (the ``hot`` ones in bold red with rich), then ``footer``: rich when
+    ``use_rich`` (``None``: when it is installed), colours only when stdout is a terminal, else plain text."""
+    if use_rich is None:
+        use_rich = _rich_available()
+    if not use_rich:
+        return _plain_table(columns, rows) + "\n" + footer
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for name in columns:
+        table.add_column(name, justify="right" if name in numeric else "left")
+    for row, red in zip(rows, hot):
+        table.add_row(*row, style="bold red" if red else None)
+    tty = sys.stdout.isatty()
+    width = shutil.get_terminal_size((200, 40)).columns if tty else 200
+    buf = io.StringIO()
+    console = Console(file=buf, width=width, force_terminal=tty, color_system="auto" if tty else None)
+    console.print(table)
+    console.print(footer, highlight=False)
+    return buf.getvalue().rstrip("\n")
 
 
 def risk_table(result: dict[str, Any], *, use_rich: bool | None = None) -> str:
@@ -69,31 +110,34 @@ def risk_table(result: dict[str, Any], *, use_rich: bool | None = None) -> str:
 
     ``use_rich=None`` takes rich if it is installed; colours only when stdout is a terminal.
     """
-    rows = [_row(i, layer) for i, layer in enumerate(ranked(result), start=1)]
-    if use_rich is None:
-        try:
-            import rich  # noqa: F401
+    layers = ranked(result)
+    rows = [_row(i, layer) for i, layer in enumerate(layers, start=1)]
+    return _table("FP16 attention overflow risk", _COLUMNS, _NUMERIC, rows, [layer["overflows"] for layer in layers],
+                  _footer(result), use_rich)
 
-            use_rich = True
-        except ImportError:
-            use_rich = False
-    if not use_rich:
-        return _plain_table(rows) + "\n" + _footer(result)
-    from rich.console import Console
-    from rich.table import Table
 
-    table = Table(title="FP16 attention overflow risk", title_justify="left")
-    for name in _COLUMNS:
-        table.add_column(name, justify="right" if name in _NUMERIC else "left")
-    for row, layer in zip(rows, ranked(result)):
-        table.add_row(*row, style="bold red" if layer["overflows"] else None)
-    tty = sys.stdout.isatty()
-    width = shutil.get_terminal_size((200, 40)).columns if tty else 200
-    buf = io.StringIO()
-    console = Console(file=buf, width=width, force_terminal=tty, color_system="auto" if tty else None)
-    console.print(table)
-    console.print(_footer(result), highlight=False)
-    return buf.getvalue().rstrip("\n")
+def _activation_row(site: dict[str, Any]) -> list[str]:
+    over = "inf in fp16" if site["overflows"] else ("non-finite" if site["nonfinite_calls"] else "-")
+    return [site["block"], site["role"], site["path"], str(site["calls"]), f"{site['max_abs']:.4g}",
+            f"{site['risk']:.3g}", over]
+
+
+def _activation_footer(result: dict[str, Any]) -> str:
+    sites = result["activations"]
+    hot = [site for site in sites if site["overflows"]]
+    blocks = sorted({site["block"] for site in hot}, key=[site["block"] for site in sites].index)
+    where = f": {', '.join(blocks)}" if blocks else ""
+    return (f"{len(hot)} of {_count(len(sites), 'activation')} exceed {FP16_MAX:g}{where}\n{ACTIVATION_LEGEND}")
+
+
+def activation_table(result: dict[str, Any], *, use_rich: bool | None = None) -> str:
+    """Per transformer block, the largest |x| of its attention outputs, feed-forward, norms and residual stream
+    (``result["activations"]``, ``activations.summarize_activations``), in the model's order, with a footer."""
+    sites = result["activations"]
+    rows = [_activation_row(site) for site in sites]
+    return _table(f"FP16 range of the activations (largest |x| against {FP16_MAX:g})", _ACTIVATION_COLUMNS,
+                  _ACTIVATION_NUMERIC, rows, [site["overflows"] for site in sites], _activation_footer(result),
+                  use_rich)
 
 
 def write_diagnosis(result: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
