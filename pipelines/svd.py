@@ -29,11 +29,11 @@ from safetensors import SafetensorError, safe_open
 from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
 
 from .images import load_image
-from .names import BUILTIN_MODELS, is_hub_id
+from .names import BUILTIN_MODELS, BUILTIN_VIDEO_MODELS, is_hub_id
 from .resonant import build_tiny_resonant
 from .svd_xt_random import build_svd_xt_random, svd_xt_scheduler
 
-__all__ = ["ModelLoadError", "load_svd", "load_image", "make_latents", "generate", "TINY_DEFAULTS"]
+__all__ = ["ModelLoadError", "load_svd", "load_image", "make_latents", "generate", "to_frames", "TINY_DEFAULTS"]
 
 TINY_DEFAULTS: dict[str, int] = {"height": 32, "width": 32, "num_frames": 2, "num_inference_steps": 2}
 """Generation settings that run the tiny pipeline in about a second on two CPU cores."""
@@ -242,6 +242,9 @@ def load_svd(
             is neither a folder, a hub id nor a built-in model, a path that is not a saved pipeline, a hub
             id neither cached nor downloadable, a corrupt or truncated weight file, named).
     """
+    if model in BUILTIN_VIDEO_MODELS:
+        raise ModelLoadError(f"--model {model}: a video transformer pipeline, not SVD; load it with "
+                             "pipelines.video.load_video (or load_pipeline, which takes either)")
     if model in BUILTIN_MODELS:
         if variant is not None:
             raise ValueError(f"load_svd: variant={variant!r} applies to a hub id or a folder, not to model={model!r}")
@@ -286,7 +289,7 @@ def make_latents(
     return latents.to(device=device or pipe.device, dtype=dtype or pipe.unet.dtype)
 
 
-def _to_frames(video: torch.Tensor) -> np.ndarray:
+def to_frames(video: torch.Tensor) -> np.ndarray:
     """``(1, 3, F, H, W)`` decoder output in ``[-1, 1]`` -> ``(F, H, W, 3)`` float32 in ``[0, 1]``.
 
     The same map as the pipeline's ``output_type="np"`` (``(x / 2 + 0.5).clamp(0, 1)``) for finite
@@ -355,4 +358,4 @@ def generate(
         pipe.set_progress_bar_config(**previous_config)
     with torch.no_grad():
         video = pipe.decode_latents(final_latents, num_frames, decode_chunk_size)
-    return _to_frames(video)
+    return to_frames(video)

@@ -239,7 +239,7 @@ def generate(pipe: DiffusionPipeline, *, num_frames: int, num_inference_steps: i
         ).frames
     finally:
         pipe.set_progress_bar_config(**previous_config)
-    return svd._to_frames(_decode(pipe, final_latents))
+    return svd.to_frames(_decode(pipe, final_latents))
 
 
 def generate_frames(pipe: DiffusionPipeline, image: PIL.Image.Image | None, *, num_frames: int,

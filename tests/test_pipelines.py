@@ -30,7 +30,7 @@ from pasa_diffusers.pipelines.resonant import (PLANTED_LAYERS, QKBiasUNetSpatioT
 from pasa_diffusers.pipelines.svd import (
     ModelLoadError,
     TINY_DEFAULTS,
-    _to_frames,
+    to_frames,
     generate,
     load_image,
     load_svd,
@@ -737,7 +737,7 @@ def test_non_finite_values_survive_into_frames(pipe, image, gen):
     decoded[0, 1, 0, 0, 1] = float("inf")
     decoded[0, 2, 1, 3, 3] = -float("inf")
     decoded[0, 0, 1, 2, 2] = 7.0
-    frames = _to_frames(decoded)
+    frames = to_frames(decoded)
     assert frames.shape == (2, 4, 4, 3)
     assert np.isnan(frames[0, 0, 0, 0])
     assert frames[0, 0, 1, 1] == np.inf and frames[1, 3, 3, 2] == -np.inf

@@ -155,3 +155,10 @@ def test_a_planted_overflow_is_found_in_that_layer_and_no_other():
     assert over == {("blocks.1", "ffn output"), ("blocks.1", "block output")}
     assert all(site["max_abs"] < 1000 for site in result["activations"] if site["block"] == "blocks.0")
     assert type(pipe.transformer.blocks[0].attn1.processor).__name__ == "WanAttnProcessor"  # restored
+
+
+def test_load_svd_refuses_a_video_model_by_name():
+    from pasa_diffusers.pipelines.svd import ModelLoadError, load_svd
+
+    with pytest.raises(ModelLoadError, match=r"^--model tiny-wan: a video transformer pipeline, not SVD"):
+        load_svd("tiny-wan")
