@@ -22,7 +22,6 @@ from dataclasses import asdict
 
 import torch
 
-from pasa_diffusers import install
 from pasa_diffusers.backends import BACKENDS
 from pasa_diffusers.metrics import records
 from pasa_diffusers.pipelines.video_dits import (FAMILIES, FULL_SIZE, RESOLUTIONS, example_inputs,
@@ -49,45 +48,11 @@ def make_inputs(name: str, model: torch.nn.Module, resolution: str) -> dict:
     return full_size_inputs(name, model, resolution)
 
 
-def _peak_mib(fn) -> float | None:
-    if not torch.cuda.is_available():
-        return None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - before) / 2 ** 20
-
-
 def forward_rows(model: torch.nn.Module, name: str, resolution: str, args, timer: harness.Timer) -> list[dict]:
     """Every backend (and compiled mode) at one resolution; the first backend is the baseline."""
     inputs = make_inputs(name, model, resolution)
-    rows, baseline = [], None
-    for backend in args.backends:
-        install.apply(model, backend)
-        modes = [("eager", model)]
-        if args.compile is not None and (not args.compile or backend in args.compile):
-            modes.append(("compile", torch.compile(model, fullgraph=True)))
-        for mode, runner in modes:
-            def forward(runner=runner):
-                return runner(**inputs)[0]
-            with torch.no_grad():
-                out = forward().float()
-                ms = timer(forward)
-                peak = _peak_mib(forward)
-            if baseline is None:
-                baseline = (ms, out)
-            diff = (out - baseline[1]).pow(2).mean().sqrt() / baseline[1].pow(2).mean().sqrt()
-            summary = install.fallback_summary(model)
-            rows.append({"model": name, "resolution": resolution, "backend": backend, "mode": mode, "ms": ms,
-                         "vs_first": baseline[0] / ms, "peak_mib": peak, "finite": bool(torch.isfinite(out).all()),
-                         "rel_rms_diff": diff.item(), "fallback_calls": summary["fallback_calls"],
-                         "fallbacks": summary["fallbacks"]})
-            harness.log(f"{name} {resolution} {backend} {mode}: {ms:.1f} ms")
-        install.restore(model)
-        torch._dynamo.reset()
-    return rows
+    rows = harness.model_runs(model, args.backends, args.compile, lambda runner: runner(**inputs)[0], timer)
+    return [{"model": name, "resolution": resolution, **row} for row in rows]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

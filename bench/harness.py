@@ -517,6 +517,54 @@ class Timer:
         return statistics.median(times)
 
 
+def model_runs(model: torch.nn.Module, backends: Sequence[str], compiled: Sequence[str] | None,
+               call: Callable[[torch.nn.Module], torch.Tensor], timer: Timer) -> list[dict[str, Any]]:
+    """A whole model per attention backend: each of ``backends`` installed on ``model`` (``install.apply``),
+    ``call(model)`` timed eager and, for the backends in ``compiled`` (all when it is empty; none when it
+    is ``None``), ``torch.compile``d (``fullgraph=True``); the model restored after each.  Per run: the
+    backend, the mode, ms, the first run's time over this one's, whether the output is finite, its
+    relative RMS difference to the first run's output, the peak GPU memory of one call above what was
+    allocated before it (MiB, ``None`` on a CPU) and the fallback calls."""
+    from pasa_diffusers import install
+
+    rows: list[dict[str, Any]] = []
+    baseline: tuple[float, torch.Tensor] | None = None
+    for backend in backends:
+        install.apply(model, backend)
+        modes = [("eager", model)]
+        if compiled is not None and (not compiled or backend in compiled):
+            modes.append(("compile", torch.compile(model, fullgraph=True)))
+        for mode, runner in modes:
+            def run(runner: torch.nn.Module = runner) -> torch.Tensor:
+                return call(runner)
+            with torch.no_grad():
+                out = run().float()
+                ms = timer(run)
+                peak = peak_mib(run)
+            baseline = baseline or (ms, out)
+            diff = (out - baseline[1]).pow(2).mean().sqrt() / baseline[1].pow(2).mean().sqrt()
+            summary = install.fallback_summary(model)
+            rows.append({"backend": backend, "mode": mode, "ms": ms, "vs_first": baseline[0] / ms,
+                         "finite": bool(torch.isfinite(out).all()), "rel_rms_diff": diff.item(), "peak_mib": peak,
+                         "fallback_calls": summary["fallback_calls"], "fallbacks": summary["fallbacks"]})
+            log(f"{backend} {mode}: {ms:.1f} ms")
+        install.restore(model)
+        torch._dynamo.reset()
+    return rows
+
+
+def peak_mib(fn: Callable[[], Any]) -> float | None:
+    """The peak GPU memory of one call of ``fn`` above what was allocated before it, in MiB (``None`` on a CPU)."""
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2 ** 20
+
+
 def synchronize() -> None:
     """Wait for the GPU (nothing on a CPU)."""
     if torch.cuda.is_available():

@@ -21,7 +21,6 @@ from dataclasses import asdict
 
 import torch
 
-from pasa_diffusers import install
 from pasa_diffusers.backends import BACKENDS
 from pasa_diffusers.metrics import records
 
@@ -49,36 +48,12 @@ def make_inputs(frames: int, batch: int = 2) -> dict:
             "added_time_ids": torch.tensor([[6.0, 127.0, 0.02]] * batch, device="cuda", dtype=torch.float16)}
 
 
-def _fallbacks(unet: torch.nn.Module) -> dict:
-    summary = install.fallback_summary(unet)
-    return {"fallback_calls": summary["fallback_calls"], "fallbacks": summary["fallbacks"]}
-
-
 def step_rows(unet: torch.nn.Module, frames: int, args, timer: harness.Timer) -> list[dict]:
     """Every backend (and compiled mode) at ``frames`` frames; the first backend is the baseline."""
     inputs = make_inputs(frames)
-    rows, baseline = [], None
-    for backend in args.backends:
-        install.apply(unet, backend)
-        modes = [("eager", unet)]
-        if args.compile is not None and (not args.compile or backend in args.compile):
-            modes.append(("compile", torch.compile(unet, fullgraph=True)))
-        for mode, model in modes:
-            def step(model=model):
-                return model(**inputs, return_dict=False)[0]
-            with torch.no_grad():
-                out = step().float()
-                ms = timer(step)
-            if baseline is None:
-                baseline = (ms, out)
-            diff = (out - baseline[1]).pow(2).mean().sqrt() / baseline[1].pow(2).mean().sqrt()
-            rows.append({"frames": frames, "backend": backend, "mode": mode, "step_ms": ms,
-                         "vs_first": baseline[0] / ms, "finite": bool(torch.isfinite(out).all()),
-                         "rel_rms_diff": diff.item(), **_fallbacks(unet)})
-            harness.log(f"F{frames} {backend} {mode}: {ms:.1f} ms")
-        install.restore(unet)
-        torch._dynamo.reset()
-    return rows
+    rows = harness.model_runs(unet, args.backends, args.compile,
+                              lambda model: model(**inputs, return_dict=False)[0], timer)
+    return [{"frames": frames, **row} for row in rows]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -108,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         records.markdown_table(
             ["frames", "backend", "mode", "step ms", f"vs {first}", "finite", f"rel. RMS diff to {first}",
              "fallback calls"],
-            [[r["frames"], r["backend"], r["mode"], f"{r['step_ms']:.1f}", f"{r['vs_first']:.3f}", r["finite"],
+            [[r["frames"], r["backend"], r["mode"], f"{r['ms']:.1f}", f"{r['vs_first']:.3f}", r["finite"],
               f"{r['rel_rms_diff']:.2e}", r["fallback_calls"]] for r in rows], align="rllrrlrr") + "\n"
     harness.write_report(args.out, NAME, text, {"bench": NAME, "command": cmd, "environment": env,
                                                 "timer": asdict(timer), "rows": rows})
