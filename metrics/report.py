@@ -6,7 +6,8 @@
 Report layout (``report.json``)::
 
     {"command", "versions", "model", "model_note": what the model is (built-in models) or null,
-     "reference": "fp32", "settings": {...},
+     "conditioning": what replaced a video transformer's text encoder (only for one),
+     "reference": "fp32", "settings": {..., "images" (SVD) or "prompts" (a video transformer), "seeds", ...},
      "samples": n, "lpips": label or the reason it is missing, "statistics": stats.METHOD,
      "aggregate": {backend: {metric: {"mean", "std", "ci95": [lo, hi], "n"}}},
      "paired":    {"A - B": {metric: {"mean", "std", "ci95": [lo, hi], "n"}}},
@@ -102,7 +103,8 @@ def build_report(records: Sequence[dict[str, Any]], *, backends: Sequence[str], 
         records: one per (sample, backend); every backend must have a record for every sample.
         backends: the backends to report, in table order.
         meta: ``command``, ``versions``, ``model``, ``model_note`` (what the model is, in words, or None),
-            ``settings`` and ``lpips`` (copied as they are).
+            ``settings`` and ``lpips`` (copied as they are), and for a video transformer ``conditioning``
+            (what replaced its text encoder, in words).
         worst: how many worst samples to list per backend.
         video: the path (relative to the report) of a record's side-by-side video.
     """
@@ -131,6 +133,7 @@ def build_report(records: Sequence[dict[str, Any]], *, backends: Sequence[str], 
                  for name, rows in by_backend.items()}
     return {
         **{key: meta.get(key) for key in ("command", "versions", "model", "model_note")},
+        **({"conditioning": meta["conditioning"]} if meta.get("conditioning") else {}),
         "reference": "fp32",
         "settings": meta.get("settings", {}),
         "samples": len(samples),
@@ -363,8 +366,9 @@ def verdict(report: dict[str, Any]) -> list[str]:
     sentences += [text for pair, per in report["paired"].items() if (text := _pair_sentence(pair, per.get("psnr")))]
     sentences += _single_backend(report)
     if report["samples"] < FIRM_SAMPLES:
+        more = "seeds" if "prompts" in report["settings"] else "images or seeds"
         sentences.append(f"With {count(report['samples'], 'sample')} read the intervals as a rough guide (below about "
-                         f"{FIRM_SAMPLES} the bootstrap interval is too narrow); more images or seeds make them firm.")
+                         f"{FIRM_SAMPLES} the bootstrap interval is too narrow); more {more} make them firm.")
     return sentences
 
 
@@ -393,19 +397,24 @@ def _timing_note(report: dict[str, Any]) -> list[str]:
 
 
 def _intro(report: dict[str, Any]) -> list[str]:
-    """What was compared, on what model and samples, and what the model is."""
+    """What was compared, on what model and samples, what conditioned them, and what the model is."""
     s, names = report["settings"], list(report["aggregate"])
+    if "prompts" in s:  # a video transformer: text to video from fixed prompt embeddings
+        samples, sample = count(len(s["prompts"]), "prompt"), "one video generated from one prompt and one seed's noise"
+    else:
+        samples, sample = count(len(s["images"]), "image"), "one image animated from one seed's noise"
     lines = [f"Compared: the attention backend{'s' if len(names) > 1 else ''} {_join(names)}, each against FP32 "
              f"attention (`{report['reference']}`, the reference), in the model `{report['model']}`, on "
-             f"{count(report['samples'], 'sample')} = {count(len(s['images']), 'image')} x "
-             f"{count(len(s['seeds']), 'seed')}. Each sample is "
-             "one image animated from one seed's noise by the reference and by every backend: only attention differs.",
+             f"{count(report['samples'], 'sample')} = {samples} x {count(len(s['seeds']), 'seed')}. Each sample is "
+             f"{sample} by the reference and by every backend: only attention differs.",
              "", f"{count(s['num_frames'], 'frame')} of {s['height']}x{s['width']}, "
              f"{count(s['num_inference_steps'], 'step')}; {s['device']}"
              + (f" ({count(s['cpu_threads'], 'thread')})" if "cpu_threads" in s else "")
              + f", model in {s['dtype']}."]
     if report.get("model_note"):
         lines += ["", f"The model: `{report['model']}` is {report['model_note']}."]
+    if report.get("conditioning"):
+        lines += ["", f"The prompt: {report['conditioning']}."]
     return lines
 
 

@@ -1,10 +1,12 @@
 """``pasa compare``: every attention backend's videos scored against the FP32-attention reference, over samples.
 
-One pipeline is loaded once per process.  For each sample (a conditioning image and a seed,
-``samples.py``) the FP32 reference and every backend animate the same image from the same initial
-noise (``make_latents``); each backend's processors are installed with ``pasa_diffusers.apply`` for
-its video only.  The FP32 reference upcasts q, k and v to float32 inside the same model, so only
-attention differs between the videos.  Each backend's frames are scored with
+One pipeline is loaded once per process: an SVD pipeline or a video transformer's (``video.py``; which
+one a model is, and so what its samples are, is decided in one place, ``conditioning``).  For each sample
+(``samples.py``: a conditioning image and a seed for SVD; for a video transformer a prompt, its fixed
+prompt embeddings, and a seed) the FP32 reference and every backend generate from the same conditioning
+and the same initial noise (``make_latents``); each backend's processors are installed with
+``pasa_diffusers.apply`` for its video only.  The FP32 reference upcasts q, k and v to float32 inside the
+same model, so only attention differs between the videos.  Each backend's frames are scored with
 ``metrics.score_video`` against the reference's.
 
 ``evaluate`` runs a whole evaluation into an output folder: one record per (sample, backend) appended
@@ -16,7 +18,7 @@ comparison for one sample, in memory.
 
 A record of ``samples.jsonl``::
 
-    {"image", "seed", "sample", "backend",
+    {"image", "seed", "sample", "backend",                # image: an image's spec, or a prompt's (prompt:0)
      "psnr", "ssim", "lpips", "temporal_psnr", "flicker",   # the video's means (JSON: records.json_float)
      "frames", "nonfinite_frames", "first_nonfinite", "identical_frames",
      "psnr_per_frame": [...], "ssim_per_frame": [...],
@@ -32,11 +34,12 @@ import math
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import PIL.Image
 import torch
 
 from pasa_diffusers import install, metrics
@@ -44,14 +47,15 @@ from pasa_diffusers.backends import COMPARED, DEFAULT_COMPARED, REFERENCE
 from pasa_diffusers.metrics import records
 from pasa_diffusers.metrics.report import worst_key
 
-from . import runlog
+from . import runlog, svd, video
 from .distributed import Dist
+from .names import BUILTIN_MODELS, BUILTIN_VIDEO_MODELS, TINY_VIDEO_SETTINGS
 from .resonant import PLANTED_LAYERS
-from .samples import Sample, image_identity, make_samples
-from .svd import generate, load_image, load_svd, make_latents
+from .samples import Sample, image_identity, make_samples, prompt_spec
+from .svd import load_image
 
-__all__ = ["VideoRun", "CompareConfig", "MODEL_NOTES", "RunInterrupted", "check_backends", "compare_sample",
-           "sample_record", "run_comparison", "evaluate"]
+__all__ = ["VideoRun", "CompareConfig", "Conditioning", "MODEL_NOTES", "RunInterrupted", "SettingError",
+           "check_backends", "conditioning", "compare_sample", "sample_record", "run_comparison", "evaluate"]
 
 MODEL_NOTES: dict[str, str] = {
     "tiny": "a tiny SVD with random weights, built in code to run on a CPU in seconds: its videos look like noise "
@@ -62,6 +66,9 @@ MODEL_NOTES: dict[str, str] = {
                      "like noise by design, and what counts is how far each backend's video lies from the FP32 one",
     "svd-xt-random": "SVD-XT at full size with seeded random weights, for time and memory at the real sizes: its "
                      "videos look like noise by design, and it plants no overflow",
+    "tiny-wan": "a tiny Wan 2.1 text-to-video pipeline (WanPipeline: a two-block transformer and a small VAE) with "
+                "random weights, built in code to run on a CPU in seconds: its videos look like noise by design, and "
+                "what counts is how far each backend's video lies from the FP32 one",
 }
 """What each built-in model is, for the report (which would otherwise read as a failure: noise videos)."""
 
@@ -81,6 +88,80 @@ def check_backends(names: Sequence[str]) -> list[str]:
     return names
 
 
+class SettingError(ValueError):
+    """A generation setting the model cannot take (or must be given); the message names the flag."""
+
+
+_FLAGS = {"num_frames": "--frames", "height": "--height", "width": "--width", "num_inference_steps": "--steps"}
+
+
+@dataclass(frozen=True)
+class Conditioning:
+    """What a run's samples are conditioned on, by the kind of pipeline its model is (``conditioning``).
+
+    An SVD pipeline animates conditioning images: ``specs`` are the run's images.  A video transformer's
+    pipeline generates from fixed prompt embeddings, its text encoder replaced (``video.NOTICE``): ``specs``
+    are prompts ``prompt:N`` (``samples.prompt_spec``), so far the one ``video.generate`` takes, seed
+    ``video.PROMPT_SEED``.
+    """
+
+    video: bool
+    specs: tuple[str, ...]
+
+    @property
+    def what(self) -> str:
+        """``"images"`` or ``"prompts"``: what the run's settings and identity call ``specs``."""
+        return "prompts" if self.video else "images"
+
+    @property
+    def notice(self) -> str | None:
+        """What the output and the report say about a video transformer's conditioning; ``None`` for SVD."""
+        if not self.video:
+            return None
+        return (f"{video.NOTICE}: unit Gaussians of the text encoder's width and the pipeline's padded prompt "
+                f"length (seed {video.PROMPT_SEED}: the prompt's, then the negative prompt's); no tokenizer or text "
+                "encoder is loaded")
+
+    def identity(self) -> dict[str, Any]:
+        """This part of a run's identity: the images with the digest of each file, or the prompts."""
+        if self.video:
+            return {"prompts": list(self.specs)}
+        return {"images": [image_identity(image) for image in self.specs]}
+
+    def image(self, spec: str, width: int, height: int) -> PIL.Image.Image | None:
+        """What the pipeline gets besides the noise: the image ``spec`` at the run's size (SVD), or ``None``."""
+        return None if self.video else load_image(spec, (width, height))
+
+
+def conditioning(model: str, images: Sequence[str], *, local_files_only: bool = False) -> Conditioning:
+    """The one place ``pasa compare`` tells an SVD model from a video transformer's, before loading it: by the
+    built-in name, or by the pipeline class in its ``model_index.json`` (the rule of ``video.load_pipeline``).
+
+    A run on SVD has the samples ``images`` x seeds; one on a video transformer its fixed prompt x seeds
+    (``images`` unused).
+    """
+    if model not in BUILTIN_MODELS and video.is_video_model(model, local_files_only):
+        return Conditioning(True, (prompt_spec(video.PROMPT_SEED),))
+    return Conditioning(False, tuple(images))
+
+
+def _load_model(model: str, cond: Conditioning, device: str, dtype: torch.dtype, local_files_only: bool) -> Any:
+    load = video.load_video if cond.video else svd.load_svd
+    return load(model, device=device, dtype=dtype, local_files_only=local_files_only)
+
+
+def _check_pipeline(pipe: Any, cond: Conditioning, settings: dict[str, int]) -> None:
+    """Refuse sizes a video pipeline would round (``SettingError`` naming the flag); ``pipe`` must be the kind
+    ``cond`` says."""
+    if video.is_video_pipeline(pipe) != cond.video:
+        raise RuntimeError(f"compare: the model loaded as {type(pipe).__name__}, not the kind its name says "
+                           f"({'a video transformer' if cond.video else 'SVD'})")
+    problem = video.setting_problem(pipe, **settings) if cond.video else None
+    if problem is not None:
+        name, why = problem
+        raise SettingError(f"{_FLAGS[name]} {settings[name]}: {why}")
+
+
 @dataclass
 class VideoRun:
     """One backend's video of one sample: its frames, the seconds it took, its processors' summary."""
@@ -91,12 +172,12 @@ class VideoRun:
     processors: dict[str, Any] = field(default_factory=dict)
 
 
-def _generate(pipe: Any, backend: str, image: Any, latents: torch.Tensor, settings: dict[str, int],
-              seed: int) -> VideoRun:
+def _generate(pipe: Any, backend: str, image: PIL.Image.Image | None, latents: torch.Tensor,
+              settings: dict[str, int], seed: int) -> VideoRun:
     summary = install.apply(pipe, backend)
     try:
         start = time.perf_counter()
-        frames = generate(pipe, image, latents=latents, seed=seed, progress=False, **settings)
+        frames = video.generate_frames(pipe, image, latents=latents, seed=seed, progress=False, **settings)
         seconds = time.perf_counter() - start
         fallbacks = install.fallback_summary(pipe, strict=True)
     finally:
@@ -104,16 +185,19 @@ def _generate(pipe: Any, backend: str, image: Any, latents: torch.Tensor, settin
     return VideoRun(backend, frames, seconds, records.json_safe({"installed": summary, "fallbacks": fallbacks}))
 
 
-def compare_sample(pipe: Any, image: Any, *, seed: int, backends: Sequence[str], num_frames: int,
+def compare_sample(pipe: Any, image: PIL.Image.Image | None, *, seed: int, backends: Sequence[str], num_frames: int,
                    num_inference_steps: int, height: int, width: int) -> Iterator[VideoRun]:
     """The reference's video (``backends.REFERENCE``), then each backend's, of one sample (generated lazily,
     in that order).
 
-    ``image`` is a PIL image; every video starts from ``make_latents(pipe, seed=seed, ...)``.  A backend
-    whose targeted attention calls all fell back raises ``install.AllCallsFellBackError``.
+    ``image`` is the PIL image an SVD pipeline animates, ``None`` for a video transformer's pipeline (its
+    fixed prompt embeddings condition every video); every video starts from the same initial noise, the
+    pipeline's ``make_latents(pipe, seed=seed, ...)``.  A backend whose targeted attention calls all fell back
+    raises ``install.AllCallsFellBackError``.
     """
     settings = {"num_frames": num_frames, "num_inference_steps": num_inference_steps, "height": height,
                 "width": width}
+    make_latents = video.make_latents if video.is_video_pipeline(pipe) else svd.make_latents
     latents = make_latents(pipe, num_frames=num_frames, height=height, width=width, seed=seed)
     for backend in (REFERENCE, *backends):
         yield _generate(pipe, backend, image, latents, settings, seed)
@@ -171,6 +255,8 @@ def run_comparison(*, model: str = "tiny", backends: Sequence[str] = DEFAULT_COM
                    ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """One sample in memory: ``({"backends": {name: {"scores", "seconds", "processors"}}, ...}, videos)``.
 
+    ``image`` conditions an SVD model; a video transformer's (``conditioning``) generates from its fixed prompt
+    embeddings instead, at ``num_frames``, ``height`` and ``width`` it takes (tiny-wan: e.g. 5 frames of 32x32).
     ``dtype`` defaults to float16 on CUDA (how SVD is run) and float32 on the CPU, where float16
     convolutions are impractically slow; there the processors cast q, k and v to their own precision,
     so attention still runs in FP16/BF16.  ``videos`` maps the reference (``"fp32"``) and each backend to
@@ -180,10 +266,13 @@ def run_comparison(*, model: str = "tiny", backends: Sequence[str] = DEFAULT_COM
     from tqdm.auto import tqdm
 
     names = check_backends(backends)
-    pipe = load_svd(model, device=device, dtype=dtype or _default_dtype(device), local_files_only=local_files_only)
+    cond = conditioning(model, (image,), local_files_only=local_files_only)
+    pipe = _load_model(model, cond, device, dtype or _default_dtype(device), local_files_only)
+    _check_pipeline(pipe, cond, {"num_frames": num_frames, "height": height, "width": width,
+                                 "num_inference_steps": num_inference_steps})
     scorer, lpips_note = _lpips(lpips_weights, "cpu")
-    runs = compare_sample(pipe, load_image(image, (width, height)), seed=seed, backends=names, num_frames=num_frames,
-                          num_inference_steps=num_inference_steps, height=height, width=width)
+    runs = compare_sample(pipe, cond.image(cond.specs[0], width, height), seed=seed, backends=names,
+                          num_frames=num_frames, num_inference_steps=num_inference_steps, height=height, width=width)
     bar = iter(tqdm(runs, total=1 + len(names), desc="compare", unit="video", file=sys.stderr, disable=not progress))
     reference = next(bar)
     videos = {REFERENCE: reference.frames}
@@ -193,9 +282,10 @@ def run_comparison(*, model: str = "tiny", backends: Sequence[str] = DEFAULT_COM
         scores = metrics.score_video(reference.frames, run.frames, lpips_scorer=scorer, lpips_reason=lpips_note)
         results[run.backend] = {"scores": scores, "seconds": run.seconds, "processors": run.processors}
     report = {"model": model, "reference": REFERENCE, "versions": records.versions(),
-              "settings": {"image": image, "seed": seed, "num_frames": num_frames,
+              "settings": {"image": cond.specs[0], "seed": seed, "num_frames": num_frames,
                            "num_inference_steps": num_inference_steps, "height": height, "width": width,
-                           "device": device, "dtype": pipe.unet.dtype},
+                           "device": device, "dtype": video.denoiser(pipe).dtype},
+              **({"conditioning": cond.notice} if cond.notice else {}),
               "reference_run": {"seconds": reference.seconds, "processors": reference.processors},
               "backends": results}
     return records.json_safe(report), videos
@@ -205,35 +295,47 @@ def run_comparison(*, model: str = "tiny", backends: Sequence[str] = DEFAULT_COM
 class CompareConfig:
     """What an evaluation computes: the model, the samples, the backends and the generation settings.
 
-    ``images`` are ``builtin:NAME`` specs or image files; ``dtype`` None is float16 on CUDA, float32 on
-    the CPU.  ``fps`` is the frame rate of the side-by-side GIFs; ``worst`` how many worst samples
-    per backend the report lists (with their GIFs).
+    ``images`` are ``builtin:NAME`` specs or image files, the conditioning of an SVD model's samples (a video
+    transformer's samples are its fixed prompt x ``seeds``: ``conditioning``).  ``num_frames``, ``height``,
+    ``width`` None: the model's own, which only a built-in video model has here (``names.TINY_VIDEO_SETTINGS``).
+    ``dtype`` None is float16 on CUDA, float32 on the CPU.  ``fps`` is the frame rate of the side-by-side
+    GIFs; ``worst`` how many worst samples per backend the report lists (with their GIFs).
     """
 
     model: str = "tiny-resonant"
     images: tuple[str, ...] = ("builtin:astronaut", "builtin:coffee", "builtin:rocket")
     seeds: tuple[int, ...] = (0, 1)
     backends: tuple[str, ...] = DEFAULT_COMPARED
-    num_frames: int = 4
+    num_frames: int | None = 4
     num_inference_steps: int = 4
-    height: int = 64
-    width: int = 64
+    height: int | None = 64
+    width: int | None = 64
     dtype: torch.dtype | None = None
     lpips_weights: str | None = None
     local_files_only: bool = False
     fps: float = 7.0
     worst: int = 2
 
-    def samples(self) -> list[Sample]:
-        """Every (image, seed), image-major."""
-        return make_samples(self.images, self.seeds)
+
+def _with_sizes(config: CompareConfig, cond: Conditioning) -> CompareConfig:
+    """``config`` with its sizes left unset (None) taken from the model: a built-in video model's own
+    (``names.TINY_VIDEO_SETTINGS``); any other model needs them set (``SettingError``)."""
+    unset = [name for name in _FLAGS if getattr(config, name) is None]
+    if not unset:
+        return config
+    if cond.video and config.model in BUILTIN_VIDEO_MODELS:
+        return replace(config, **{name: TINY_VIDEO_SETTINGS[config.model][name] for name in unset})
+    raise SettingError(f"{_FLAGS[unset[0]]}: not given; pass --frames, --height and --width for --model {config.model} "
+                       f"(in pasa compare only the built-in video models have sizes of their own: "
+                       f"{', '.join(BUILTIN_VIDEO_MODELS)})")
 
 
 def _video_name(record: dict[str, Any]) -> str:
     return f"{runlog.VIDEOS}/{record['sample']}_{record['backend']}.gif"
 
 
-def _run_identity(config: CompareConfig, device: str, dtype: torch.dtype, lpips_note: str) -> dict[str, Any]:
+def _run_identity(config: CompareConfig, cond: Conditioning, device: str, dtype: torch.dtype,
+                  lpips_note: str) -> dict[str, Any]:
     """What must match for a folder's records to be resumed: everything that changes a number or a video.
 
     On the CPU that includes torch's thread count: the order of its reductions, hence the last bits of
@@ -241,7 +343,7 @@ def _run_identity(config: CompareConfig, device: str, dtype: torch.dtype, lpips_
     """
     identity = {
         "model": config.model, "backends": list(config.backends),
-        "images": [image_identity(image) for image in config.images], "seeds": list(config.seeds),
+        **cond.identity(), "seeds": list(config.seeds),
         "num_frames": config.num_frames, "num_inference_steps": config.num_inference_steps,
         "height": config.height, "width": config.width, "device": torch.device(device).type, "dtype": dtype,
         "attention_cast": {b: install.cast_dtype(b, dtype) or "none" for b in config.backends},
@@ -302,9 +404,9 @@ class _WorstVideos:
         return pushed
 
 
-def _run_shard(pipe: Any, config: CompareConfig, work: list[tuple[Sample, list[str]]], positions: dict[Any, int],
-               out: Path, dist: Dist, scorer: metrics.LPIPSScorer | None, lpips_note: str, progress: bool,
-               initial: int) -> None:
+def _run_shard(pipe: Any, config: CompareConfig, cond: Conditioning, work: list[tuple[Sample, list[str]]],
+               positions: dict[Any, int], out: Path, dist: Dist, scorer: metrics.LPIPSScorer | None, lpips_note: str,
+               progress: bool, initial: int) -> None:
     """Generate, score and log this rank's samples; each record is on disk before the next video starts.
 
     The bar counts results (records) from ``initial``, those already done."""
@@ -318,7 +420,7 @@ def _run_shard(pipe: Any, config: CompareConfig, work: list[tuple[Sample, list[s
                  position=dist.rank) as bar:
         for sample, names in work:
             bar.set_postfix_str(f"{sample.label} {REFERENCE}")
-            runs = compare_sample(pipe, load_image(sample.image, (config.width, config.height)), seed=sample.seed,
+            runs = compare_sample(pipe, cond.image(sample.image, config.width, config.height), seed=sample.seed,
                                   backends=names, num_frames=config.num_frames,
                                   num_inference_steps=config.num_inference_steps, height=config.height,
                                   width=config.width)
@@ -383,29 +485,34 @@ def _lock(lock: runlog.FolderLock, dist: Dist, *, create: bool) -> None:
         raise runlog.FolderInUseError(refusal)
 
 
-def _check_images(config: CompareConfig) -> None:
+def _check_images(config: CompareConfig, cond: Conditioning) -> None:
     """Open every image at the run's size, so that an unusable one fails before the folder is written."""
-    for image in config.images:
-        load_image(image, (config.width, config.height))
+    for spec in cond.specs:
+        cond.image(spec, config.width, config.height)
 
 
-def _load(config: CompareConfig, dist: Dist, dtype: torch.dtype,
+def _load(config: CompareConfig, cond: Conditioning, dist: Dist, dtype: torch.dtype,
           load_pipeline: Callable[[str, torch.dtype], Any] | None) -> Any:
+    """The pipeline, checked against the run's kind and sizes (``SettingError``) before anything is written."""
     if load_pipeline is None:
-        return load_svd(config.model, device=dist.device, dtype=dtype, local_files_only=config.local_files_only)
-    return load_pipeline(dist.device, dtype)
+        pipe = _load_model(config.model, cond, dist.device, dtype, config.local_files_only)
+    else:
+        pipe = load_pipeline(dist.device, dtype)
+    _check_pipeline(pipe, cond, {name: getattr(config, name) for name in _FLAGS})
+    return pipe
 
 
-def _meta(config: CompareConfig, run: dict[str, Any], dist: Dist, dtype: torch.dtype, lpips_note: str,
-          command: str) -> dict[str, Any]:
+def _meta(config: CompareConfig, cond: Conditioning, run: dict[str, Any], dist: Dist, dtype: torch.dtype,
+          lpips_note: str, command: str) -> dict[str, Any]:
     """What the report says about the run besides its records."""
-    settings = {"images": list(config.images), "seeds": list(config.seeds), "backends": list(config.backends),
+    settings = {cond.what: list(cond.specs), "seeds": list(config.seeds), "backends": list(config.backends),
                 "num_frames": config.num_frames, "num_inference_steps": config.num_inference_steps,
                 "height": config.height, "width": config.width, "device": torch.device(dist.device).type,
                 "dtype": dtype, "attention_cast": run["attention_cast"], "processes": dist.world_size,
                 **({"cpu_threads": run["cpu_threads"]} if "cpu_threads" in run else {})}
     return {"command": command, "versions": run["versions"], "model": config.model,
-            "model_note": MODEL_NOTES.get(config.model), "lpips": lpips_note, "settings": records.json_safe(settings)}
+            "model_note": MODEL_NOTES.get(config.model), **({"conditioning": cond.notice} if cond.notice else {}),
+            "lpips": lpips_note, "settings": records.json_safe(settings)}
 
 
 def evaluate(config: CompareConfig, out: str | Path, *, dist: Dist | None = None,
@@ -426,42 +533,45 @@ def evaluate(config: CompareConfig, out: str | Path, *, dist: Dist | None = None
         dist: this process's rank and device (``distributed.session``); default: one process on the CPU.
             Each rank generates its share of the samples still to do; rank 0 holds the folder's lock and
             writes the report when every rank is done and returns it, the other ranks return None.
-        load_pipeline: ``(device, dtype) -> pipeline`` (default ``load_svd(config.model, ...)``); called
-            only when there is something left to generate.
+        load_pipeline: ``(device, dtype) -> pipeline`` (default: ``svd.load_svd`` or ``video.load_video``, by
+            what ``conditioning`` finds the model is); called only when there is something left to generate.
         progress: a tqdm bar per rank on stderr, and (rank 0) a line saying how much a resume finds done.
         command: the command line, recorded in the manifest and the report.
 
     Raises:
         RunInterrupted: on Ctrl-C (a ``KeyboardInterrupt``), saying how many results are on disk.
+        SettingError: sizes a video transformer's pipeline would round, or that it needs given.
     """
     dist = dist or Dist()
     out = Path(out)
     check_backends(config.backends)
-    samples = config.samples()
+    cond = conditioning(config.model, config.images, local_files_only=config.local_files_only)
+    config = _with_sizes(config, cond)
+    samples = make_samples(cond.specs, config.seeds)
     try:
         with runlog.FolderLock(out) as lock:
-            return _evaluate(config, samples, out, dist, lock, load_pipeline, progress, command)
+            return _evaluate(config, cond, samples, out, dist, lock, load_pipeline, progress, command)
     except KeyboardInterrupt:
         order = _keys(samples, config.backends)
         raise RunInterrupted(out, _count_done(out, order), len(order)) from None
 
 
-def _evaluate(config: CompareConfig, samples: list[Sample], out: Path, dist: Dist, lock: runlog.FolderLock,
-              load_pipeline: Callable[[str, torch.dtype], Any] | None, progress: bool,
+def _evaluate(config: CompareConfig, cond: Conditioning, samples: list[Sample], out: Path, dist: Dist,
+              lock: runlog.FolderLock, load_pipeline: Callable[[str, torch.dtype], Any] | None, progress: bool,
               command: str) -> dict[str, Any] | None:
     """``evaluate`` inside its lock's lifetime."""
     dtype = config.dtype or _default_dtype(dist.device)
     order = _keys(samples, config.backends)
     scorer, lpips_note = _lpips(config.lpips_weights, dist.device)
-    run = _run_identity(config, dist.device, dtype, lpips_note)
+    run = _run_identity(config, cond, dist.device, dtype, lpips_note)
     runlog.check_folder(out, run)  # every rank, reading only: another run's folder is refused by all
     _lock(lock, dist, create=False)  # a folder in use is refused here, before anything is loaded
     done = runlog.done_records(out, set(order))
     work = dist.shard(_pending(samples, config.backends, set(done)))
     if progress and dist.is_main and done:
         print(f"resuming: {len(done)} of {records.count(len(order), 'result')} already done", file=sys.stderr)
-    _check_images(config)
-    pipe = _load(config, dist, dtype, load_pipeline) if work else None
+    _check_images(config, cond)
+    pipe = _load(config, cond, dist, dtype, load_pipeline) if work else None
     _lock(lock, dist, create=True)
     if dist.is_main:
         runlog.prepare_folder(out, run, command)
@@ -469,9 +579,9 @@ def _evaluate(config: CompareConfig, samples: list[Sample], out: Path, dist: Dis
     runlog.check_manifest(out, run)  # every rank's run is rank 0's (same versions, GPU, threads)
     if work:
         positions = {sample.key: i for i, sample in enumerate(samples)}
-        _run_shard(pipe, config, work, positions, out, dist, scorer, lpips_note, progress,
+        _run_shard(pipe, config, cond, work, positions, out, dist, scorer, lpips_note, progress,
                    initial=len(done) if dist.world_size == 1 else 0)
     dist.barrier()
     if not dist.is_main:
         return None
-    return _finish(out, config, order, _meta(config, run, dist, dtype, lpips_note, command))
+    return _finish(out, config, order, _meta(config, cond, run, dist, dtype, lpips_note, command))

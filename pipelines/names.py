@@ -19,12 +19,21 @@ BUILTIN_MODELS: dict[str, str] = {
 BUILTIN_VIDEO_MODELS: dict[str, str] = {
     "tiny-wan": "an embedded random Wan 2.1 text-to-video pipeline (WanPipeline: tiny transformer and VAE) built "
                 "from configs: runs on a CPU in seconds",
+    "tiny-ltx-video": "an embedded random LTX-Video text-to-video pipeline (LTXPipeline: tiny transformer and VAE) "
+                      "built from configs: runs on a CPU in seconds",
+    "tiny-cogvideox": "an embedded random CogVideoX text-to-video pipeline (CogVideoXPipeline: tiny transformer and "
+                      "VAE) built from configs: runs on a CPU in seconds",
 }
 """Video-transformer pipelines built in code, by name, with what each is (``video.load_video``)."""
 
-TINY_VIDEO_SETTINGS: dict[str, int] = {"num_frames": 9, "height": 64, "width": 64}
-"""Frames and size of a generation of the built-in video models: 3 latent frames of 8 x 8 (48 video tokens),
-as ``video_dits.example_inputs``."""
+TINY_VIDEO_SETTINGS: dict[str, dict[str, int]] = {
+    "tiny-wan": {"num_frames": 9, "height": 64, "width": 64},
+    "tiny-ltx-video": {"num_frames": 17, "height": 128, "width": 128},
+    "tiny-cogvideox": {"num_frames": 9, "height": 64, "width": 64},
+}
+"""Built-in video model -> frames and size of its generations: each 3 latent frames and 48 video tokens in all, as
+``video_dits.example_inputs`` (Wan and CogVideoX: latents of 8 x 8, VAE 8x in space and 4x in time, patch 2;
+LTX-Video: latents of 4 x 4, VAE 32x in space and 8x in time, patch 1)."""
 
 ALL_BUILTIN_MODELS: dict[str, str] = {**BUILTIN_MODELS, **BUILTIN_VIDEO_MODELS}
 """Every model built in code: what ``--model`` takes besides a hub id or a folder."""

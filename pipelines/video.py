@@ -1,22 +1,28 @@
-"""Video-transformer pipelines (Wan so far): loading (built-in, hub id, folder) and generation from explicit latents,
-and the one place where an SVD pipeline and a video-transformer pipeline are told apart.
+"""Video-transformer pipelines (Wan, LTX-Video, CogVideoX): loading (built-in, hub id, folder) and generation from
+explicit latents, and the one place where an SVD pipeline and a video-transformer pipeline are told apart.
 
 Text encoders and tokenizers are never loaded: their files cannot be fetched offline, and comparing
 attention backends or diagnosing overflow needs the same conditioning in every run, not a particular
 prompt.  Every generation gets fixed prompt embeddings instead (``prompt_embeddings``): two unit Gaussians
 drawn on the CPU from one generator seeded with ``PROMPT_SEED`` (the prompt's, then the negative prompt's), of
-the text encoder's width (the transformer's ``text_dim``) and of the length the pipeline pads a prompt to
-(its ``max_sequence_length`` default: 512 for Wan).  A real prompt's embeddings have other statistics:
-say ``NOTICE`` wherever a result is reported.
+the text encoder's width (``_TEXT_WIDTH``: Wan's ``text_dim``, LTX-Video's ``caption_channels``, CogVideoX's
+``text_embed_dim``) and of the length the pipeline pads a prompt to (its ``max_sequence_length`` default: 512
+for Wan, 128 for LTX-Video; CogVideoX adds positional embeddings to a fixed number of text tokens, its
+transformer's ``max_text_seq_length``: 226 in the released models).  LTX-Video also takes the prompts' attention
+masks: every token kept (``prompt_attention_masks``).  A real prompt's embeddings have other statistics: say
+``NOTICE`` wherever a result is reported.
 
 Like ``svd.generate``, ``generate`` starts from explicit initial noise (``make_latents``, drawn on the CPU
-from the seed), decodes the final latents itself and returns frames as float32 ``(F, H, W, 3)`` in
-``[0, 1]`` with non-finite values left in place, so an overflow stays visible.
+from the seed, in the layout each pipeline takes: Wan and LTX-Video ``(B, C, F, H, W)``, LTX-Video's then packed
+into tokens, CogVideoX ``(B, F, C, H, W)``), decodes the final latents itself as its pipeline does and returns
+frames as float32 ``(F, H, W, 3)`` in ``[0, 1]`` with non-finite values left in place, so an overflow stays
+visible.
 """
 from __future__ import annotations
 
 import inspect
 import json
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,18 +31,19 @@ import huggingface_hub
 import numpy as np
 import PIL.Image
 import torch
-from diffusers import DiffusionPipeline, UniPCMultistepScheduler, WanPipeline
+from diffusers import (CogVideoXDDIMScheduler, CogVideoXPipeline, DiffusionPipeline, FlowMatchEulerDiscreteScheduler,
+                       LTXPipeline, UniPCMultistepScheduler, WanPipeline)
 
 from . import svd
 from .names import BUILTIN_VIDEO_MODELS, TINY_VIDEO_SETTINGS, is_hub_id
 from .svd import ModelLoadError
-from .video_dits import tiny_transformer, tiny_wan_vae
+from .video_dits import tiny_cogvideox_vae, tiny_ltx_video_vae, tiny_transformer, tiny_wan_vae
 
-__all__ = ["VIDEO_PIPELINES", "NOTICE", "PROMPT_SEED", "load_video", "load_pipeline",
-           "is_video_pipeline", "denoiser", "default_settings", "setting_problem", "prompt_embeddings",
-           "make_latents", "generate", "generate_frames"]
+__all__ = ["VIDEO_PIPELINES", "NOTICE", "PROMPT_SEED", "SETTINGS_KEY", "load_video", "load_pipeline",
+           "is_video_pipeline", "is_video_model", "denoiser", "default_settings", "setting_problem", "prompt_embeddings",
+           "prompt_attention_masks", "make_latents", "generate", "generate_frames"]
 
-VIDEO_PIPELINES: dict[str, str] = {"WanPipeline": "wan"}
+VIDEO_PIPELINES: dict[str, str] = {"WanPipeline": "wan", "LTXPipeline": "ltx-video", "CogVideoXPipeline": "cogvideox"}
 """Pipeline class name -> family (``video_dits.FAMILIES``) of the text-to-video pipelines served here."""
 
 NOTICE = "text encoder replaced by fixed prompt embeddings"
@@ -44,8 +51,25 @@ NOTICE = "text encoder replaced by fixed prompt embeddings"
 
 PROMPT_SEED = 0
 
-_TEXT_WIDTH = {"wan": "text_dim"}
+SETTINGS_KEY = "_pasa_default_settings"
+"""The pipeline config entry (``model_index.json``) holding the frames and size a built-in model's commands default
+to (``names.TINY_VIDEO_SETTINGS``): ``save_pretrained`` writes it and ``load_video`` reads it back, so a saved
+tiny model keeps its small defaults."""
+
+_TEXT_WIDTH = {"wan": "text_dim", "ltx-video": "caption_channels", "cogvideox": "text_embed_dim"}
 """Family -> the transformer config field holding the text encoder's width."""
+
+
+class _NoneComponentFilter(logging.Filter):
+    """Drops diffusers' ``self.text_encoder=None of type <class 'NoneType'> cannot be saved.`` (``save_pretrained``,
+    diffusers 0.42): the components left out on purpose (tokenizer, text encoder) are written as ``null`` in
+    ``model_index.json`` and loaded back as ``None``; nothing is lost."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().endswith(f"=None of type {type(None)} cannot be saved.")
+
+
+logging.getLogger("diffusers.pipelines.pipeline_utils").addFilter(_NoneComponentFilter())
 
 
 def _tiny_wan() -> WanPipeline:
@@ -56,7 +80,29 @@ def _tiny_wan() -> WanPipeline:
                        transformer=tiny_transformer("wan"))
 
 
-_BUILDERS: dict[str, Callable[[], DiffusionPipeline]] = {"tiny-wan": _tiny_wan}
+def _tiny_ltx_video() -> LTXPipeline:
+    """LTX-Video's text-to-video pipeline at tiny sizes: ``video_dits``' tiny transformer and VAE (its decoder
+    conditioned on the decode timestep), and LTX-Video's scheduler (flow-matching Euler, its shift growing with
+    the video's token count, sigmas stretched to end at 0.1); no tokenizer, no text encoder."""
+    scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05,
+                                                base_image_seq_len=1024, max_image_seq_len=4096, shift_terminal=0.1)
+    return LTXPipeline(scheduler=scheduler, vae=tiny_ltx_video_vae(), text_encoder=None, tokenizer=None,
+                       transformer=tiny_transformer("ltx-video"))
+
+
+def _tiny_cogvideox() -> CogVideoXPipeline:
+    """CogVideoX's text-to-video pipeline at tiny sizes: ``video_dits``' tiny transformer (7 text tokens) and VAE,
+    and CogVideoX-2B's scheduler (DDIM with v-prediction, zero terminal SNR, trailing timesteps); no tokenizer, no
+    text encoder."""
+    scheduler = CogVideoXDDIMScheduler(clip_sample=False, prediction_type="v_prediction", rescale_betas_zero_snr=True,
+                                       timestep_spacing="trailing")
+    return CogVideoXPipeline(tokenizer=None, text_encoder=None, vae=tiny_cogvideox_vae(),
+                             transformer=tiny_transformer("cogvideox"), scheduler=scheduler)
+
+
+_BUILDERS: dict[str, Callable[[], DiffusionPipeline]] = {
+    "tiny-wan": _tiny_wan, "tiny-ltx-video": _tiny_ltx_video, "tiny-cogvideox": _tiny_cogvideox,
+}
 """Built-in video model name (``names.BUILTIN_VIDEO_MODELS``) -> its builder."""
 
 
@@ -75,9 +121,9 @@ def _cast(pipe: DiffusionPipeline, dtype: torch.dtype) -> DiffusionPipeline:
     return pipe
 
 
-def _class_name(model: str, local_files_only: bool) -> str | None:
-    """The pipeline class a folder or hub id holds (``model_index.json``'s ``_class_name``), or ``None``
-    where it cannot be read (the SVD loader then gives its own answer)."""
+def _model_index(model: str, local_files_only: bool) -> dict[str, Any] | None:
+    """A folder's or hub id's ``model_index.json``, or ``None`` where it cannot be read (the SVD loader then gives
+    its own answer)."""
     path = Path(model).expanduser()
     try:
         if path.is_dir():
@@ -88,9 +134,15 @@ def _class_name(model: str, local_files_only: bool) -> str | None:
                          huggingface_hub.hf_hub_download(model, "model_index.json", local_files_only=local_files_only))
         else:
             return None
-        return json.loads(index.read_text()).get("_class_name")
+        return json.loads(index.read_text())
     except (OSError, ValueError):  # HFValidationError is a ValueError
         return None
+
+
+def _class_name(model: str, local_files_only: bool) -> str | None:
+    """The pipeline class a folder or hub id holds (``model_index.json``'s ``_class_name``), or ``None``."""
+    index = _model_index(model, local_files_only)
+    return index.get("_class_name") if isinstance(index, dict) else None
 
 
 def load_video(model: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
@@ -98,9 +150,10 @@ def load_video(model: str, *, device: str | torch.device = "cpu", dtype: torch.d
     """Load a video-transformer pipeline (``VIDEO_PIPELINES``) without its tokenizer and text encoder.
 
     Args:
-        model: a built-in model (``names.BUILTIN_VIDEO_MODELS``: ``"tiny-wan"``, built in code, seeded, no
-            download), a hub id ``org/name`` (e.g. ``"Wan-AI/Wan2.1-T2V-1.3B-Diffusers"``) or a folder written
-            by ``save_pretrained``; weights are read from safetensors only.
+        model: a built-in model (``names.BUILTIN_VIDEO_MODELS``: ``"tiny-wan"``, ``"tiny-ltx-video"``,
+            ``"tiny-cogvideox"``, built in code, seeded, no download), a hub id ``org/name`` (e.g.
+            ``"Wan-AI/Wan2.1-T2V-1.3B-Diffusers"``, ``"Lightricks/LTX-Video"``, ``"THUDM/CogVideoX-2b"``) or a
+            folder written by ``save_pretrained``; weights are read from safetensors only.
         device, dtype: where and in which dtype the pipeline runs (modules a model keeps in float32 stay so).
         local_files_only: never contact the hub.
 
@@ -110,7 +163,7 @@ def load_video(model: str, *, device: str | torch.device = "cpu", dtype: torch.d
     if model in _BUILDERS:
         with torch.random.fork_rng(devices=[]):
             pipe = _BUILDERS[model]()
-        pipe.register_to_config(_name_or_path=model)
+        pipe.register_to_config(_name_or_path=model, **{SETTINGS_KEY: dict(TINY_VIDEO_SETTINGS[model])})
         pipe = pipe.to(device)
         return pipe if dtype == torch.float32 else _cast(pipe, dtype)
     try:
@@ -121,7 +174,16 @@ def load_video(model: str, *, device: str | torch.device = "cpu", dtype: torch.d
         hint = ("; loading a model that keeps modules in float32 needs the package accelerate (pip install "
                 "accelerate)" if "low_cpu_mem_usage" in detail else "")
         raise ModelLoadError(f"load_video: cannot load model={model!r}: {detail}{hint}") from exc
+    saved = (_model_index(model, local_files_only=True) or {}).get(SETTINGS_KEY)
+    if saved:  # a saved built-in model: its small defaults
+        pipe.register_to_config(**{SETTINGS_KEY: saved})
     return pipe.to(device)
+
+
+def is_video_model(model: str, local_files_only: bool = False) -> bool:
+    """Whether ``model`` names a video-transformer pipeline: a built-in video model, or a folder or hub id whose
+    ``model_index.json`` names one of ``VIDEO_PIPELINES`` (what ``load_pipeline`` decides by)."""
+    return model in BUILTIN_VIDEO_MODELS or _class_name(model, local_files_only) in VIDEO_PIPELINES
 
 
 def load_pipeline(model: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
@@ -129,7 +191,7 @@ def load_pipeline(model: str, *, device: str | torch.device = "cpu", dtype: torc
     """An SVD pipeline (``svd.load_svd``) or a video-transformer pipeline (``load_video``), by what ``model``
     is: a built-in video model's name, or a folder or hub id whose ``model_index.json`` names one of
     ``VIDEO_PIPELINES``, loads with ``load_video``; everything else with ``load_svd``, unchanged."""
-    if model in BUILTIN_VIDEO_MODELS or _class_name(model, local_files_only) in VIDEO_PIPELINES:
+    if is_video_model(model, local_files_only):
         return load_video(model, device=device, dtype=dtype, local_files_only=local_files_only)
     return svd.load_svd(model, device=device, dtype=dtype, local_files_only=local_files_only)
 
@@ -148,27 +210,74 @@ def _call_default(pipe: DiffusionPipeline, name: str) -> Any:
     return inspect.signature(type(pipe).__call__).parameters[name].default
 
 
+def _family(pipe: DiffusionPipeline) -> str:
+    return VIDEO_PIPELINES[type(pipe).__name__]
+
+
+def _compression(pipe: DiffusionPipeline) -> tuple[int, int]:
+    """``(temporal, spatial)``: the factors by which the pipeline's VAE compresses time and space."""
+    if _family(pipe) == "ltx-video":
+        return pipe.vae_temporal_compression_ratio, pipe.vae_spatial_compression_ratio
+    return pipe.vae_scale_factor_temporal, pipe.vae_scale_factor_spatial
+
+
+def _patch(pipe: DiffusionPipeline) -> tuple[int, int]:
+    """``(temporal, spatial)``: the transformer's patch size over latent frames and latent pixels."""
+    config = pipe.transformer.config
+    if _family(pipe) == "wan":
+        return config.patch_size[0], config.patch_size[1]
+    return config.patch_size_t or 1, config.patch_size
+
+
+def _latent_size(pipe: DiffusionPipeline, num_frames: int, height: int, width: int) -> tuple[int, int, int]:
+    """``(frames, height, width)`` of the latents of a video, before any padding or packing."""
+    temporal, spatial = _compression(pipe)
+    return (num_frames - 1) // temporal + 1, height // spatial, width // spatial
+
+
 def default_settings(pipe: DiffusionPipeline) -> dict[str, int]:
-    """``num_frames``, ``height`` and ``width`` of a video pipeline: ``names.TINY_VIDEO_SETTINGS`` for a built-in
-    one, else the pipeline's own call defaults (Wan: 81 frames of 480 x 832)."""
-    if pipe.name_or_path in BUILTIN_VIDEO_MODELS:
-        return dict(TINY_VIDEO_SETTINGS)
-    return {name: _call_default(pipe, name) for name in ("num_frames", "height", "width")}
+    """``num_frames``, ``height`` and ``width`` of a video pipeline: a built-in one's (``names.TINY_VIDEO_SETTINGS``,
+    which ``load_video`` puts in its config under ``SETTINGS_KEY``, kept when saved and loaded again), else the
+    pipeline's own call defaults (Wan: 81 frames of 480 x 832; LTX-Video: 161 of 512 x 704), or where those are
+    unset its transformer's sample size (CogVideoX: 49 frames of 480 x 720)."""
+    saved = pipe.config.get(SETTINGS_KEY)
+    if saved:
+        return {name: int(saved[name]) for name in ("num_frames", "height", "width")}
+    settings = {name: _call_default(pipe, name) for name in ("num_frames", "height", "width")}
+    if _family(pipe) == "cogvideox":  # its call defaults are None: the transformer's sample size, as the pipeline
+        config, (_, spatial) = pipe.transformer.config, _compression(pipe)
+        settings = {"num_frames": config.sample_frames, "height": config.sample_height * spatial,
+                    "width": config.sample_width * spatial}
+    return settings
 
 
-def setting_problem(pipe: DiffusionPipeline, *, num_frames: int, height: int, width: int) -> tuple[str, str] | None:
-    """``(argument, why)`` for the first of ``num_frames``, ``height``, ``width`` that the video pipeline would
-    silently round (Wan: ``num_frames = 4k + 1``, its VAE compressing time 4x; sizes multiples of the VAE's
-    spatial factor times the patch size, 16), or ``None``."""
-    temporal, spatial = pipe.vae_scale_factor_temporal, pipe.vae_scale_factor_spatial
-    multiple = spatial * pipe.transformer.config.patch_size[1]
-    if (num_frames - 1) % temporal:
-        return "num_frames", (f"{type(pipe).__name__} takes {temporal}k + 1 frames (its VAE compresses time "
-                              f"{temporal}x), got {num_frames}")
-    for name, value in (("height", height), ("width", width)):
+def setting_problem(pipe: DiffusionPipeline, *, num_frames: int, height: int, width: int,
+                    num_inference_steps: int | None = None) -> tuple[str, str] | None:
+    """``(argument, why)`` for the first of ``num_frames``, ``height``, ``width`` (and ``num_inference_steps`` where
+    given) that the video pipeline would silently round or get wrong, or ``None``.  Frames: ``tk + 1`` for a VAE
+    compressing time ``t``x (Wan 4x, LTX-Video 8x); CogVideoX ``8k + 1``, its VAE (4x) decoding latent frames in
+    pairs after the first, so that an even number of them decodes to the wrong number of frames.  Sizes:
+    multiples of the VAE's spatial factor times the patch size (Wan and CogVideoX 8 x 2 = 16, LTX-Video 32 x 1 =
+    32).  Steps: at least 2 where the scheduler stretches its sigmas to a terminal value (LTX-Video's
+    ``shift_terminal``: one step's stretch divides 0 by 0, and every frame comes out NaN)."""
+    name = type(pipe).__name__
+    temporal, spatial = _compression(pipe)
+    multiple = spatial * _patch(pipe)[1]
+    if _family(pipe) == "cogvideox":
+        if (num_frames - 1) % (2 * temporal):
+            return "num_frames", (f"{name} takes {2 * temporal}k + 1 frames (its VAE compresses time {temporal}x "
+                                  f"and decodes an odd number of latent frames only), got {num_frames}")
+    elif (num_frames - 1) % temporal:
+        return "num_frames", (f"{name} takes {temporal}k + 1 frames (its VAE compresses time {temporal}x), "
+                              f"got {num_frames}")
+    for setting, value in (("height", height), ("width", width)):
         if value % multiple:
-            return name, (f"{type(pipe).__name__} takes multiples of {multiple} (VAE {spatial}x, patch "
-                          f"{multiple // spatial}), got {value}")
+            return setting, (f"{name} takes multiples of {multiple} (VAE {spatial}x, patch {multiple // spatial}), "
+                             f"got {value}")
+    terminal = pipe.scheduler.config.get("shift_terminal")
+    if num_inference_steps is not None and num_inference_steps < 2 and terminal:
+        return "num_inference_steps", (f"{name} takes at least 2 steps (its scheduler stretches the sigmas to end at "
+                                       f"shift_terminal {terminal}, which one step cannot), got {num_inference_steps}")
     return None
 
 
@@ -176,29 +285,73 @@ def prompt_embeddings(pipe: DiffusionPipeline) -> tuple[torch.Tensor, torch.Tens
     """The fixed ``(prompt_embeds, negative_prompt_embeds)`` of a video pipeline, each ``(1, L, width)`` (see
     the module docstring), on the pipeline's device in its transformer's dtype."""
     transformer = pipe.transformer
-    width = getattr(transformer.config, _TEXT_WIDTH[VIDEO_PIPELINES[type(pipe).__name__]])
-    length = _call_default(pipe, "max_sequence_length")
+    family = _family(pipe)
+    width = getattr(transformer.config, _TEXT_WIDTH[family])
+    length = (transformer.config.max_text_seq_length if family == "cogvideox"
+              else _call_default(pipe, "max_sequence_length"))
     generator = torch.Generator(device="cpu").manual_seed(PROMPT_SEED)
     positive, negative = torch.randn(2, 1, length, width, generator=generator)
     return tuple(x.to(device=pipe.device, dtype=transformer.dtype) for x in (positive, negative))
 
 
+def prompt_attention_masks(pipe: DiffusionPipeline) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The ``(prompt_attention_mask, negative_prompt_attention_mask)`` of a pipeline that takes them (LTX-Video),
+    each ``(1, L)`` boolean and all true (every token of ``prompt_embeddings`` kept), or ``None``."""
+    if _family(pipe) != "ltx-video":
+        return None
+    positive, _ = prompt_embeddings(pipe)
+    mask = torch.ones(positive.shape[:2], dtype=torch.bool, device=pipe.device)
+    return mask, mask.clone()
+
+
 def make_latents(pipe: DiffusionPipeline, *, num_frames: int, height: int, width: int, seed: int) -> torch.Tensor:
-    """The initial noise of one video, ``(1, C, (num_frames - 1) / t + 1, height / s, width / s)`` (``t``, ``s``:
-    the VAE's temporal and spatial factors), a unit Gaussian drawn in float32 on the CPU from ``seed``: the
-    same on every device.  Wan's pipeline takes it as it is (float32 latents, no noise scaling)."""
-    shape = (1, pipe.transformer.config.in_channels, (num_frames - 1) // pipe.vae_scale_factor_temporal + 1,
-             height // pipe.vae_scale_factor_spatial, width // pipe.vae_scale_factor_spatial)
+    """The initial noise of one video, a unit Gaussian drawn in float32 on the CPU from ``seed`` (the same on every
+    device), in the layout the pipeline takes as ``latents``: Wan ``(1, C, f, h, w)`` (``f = (num_frames - 1) / t
+    + 1``, ``h = height / s``, ``w = width / s``; ``t``, ``s``: the VAE's temporal and spatial factors); LTX-Video
+    the same draw packed into ``(1, f h w / p^2 p_t, C p^2 p_t)`` tokens by its pipeline's ``_pack_latents``
+    (patch ``p``, ``p_t``); CogVideoX ``(1, f, C, h, w)``, ``f`` padded to a multiple of ``p_t`` as its pipeline
+    pads (CogVideoX 1.5).  The pipelines take it as it is (Wan and LTX-Video float32 latents, no noise scaling;
+    CogVideoX's DDIM ``init_noise_sigma`` is 1; ``generate`` casts it to CogVideoX's dtype)."""
+    family = _family(pipe)
+    frames, h, w = _latent_size(pipe, num_frames, height, width)
+    channels = pipe.transformer.config.in_channels
+    patch_t, patch = _patch(pipe)
+    if family == "cogvideox":
+        shape = (1, frames + (-frames) % patch_t, channels, h, w)
+    else:
+        shape = (1, channels, frames, h, w)
     generator = torch.Generator(device="cpu").manual_seed(seed)
-    return torch.randn(shape, generator=generator, dtype=torch.float32).to(pipe.device)
+    latents = torch.randn(shape, generator=generator, dtype=torch.float32)
+    if family == "ltx-video":
+        latents = type(pipe)._pack_latents(latents, patch, patch_t)
+    return latents.to(pipe.device)
 
 
 @torch.no_grad()
-def _decode(pipe: DiffusionPipeline, latents: torch.Tensor) -> torch.Tensor:
-    """Wan's final latents -> ``(1, 3, F, H, W)`` in ``[-1, 1]``: un-normalised as the pipeline does, then the
-    VAE, without the pipeline's post-processing (its clamp turns +-inf into 1 or 0)."""
+def _decode(pipe: DiffusionPipeline, latents: torch.Tensor, *, num_frames: int, height: int,
+            width: int) -> torch.Tensor:
+    """The final latents -> ``(1, 3, F, H, W)`` in ``[-1, 1]``: un-normalised as the pipeline does, then the
+    VAE, without the pipeline's post-processing (its clamp turns +-inf into 1 or 0).  LTX-Video's are unpacked
+    first and decoded at its pipeline's default decode timestep (0, and no decode noise: its scale defaults to
+    the timestep); CogVideoX's padding frames (CogVideoX 1.5) are dropped and its frame axis moved behind the
+    channels."""
     vae = pipe.vae
     config = vae.config
+    family = _family(pipe)
+    if family == "ltx-video":
+        frames, h, w = _latent_size(pipe, num_frames, height, width)
+        patch_t, patch = _patch(pipe)
+        latents = type(pipe)._unpack_latents(latents, frames, h, w, patch, patch_t)
+        latents = type(pipe)._denormalize_latents(latents, vae.latents_mean, vae.latents_std, config.scaling_factor)
+        timestep = None
+        if config.timestep_conditioning:  # the noise the pipeline mixes in is scaled by the same default: none
+            timestep = torch.tensor([float(_call_default(pipe, "decode_timestep"))], device=latents.device,
+                                    dtype=vae.dtype)
+        return vae.decode(latents.to(vae.dtype), timestep, return_dict=False)[0]
+    if family == "cogvideox":
+        frames = _latent_size(pipe, num_frames, height, width)[0]
+        latents = latents[:, latents.shape[1] - frames:].permute(0, 2, 1, 3, 4) / config.scaling_factor
+        return vae.decode(latents.to(vae.dtype), return_dict=False)[0]
     latents = latents.to(vae.dtype)
     mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(latents)
     std = torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(latents)
@@ -217,16 +370,22 @@ def generate(pipe: DiffusionPipeline, *, num_frames: int, num_inference_steps: i
             round is a ``ValueError`` (``setting_problem``).
         seed: seeds the initial noise (when ``latents`` is None) and the pipeline's generator.
         latents: explicit initial noise from ``make_latents``.
-        guidance_scale: classifier-free guidance (default: the pipeline's, Wan 5.0).
+        guidance_scale: classifier-free guidance (default: the pipeline's, Wan 5.0, LTX-Video 3.0, CogVideoX 6.0).
         progress: show the pipeline's progress bar over the denoising steps.
         **kwargs: passed to the pipeline (e.g. ``callback_on_step_end``).
     """
-    problem = setting_problem(pipe, num_frames=num_frames, height=height, width=width)
+    problem = setting_problem(pipe, num_frames=num_frames, height=height, width=width,
+                              num_inference_steps=num_inference_steps)
     if problem is not None:
         raise ValueError(f"generate: {problem[0]}: {problem[1]}")
     if latents is None:
         latents = make_latents(pipe, num_frames=num_frames, height=height, width=width, seed=seed)
+    if _family(pipe) == "cogvideox":  # its pipeline runs its whole loop in the dtype of the prompt embeddings
+        latents = latents.to(pipe.transformer.dtype)
     positive, negative = prompt_embeddings(pipe)
+    masks = prompt_attention_masks(pipe)
+    if masks is not None:
+        kwargs = {"prompt_attention_mask": masks[0], "negative_prompt_attention_mask": masks[1], **kwargs}
     previous_config = getattr(pipe, "_progress_bar_config", {})
     pipe.set_progress_bar_config(**{**previous_config, "disable": not progress})
     try:
@@ -239,7 +398,7 @@ def generate(pipe: DiffusionPipeline, *, num_frames: int, num_inference_steps: i
         ).frames
     finally:
         pipe.set_progress_bar_config(**previous_config)
-    return svd.to_frames(_decode(pipe, final_latents))
+    return svd.to_frames(_decode(pipe, final_latents, num_frames=num_frames, height=height, width=width))
 
 
 def generate_frames(pipe: DiffusionPipeline, image: PIL.Image.Image | None, *, num_frames: int,

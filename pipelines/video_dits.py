@@ -14,11 +14,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from diffusers import (AutoencoderKLWan, CogVideoXTransformer3DModel, HunyuanVideoTransformer3DModel,
-                       LTXVideoTransformer3DModel, MochiTransformer3DModel, WanTransformer3DModel)
+from diffusers import (AutoencoderKLCogVideoX, AutoencoderKLLTXVideo, AutoencoderKLWan, CogVideoXTransformer3DModel,
+                       HunyuanVideoTransformer3DModel, LTXVideoTransformer3DModel, MochiTransformer3DModel,
+                       WanTransformer3DModel)
 
-__all__ = ["FAMILIES", "FULL_SIZE", "tiny_transformer", "tiny_wan_vae", "full_size_transformer", "example_inputs",
-           "full_size_inputs"]
+__all__ = ["FAMILIES", "FULL_SIZE", "tiny_transformer", "tiny_wan_vae", "tiny_ltx_video_vae", "tiny_cogvideox_vae",
+           "full_size_transformer", "example_inputs", "full_size_inputs"]
 
 TEXT_TOKENS = 7
 """Text tokens of the example prompts (the last two are padding where the family takes a mask)."""
@@ -178,4 +179,31 @@ def tiny_wan_vae(*, seed: int = 0) -> torch.nn.Module:
         vae = AutoencoderKLWan(base_dim=8, z_dim=channels, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                                temperal_downsample=[False, True, True], latents_mean=[0.0] * channels,
                                latents_std=[1.0] * channels)
+    return vae.eval()
+
+
+def tiny_ltx_video_vae(*, seed: int = 0) -> torch.nn.Module:
+    """A tiny random ``AutoencoderKLLTXVideo`` for ``tiny_transformer("ltx-video")`` (8 latent channels), fp32, eval
+    mode, seeded: LTX-Video's compression (32x in space: a 4 x 4 patchify then three downsamplings; 8x in time:
+    the same three also temporal) at 8 channels per level, one residual block per level, and its decoder
+    conditioned on the decode timestep as LTX-Video 0.9.1's is; latents neither shifted nor scaled."""
+    channels = 8  # the in_channels of _ltx()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        vae = AutoencoderKLLTXVideo(latent_channels=channels, block_out_channels=(8, 8, 8, 8),
+                                    decoder_block_out_channels=(8, 8, 8, 8), layers_per_block=(1, 1, 1, 1, 1),
+                                    decoder_layers_per_block=(1, 1, 1, 1, 1), timestep_conditioning=True)
+    return vae.eval()
+
+
+def tiny_cogvideox_vae(*, seed: int = 0) -> torch.nn.Module:
+    """A tiny random ``AutoencoderKLCogVideoX`` for ``tiny_transformer("cogvideox")`` (4 latent channels), fp32, eval
+    mode, seeded: CogVideoX's compression (8x in space: three downsamplings; 4x in time: 2k + 1 latent frames
+    decode to 8k + 1 frames) at 8 channels per level in 2 norm groups, one
+    residual block per level, latents not scaled (scaling factor 1)."""
+    channels = 4  # the in_channels of _cogvideox()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        vae = AutoencoderKLCogVideoX(block_out_channels=(8, 8, 8, 8), latent_channels=channels, layers_per_block=1,
+                                     norm_num_groups=2, sample_height=64, sample_width=64, scaling_factor=1.0)
     return vae.eval()

@@ -1,10 +1,13 @@
-"""The built-in video-transformer pipelines (``pipelines/video.py``: ``tiny-wan``) and the commands on them:
-built offline, generated through the console script, diagnosed (attention layers and activations), and a
-planted overflow found where it was planted and nowhere else.  Small sizes: 5 frames of 32 x 32 (2 latent
-frames of 4 x 4, 8 video tokens)."""
+"""The built-in video-transformer pipelines (``pipelines/video.py``: ``tiny-wan``, ``tiny-ltx-video``,
+``tiny-cogvideox``) and the commands on them: built offline, generated through the console script, diagnosed
+(attention layers and activations), saved and loaded again, and a planted overflow found where it was planted
+and nowhere else.  Small sizes: Wan 5 frames of 32 x 32 (2 latent frames of 4 x 4, 8 video tokens); LTX-Video 9
+frames of 64 x 64 (2 latent frames of 2 x 2, 8 tokens); CogVideoX 9 frames of 32 x 32 (3 latent frames of 4 x 4,
+12 tokens)."""
 import argparse
 import importlib.util
 import json
+import logging
 import re
 import shutil
 import subprocess
@@ -12,22 +15,42 @@ import subprocess
 import numpy as np
 import pytest
 import torch
-from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+from diffusers import (AutoencoderKLCogVideoX, AutoencoderKLLTXVideo, AutoencoderKLWan, CogVideoXDDIMScheduler,
+                       CogVideoXPipeline, CogVideoXTransformer3DModel, FlowMatchEulerDiscreteScheduler, LTXPipeline,
+                       LTXVideoTransformer3DModel, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel)
 
 from pasa_diffusers.cli import common, main
 from pasa_diffusers.pipelines import video
 from pasa_diffusers.pipelines.diagnose import diagnose
 from pasa_diffusers.pipelines.names import TINY_VIDEO_SETTINGS
 from pasa_diffusers.pipelines.svd import ModelLoadError
+from pasa_diffusers.pipelines.video_dits import tiny_cogvideox_vae
 
 SMALL = {"num_frames": 5, "num_inference_steps": 2, "seed": 0, "height": 32, "width": 32}
 FLAGS = ["--frames", "5", "--steps", "2", "--height", "32", "--width", "32"]
 ROLES = {"attention output", "ffn hidden", "ffn output", "norm", "block output"}
+NEW = {  # the built-ins besides tiny-wan: classes, (temporal, spatial) VAE factors, text tokens, small settings
+    "tiny-ltx-video": (
+        (LTXPipeline, LTXVideoTransformer3DModel, AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler),
+        (8, 32), 128, {"num_frames": 9, "height": 64, "width": 64}),
+    "tiny-cogvideox": (
+        (CogVideoXPipeline, CogVideoXTransformer3DModel, AutoencoderKLCogVideoX, CogVideoXDDIMScheduler),
+        (4, 8), 7, {"num_frames": 9, "height": 32, "width": 32}),
+}
 
 
 @pytest.fixture(scope="module")
 def wan() -> WanPipeline:
     return video.load_video("tiny-wan")
+
+
+@pytest.fixture(scope="module")
+def pipes() -> dict:
+    return {name: video.load_video(name) for name in NEW}
+
+
+def _small(name: str, **changes) -> dict:
+    return {**NEW[name][3], "num_inference_steps": 2, "seed": 0, **changes}
 
 
 def test_tiny_wan_builds_offline_seeded_without_text_encoder(wan):
@@ -83,8 +106,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def test_unset_sizes_take_the_models_defaults(wan):
     args = _parse(["generate", "--model", "tiny-wan", "--steps", "3"])
-    assert video.default_settings(wan) == TINY_VIDEO_SETTINGS
-    assert common.generation_settings(args, wan) == {**TINY_VIDEO_SETTINGS, "num_inference_steps": 3, "seed": 0}
+    assert video.default_settings(wan) == TINY_VIDEO_SETTINGS["tiny-wan"]
+    assert common.generation_settings(args, wan) == {**TINY_VIDEO_SETTINGS["tiny-wan"], "num_inference_steps": 3,
+                                                     "seed": 0}
     svd = video.load_pipeline("tiny")
     assert common.generation_settings(_parse(["diagnose"]), svd) == {
         "num_frames": 2, "height": 64, "width": 64, "num_inference_steps": 2, "seed": 0}
@@ -162,3 +186,184 @@ def test_load_svd_refuses_a_video_model_by_name():
 
     with pytest.raises(ModelLoadError, match=r"^--model tiny-wan: a video transformer pipeline, not SVD"):
         load_svd("tiny-wan")
+
+
+@pytest.mark.parametrize("name", NEW)
+def test_the_other_builtins_build_offline_seeded_without_text_encoder(pipes, name):
+    (pipeline, transformer, vae, scheduler), factors, tokens, _ = NEW[name]
+    pipe = pipes[name]
+    assert (type(pipe), type(pipe.transformer), type(pipe.vae), type(pipe.scheduler)) == \
+        (pipeline, transformer, vae, scheduler)
+    assert pipe.tokenizer is None and pipe.text_encoder is None and pipe.name_or_path == name
+    assert video.is_video_pipeline(pipe) and video.denoiser(pipe) is pipe.transformer
+    assert video._compression(pipe) == factors
+    positive, negative = video.prompt_embeddings(pipe)
+    assert positive.shape == negative.shape == (1, tokens, 24) and not torch.equal(positive, negative)
+    masks = video.prompt_attention_masks(pipe)
+    if name == "tiny-ltx-video":  # LTX-Video takes the prompts' attention masks: every token kept
+        assert all(mask.dtype == torch.bool and mask.shape == (1, tokens) and mask.all() for mask in masks)
+    else:
+        assert masks is None
+    again = video.load_video(name)
+    for module in ("transformer", "vae"):
+        mine, theirs = getattr(pipe, module).state_dict(), getattr(again, module).state_dict()
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+@pytest.mark.parametrize("name", NEW)
+def test_the_other_builtins_generate_seeded_frames_in_range(pipes, name):
+    pipe = pipes[name]
+    assert video.default_settings(pipe) == TINY_VIDEO_SETTINGS[name]
+    for settings in (_small(name), {**TINY_VIDEO_SETTINGS[name], "num_inference_steps": 2, "seed": 0}):
+        frames = video.generate(pipe, progress=False, **settings)
+        assert frames.shape == (settings["num_frames"], settings["height"], settings["width"], 3)
+        assert frames.dtype == np.float32 and np.isfinite(frames).all()
+        assert frames.min() >= 0 and frames.max() <= 1 and frames.std() > 0
+    frames = video.generate(pipe, progress=False, **_small(name))
+    assert np.array_equal(frames, video.generate(pipe, progress=False, **_small(name)))
+    assert not np.array_equal(frames, video.generate(pipe, progress=False, **_small(name, seed=1)))
+
+
+def test_the_initial_noise_is_laid_out_as_each_pipeline_takes_it(pipes):
+    ltx, cogvideox = pipes["tiny-ltx-video"], pipes["tiny-cogvideox"]
+    draw = torch.randn((1, 8, 2, 2, 2), generator=torch.Generator().manual_seed(3))  # (B, C, F, H, W)
+    packed = video.make_latents(ltx, **NEW["tiny-ltx-video"][3], seed=3)
+    assert packed.shape == (1, 8, 8) and torch.equal(packed, LTXPipeline._pack_latents(draw))  # (B, tokens, C)
+    assert torch.equal(LTXPipeline._unpack_latents(packed, 2, 2, 2), draw)
+    noise = video.make_latents(cogvideox, **NEW["tiny-cogvideox"][3], seed=3)
+    assert noise.shape == (1, 3, 4, 4, 4) and noise.dtype == torch.float32  # (B, F, C, H, W)
+    assert torch.equal(noise, torch.randn((1, 3, 4, 4, 4), generator=torch.Generator().manual_seed(3)))
+
+
+@pytest.mark.parametrize("name, setting, value, why", [
+    ("tiny-ltx-video", "num_frames", 13, "LTXPipeline takes 8k + 1 frames (its VAE compresses time 8x), got 13"),
+    ("tiny-ltx-video", "height", 48, "LTXPipeline takes multiples of 32 (VAE 32x, patch 1), got 48"),
+    ("tiny-ltx-video", "num_inference_steps", 1, "LTXPipeline takes at least 2 steps (its scheduler stretches the "
+                                                 "sigmas to end at shift_terminal 0.1, which one step cannot), got 1"),
+    ("tiny-cogvideox", "num_frames", 5, "CogVideoXPipeline takes 8k + 1 frames (its VAE compresses time 4x and "
+                                        "decodes an odd number of latent frames only), got 5"),
+    ("tiny-cogvideox", "width", 40, "CogVideoXPipeline takes multiples of 16 (VAE 8x, patch 2), got 40"),
+])
+def test_a_setting_the_other_pipelines_would_get_wrong_is_refused(pipes, name, setting, value, why):
+    with pytest.raises(ValueError, match=rf"^generate: {setting}: {re.escape(why)}$"):
+        video.generate(pipes[name], progress=False, **_small(name, **{setting: value}))
+
+
+@pytest.mark.parametrize("name, flags, message", [
+    ("tiny-ltx-video", ["--steps", "1"], "--steps 1: LTXPipeline takes at least 2 steps"),
+    ("tiny-ltx-video", ["--frames", "13"], "--frames 13: LTXPipeline takes 8k + 1 frames"),
+    ("tiny-cogvideox", ["--frames", "5"], "--frames 5: CogVideoXPipeline takes 8k + 1 frames"),
+])
+def test_the_command_line_names_the_flag_the_other_pipelines_refuse(pipes, name, flags, message):
+    with pytest.raises(common.UsageError, match=rf"^{re.escape(message)}"):
+        common.generation_settings(_parse(["diagnose", "--model", name, *flags]), pipes[name])
+    assert common.generation_settings(_parse(["diagnose", "--model", name]), pipes[name]) == {
+        **TINY_VIDEO_SETTINGS[name], "num_inference_steps": 2, "seed": 0}
+
+
+def test_why_those_settings_are_refused(pipes):
+    """CogVideoX's VAE decodes 2 latent frames (5 frames' worth) to 8 frames; LTX-Video's scheduler gives NaN
+    sigmas for one step."""
+    with torch.no_grad():
+        decoded = tiny_cogvideox_vae().decode(torch.randn(1, 4, 2, 4, 4), return_dict=False)[0]
+    assert decoded.shape[2] == 8
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipes["tiny-ltx-video"].scheduler.config)
+    with np.errstate(invalid="ignore"):  # 0 / 0
+        scheduler.set_timesteps(sigmas=[1.0], mu=0.6)
+    assert scheduler.sigmas[:1].isnan().all()
+    scheduler.set_timesteps(sigmas=[1.0, 0.5], mu=0.6)
+    assert scheduler.sigmas.isfinite().all()
+
+
+def test_generate_ltx_video_through_the_console_script(tmp_path):
+    done = subprocess.run([shutil.which("pasa"), "generate", "--model", "tiny-ltx-video", "--frames", "9", "--steps",
+                           "2", "--height", "64", "--width", "64", "--out", str(tmp_path)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("text encoder replaced by fixed prompt embeddings: unit Gaussians of 128 tokens x 24")
+    assert "their attention masks keep every token" in lines[0]
+    report = json.loads("\n".join(lines[1:lines.index("all frames finite")]))
+    assert report["processors"]["video-self"] == report["processors"]["video-cross"] == \
+        "PASAAttnProcessor via LTXVideoAttnProcessor"
+    assert report["installed"]["video-self"] == report["installed"]["video-cross"] == 2
+    assert report["calls"] == 4 * 2 and report["fallbacks"] == {}  # 4 layers x 2 steps (cond + uncond in one call)
+    assert len(list((tmp_path / "pasa").glob("*.png"))) == 9
+
+
+@pytest.mark.parametrize("name, paths", [
+    ("tiny-ltx-video", [f"transformer_blocks.{b}.attn{i}" for b in (0, 1) for i in (1, 2)]),
+    ("tiny-cogvideox", [f"transformer_blocks.{b}.attn1" for b in (0, 1)]),  # text tokens joined: no cross-attention
+])
+def test_diagnose_finds_every_attention_layer_of_the_other_builtins(name, paths, tmp_path, capsys):
+    flags = [f"--{flag}={NEW[name][3][key]}" for flag, key in (("frames", "num_frames"), ("height", "height"),
+                                                                 ("width", "width"))]
+    assert main(["diagnose", "--model", name, *flags, "--steps", "2", "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    result = json.loads((tmp_path / "diagnosis.json").read_text())
+    assert sorted(layer["path"] for layer in result["layers"]) == paths
+    assert all(layer["calls"] == 2 for layer in result["layers"])  # 2 steps, cond + uncond in one call
+    assert {layer["kind"] for layer in result["layers"]} == ({"video-self", "video-cross"} if len(paths) == 4
+                                                             else {"video-self"})
+    for block in ("transformer_blocks.0", "transformer_blocks.1"):
+        assert {site["role"] for site in result["activations"] if site["block"] == block} == ROLES
+    assert f"0 of {len(paths)} attention layers overflow" in printed and result["conditioning"] == video.NOTICE
+    assert result["frames"] == {"finite": True, "match_plain": True}
+
+
+def _save(name: str, folder, capsys) -> str:
+    assert main(["save-model", "--model", name, str(folder)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"saved {name} (") and f"load it with --model {folder}" in printed
+    assert {p.suffix for p in folder.rglob("*.safetensors")} == {".safetensors"}
+    assert not [p for p in folder.rglob("*") if p.suffix in (".bin", ".pt", ".pth")]
+    index = json.loads((folder / "model_index.json").read_text())
+    assert index["text_encoder"] == index["tokenizer"] == [None, None]
+    assert index[video.SETTINGS_KEY] == TINY_VIDEO_SETTINGS[name]
+    return printed
+
+
+def test_save_model_of_tiny_wan_and_its_reload(wan, tmp_path, capsys):
+    folder = tmp_path / "wan"
+    logged = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logger = logging.getLogger("diffusers.pipelines.pipeline_utils")
+    logger.addHandler(handler)
+    try:
+        printed = _save("tiny-wan", folder, capsys)
+    finally:
+        logger.removeHandler(handler)
+    assert not [message for message in logged if "cannot be saved" in message]  # tokenizer, text encoder: null
+    count = sum(p.numel() for module in (wan.transformer, wan.vae) for p in module.parameters())
+    assert printed.startswith(f"saved tiny-wan ({count / 1e3:.3g} k parameters, float32)")  # every component counted
+    assert "text encoder replaced by fixed prompt embeddings" in printed
+    if importlib.util.find_spec("accelerate") is None:
+        assert main(["generate", "--model", str(folder), *FLAGS, "--out", str(tmp_path / "video")]) == 2
+        last = capsys.readouterr().err.splitlines()[-1]  # after diffusers' progress bar and its own warning
+        assert last.startswith(f"pasa generate: error: --model {folder}: cannot load model=")
+        assert last.endswith("needs the package accelerate (pip install accelerate)")
+        pytest.skip("reloading a saved Wan folder needs accelerate (WanTransformer3DModel keeps modules in float32 "
+                    "and diffusers loads those only through accelerate), which is not installed")
+    loaded = video.load_pipeline(str(folder))
+    assert video.default_settings(loaded) == TINY_VIDEO_SETTINGS["tiny-wan"]
+    np.testing.assert_allclose(video.generate(loaded, progress=False, **SMALL),  # as below: unaligned buffers
+                               video.generate(wan, progress=False, **SMALL), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", NEW)
+def test_save_model_of_the_other_builtins_loads_the_same_pipeline(pipes, name, tmp_path, capsys):
+    folder = tmp_path / name
+    _save(name, folder, capsys)
+    loaded = video.load_pipeline(str(folder))
+    assert type(loaded) is type(pipes[name]) and loaded.text_encoder is None and loaded.tokenizer is None
+    assert video.default_settings(loaded) == TINY_VIDEO_SETTINGS[name]  # its small defaults, not the pipeline's
+    for module in ("transformer", "vae"):
+        mine, theirs = getattr(pipes[name], module).state_dict(), getattr(loaded, module).state_dict()
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    # the same weights, but read from safetensors into buffers not 64-byte aligned, on which the CPU convolutions
+    # sum in another order: frames within 1e-5, not bit for bit
+    np.testing.assert_allclose(video.generate(loaded, progress=False, **_small(name)),
+                               video.generate(pipes[name], progress=False, **_small(name)), rtol=0, atol=1e-5)
+    assert main(["diagnose", "--model", str(folder), "--steps", "2", "--out", str(tmp_path / "diagnosis")]) == 0
+    assert f"{folder}: 0 of " in capsys.readouterr().out

@@ -8,10 +8,11 @@ The limits come from what the pipeline needs:
 
 - ``--frames`` >= 2: one frame fails inside diffusers' SVD pipeline (a tensor-size mismatch,
   diffusers 0.42); a video transformer's pipeline takes ``4k + 1`` frames (Wan: its VAE compresses time
-  4x), checked once the model is loaded (``generation_settings``);
+  4x), ``8k + 1`` (LTX-Video: 8x; CogVideoX: 4x, an odd number of latent frames), checked once the model is
+  loaded (``generation_settings``);
 - ``--height``/``--width``: multiples of 8 (``StableVideoDiffusionPipeline.check_inputs``), at
   least 8, and at least 16 for a command that scores frames (SSIM's 11 x 11 Gaussian window, sigma 1.5);
-  multiples of 16 for Wan (VAE 8x, patch 2);
+  multiples of 16 for Wan and CogVideoX (VAE 8x, patch 2), of 32 for LTX-Video (VAE 32x, patch 1);
 - ``--steps`` >= 1; ``--seed`` in [0, 2**63 - 1] (a CPU ``torch.Generator`` seed); ``--fps`` > 0.
 """
 from __future__ import annotations
@@ -155,11 +156,11 @@ def add_generation_args(p: argparse.ArgumentParser, out: str, frames: int = 4, s
     paths)."""
     size_type = int_range(min_size, multiple_of=SIZE_MULTIPLE,
                           why="SVD needs multiples of 8" + (", SSIM an 11x11 window" if min_size > MIN_SIZE else ""))
-    tiny = ", ".join(BUILTIN_VIDEO_MODELS)
 
     def own(name: str) -> str:
-        return (f"; a video transformer's pipeline: its own, {tiny}: {TINY_VIDEO_SETTINGS[name]}, a loaded one: its "
-                "pipeline's default" if video else "")
+        tiny = ", ".join(f"{model} {settings[name]}" for model, settings in TINY_VIDEO_SETTINGS.items())
+        return (f"; a video transformer's pipeline: its own, {tiny}, a loaded one its pipeline's default"
+                if video else "")
 
     add_model_args(p)
     p.add_argument("--image", default="builtin:rocket",
@@ -296,7 +297,8 @@ def load_model(args: argparse.Namespace, *, video: bool = False) -> Any:
 
     if not video and args.model in BUILTIN_VIDEO_MODELS:
         raise UsageError(f"--model {args.model}: a video-transformer pipeline; pasa {getattr(args, 'command', '')} "
-                         "takes SVD pipelines only so far (pasa generate and pasa diagnose take both)")
+                         "takes SVD pipelines only so far (pasa generate, pasa diagnose and pasa save-model take "
+                         "both)")
     try:
         return (load_pipeline if video else load_svd)(args.model, device=args.device,
                                                       dtype=model_dtype(args.device, args.dtype),
@@ -307,35 +309,39 @@ def load_model(args: argparse.Namespace, *, video: bool = False) -> Any:
 
 
 _FLAGS = {"num_frames": "--frames", "height": "--height", "width": "--width"}
+_SETTING_FLAGS = {**_FLAGS, "num_inference_steps": "--steps"}
 
 
 def generation_settings(args: argparse.Namespace, pipe: Any) -> dict[str, int]:
     """``num_frames``, ``num_inference_steps``, ``seed``, ``height`` and ``width`` of one generation of ``pipe``
     from the flags of ``add_generation_args(..., video=True)``: a flag not given takes the model's default
     (SVD: the command's; a video transformer: ``video.default_settings``); a value the video pipeline
-    would round is a ``UsageError`` naming the flag (``video.setting_problem``)."""
+    would round or get wrong is a ``UsageError`` naming the flag (``video.setting_problem``)."""
     from pasa_diffusers.pipelines.video import default_settings, is_video_pipeline, setting_problem
 
     video = is_video_pipeline(pipe)
     defaults = default_settings(pipe) if video else args.svd_defaults
     given = {name: getattr(args, flag.removeprefix("--")) for name, flag in _FLAGS.items()}
     sizes = {name: defaults[name] if value is None else value for name, value in given.items()}
-    problem = setting_problem(pipe, **sizes) if video else None
+    settings = {**sizes, "num_inference_steps": args.steps}
+    problem = setting_problem(pipe, **settings) if video else None
     if problem is not None:
         name, why = problem
-        raise UsageError(f"{_FLAGS[name]} {sizes[name]}: {why}")
-    return {**sizes, "num_inference_steps": args.steps, "seed": args.seed}
+        raise UsageError(f"{_SETTING_FLAGS[name]} {settings[name]}: {why}")
+    return {**settings, "seed": args.seed}
 
 
 def conditioning_notice(pipe: Any) -> str | None:
     """The line a command prints about a video pipeline's conditioning (``video.NOTICE``), or ``None`` (SVD)."""
-    from pasa_diffusers.pipelines.video import NOTICE, PROMPT_SEED, is_video_pipeline, prompt_embeddings
+    from pasa_diffusers.pipelines.video import (NOTICE, PROMPT_SEED, is_video_pipeline, prompt_attention_masks,
+                                                prompt_embeddings)
 
     if not is_video_pipeline(pipe):
         return None
     positive, _ = prompt_embeddings(pipe)
+    masks = "; their attention masks keep every token" if prompt_attention_masks(pipe) is not None else ""
     return (f"{NOTICE}: unit Gaussians of {positive.shape[1]} tokens x {positive.shape[2]} (seed {PROMPT_SEED}: the "
-            "prompt's, then the negative prompt's); no tokenizer or text encoder is loaded")
+            f"prompt's, then the negative prompt's){masks}; no tokenizer or text encoder is loaded")
 
 
 def load_condition_image(args: argparse.Namespace) -> Any:

@@ -1,6 +1,9 @@
 """``pasa compare``: every backend's videos scored against the FP32-attention ones, over images and seeds.
 
-The samples are every (image, seed) of ``--images`` x ``--seeds``; each finished (sample, backend) is
+The samples are every (image, seed) of ``--images`` x ``--seeds`` for an SVD model, and every (prompt, seed)
+of a video transformer's pipeline (``--model tiny-wan``, a Wan hub id or folder): its fixed prompt embeddings,
+its text encoder replaced (said on the first line of the output and in the report), x ``--seeds``; its
+``--frames``, ``--height`` and ``--width`` default to the built-in model's own.  Each finished (sample, backend) is
 appended to ``OUT/samples.jsonl`` at once, the same command resumes a killed or interrupted run (Ctrl-C
 exits 130 saying how many results are done), a second run into a folder in use is refused, and the
 report (``report.md``, ``report.json``, plots, the worst samples' side-by-side GIFs) is written at the end.
@@ -30,6 +33,11 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
 MAX_SEEDS = 100_000
 INTERRUPTED = 130
 """The exit status after Ctrl-C (128 + SIGINT), as a shell reports a command killed by it."""
+
+
+class _Unset(int):
+    """The value of ``--frames``, ``--height`` or ``--width`` when the flag is not given: SVD's default, which a
+    video transformer's pipeline replaces by the model's own (``compare.CompareConfig``: None)."""
 
 
 def _items(text: str) -> list[str]:
@@ -144,19 +152,24 @@ def run(args: argparse.Namespace) -> int:
     from pasa_diffusers.pipelines import compare, distributed, runlog
 
     command = "pasa " + shlex.join(sys.argv[1:])
+    cond = compare.conditioning(args.model, args.images, local_files_only=args.local_files_only)
+    sizes = {name: None if cond.video and isinstance(value, _Unset) else int(value)
+             for name, value in (("num_frames", args.frames), ("height", args.height), ("width", args.width))}
     with distributed.session(args.device) as dist:
+        if cond.notice and dist.is_main:
+            print(cond.notice, flush=True)
         config = compare.CompareConfig(
             model=args.model, images=tuple(args.images), seeds=tuple(args.seeds), backends=tuple(args.backends),
-            num_frames=args.frames, num_inference_steps=args.steps, height=args.height, width=args.width,
+            num_inference_steps=args.steps, **sizes,
             dtype=model_dtype(dist.device, args.dtype) if args.dtype else None, lpips_weights=args.lpips_weights,
             local_files_only=args.local_files_only, fps=args.fps, worst=args.worst)
 
         def load(device: str, dtype: object) -> object:
-            return load_model(argparse.Namespace(**{**vars(args), "device": device}))
+            return load_model(argparse.Namespace(**{**vars(args), "device": device}), video=True)
 
         try:
             report = compare.evaluate(config, args.out, dist=dist, load_pipeline=load, command=command)
-        except (runlog.MixedRunError, runlog.DamagedLogError, runlog.FolderInUseError) as exc:
+        except (runlog.MixedRunError, runlog.DamagedLogError, runlog.FolderInUseError, compare.SettingError) as exc:
             raise UsageError(str(exc)) from exc
         except install.AllCallsFellBackError as exc:
             raise UsageError(f"--backends: {exc}; choose another backend or --dtype") from exc
@@ -172,15 +185,20 @@ def run(args: argparse.Namespace) -> int:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compare", conflict_handler="resolve",
                        help="score each attention backend's videos against the FP32-attention ones, over images "
-                            "and seeds, with bootstrap intervals",
+                            "(or a video transformer's fixed prompt) and seeds, with bootstrap intervals",
                        description="Score each attention backend's videos against the FP32-attention reference "
-                                   "over every (image, seed). Resumable: the same command continues a killed run. "
-                                   "Under torchrun the samples are shared out over the processes.")
+                                   "over every (image, seed), or for a video-transformer pipeline such as tiny-wan "
+                                   "every (prompt, seed), its prompt being fixed prompt embeddings (its --frames, "
+                                   "--height and --width default to the model's own). Resumable: the same command "
+                                   "continues a killed run. Under torchrun the samples are shared out over the "
+                                   "processes.")
     add_generation_args(p, "out/compare", size=48, min_size=SCORED_MIN_SIZE)
+    p.set_defaults(frames=_Unset(4), height=_Unset(48), width=_Unset(48))
     # --images/--seeds take the place of the generation flags --image/--seed (still accepted as aliases)
     p.add_argument("--images", "--image", type=image_list, default="builtin:all", metavar="SPEC[,SPEC...]",
                    help="conditioning images: files, folders of images, builtin:NAME "
-                        f"({', '.join(BUILTIN_IMAGES)}) or builtin:all (default builtin:all)")
+                        f"({', '.join(BUILTIN_IMAGES)}) or builtin:all (default builtin:all); unused by a "
+                        "video transformer's pipeline (tiny-wan), whose samples are its fixed prompt x --seeds")
     p.add_argument("--seeds", "--seed", type=seed_list, default="0-1", metavar="LIST",
                    help="seeds of the initial noise: 0,1,2 or a range 0-7 (default 0-1)")
     p.add_argument("--model", default="tiny-resonant", help=model_help("tiny-resonant"))

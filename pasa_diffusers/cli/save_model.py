@@ -4,7 +4,10 @@ Its use is ``svd-xt-random``: SVD-XT's full-size pipeline with random weights, b
 the dtype given, is saved once and then loaded by every command with the same weights
 (``pasa save-model --model svd-xt-random --device cuda --dtype fp16 DIR``).  Any ``--model`` saves (a
 hub id, another folder, ``tiny``, ``tiny-resonant``: its planted projection biases are parameters its
-UNet's config lists, ``pipelines/resonant.py``, so ``--model DIR`` loads the same model).
+UNet's config lists, ``pipelines/resonant.py``, so ``--model DIR`` loads the same model), a video
+transformer's pipeline too (``tiny-wan``, ``tiny-ltx-video``, ``tiny-cogvideox``, a Wan, LTX-Video or CogVideoX
+hub id or folder): without tokenizer and text encoder, as ``pipelines.video.load_video`` loads it, and a
+built-in model with its small default frames and size (``video.SETTINGS_KEY`` in ``model_index.json``).
 """
 from __future__ import annotations
 
@@ -27,20 +30,34 @@ def validate(args: argparse.Namespace) -> None:
     check_out_dir(args.folder, "DIR")
 
 
+def _count(parameters: int) -> str:
+    """``2.25 B``, ``1.3 M``, ``81.2 k``: three significant digits."""
+    value, unit = next(((parameters / scale, unit) for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k"))
+                        if parameters >= scale), (parameters, ""))
+    return f"{value:.3g} {unit}".rstrip()
+
+
 def run(args: argparse.Namespace) -> int:
-    pipe = load_model(args)
+    import torch
+
+    from pasa_diffusers.pipelines.video import NOTICE, denoiser, is_video_pipeline
+
+    pipe = load_model(args, video=True)
     pipe.save_pretrained(args.folder, safe_serialization=True)
-    parameters = sum(p.numel() for model in (pipe.unet, pipe.vae, pipe.image_encoder) for p in model.parameters())
-    print(f"saved {args.model} ({parameters / 1e9:.3g} B parameters, {str(pipe.unet.dtype).removeprefix('torch.')}) "
-          f"to {args.folder}; load it with --model {args.folder}")
+    modules = [module for module in pipe.components.values() if isinstance(module, torch.nn.Module)]
+    parameters = sum(p.numel() for module in modules for p in module.parameters())
+    print(f"saved {args.model} ({_count(parameters)} parameters, {str(denoiser(pipe).dtype).removeprefix('torch.')}) "
+          f"to {args.folder}; load it with --model {args.folder}"
+          + (f" (no tokenizer or text encoder: {NOTICE})" if is_video_pipeline(pipe) else ""))
     return 0
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("save-model", help="save a pipeline (e.g. svd-xt-random) to a folder that --model DIR loads",
-                       description="Build or load --model on --device in --dtype and write it with save_pretrained "
-                                   "(safetensors) into DIR, a new or empty folder; every command then loads it "
-                                   "with --model DIR.")
+                       description="Build or load --model (an SVD or a video transformer's pipeline) on --device in "
+                                   "--dtype and write it with save_pretrained (safetensors) into DIR, a new or empty "
+                                   "folder; every command then loads it with --model DIR (a video transformer's "
+                                   "pipeline without tokenizer and text encoder).")
     add_model_args(p, default=None)
     p.add_argument("folder", metavar="DIR", help="the folder to write (created; must be new or empty)")
     p.set_defaults(func=run)

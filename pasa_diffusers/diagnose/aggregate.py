@@ -42,7 +42,12 @@ def _transformer(path: str) -> str:
 
 
 def short_path(path: str) -> str:
-    """``down_blocks.0.attentions.1.temporal_transformer_blocks.0.attn1`` -> ``down0.1.temporal.attn1``."""
+    """``down_blocks.0.attentions.1.temporal_transformer_blocks.0.attn1`` -> ``down0.1.temporal.attn1`` (a
+    UNet's transformer blocks), ``transformer_blocks.3.attn1`` -> ``block3.attn1`` and
+    ``single_transformer_blocks.3.attn`` -> ``single3.attn`` (a video transformer's top-level blocks)."""
+    top = re.match(r"(single_transformer_blocks|transformer_blocks|blocks)\.(\d+)", path)
+    if top:
+        return ("single" if top[1].startswith("single") else "block") + top[2] + path[top.end():]
     s = re.sub(r"\b(down|up)_blocks\.(\d+)", r"\1\2", path)
     s = s.replace("mid_block", "mid").replace(".attentions.", ".")
     s = re.sub(r"temporal_transformer_blocks\.(\d+)", lambda m: "temporal" + ("" if m[1] == "0" else m[1]), s)
