@@ -28,7 +28,7 @@ from .processors import CountedAttnProcessor, PASAAttnProcessor
 from .routing import RoutedAttnProcessor, routable_reason, routed
 
 __all__ = ["KINDS", "DENOISERS", "VIDEO_BLOCKS", "cast_dtype", "AllCallsFellBackError", "module_kind", "apply",
-           "restore", "fallback_summary", "counted_processor", "attention_processors"]
+           "restore", "fallback_summary", "counted_processor", "attention_processors", "replacement"]
 
 KINDS = ("spatial-self", "spatial-cross", "temporal-self", "temporal-cross", "video-self", "video-cross", "other")
 """Module kinds ``apply`` distinguishes, by processor key (see ``module_kind``)."""
@@ -190,10 +190,13 @@ def _check_head_dim(processor: CountedAttnProcessor, module: torch.nn.Module, mo
         )
 
 
-def _install(stock: Any, counted: CountedAttnProcessor) -> Any:
-    """What replaces ``stock``: ``counted`` itself where it reproduces the stock body (``_STOCK_BODIES``),
-    else the stock processor routed to it; ``ValueError`` naming the module where neither can be done."""
-    if type(stock) in _STOCK_BODIES:
+def replacement(stock: Any, counted: CountedAttnProcessor) -> Any:
+    """What replaces ``stock``: ``counted`` itself where it reproduces the stock body (``_STOCK_BODIES``, or
+    a processor of this package, which runs that body), else the stock processor routed to it (a routed
+    processor's own stock, when ``stock`` is one); ``ValueError`` naming the module where neither can be done."""
+    if isinstance(stock, RoutedAttnProcessor):
+        stock = stock.stock
+    if type(stock) in _STOCK_BODIES or isinstance(stock, CountedAttnProcessor):
         return counted
     reason = routable_reason(stock)
     if reason is not None:
@@ -290,7 +293,7 @@ def apply(
                 _check_head_dim(counted, model.get_submodule(key.removesuffix(".processor")), dtype)
                 model_dtypes.add(_dtype_name(dtype))
                 attention_dtypes.add(_dtype_name(counted.attention_dtype(dtype)))
-                processors[key] = _install(stock[key], counted)
+                processors[key] = replacement(stock[key], counted)
                 installed += 1
             classes[kind].add(_label(processors[key]))
         plans.append((model, processors))

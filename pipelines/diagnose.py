@@ -8,7 +8,7 @@ advancing the step clock), summarises the layers (``pasa_diffusers.diagnose.summ
 kinds of ``install.module_kind``: risk and cause as in ``pasa_diffusers/diagnose/rules.py``) and times a
 plain generation for the overhead.  In a video transformer the model keeps its own processors (QK norms,
 RoPE): each one's attention call is routed to its layer's ``DiagnosticAttnProcessor``
-(``routing.routed``), as ``install.apply`` routes it to a backend, and forward hooks record the largest
+(``install.replacement``), as ``install.apply`` routes it to a backend, and forward hooks record the largest
 |x| of every block's attention outputs, feed-forward, norms and residual stream
 (``pasa_diffusers.diagnose.recording_activations``).  The diagnostic processors compute the stock
 attention, so the video is the one the pipeline makes without them.  Render the result with
@@ -27,15 +27,14 @@ import torch
 from pasa_diffusers.beta import DEFAULT_BETA
 from pasa_diffusers.diagnose import (CAUSE_RULE, RISK_RULE, LayerRecorder, StepClock, activation_sites, recording,
                                      recording_activations, summarize, summarize_activations)
-from pasa_diffusers.install import VIDEO_BLOCKS, attention_processors, module_kind
+from pasa_diffusers.install import VIDEO_BLOCKS, attention_processors, module_kind, replacement
 from pasa_diffusers.metrics.records import versions
 from pasa_diffusers.processors import SDPAAttnProcessor
-from pasa_diffusers.routing import routed
 from pasa_diffusers.rules import FP16_MAX, SHIFT_BLOCK
 
 from .video import NOTICE, denoiser, generate_frames, is_video_pipeline
 
-__all__ = ["DiagnosticAttnProcessor", "routed_recorders", "diagnose"]
+__all__ = ["DiagnosticAttnProcessor", "recorders_on", "diagnose"]
 
 
 class DiagnosticAttnProcessor(SDPAAttnProcessor):
@@ -53,14 +52,14 @@ class DiagnosticAttnProcessor(SDPAAttnProcessor):
         return super().attention(query, key, value, scale, attention_mask)
 
 
-def routed_recorders(model: Any) -> Callable[[LayerRecorder], Any]:
-    """A processor factory for ``recording`` on a video transformer: each layer keeps its own processor (QK
-    norms, RoPE), its attention call routed to the recorder's ``DiagnosticAttnProcessor`` (``routing.routed``,
-    as ``install.apply`` routes it to a backend)."""
+def recorders_on(model: Any) -> Callable[[LayerRecorder], Any]:
+    """A processor factory for ``recording``: each layer's ``DiagnosticAttnProcessor`` installed as
+    ``install.apply`` installs a backend (``install.replacement``): in place of SVD's ``AttnProcessor2_0``,
+    and behind a video transformer's own processor (QK norms, RoPE), its attention call routed to it."""
     stock = attention_processors(model)
 
     def make(recorder: LayerRecorder) -> Any:
-        return routed(stock[f"{recorder.name}.processor"], DiagnosticAttnProcessor(recorder))
+        return replacement(stock[f"{recorder.name}.processor"], DiagnosticAttnProcessor(recorder))
 
     return make
 
@@ -128,7 +127,7 @@ def diagnose(pipe: Any, image: Any, *, num_frames: int, num_inference_steps: int
     clock = StepClock()
     settings = {"num_frames": num_frames, "num_inference_steps": num_inference_steps, "seed": seed,
                 "height": height, "width": width}
-    factory = routed_recorders(net) if video else DiagnosticAttnProcessor
+    factory = recorders_on(net)
     sites = activation_sites(net, VIDEO_BLOCKS) if video else []
     with (recording(net, factory, clock=clock, max_elements=max_elements) as recorders,
           recording_activations(net, sites, clock=clock) as activations):
