@@ -3,9 +3,10 @@
     python -m bench.attention --out DIR                          # every shape set but tiny
     python -m bench.attention --shapes svd --frames 25 --out DIR  # SVD-XT at 25 frames only
     python -m bench.attention --methods sdpa,exact-hybrid,kernels:exact-hybrid --out DIR
+    python -m bench.attention --shapes dit --dtype bfloat16 --out DIR   # the video transformers, as they run
     TRITON_INTERPRET=1 python -m bench.attention --shapes tiny --out DIR   # a CPU, under the interpreter
 
-Every method gets the same fp16 inputs: (B, N, H, D) contiguous tensors viewed as (B, H, N, D), as
+Every method gets the same inputs, fp16 or --dtype bfloat16: (B, N, H, D) contiguous tensors viewed as (B, H, N, D), as
 diffusers holds them.  --methods takes names and groups, comma-separated (default sdpa,peers,ours):
 
   sdpa      sdpa-flash, sdpa-cudnn, sdpa-efficient, sdpa-math: F.scaled_dot_product_attention under
@@ -65,6 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = harness.parser(NAME, __doc__)
     harness.add_shape_arguments(p, default="all")
     harness.add_method_arguments(p, DEFAULT_METHODS)
+    harness.add_dtype_argument(p)
     harness.add_timer_arguments(p)
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default: 0)")
     args = p.parse_args(argv)
@@ -82,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     shapes = harness.shapes(args.shapes, args.frames)
     rows: list[harness.Row] = []
     for shape in harness.progress(shapes, NAME):
-        q, k, v = harness.make_inputs(shape, gen)
+        q, k, v = harness.make_inputs(shape, gen, dtype=harness.INPUT_DTYPES[args.dtype])
         per_shape = [m for variant in kernel_variants for m in harness.kernel_methods(variant, q, k, v)]
         rows += harness.measure(shape, methods + per_shape, q, k, v, timer=timer)
         del q, k, v

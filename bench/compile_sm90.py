@@ -35,11 +35,16 @@ NAME = "compile_sm90"
 ROOT = Path(__file__).resolve().parents[1]
 """The repository root: the children run ``PYTHON -m bench.compile_sm90`` from there."""
 
-CONFIGS = [(block_n, stages, overlap) for overlap in (False, True)
+CONFIGS = [(block_n, stages, overlap, 3) for overlap in (False, True)
            for block_n, stages in ((128, 2), (128, 3), (64, 2), (64, 3), (64, 4))]
-"""(BLOCK_N, num_stages, overlap)."""
-SHAPES = [(50, 5, 9216, 9216, 64), (2, 5, 1000, 1000, 64)]
-"""(B, H, Nq, Nk, D): SVD-XT's largest spatial attention; a ragged one (masked keys, rows past Nq)."""
+"""(BLOCK_N, num_stages, overlap, consumers) at the 64 head-dim tile."""
+WIDE_CONFIGS = [(128, 2, False, 2), (128, 2, True, 2), (64, 3, False, 2), (64, 3, True, 2), (64, 4, True, 2),
+                (64, 2, False, 3), (64, 2, True, 3)]
+"""(BLOCK_N, num_stages, overlap, consumers) at the 128 tile (head dims above 64): what fits its shared memory."""
+SHAPES = [((50, 5, 9216, 9216, 64), "float16", CONFIGS), ((2, 5, 1000, 1000, 64), "bfloat16", CONFIGS),
+          ((2, 12, 32760, 32760, 128), "bfloat16", WIDE_CONFIGS), ((1, 4, 1000, 777, 96), "float16", WIDE_CONFIGS)]
+"""(B, H, Nq, Nk, D), dtype, configs: SVD-XT's largest spatial attention; a ragged one (masked keys, rows past
+Nq) in bf16; Wan 2.1 1.3B at 480p; a ragged head dim 96 (the 128 tile, columns past D padded by TMA)."""
 CHILD_TIMEOUT_S = 900
 
 
@@ -71,19 +76,20 @@ def specialization(fn, args, meta) -> tuple[dict, dict, dict]:
     return signature, constexprs, attrs
 
 
-def meta_inputs(shape: Sequence[int], shift_block: int):
-    """``(q, k_c, v, out, centres)`` on the meta device for ``shape = (B, H, Nq, Nk, D)``, fp16: q, v and
-    out as diffusers holds them, the pre-pass's contiguous ``k_c`` and its fp32 centres, one per
+def meta_inputs(shape: Sequence[int], shift_block: int, dtype: str = "float16"):
+    """``(q, k_c, v, out, centres)`` on the meta device for ``shape = (B, H, Nq, Nk, D)`` in ``dtype``: q, v
+    and out as diffusers holds them, the pre-pass's contiguous ``k_c`` and its fp32 centres, one per
     ``shift_block`` keys."""
     import torch
 
     b, h, n_q, n_k, d = shape
+    dt = getattr(torch, dtype)
 
     def bnhd(n):
-        return torch.empty(b, n, h, d, dtype=torch.float16, device="meta").transpose(1, 2)
+        return torch.empty(b, n, h, d, dtype=dt, device="meta").transpose(1, 2)
 
     centres = torch.empty(b, h, -(-n_k // shift_block), d, dtype=torch.float32, device="meta")
-    return bnhd(n_q), torch.empty(b, h, n_k, d, dtype=torch.float16, device="meta"), bnhd(n_k), bnhd(n_q), centres
+    return bnhd(n_q), torch.empty(b, h, n_k, d, dtype=dt, device="meta"), bnhd(n_k), bnhd(n_q), centres
 
 
 def _tool(name: str) -> str:
@@ -145,7 +151,8 @@ def kernel_report(kern) -> dict:
 
 
 def compile_one(case: dict) -> dict:
-    """Compile one ``{"config": (BLOCK_N, num_stages, overlap), "shape": (B, H, Nq, Nk, D)}`` for sm_90."""
+    """Compile one ``{"config": (BLOCK_N, num_stages, overlap, consumers), "shape": (B, H, Nq, Nk, D),
+    "dtype": name}`` for sm_90."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -153,10 +160,10 @@ def compile_one(case: dict) -> dict:
     from pasa_diffusers.kernels import hopper
 
     row, t0 = dict(case), time.time()
-    block_n, stages, overlap = case["config"]
-    config = {"BLOCK_N": block_n, "num_stages": stages, "overlap": bool(overlap)}
+    block_n, stages, overlap, consumers = case["config"]
+    config = {"BLOCK_N": block_n, "num_stages": stages, "overlap": bool(overlap), "consumers": consumers}
     try:
-        q, k_c, v, out, centres = meta_inputs(case["shape"], hopper.SHIFT_BLOCK)
+        q, k_c, v, out, centres = meta_inputs(case["shape"], hopper.SHIFT_BLOCK, case["dtype"])
         _, args, meta = hopper.kernel_call(q, k_c, v, centres, out, scale=q.shape[-1] ** -0.5, config=config)
         options = {name: meta.pop(name) for name in ("num_warps", "maxnreg")}
         signature, constexprs, attrs = specialization(hopper.exact_fwd_gluon_kernel, args, meta)
@@ -181,15 +188,16 @@ def probe() -> dict:
 
 # ---- the parent's side: one child per case --------------------------------------------------------
 
-def _parse_config(text: str) -> tuple[int, int, bool]:
-    """``BLOCK_N,num_stages,overlap`` (overlap 0 or 1) -> a config tuple."""
+def _parse_config(text: str) -> tuple[int, int, bool, int]:
+    """``BLOCK_N,num_stages,overlap,consumers`` (overlap 0 or 1) -> a config tuple."""
     import argparse
 
     try:
-        block_n, stages, overlap = (int(x) for x in text.split(","))
+        block_n, stages, overlap, consumers = (int(x) for x in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--configs {text!r}: expected BLOCK_N,num_stages,overlap, e.g. 128,3,0")
-    return block_n, stages, bool(overlap)
+        raise argparse.ArgumentTypeError(f"--configs {text!r}: expected BLOCK_N,num_stages,overlap,consumers, "
+                                         "e.g. 128,3,0,3")
+    return block_n, stages, bool(overlap), consumers
 
 
 def run_child(python: str, *args: str) -> tuple[dict | None, str]:
@@ -213,8 +221,9 @@ def compile_isolated(python: str, case: dict) -> dict:
 
 def table_row(row: dict) -> list:
     """One markdown row of a compiled (or failed) case."""
-    block_n, stages, overlap = row["config"]
-    head = [f"BLOCK_N {block_n}, {stages} stages, {'overlap' if overlap else 'serial'}", f"Nk={row['shape'][3]}"]
+    block_n, stages, overlap, consumers = row["config"]
+    head = [f"BLOCK_N {block_n}, {stages} stages, {'overlap' if overlap else 'serial'}, {consumers} consumers",
+            f"Nk={row['shape'][3]}, D={row['shape'][4]}, {row['dtype']}"]
     if not row["ok"]:
         return head + [f"FAILED: {row['error']}"] + [""] * 8 + [row["seconds"]]
     ws = (f"yes, workers {row['partitions']} warps, setmaxnreg {'/'.join(map(str, row['setmaxnreg']))}"
@@ -247,8 +256,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--python", default=sys.executable,
                    help="the interpreter with triton 3.6 that compiles (default: this one)")
     p.add_argument("--jobs", type=int, default=2, help="compiles in parallel (default: 2)")
-    p.add_argument("--configs", type=_parse_config, nargs="+", default=CONFIGS, metavar="BLOCK_N,STAGES,OVERLAP",
-                   help="the configs to compile (default: BLOCK_N 128 and 64 with 2 to 4 stages, serial and overlap)")
+    p.add_argument("--configs", type=_parse_config, nargs="+", metavar="BLOCK_N,STAGES,OVERLAP,CONSUMERS",
+                   help="the configs to compile at every shape (default: CONFIGS at head dim 64, WIDE_CONFIGS "
+                        "above it)")
     args = p.parse_args(argv)
     if args.jobs < 1:
         p.error(f"--jobs {args.jobs}: must be at least 1")
@@ -260,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     cmd, env = harness.command(NAME, argv), harness.environment()
     env["compiler"] = found
-    cases = [{"config": c, "shape": s} for s in SHAPES for c in args.configs]
+    cases = [{"config": c, "shape": s, "dtype": dtype} for s, dtype, configs in SHAPES for c in args.configs or configs]
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         rows = list(harness.progress(pool.map(lambda case: compile_isolated(args.python, case), cases), NAME,
                                      total=len(cases)))

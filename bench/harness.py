@@ -758,6 +758,16 @@ def add_shape_arguments(p: argparse.ArgumentParser, default: str, choices: Seque
                    help="SVD's frame counts (default: 14 25)")
 
 
+INPUT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def add_dtype_argument(p: argparse.ArgumentParser) -> None:
+    """``--dtype``: the inputs' dtype (``float16``, SVD's; ``bfloat16``, the video transformers')."""
+    p.add_argument("--dtype", choices=list(INPUT_DTYPES), default="float16",
+                   help="the inputs' dtype; every method gets them in it (FA3 bf16 converts fp16 ones untimed) "
+                        "(default: float16)")
+
+
 def add_timer_arguments(p: argparse.ArgumentParser, warmup_ms: float = 25.0, rep_ms: float = 100.0) -> None:
     """``--warmup-ms`` and ``--rep-ms`` of the :class:`Timer`."""
     p.add_argument("--warmup-ms", type=float, default=warmup_ms, help=f"warm-up per method (default: {warmup_ms})")

@@ -1,12 +1,14 @@
 """Is each config of the Gluon Hopper kernel (kernels/hopper.py) correct, and how fast is it?
 
     python -m bench.hopper --out DIR
-    python -m bench.hopper --configs 128,3,0 64,4,1 --shapes 50,5,9216,64 --out DIR
+    python -m bench.hopper --configs 128,3,0,3 64,4,1,3 --shapes 50,5,9216,64 --out DIR
+    python -m bench.hopper --dtype bfloat16 --shapes 2,12,32760,128 --out DIR
 
-For an sm_90 GPU with triton 3.6 (Gluon).  Inputs are what diffusers holds: (B, N, H, D) contiguous fp16
-viewed as (B, H, N, D); head dim 64 only (the kernel's one).  A config is BLOCK_N,num_stages,overlap.
+For an sm_90 GPU with triton 3.6 (Gluon).  Inputs are what diffusers holds: (B, N, H, D) contiguous
+(fp16, or --dtype bfloat16) viewed as (B, H, N, D); all shapes of a run have one head dim (the configs'
+tile: 64, or 128 above 64).  A config is BLOCK_N,num_stages,overlap,consumers.
 
-1. Correctness of every config before any timing.  Draws: each shape and a ragged (2, 5, 1000, 64),
+1. Correctness of every config before any timing.  Draws: each shape and a ragged (2, 5, 1000, D),
    each with q, k, v ~ N(0, 1) and biased (q, k ~ N(20, 1), v ~ N(0, 1)).  The output buffer is
    poisoned with NaN, the kernel runs through dispatch.forward(kernel="gluon", config=...) (a watchdog
    ends the run if it does not finish: a barrier deadlock hangs the GPU), and
@@ -44,31 +46,36 @@ from pasa_diffusers.variants import DEFAULT
 from . import harness
 
 NAME = "hopper"
-EXTRA_CONFIGS = [{"BLOCK_N": 128, "num_stages": 2, "overlap": False},
-                 {"BLOCK_N": 128, "num_stages": 2, "overlap": True},
-                 {"BLOCK_N": 64, "num_stages": 3, "overlap": True}]
-"""Configs checked and timed after the kernel's two tuned ones (``DEFAULT_CONFIG``, ``SHORT_KEYS_CONFIG``)."""
-RAGGED = (2, 5, 1000, 64)
-"""Correctness only: rows past N in the last query block, a ragged key tile."""
+EXTRA_CONFIGS = {64: [{"BLOCK_N": 128, "num_stages": 2, "overlap": False, "consumers": 3},
+                     {"BLOCK_N": 128, "num_stages": 2, "overlap": True, "consumers": 3},
+                     {"BLOCK_N": 64, "num_stages": 3, "overlap": True, "consumers": 3}],
+                 128: [{"BLOCK_N": 128, "num_stages": 2, "overlap": False, "consumers": 2},
+                       {"BLOCK_N": 64, "num_stages": 4, "overlap": True, "consumers": 2},
+                       {"BLOCK_N": 64, "num_stages": 2, "overlap": True, "consumers": 3},
+                       {"BLOCK_N": 64, "num_stages": 2, "overlap": False, "consumers": 3}]}
+"""Configs checked and timed after the kernel's two tuned ones of the head dim's tile."""
+RAGGED_N = 1000
+"""Correctness only, (2, 5, 1000, D): rows past N in the last query block, a ragged key tile."""
 BIAS = 20.0
 K_REF, K_PORTABLE, TINY = 2.0, 3.0, 1e-6
 LAUNCH_TIMEOUT_S = 60.0
 """One checked launch (compilation included) longer than this is taken for a hang."""
 
 
-def default_configs() -> list[dict]:
-    """The tuned configs first, then :data:`EXTRA_CONFIGS`."""
-    found = [dict(hopper.DEFAULT_CONFIG), dict(hopper.SHORT_KEYS_CONFIG)]
-    return found + [c for c in EXTRA_CONFIGS if c not in found]
+def default_configs(head_dim: int) -> list[dict]:
+    """The tuned configs of ``head_dim``'s tile first, then its :data:`EXTRA_CONFIGS`."""
+    found = [hopper.tuned_config(hopper.SHORT_KEYS + 1, head_dim), hopper.tuned_config(hopper.SHORT_KEYS, head_dim)]
+    return found + [c for c in EXTRA_CONFIGS[hopper.head_dim_tile(head_dim)] if c not in found]
 
 
 def parse_config(text: str) -> dict:
-    """``BLOCK_N,num_stages,overlap`` (overlap 0 or 1) -> a config dict."""
+    """``BLOCK_N,num_stages,overlap,consumers`` (overlap 0 or 1) -> a config dict."""
     try:
-        block_n, stages, overlap = (int(x) for x in text.split(","))
+        block_n, stages, overlap, consumers = (int(x) for x in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--configs {text!r}: expected BLOCK_N,num_stages,overlap, e.g. 128,3,0")
-    return {"BLOCK_N": block_n, "num_stages": stages, "overlap": bool(overlap)}
+        raise argparse.ArgumentTypeError(f"--configs {text!r}: expected BLOCK_N,num_stages,overlap,consumers, "
+                                         "e.g. 128,3,0,3")
+    return {"BLOCK_N": block_n, "num_stages": stages, "overlap": bool(overlap), "consumers": consumers}
 
 
 def parse_shape(text: str) -> harness.Shape:
@@ -81,8 +88,9 @@ def parse_shape(text: str) -> harness.Shape:
 
 
 def config_name(cfg: dict) -> str:
-    """``BLOCK_N 128, 3 stages[, overlap]``."""
-    return f"BLOCK_N {cfg['BLOCK_N']}, {cfg['num_stages']} stages{', overlap' if cfg['overlap'] else ''}"
+    """``BLOCK_N 128, 3 stages[, overlap], 3 consumers``."""
+    overlap = ", overlap" if cfg["overlap"] else ""
+    return f"BLOCK_N {cfg['BLOCK_N']}, {cfg['num_stages']} stages{overlap}, {cfg['consumers']} consumers"
 
 
 def synchronize_or_exit(what: str, log_path: str) -> None:
@@ -111,13 +119,13 @@ def _forward(q, k, v, out, kernel: str, config: dict | None = None) -> torch.Ten
 class Draw:
     """One input draw with its references and their errors (computed once, shared by every config)."""
 
-    def __init__(self, shape: tuple[int, int, int, int], gen: torch.Generator, biased: bool):
+    def __init__(self, shape: tuple[int, int, int, int], gen: torch.Generator, biased: bool, dtype: torch.dtype):
         b, h, n, d = shape
         self.label = f"{shape} {'N(20, 1)' if biased else 'N(0, 1)'}"
         mean = BIAS if biased else 0.0
 
         def draw(m: float) -> torch.Tensor:
-            return (torch.randn(b, n, h, d, generator=gen, device="cuda") + m).half().transpose(1, 2)
+            return (torch.randn(b, n, h, d, generator=gen, device="cuda") + m).to(dtype).transpose(1, 2)
 
         self.q, self.k, self.v = draw(mean), draw(mean), draw(0.0)
         self.idx = [0] if b == 1 else [0, b - 1]
@@ -130,7 +138,7 @@ class Draw:
     def check(self, cfg: dict, log_path: str) -> dict:
         """The three checks of the module docstring for ``cfg`` on this draw."""
         b, h, n, d = self.q.shape
-        out = torch.full((b, n, h, d), float("nan"), dtype=torch.float16, device="cuda").transpose(1, 2)
+        out = torch.full((b, n, h, d), float("nan"), dtype=self.q.dtype, device="cuda").transpose(1, 2)
         _forward(self.q, self.k, self.v, out, "gluon", cfg)
         synchronize_or_exit(f"{config_name(cfg)} on {self.label}", log_path)
         nonfinite = numerics.nonfinite_count(out)
@@ -181,8 +189,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = harness.parser(NAME, __doc__)
     p.add_argument("--shapes", type=parse_shape, nargs="+", default=harness.svd_spatial(25)[:3], metavar="B,H,N,D",
                    help="timed shapes (default: SVD-XT's spatial 9216, 2304 and 576 tokens at 25 frames)")
-    p.add_argument("--configs", type=parse_config, nargs="+", default=None, metavar="BLOCK_N,STAGES,OVERLAP",
-                   help="configs to check and time (default: the tuned two, then three more)")
+    p.add_argument("--configs", type=parse_config, nargs="+", default=None, metavar="BLOCK_N,STAGES,OVERLAP,CONSUMERS",
+                   help="configs to check and time (default: the head dim's tuned two, then EXTRA_CONFIGS)")
+    harness.add_dtype_argument(p)
     p.add_argument("--budget-s", type=float, default=400.0,
                    help="no config is checked past this many seconds of the run (default: 400)")
     harness.add_timer_arguments(p)
@@ -200,10 +209,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     cmd, env = harness.command(NAME, argv), harness.environment()
     os.makedirs(args.out, exist_ok=True)
     log_path = os.path.join(args.out, f"{NAME}.log")
-    configs = args.configs or default_configs()
+    dims = {hopper.head_dim_tile(s.d) for s in args.shapes}
+    if len(dims) != 1:
+        p.error(f"--shapes: all shapes need one head-dim tile (64, or 128 above 64), got head dims "
+                f"{sorted({s.d for s in args.shapes})}")
+    head_dim = args.shapes[0].d
+    dtype = harness.INPUT_DTYPES[args.dtype]
+    configs = args.configs or default_configs(head_dim)
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
     shapes = [(s.b, s.hq, s.nq, s.d) for s in args.shapes]
-    draws = [Draw(shape, gen, biased) for shape in [*shapes, RAGGED] for biased in (False, True)]
+    ragged = (2, 5, RAGGED_N, head_dim)
+    draws = [Draw(shape, gen, biased, dtype) for shape in [*shapes, ragged] for biased in (False, True)]
     status, checks = {}, {}
     for cfg in harness.progress(configs, f"{NAME} checks"):
         name = config_name(cfg)
@@ -222,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     timer = harness.Timer(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
     rows: list[harness.Row] = []
     for shape in harness.progress(args.shapes, f"{NAME} timing"):
-        q, k, v = harness.make_inputs(shape, gen)
+        q, k, v = harness.make_inputs(shape, gen, dtype=dtype)
         rows += harness.measure(shape, timing_methods(q, k, v, correct), q, k, v, timer=timer)
         del q, k, v
         harness.free_memory()

@@ -33,7 +33,24 @@ def test_unsuitable_reason_names_what_is_missing():
     ({"BLOCK_N": 256}, "BLOCK_N=256 must be 64 or 128"),
     ({"num_stages": 0}, "num_stages=0 must be 1..4"),
     ({"overlap": 1}, "overlap=1 must be a bool"),
+    ({"consumers": 4}, "consumers=4 must be 2 or 3"),
 ])
 def test_bad_configs_are_refused_by_name(config, match):
     with pytest.raises(ValueError, match=match):
         hopper.kernel_call(*_inputs(), scale=0.125, config=config)
+
+
+def test_configs_past_shared_memory_are_refused_by_name():
+    q = torch.randn(1, 2, 64, 128).bfloat16()
+    with pytest.raises(ValueError, match=r"needs \d+ bytes of shared memory at head dim 128 \(tile 128\)"):
+        hopper.kernel_call(q, q, q, torch.zeros(1, 2, 1, 128), torch.empty_like(q), scale=0.125,
+                           config={"BLOCK_N": 128, "num_stages": 3, "consumers": 3})
+
+
+@pytest.mark.parametrize("head_dim,tile", [(64, 64), (80, 128), (96, 128), (112, 128), (128, 128)])
+def test_head_dims_map_to_their_tile_and_tuned_config(head_dim, tile):
+    assert hopper.head_dim_tile(head_dim) == tile
+    for n_k in (576, 32760):
+        cfg = hopper.tuned_config(n_k, head_dim)
+        assert cfg["consumers"] == (3 if tile == 64 else 2)
+        assert hopper.shared_bytes(cfg, tile, 2) <= hopper.SHARED_MEMORY_BYTES

@@ -256,6 +256,9 @@ def test_exact_shift_zero_mean_v_grid(dist, mean, amplitude):
 
 
 INPUT_SHAPES = {"spatial-ragged,gqa": (2, 8, 4, 1000, 64), "temporal-25": (2048, 5, 5, 25, 64)}
+WIDE_SHAPES = {"d128,gqa,ragged": (2, 8, 4, 1000, 128), "d96,ragged": (1, 6, 6, 777, 96),
+               "d112,ragged": (1, 4, 4, 600, 112)}
+"""The Gluon kernel's 128 tile: head dim 128 (Wan, HunyuanVideo, Mochi) and the padded 96 and 112."""
 INPUT_VARIANTS = {"default": ("exact", "hybrid"), "exact-half": ("exact", "half"), "paper-hybrid": ("pasa", "hybrid"),
                   "paper-half": ("pasa", "half"), "fa-hybrid": ("flash", "hybrid"), "naive-half": ("flash", "half")}
 DEFAULT_VS_SDPA = 1.5
@@ -268,15 +271,17 @@ def input_class_cells():
     drawn once for all variants."""
     cache = {}
 
-    def cell(shape_name, case):
-        if (shape_name, case) not in cache:
+    def cell(shape_name, case, dtype=torch.float16):
+        if (shape_name, case, dtype) not in cache:
             cache.clear()
-            q, k, v = _cuda(*numerics.input_classes(INPUT_SHAPES[shape_name], seed=5)[case])
+            shape = {**INPUT_SHAPES, **WIDE_SHAPES}[shape_name]
+            q, k, v = _cuda(*numerics.input_classes(shape, seed=5, dtype=dtype)[case])
             gold = golden_attention(q, k, v)
             sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1])
             fp32 = flash_reference(q, k, v, precision="hybrid", block_m=q.shape[2])
-            cache[shape_name, case] = (q, k, v, gold, numerics.rel_rmse(sdpa, gold), numerics.rel_rmse(fp32, gold))
-        return cache[shape_name, case]
+            cache[shape_name, case, dtype] = (q, k, v, gold, numerics.rel_rmse(sdpa, gold),
+                                              numerics.rel_rmse(fp32, gold))
+        return cache[shape_name, case, dtype]
 
     return cell
 
@@ -406,3 +411,53 @@ def test_default_kernels_on_input_classes(input_class_cells, case, kernel):
     _check_default_against_peers(label, out, gold, err_sdpa, err_fp32)
     if kernel == "gluon":
         assert torch.equal(run("auto"), out)
+
+
+GLUON_CELLS = [(shape, dtype) for shape in ("spatial-ragged,gqa", *WIDE_SHAPES) for dtype in ("float16", "bfloat16")
+               if not (shape == "spatial-ragged,gqa" and dtype == "float16")]
+"""bf16 at head dim 64 and both dtypes on the 128 tile (fp16 at head dim 64 is the test above)."""
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("shape_name,dtype", GLUON_CELLS, ids=[f"{s}-{d}" for s, d in GLUON_CELLS])
+@pytest.mark.parametrize("case", numerics.INPUT_CLASSES)
+def test_gluon_dtypes_and_head_dims_on_input_classes(input_class_cells, case, shape_name, dtype):
+    """The Gluon kernel in bf16 and at the head dims of the video transformers (128; 96 and 112 padded to
+    the 128 tile by the copy engine) on every input class: within the hybrid bound of the reference of
+    the same dtype and within 1.5x SDPA's error (same dtype) or 3x FP32-score FlashAttention's, the
+    portable kernel likewise; ``"auto"`` gives Gluon's bits; its log-sum-exp is that of the golden
+    scores to within the fp32 statistics' rounding."""
+    from pasa_diffusers.kernels import dispatch, hopper, prepass
+
+    if _gluon_skip_reason():
+        pytest.skip(_gluon_skip_reason())
+    q, k, v, gold, err_sdpa, err_fp32 = input_class_cells(shape_name, case, getattr(torch, dtype))
+    q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    scale = 1.0 / math.sqrt(q.shape[-1])
+
+    def run(which):
+        out = torch.full_like(q, float("nan"))
+        return dispatch.forward(q, k, v, out, scale=scale, variant=Variant(), beta=DEFAULT_BETA, kernel=which)
+
+    ref = _reference(q, k, v, "exact", "hybrid")
+    for kernel in ("gluon", "portable"):
+        out = run(kernel)
+        assert out.dtype == q.dtype
+        label = f"{shape_name} {dtype} {case} [{kernel}]"
+        _check(label, out, ref, gold, "exact", "hybrid")
+        _check_default_against_peers(label, out, gold, err_sdpa, err_fp32)
+    assert torch.equal(run("auto"), run("gluon"))
+
+    k_c, centres = prepass.centre_keys(k, block_n=hopper.SHIFT_BLOCK, exact=True)
+    lse = torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device=q.device)
+    hopper.forward(q, k_c, v, centres, torch.empty_like(q), scale=scale, lse=lse)
+    group = q.shape[1] // k.shape[1]
+    scores = scale * q.double() @ k.double().repeat_interleave(group, 1).transpose(-1, -2)
+    golden_lse = torch.logsumexp(scores, dim=-1)
+    # l_i sums the p rounded to the inputs' dtype for P V (relative error <= its unit roundoff u, so that
+    # exp(lse) out is exactly the accumulated P V: partial outputs merge as one pass), m_i and the fp32
+    # sums add a few fp32 ulps of the largest logit
+    u = torch.finfo(q.dtype).eps / 2
+    bound = u + 8 * torch.finfo(torch.float32).eps * (scores.abs().amax(-1) + math.log(k.shape[2]))
+    assert ((lse.double() - golden_lse).abs() <= bound).all(), (
+        f"{shape_name} {dtype} {case}: lse off by {(lse.double() - golden_lse).abs().max().item():.3e}")

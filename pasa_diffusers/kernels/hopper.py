@@ -8,32 +8,38 @@ outputs (``prepass.centre_keys``): the centred keys ``k_c`` and the centres ``c_
     r_j    = qk_scale (q . c_j)                 (fp32, per row: column j mod 16 of a (64, 16) wgmma)
     s      = fp32(q k_c^T)                      (wgmma, fp32 accumulation; -inf past N_K)
     m_s    = qk_scale rowmax(s),  m_blk = m_s + r_j,  m_new = max(m_i, m_blk)
-    p      = round_fp16(exp2(fma(s, qk_scale, -(m_s - (m_blk - m_new)))))
+    p      = round_g(exp2(fma(s, qk_scale, -(m_s - (m_blk - m_new)))))   (g: the inputs' fp16 or bf16)
     alpha  = exp2(m_i - m_new)
     l_i    = alpha l_i + rowsum(p),  acc = alpha acc + p v_blk,  m_i = m_new
 
-and ``out = round_fp16(acc (1 / l_i))``.  Loop invariant: ``acc / l_i == softmax(scale q K^T) V`` over the
-keys seen so far, ``m_i`` the running maximum logit in log2 units.
+and ``out = round_g(acc (1 / l_i))``, optionally ``lse = ln 2 (m_i + log2 l_i)`` (fp32).  Loop invariant:
+``acc / l_i == softmax(scale q K^T) V`` over the keys seen so far, ``m_i`` the running maximum of the
+true logits in log2 units (``r_j`` added back), ``l_i`` the sum of the rounded ``p`` that ``P V`` used.
 
-Partitions (``gl.warp_specialize``; one program = ``BLOCK_M = 64 NUM_CONSUMERS = 192`` query rows of one
+Partitions (``gl.warp_specialize``; one program = ``BLOCK_M = 64 NUM_CONSUMERS`` query rows of one
 (batch, head), grid axis 0 = query blocks fastest, then batch x head):
 
 - producer (the default partition, one warpgroup, few registers): the TMA copies.  First each consumer's
   q tile, then per key tile ``i`` into stage ``i % NUM_STAGES`` of the rings: k_c and the centre tile
   (one barrier), then v (its own barrier, so that ``S = q k_c^T`` starts before v lands);
-- ``NUM_CONSUMERS = 3`` consumer warpgroups (worker partitions of 4 warps, most of the registers; FA3's
-  count at head dim 64; one or two measured slower, docs/BENCHMARKS.md), each with
+- ``NUM_CONSUMERS`` (config ``consumers``) consumer warpgroups, worker partitions of 4 warps with most of
+  the registers: 3 at the 64 head-dim tile (FA3's count at head dim 64; one or two measured slower,
+  docs/BENCHMARKS.md), 2 at the 128 tile (240 registers each for a (64, 128) accumulator), each with
   its own 64 query rows: both GEMMs (``warpgroup_mma``, async, then ``warpgroup_mma_wait``), the softmax
   in registers and the output (registers -> shared memory -> TMA store).  They share the K/V ring and
   never wait on each other.  ``OVERLAP`` (config ``overlap``) adds FA3's intra-warpgroup pipelining:
   tile ``i``'s ``S`` is issued before tile ``i - 1``'s ``P V``, and the softmax of tile ``i`` runs while
   that ``P V`` is on the tensor cores (:func:`_key_loop_overlapped`).
 
-Shared memory (fp16 unless said; NVMMA-swizzled, TMA destinations, wgmma operands): q, one (64, D) tile
+Head dim ``D``: the tiles are ``HEAD_DIM`` = 64 wide for D = 64 and 128 wide for D = 80 .. 128; the copy
+engine reads the columns past ``D`` as zeros (they add nothing to ``q . k`` and give zero columns of
+``acc``) and clips them on the store, so 96 and 112 need no padded copy.
+
+Shared memory (in ``g`` unless said; NVMMA-swizzled, TMA destinations, wgmma operands): q, one (64, D) tile
 per consumer (reused for its output tile at the end); the rings k_c (NUM_STAGES, BLOCK_N, D),
 c (NUM_STAGES, 16, D) (centre rows ``j .. j + 15``, zeros past the last block), v (NUM_STAGES, BLOCK_N, D);
 mbarriers (int64).  Registers per consumer (NVMMA layout v3, 64 rows): s (64, BLOCK_N) fp32, p the same
-in fp16 (the A operand of ``P V``, read from registers: FA3's choice), acc (64, D) fp32, rc (64, 16)
+in ``g`` (the A operand of ``P V``, read from registers: FA3's choice), acc (64, D) fp32, rc (64, 16)
 fp32 (``q . c`` of 16 centre blocks, computed on the first tile of every 16th block and carried), m_i, l_i,
 r_j, alpha (64,) fp32.  Rows past ``N_Q`` and keys past ``N_K`` arrive from TMA as zeros; the keys get
 ``s = -inf`` (``MASK_N``), the rows are computed and dropped by the TMA store.
@@ -52,8 +58,8 @@ Barrier protocol (an mbarrier's phase ``k`` completes at its ``k``-th count of a
 Gluon 3.6 notes.  ``warp_specialize(functions_and_args, worker_num_warps, worker_num_regs)``: the
 default partition runs with the kernel's ``num_warps`` and gets the registers the workers leave from
 ``maxnreg`` (which the launch sets: the 256 default is more than an SM has for 3-4 warpgroups), worker
-partitions cannot take distributed tensors, and the list of partitions is written out for three
-consumers: a tuple bound to a name turns the constexprs in it into int32 scalars ("int32[] used as
+partitions cannot take distributed tensors, and the list of partitions is written out for two and for
+three consumers: a tuple bound to a name turns the constexprs in it into int32 scalars ("int32[] used as
 tl.static_range start value is not a constexpr"), so the partitions' argument tuples are literals and
 the partitions read tile sizes from the buffers' shapes.  Host descriptors
 are 4-d (B, H, N, D) boxes ``[1, 1, rows, D]`` (TMA bounds every
@@ -61,7 +67,8 @@ dim, so any 16-byte-aligned strides serve: diffusers' (B, N, H, D) views too); t
 4-d and ``reshape``d to 2-d for the wgmma.  ``q . c_j`` is a wgmma rather than FMAs: the FMA form
 needs an fp32 copy of q in a blocked layout and a layout conversion (through shared memory, with a
 barrier) of every ``r_j`` into the scores' row layout; the wgmma's rows already sit where the
-scores' do.  Head dim 64 and fp16 only.
+scores' do.  ``p`` goes to bf16 through inline ``cvt.rn.bf16x2.f32`` (:func:`_round_p`): Triton's own
+lowering gave one ``F2F`` per value, which made bf16 run at 0.80x of fp16's speed.
 """
 from __future__ import annotations
 
@@ -95,11 +102,9 @@ GLUON_VERSION = "3.6"
 SHIFT_BLOCK = rules.SHIFT_BLOCK
 """Keys per centre ``c_j``; ``BLOCK_N`` divides it."""
 HEAD_DIM = 64
-"""The one head dim it takes."""
+"""The head dim the config defaults are stated for."""
 ROWS_PER_CONSUMER = 64
 """Query rows per consumer warpgroup (the M of one wgmma)."""
-NUM_CONSUMERS = 3
-"""Consumer warpgroups per program: :func:`exact_fwd_gluon_kernel`'s partition list is written for three."""
 CENTRE_ROWS = 16
 """Centre rows per copy: the N of the (64, 16) wgmma that forms ``r_j`` for 16 consecutive centre blocks."""
 PRODUCER_WARPS = 4
@@ -154,16 +159,28 @@ def _row_shift(rc, col, qk_scale, row_layout: gl.constexpr):
 
 
 @gluon_jit
-def _softmax_step(s, r_j, m_i, l_i, start_n, N_K, qk_scale, MASK_N: gl.constexpr):
+def _round_p(p, p_dtype: gl.constexpr):
+    """``p`` (fp32) rounded to nearest in ``p_dtype``.  bf16 goes through ``cvt.rn.bf16x2.f32``, two values
+    per instruction: Triton 3.6 lowers this conversion mostly to one ``F2F.BF16.F32`` per value on sm_90
+    (a quarter-rate pipe that the softmax's ``exp2`` also needs), where fp16 gets the packed form."""
+    if p_dtype == gl.bfloat16:
+        return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [p], dtype=gl.bfloat16,
+                                         is_pure=True, pack=2)
+    return p.to(p_dtype)
+
+
+@gluon_jit
+def _softmax_step(s, r_j, m_i, l_i, start_n, N_K, qk_scale, p_dtype: gl.constexpr, MASK_N: gl.constexpr):
     """One tile's online softmax (the module docstring's lines for ``m_s`` .. ``l_i``):
-    ``(p fp16, alpha, m_new, l_new)``, ``s`` (64, BLOCK_N) fp32 unscaled, ``r_j``, ``m_i``, ``l_i`` (64,)."""
+    ``(p, alpha, m_new, l_new)`` with ``p`` rounded to ``p_dtype`` (the inputs' fp16 or bf16: the A
+    operand of ``P V``), ``s`` (64, BLOCK_N) fp32 unscaled, ``r_j``, ``m_i``, ``l_i`` (64,)."""
     if MASK_N:
         cols = start_n + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
         s = gl.where((cols < N_K)[None, :], s, float("-inf"))
     m_s = gl.max(s, axis=1) * qk_scale
     m_blk = m_s + r_j
     m_new = gl.maximum(m_i, m_blk)
-    p = gl.exp2(gl.fma(s, qk_scale, -(m_s - (m_blk - m_new))[:, None])).to(gl.float16)
+    p = _round_p(gl.exp2(gl.fma(s, qk_scale, -(m_s - (m_blk - m_new))[:, None])), p_dtype)
     alpha = gl.exp2(m_i - m_new)
     l_new = alpha * l_i + gl.sum(p.to(gl.float32), axis=1)
     return p, alpha, m_new, l_new
@@ -211,30 +228,31 @@ def _release(empty, i):
 
 
 @gluon_jit
-def _tile_softmax(s, rc, m_i, l_i, i, N_K, qk_scale, p_layout: gl.constexpr, MASK_N: gl.constexpr,
-                  SHIFT_BLOCK_N: gl.constexpr):
+def _tile_softmax(s, rc, m_i, l_i, i, N_K, qk_scale, p_dtype: gl.constexpr, p_layout: gl.constexpr,
+                  MASK_N: gl.constexpr, SHIFT_BLOCK_N: gl.constexpr):
     """Tile ``i``'s softmax from its finished ``s`` and ``rc``: ``(p in p_layout, alpha, m_i, l_i)``."""
     row_layout: gl.constexpr = gl.SliceLayout(1, s.type.layout)
     BLOCK_N: gl.constexpr = s.shape[1]
     r_j = _row_shift(rc, (i * BLOCK_N // SHIFT_BLOCK_N) % rc.shape[1], qk_scale, row_layout)
-    p, alpha, m_i, l_i = _softmax_step(s, r_j, m_i, l_i, i * BLOCK_N, N_K, qk_scale, MASK_N)
+    p, alpha, m_i, l_i = _softmax_step(s, r_j, m_i, l_i, i * BLOCK_N, N_K, qk_scale, p_dtype, MASK_N)
     return gl.convert_layout(p, p_layout), alpha, m_i, l_i
 
 
 @gluon_jit
 def _key_loop(q, ring, bars, m_i, l_i, acc, s_zero, rc, N_K, qk_scale, p_layout: gl.constexpr,
               MASK_N: gl.constexpr, SHIFT_BLOCK_N: gl.constexpr):
-    """The key loop without overlap: per tile ``S``, wait, softmax, ``P V``, wait.  Returns ``(acc, l_i)``."""
+    """The key loop without overlap: per tile ``S``, wait, softmax, ``P V``, wait.  Returns ``(acc, m_i, l_i)``."""
     k_ready, k_empty, v_ready, v_empty = bars
     for i in range(gl.cdiv(N_K, s_zero.shape[1])):
         s, rc = _issue_scores(q, ring, k_ready, i, s_zero, rc, SHIFT_BLOCK_N)
         s = warpgroup_mma_wait(0, deps=(s, ))
         _release(k_empty, i)
-        p, alpha, m_i, l_i = _tile_softmax(s, rc, m_i, l_i, i, N_K, qk_scale, p_layout, MASK_N, SHIFT_BLOCK_N)
+        p, alpha, m_i, l_i = _tile_softmax(s, rc, m_i, l_i, i, N_K, qk_scale, q.dtype, p_layout, MASK_N,
+                                                 SHIFT_BLOCK_N)
         acc = _issue_pv(p, acc, alpha, ring, v_ready, i)
         acc, p = warpgroup_mma_wait(0, deps=(acc, p))
         _release(v_empty, i)
-    return acc, l_i
+    return acc, m_i, l_i
 
 
 @gluon_jit
@@ -244,31 +262,34 @@ def _key_loop_overlapped(q, ring, bars, m_i, l_i, acc, s_zero, rc, N_K, qk_scale
     tile ``i - 1``'s ``P V``.  Order per tile ``i >= 1``: issue ``S_i``; issue ``P_{i-1} V_{i-1}``; wait
     until one wgmma group is left (``S_i`` done: groups finish in order); softmax ``i``; wait for ``P V``.
     Same arithmetic as :func:`_key_loop` (``alpha_i`` scales ``acc`` when ``P_i V_i`` is issued).
+    Returns ``(acc, m_i, l_i)``.
     """
     k_ready, k_empty, v_ready, v_empty = bars
     n_tiles = gl.cdiv(N_K, s_zero.shape[1])
     s, rc = _issue_scores(q, ring, k_ready, 0, s_zero, rc, SHIFT_BLOCK_N)
     s = warpgroup_mma_wait(0, deps=(s, ))
     _release(k_empty, 0)
-    p, alpha, m_i, l_i = _tile_softmax(s, rc, m_i, l_i, 0, N_K, qk_scale, p_layout, MASK_N, SHIFT_BLOCK_N)
+    p, alpha, m_i, l_i = _tile_softmax(s, rc, m_i, l_i, 0, N_K, qk_scale, q.dtype, p_layout, MASK_N,
+                                             SHIFT_BLOCK_N)
     for i in range(1, n_tiles):
         s, rc = _issue_scores(q, ring, k_ready, i, s_zero, rc, SHIFT_BLOCK_N)
         acc = _issue_pv(p, acc, alpha, ring, v_ready, i - 1)
         s = warpgroup_mma_wait(1, deps=(s, ))
         _release(k_empty, i)
         p_prev = p
-        p, alpha, m_i, l_i = _tile_softmax(s, rc, m_i, l_i, i, N_K, qk_scale, p_layout, MASK_N, SHIFT_BLOCK_N)
+        p, alpha, m_i, l_i = _tile_softmax(s, rc, m_i, l_i, i, N_K, qk_scale, q.dtype, p_layout, MASK_N,
+                                                 SHIFT_BLOCK_N)
         acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
         _release(v_empty, i - 1)
     acc = _issue_pv(p, acc, alpha, ring, v_ready, n_tiles - 1)
     acc, p = warpgroup_mma_wait(0, deps=(acc, p))
     _release(v_empty, n_tiles - 1)
-    return acc, l_i
+    return acc, m_i, l_i
 
 
 @gluon_jit
-def _consumer(desc_o, q_tile, q_ready, ring, bars, off_z, off_hq, start_row, N_K, qk_scale, MASK_N: gl.constexpr,
-              OVERLAP: gl.constexpr, SHIFT_BLOCK_N: gl.constexpr):
+def _consumer(desc_o, q_tile, q_ready, ring, bars, off_z, off_hq, start_row, N_K, qk_scale, lse_ptr, N_Q,
+              MASK_N: gl.constexpr, OVERLAP: gl.constexpr, SHIFT_BLOCK_N: gl.constexpr, STORE_LSE: gl.constexpr):
     """One consumer warpgroup: query rows ``start_row ..`` (its own q tile, (1, 1, 64, D), and ``q_ready``).
 
     Per key tile: wait ``k_ready``; issue ``s = q k_c^T`` (async; ``rc = q c^T`` first, every 16th
@@ -276,7 +297,9 @@ def _consumer(desc_o, q_tile, q_ready, ring, bars, off_z, off_hq, start_row, N_K
     ``acc = alpha acc + p v`` (p from registers), wait, release v (``v_empty``); ``OVERLAP`` reorders
     this as :func:`_key_loop_overlapped`.
     Then ``out = acc / l_i`` into the q tile and a TMA store (rows past N_Q are clipped by the copy
-    engine).  ``ring``, ``bars`` as for :func:`_producer`.
+    engine); with ``STORE_LSE`` also ``lse = ln 2 (m_i + log2 l_i)`` (fp32, natural log, of the true
+    logits: ``m_i`` carries the removed ``r_j``) at ``lse_ptr + start_row ..``, rows below ``N_Q``
+    (``lse_ptr`` points at this (batch, head)'s row 0).  ``ring``, ``bars`` as for :func:`_producer`.
     """
     k_bufs, v_bufs, c_bufs = ring
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
@@ -300,14 +323,17 @@ def _consumer(desc_o, q_tile, q_ready, ring, bars, off_z, off_hq, start_row, N_K
     r_zero = gl.zeros([rows, C_ROWS], gl.float32, layout=r_layout)
     mbarrier.wait(q_ready, 0)
     if OVERLAP:
-        acc, l_i = _key_loop_overlapped(q, ring, bars, m_i, l_i, acc, s_zero, r_zero, N_K, qk_scale, p_layout, MASK_N,
-                                        SHIFT_BLOCK_N)
+        acc, m_i, l_i = _key_loop_overlapped(q, ring, bars, m_i, l_i, acc, s_zero, r_zero, N_K, qk_scale, p_layout,
+                                             MASK_N, SHIFT_BLOCK_N)
     else:
-        acc, l_i = _key_loop(q, ring, bars, m_i, l_i, acc, s_zero, r_zero, N_K, qk_scale, p_layout, MASK_N,
-                             SHIFT_BLOCK_N)
+        acc, m_i, l_i = _key_loop(q, ring, bars, m_i, l_i, acc, s_zero, r_zero, N_K, qk_scale, p_layout, MASK_N,
+                                  SHIFT_BLOCK_N)
+    if STORE_LSE:
+        offs_m = start_row + gl.arange(0, rows, layout=row_layout)
+        gl.store(lse_ptr + offs_m, (m_i + gl.log2(l_i)) * 0.6931471805599453, mask=offs_m < N_Q)
 
     inv_l = gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, o_layout))
-    q.store((acc * inv_l[:, None]).to(gl.float16))
+    q.store((acc * inv_l[:, None]).to(q.dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(desc_o, [off_z, off_hq, start_row, 0], q_tile)
     tma.store_wait(0)
@@ -315,18 +341,22 @@ def _consumer(desc_o, q_tile, q_ready, ring, bars, off_z, off_hq, start_row, N_K
 
 @gluon_jit(do_not_specialize=["N_Q", "N_K"])
 def exact_fwd_gluon_kernel(
-    desc_q, desc_k, desc_v, desc_c, desc_o,
+    desc_q, desc_k, desc_v, desc_c, desc_o, lse_ptr,
     H_Q, KV_GROUP, N_Q, N_K, qk_scale,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
-    SHIFT_BLOCK_N: gl.constexpr, MASK_N: gl.constexpr, OVERLAP: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    SHIFT_BLOCK_N: gl.constexpr, MASK_N: gl.constexpr, OVERLAP: gl.constexpr, STORE_LSE: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
 ):
     """``out = softmax(scale q k^T) v`` for ``BLOCK_M = 64 NUM_CONSUMERS`` query rows of one (batch, head).
 
     The module docstring states the math (the same as ``portable.pasa_fwd_kernel``'s exact shift), the
-    tiles and the barrier protocol.  Descriptors (host, 4-d (B, H, N, D), fp16): q and out boxes
-    (1, 1, 64, HEAD_DIM); k_c and v (1, 1, BLOCK_N, HEAD_DIM); centres (B, Hk, ceil(N_K / 128), HEAD_DIM)
-    in fp16 (exact: the centres are fp16 values), boxes (1, 1, 16, HEAD_DIM).  This function allocates
-    the shared tiles and the barriers and forks into the producer and the consumers.
+    tiles and the barrier protocol.  Descriptors (host, 4-d (B, H, N, D), fp16 or bf16, all one dtype):
+    q and out boxes (1, 1, 64, HEAD_DIM); k_c and v (1, 1, BLOCK_N, HEAD_DIM); centres (B, Hk,
+    ceil(N_K / 128), D) in the inputs' dtype (exact: the centres are values of it), boxes (1, 1, 16,
+    HEAD_DIM).  ``HEAD_DIM`` is the tile (64 or 128); a head dim ``D`` below it is padded by the copy
+    engine, which reads the columns past ``D`` as zeros and clips them on the store.  ``lse_ptr``: the
+    fp32 (B, H_Q, N_Q) log-sum-exp, written when ``STORE_LSE``.  This function allocates the shared
+    tiles and the barriers and forks into the producer and the consumers.
     """
     rows: gl.constexpr = desc_q.block_type.shape[2]
     pid = gl.program_id(0)
@@ -337,6 +367,7 @@ def exact_fwd_gluon_kernel(
     off_hq = pid_bh % H_Q
     off_hk = off_hq // KV_GROUP
     start_m = pid_m * (rows * NUM_CONSUMERS)
+    lse_ptr += pid_bh.to(gl.int64) * N_Q
 
     q_bufs = gl.allocate_shared_memory(desc_q.dtype, [NUM_CONSUMERS] + desc_q.block_type.shape, desc_q.layout)
     k_bufs = gl.allocate_shared_memory(desc_k.dtype, [NUM_STAGES] + desc_k.block_type.shape, desc_k.layout)
@@ -359,26 +390,47 @@ def exact_fwd_gluon_kernel(
     ring = (k_bufs, v_bufs, c_bufs)
     bars = (k_ready, k_empty, v_ready, v_empty)
     # Constexprs keep their kind only inside the literal argument tuples (a tuple bound to a name in a
-    # Gluon 3.6 function turns them into int32 scalars), hence the list written out.
-    gl.static_assert(NUM_CONSUMERS == 3, "the partition list is written for three consumer warpgroups")
-    gl.warp_specialize([
-        (_producer, (descs, q_bufs, q_ready, ring, bars, off_z, off_hq, off_hk, start_m, N_K, SHIFT_BLOCK_N)),
-        (_consumer, (desc_o, q_bufs.index(0), q_ready.index(0), ring, bars, off_z, off_hq, start_m, N_K,
-                     qk_scale, MASK_N, OVERLAP, SHIFT_BLOCK_N)),
-        (_consumer, (desc_o, q_bufs.index(1), q_ready.index(1), ring, bars, off_z, off_hq, start_m + rows, N_K,
-                     qk_scale, MASK_N, OVERLAP, SHIFT_BLOCK_N)),
-        (_consumer, (desc_o, q_bufs.index(2), q_ready.index(2), ring, bars, off_z, off_hq, start_m + 2 * rows,
-                     N_K, qk_scale, MASK_N, OVERLAP, SHIFT_BLOCK_N)),
-    ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
+    # Gluon 3.6 function turns them into int32 scalars), hence the lists written out, one per count.
+    gl.static_assert(NUM_CONSUMERS == 2 or NUM_CONSUMERS == 3, "partition lists are written for 2 and 3 consumers")
+    if NUM_CONSUMERS == 2:
+        gl.warp_specialize([
+            (_producer, (descs, q_bufs, q_ready, ring, bars, off_z, off_hq, off_hk, start_m, N_K, SHIFT_BLOCK_N)),
+            (_consumer, (desc_o, q_bufs.index(0), q_ready.index(0), ring, bars, off_z, off_hq, start_m, N_K,
+                         qk_scale, lse_ptr, N_Q, MASK_N, OVERLAP, SHIFT_BLOCK_N, STORE_LSE)),
+            (_consumer, (desc_o, q_bufs.index(1), q_ready.index(1), ring, bars, off_z, off_hq, start_m + rows, N_K,
+                         qk_scale, lse_ptr, N_Q, MASK_N, OVERLAP, SHIFT_BLOCK_N, STORE_LSE)),
+        ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+    else:
+        gl.warp_specialize([
+            (_producer, (descs, q_bufs, q_ready, ring, bars, off_z, off_hq, off_hk, start_m, N_K, SHIFT_BLOCK_N)),
+            (_consumer, (desc_o, q_bufs.index(0), q_ready.index(0), ring, bars, off_z, off_hq, start_m, N_K,
+                         qk_scale, lse_ptr, N_Q, MASK_N, OVERLAP, SHIFT_BLOCK_N, STORE_LSE)),
+            (_consumer, (desc_o, q_bufs.index(1), q_ready.index(1), ring, bars, off_z, off_hq, start_m + rows, N_K,
+                         qk_scale, lse_ptr, N_Q, MASK_N, OVERLAP, SHIFT_BLOCK_N, STORE_LSE)),
+            (_consumer, (desc_o, q_bufs.index(2), q_ready.index(2), ring, bars, off_z, off_hq, start_m + 2 * rows,
+                         N_K, qk_scale, lse_ptr, N_Q, MASK_N, OVERLAP, SHIFT_BLOCK_N, STORE_LSE)),
+        ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
 
 
-DEFAULT_CONFIG = {"BLOCK_N": 128, "num_stages": 3, "overlap": False}
-"""The config for long key sequences: the fastest at 2304 and 9216 keys on the H200 (``bench.hopper``)."""
-SHORT_KEYS_CONFIG = {"BLOCK_N": 64, "num_stages": 4, "overlap": True}
-"""The config for at most ``SHORT_KEYS`` keys, the fastest at 576 keys: smaller key tiles, a deeper ring
-and the softmax under ``P V``."""
+DEFAULT_CONFIG = {"BLOCK_N": 128, "num_stages": 3, "overlap": False, "consumers": 3}
+"""The config for long key sequences at head dim 64: the fastest at 2304 and 9216 keys on the H200 (``bench.hopper``)."""
+SHORT_KEYS_CONFIG = {"BLOCK_N": 64, "num_stages": 4, "overlap": True, "consumers": 3}
+"""The config for at most ``SHORT_KEYS`` keys at head dim 64, the fastest at 576 keys: smaller key tiles, a
+deeper ring and the softmax under ``P V``."""
+WIDE_CONFIG = {"BLOCK_N": 128, "num_stages": 2, "overlap": False, "consumers": 2}
+"""The config for head dims above 64 (the 128 tile): FA3's two consumer warpgroups, so that each has the
+registers (240) for a (64, 128) fp32 accumulator beside its (64, 128) scores.  Measured on the H200
+(bf16, (2, 12, 8192, 128), kernel alone): 0.96x cuDNN; with overlap it spills (340 B) and runs at 0.30x;
+three consumers of 64-key tiles 0.82x."""
+WIDE_SHORT_KEYS_CONFIG = {"BLOCK_N": 64, "num_stages": 3, "overlap": True, "consumers": 2}
+"""The config for at most ``SHORT_KEYS`` keys at head dims above 64."""
 SHORT_KEYS = 1024
+HEAD_DIMS = (64, 80, 96, 112, 128)
+"""The head dims it takes: the 64 tile, and the 128 tile for the others (columns past D read as zeros)."""
+SHARED_MEMORY_BYTES = 227 * 1024
+"""What one program may allocate on sm_90."""
 _PRODUCER_REGS = 24
+_GL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 def unavailable_reason() -> str | None:
@@ -390,13 +442,27 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def _registers() -> tuple[int, int]:
-    """``(maxnreg, consumer registers)``: the launch's per-thread cap so that all warpgroups fit in one
-    SM's register file, and the consumers' share after the producer's ``_PRODUCER_REGS``."""
-    threads = 128 * (1 + NUM_CONSUMERS)
+def head_dim_tile(head_dim: int) -> int:
+    """The head-dim tile of a head dim of :data:`HEAD_DIMS`: 64, or 128 above it."""
+    return 64 if head_dim <= 64 else 128
+
+
+def _registers(consumers: int) -> tuple[int, int]:
+    """``(maxnreg, consumer registers)`` for ``consumers`` consumer warpgroups: the launch's per-thread cap
+    so that all warpgroups fit in one SM's register file, and the consumers' share after the producer's
+    ``_PRODUCER_REGS``."""
+    threads = 128 * (1 + consumers)
     maxnreg = min(255, REGISTERS_PER_SM // threads) // 8 * 8
-    consumer = (maxnreg * threads - 128 * _PRODUCER_REGS) // (128 * NUM_CONSUMERS) // 8 * 8
+    consumer = (maxnreg * threads - 128 * _PRODUCER_REGS) // (128 * consumers) // 8 * 8
     return maxnreg, min(consumer, 240)
+
+
+def shared_bytes(cfg: dict, tile: int, element_size: int) -> int:
+    """Shared memory of one program under ``cfg``: the q tiles, the k_c / v / centre rings, the barriers."""
+    q = cfg["consumers"] * ROWS_PER_CONSUMER * tile
+    ring = cfg["num_stages"] * (2 * cfg["BLOCK_N"] + CENTRE_ROWS) * tile
+    barriers = 8 * (cfg["consumers"] + 4 * cfg["num_stages"])
+    return (q + ring) * element_size + barriers
 
 
 def _descriptor_layout_problem(tensors) -> str | None:
@@ -419,9 +485,9 @@ def unsuitable_reason(q: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, pr
     """Why this kernel cannot take an exact-shift call with pre-centred keys, in words, or ``None``.
 
     ``q``, ``v``, ``out`` are the op's checked tensors (unit stride in D; the keys come from the
-    pre-pass, contiguous); the kernel takes fp16, head dim 64, the hybrid precision and centre blocks
-    of ``SHIFT_BLOCK`` keys, on an sm_90 GPU with Triton's Gluon 3.6, in layouts a TMA descriptor can
-    address.
+    pre-pass, contiguous); the kernel takes fp16 and bf16, the head dims of :data:`HEAD_DIMS`, the hybrid
+    precision and centre blocks of ``SHIFT_BLOCK`` keys, on an sm_90 GPU with Triton's Gluon 3.6, in
+    layouts a TMA descriptor can address.
     """
     reason = unavailable_reason()
     if reason is not None:
@@ -433,24 +499,28 @@ def unsuitable_reason(q: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, pr
         return f"it needs sm_90 (Hopper), got sm_{major}{minor}"
     if precision != "hybrid":
         return f"it has the hybrid precision only, got precision={precision!r}"
-    if q.dtype != torch.float16:
-        return f"it takes float16 only, got {q.dtype}"
-    if q.shape[-1] != HEAD_DIM:
-        return f"it takes head dim {HEAD_DIM} only, got {q.shape[-1]}"
+    if q.dtype not in _GL_DTYPES:
+        return f"it takes float16 and bfloat16, got {q.dtype}"
+    if q.shape[-1] not in HEAD_DIMS:
+        return f"it takes head dims {HEAD_DIMS}, got {q.shape[-1]}"
     if block_n != SHIFT_BLOCK:
         return f"its centre blocks are {SHIFT_BLOCK} keys, got block_n={block_n}"
     return _descriptor_layout_problem((("q", q), ("v", v), ("out", out)))
 
 
-def tuned_config(n_k: int) -> dict:
-    """The measured config for ``n_k`` keys: ``SHORT_KEYS_CONFIG`` up to ``SHORT_KEYS``, else ``DEFAULT_CONFIG``."""
-    return dict(SHORT_KEYS_CONFIG if n_k <= SHORT_KEYS else DEFAULT_CONFIG)
+def tuned_config(n_k: int, head_dim: int = HEAD_DIM) -> dict:
+    """The measured config for ``n_k`` keys of ``head_dim``: the short-keys config up to ``SHORT_KEYS``
+    keys, the long one above, for the head dim's tile."""
+    short = n_k <= SHORT_KEYS
+    if head_dim_tile(head_dim) == 64:
+        return dict(SHORT_KEYS_CONFIG if short else DEFAULT_CONFIG)
+    return dict(WIDE_SHORT_KEYS_CONFIG if short else WIDE_CONFIG)
 
 
-def _config(config: dict | None, n_k: int) -> dict:
+def _config(config: dict | None, n_k: int, head_dim: int, element_size: int) -> dict:
     """:func:`tuned_config` updated by ``config``; ``ValueError`` for unknown keys or values."""
     fn = "hopper.forward"
-    base = tuned_config(n_k)
+    base = tuned_config(n_k, head_dim)
     unknown = set(config or {}) - set(base)
     if unknown:
         raise ValueError(f"{fn}: unknown config keys {sorted(unknown)}; expected {sorted(base)}")
@@ -462,53 +532,67 @@ def _config(config: dict | None, n_k: int) -> dict:
         raise ValueError(f"{fn}: config overlap={cfg['overlap']!r} must be a bool")
     if not 1 <= cfg["num_stages"] <= 4:
         raise ValueError(f"{fn}: config num_stages={cfg['num_stages']} must be 1..4")
+    if cfg["consumers"] not in (2, 3):
+        raise ValueError(f"{fn}: config consumers={cfg['consumers']!r} must be 2 or 3 (consumer warpgroups)")
+    tile = head_dim_tile(head_dim)
+    needed = shared_bytes(cfg, tile, element_size)
+    if needed > SHARED_MEMORY_BYTES:
+        raise ValueError(f"{fn}: config {cfg} needs {needed} bytes of shared memory at head dim {head_dim} "
+                         f"(tile {tile}), more than sm_90's {SHARED_MEMORY_BYTES}: fewer stages or consumers")
     return cfg
 
 
-def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    """A 4-d (B, H, N, D) TMA descriptor of ``t`` with boxes (1, 1, rows, D), NVMMA-swizzled for the wgmma."""
-    block = [1, 1, rows, t.shape[3]]
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float16)
+def _descriptor(t: torch.Tensor, rows: int, tile: int) -> TensorDescriptor:
+    """A 4-d (B, H, N, D) TMA descriptor of ``t`` with boxes (1, 1, rows, tile), NVMMA-swizzled for the wgmma
+    (columns past D, where ``tile > D``, read as zeros and are not stored)."""
+    block = [1, 1, rows, tile]
+    layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, _GL_DTYPES[t.dtype]))
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
-def kernel_call(q, k_c, v, centres, out, *, scale: float, config: dict | None = None):
+def kernel_call(q, k_c, v, centres, out, *, scale: float, config: dict | None = None,
+                lse: torch.Tensor | None = None):
     """``(grid, args, meta)`` of the launch ``exact_fwd_gluon_kernel[grid](*args, **meta)``.
 
     Split from :func:`forward` so that ``bench.compile_sm90`` compiles exactly what :func:`forward`
     launches (from meta tensors, without a GPU).
     """
-    cfg = _config(config, k_c.shape[2])
     batch, h_q, n_q, head_dim = q.shape
     h_k, n_k = k_c.shape[1], k_c.shape[2]
-    c16 = centres.to(torch.float16)  # exact: the centres are fp16 values
-    block_m = ROWS_PER_CONSUMER * NUM_CONSUMERS
-    maxnreg, consumer_regs = _registers()
+    cfg = _config(config, n_k, head_dim, q.element_size())
+    tile = head_dim_tile(head_dim)
+    c_g = centres.to(q.dtype)  # exact: the centres are values of the inputs' dtype
+    block_m = ROWS_PER_CONSUMER * cfg["consumers"]
+    maxnreg, consumer_regs = _registers(cfg["consumers"])
     grid = (triton.cdiv(n_q, block_m) * batch * h_q, )
-    args = (_descriptor(q, ROWS_PER_CONSUMER), _descriptor(k_c, cfg["BLOCK_N"]), _descriptor(v, cfg["BLOCK_N"]),
-            _descriptor(c16, CENTRE_ROWS), _descriptor(out, ROWS_PER_CONSUMER),
+    args = (_descriptor(q, ROWS_PER_CONSUMER, tile), _descriptor(k_c, cfg["BLOCK_N"], tile),
+            _descriptor(v, cfg["BLOCK_N"], tile), _descriptor(c_g, CENTRE_ROWS, tile),
+            _descriptor(out, ROWS_PER_CONSUMER, tile), centres if lse is None else lse,
             h_q, h_q // h_k, n_q, n_k, float(scale) * math.log2(math.e))
-    meta = dict(HEAD_DIM=head_dim, BLOCK_N=cfg["BLOCK_N"], NUM_STAGES=cfg["num_stages"],
-                NUM_CONSUMERS=NUM_CONSUMERS, SHIFT_BLOCK_N=SHIFT_BLOCK, MASK_N=n_k % cfg["BLOCK_N"] != 0,
-                OVERLAP=bool(cfg["overlap"]),
+    meta = dict(HEAD_DIM=tile, BLOCK_N=cfg["BLOCK_N"], NUM_STAGES=cfg["num_stages"],
+                NUM_CONSUMERS=cfg["consumers"], SHIFT_BLOCK_N=SHIFT_BLOCK, MASK_N=n_k % cfg["BLOCK_N"] != 0,
+                OVERLAP=bool(cfg["overlap"]), STORE_LSE=lse is not None,
                 CONSUMER_REGS=consumer_regs, num_warps=PRODUCER_WARPS, maxnreg=maxnreg)
     return grid, args, meta
 
 
 def forward(q: torch.Tensor, k_c: torch.Tensor, v: torch.Tensor, centres: torch.Tensor, out: torch.Tensor, *,
-            scale: float, config: dict | None = None) -> torch.Tensor:
+            scale: float, config: dict | None = None, lse: torch.Tensor | None = None) -> torch.Tensor:
     """Write ``softmax(scale q k^T) v`` into ``out`` from the pre-pass's ``k_c`` and ``centres``; return it.
 
     Resolved arguments (``dispatch.forward`` checks the call and :func:`unsuitable_reason` returned ``None``):
-        q: ``(B, Hq, Nq, 64)``; k_c, v: ``(B, Hk, Nk, 64)`` with ``Hq % Hk == 0``; out: ``(B, Hq, Nq, 64)``;
-            float16 CUDA tensors on an sm_90 GPU, unit stride in D, B/H/N strides multiples of 16 bytes
-            on a 16-byte-aligned base (contiguous (B, H, N, D), or diffusers' (B, N, H, D) transposed).
-        centres: ``(B, Hk, ceil(Nk / 128), 64)`` fp32, the exact centres (``prepass.centre_keys``).
+        q: ``(B, Hq, Nq, D)``; k_c, v: ``(B, Hk, Nk, D)`` with ``Hq % Hk == 0``; out: ``(B, Hq, Nq, D)``;
+            float16 or bfloat16 CUDA tensors (one dtype) on an sm_90 GPU, ``D`` in :data:`HEAD_DIMS`,
+            unit stride in D, B/H/N strides multiples of 16 bytes on a 16-byte-aligned base (contiguous
+            (B, H, N, D), or diffusers' (B, N, H, D) transposed).
+        centres: ``(B, Hk, ceil(Nk / 128), D)`` fp32, the exact centres (``prepass.centre_keys``).
         scale: softmax scale.
         config: ``BLOCK_N`` (64 / 128), ``num_stages`` (K/V ring depth), ``overlap`` (softmax of tile
-            ``i`` under ``P V`` of tile ``i - 1``, FA3's intra-warpgroup pipelining); missing keys from
-            :func:`tuned_config`.
+            ``i`` under ``P V`` of tile ``i - 1``, FA3's intra-warpgroup pipelining), ``consumers`` (2 or
+            3 consumer warpgroups of 64 query rows); missing keys from :func:`tuned_config`.
+        lse: ``None``, or a contiguous fp32 ``(B, Hq, Nq)`` tensor that receives the natural-log
+            log-sum-exp of each row's true logits ``scale q . k``.
     """
-    grid, args, meta = kernel_call(q, k_c, v, centres, out, scale=scale, config=config)
+    grid, args, meta = kernel_call(q, k_c, v, centres, out, scale=scale, config=config, lse=lse)
     exact_fwd_gluon_kernel[grid](*args, **meta)
     return out
