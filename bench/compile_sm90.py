@@ -160,8 +160,9 @@ def compile_one(case: dict) -> dict:
     from pasa_diffusers.kernels import hopper
 
     row, t0 = dict(case), time.time()
-    block_n, stages, overlap, consumers = case["config"]
-    config = {"BLOCK_N": block_n, "num_stages": stages, "overlap": bool(overlap), "consumers": consumers}
+    block_n, stages, overlap, consumers, *pingpong = case["config"]
+    config = {"BLOCK_N": block_n, "num_stages": stages, "overlap": bool(overlap), "consumers": consumers,
+              "pingpong": bool(pingpong and pingpong[0])}
     try:
         q, k_c, v, out, centres = meta_inputs(case["shape"], hopper.SHIFT_BLOCK, case["dtype"])
         _, args, meta = hopper.kernel_call(q, k_c, v, centres, out, scale=q.shape[-1] ** -0.5, config=config)

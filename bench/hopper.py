@@ -46,13 +46,13 @@ from pasa_diffusers.variants import DEFAULT
 from . import harness
 
 NAME = "hopper"
-EXTRA_CONFIGS = {64: [{"BLOCK_N": 128, "num_stages": 2, "overlap": False, "consumers": 3},
-                     {"BLOCK_N": 128, "num_stages": 2, "overlap": True, "consumers": 3},
-                     {"BLOCK_N": 64, "num_stages": 3, "overlap": True, "consumers": 3}],
-                 128: [{"BLOCK_N": 128, "num_stages": 2, "overlap": False, "consumers": 2},
-                       {"BLOCK_N": 64, "num_stages": 4, "overlap": True, "consumers": 2},
-                       {"BLOCK_N": 64, "num_stages": 2, "overlap": True, "consumers": 3},
-                       {"BLOCK_N": 64, "num_stages": 2, "overlap": False, "consumers": 3}]}
+EXTRA_CONFIGS = {64: [{"BLOCK_N": 128, "num_stages": 2, "overlap": False, "consumers": 3, "pingpong": False},
+                     {"BLOCK_N": 128, "num_stages": 2, "overlap": True, "consumers": 3, "pingpong": False},
+                     {"BLOCK_N": 64, "num_stages": 3, "overlap": True, "consumers": 3, "pingpong": False}],
+                 128: [{"BLOCK_N": 128, "num_stages": 2, "overlap": False, "consumers": 2, "pingpong": False},
+                       {"BLOCK_N": 64, "num_stages": 4, "overlap": True, "consumers": 2, "pingpong": False},
+                       {"BLOCK_N": 64, "num_stages": 2, "overlap": True, "consumers": 3, "pingpong": False},
+                       {"BLOCK_N": 64, "num_stages": 2, "overlap": False, "consumers": 3, "pingpong": False}]}
 """Configs checked and timed after the kernel's two tuned ones of the head dim's tile."""
 RAGGED_N = 1000
 """Correctness only, (2, 5, 1000, D): rows past N in the last query block, a ragged key tile."""
@@ -69,13 +69,17 @@ def default_configs(head_dim: int) -> list[dict]:
 
 
 def parse_config(text: str) -> dict:
-    """``BLOCK_N,num_stages,overlap,consumers`` (overlap 0 or 1) -> a config dict."""
+    """``BLOCK_N,num_stages,overlap,consumers[,pingpong]`` (overlap, pingpong 0 or 1) -> a config dict."""
     try:
-        block_n, stages, overlap, consumers = (int(x) for x in text.split(","))
+        block_n, stages, overlap, consumers, *rest = (int(x) for x in text.split(","))
+        pingpong = bool(rest[0]) if rest else False
+        if len(rest) > 1:
+            raise ValueError
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--configs {text!r}: expected BLOCK_N,num_stages,overlap,consumers, "
-                                         "e.g. 128,3,0,3")
-    return {"BLOCK_N": block_n, "num_stages": stages, "overlap": bool(overlap), "consumers": consumers}
+        raise argparse.ArgumentTypeError(f"--configs {text!r}: expected BLOCK_N,num_stages,overlap,consumers"
+                                         "[,pingpong], e.g. 128,3,0,3")
+    return {"BLOCK_N": block_n, "num_stages": stages, "overlap": bool(overlap), "consumers": consumers,
+            "pingpong": pingpong}
 
 
 def parse_shape(text: str) -> harness.Shape:
@@ -90,7 +94,8 @@ def parse_shape(text: str) -> harness.Shape:
 def config_name(cfg: dict) -> str:
     """``BLOCK_N 128, 3 stages[, overlap], 3 consumers``."""
     overlap = ", overlap" if cfg["overlap"] else ""
-    return f"BLOCK_N {cfg['BLOCK_N']}, {cfg['num_stages']} stages{overlap}, {cfg['consumers']} consumers"
+    pingpong = ", ping-pong" if cfg.get("pingpong") else ""
+    return f"BLOCK_N {cfg['BLOCK_N']}, {cfg['num_stages']} stages{overlap}, {cfg['consumers']} consumers{pingpong}"
 
 
 def synchronize_or_exit(what: str, log_path: str) -> None:
