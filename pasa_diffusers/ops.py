@@ -13,9 +13,14 @@ inputs once (``rules``), converts ``shift`` to its name once (``variants.shift_m
 - ``precision="fp64"`` runs the reference with no rounding at all, on any device (for
   ``shift="exact"`` the float64 golden attention: the exact shift is exact in real arithmetic).
 
-The op is registered as ``pasa::attention`` with a fake (meta) implementation, so ``torch.compile``
-and ``torch.export`` trace it without graph breaks; eager calls (and CUDA graph capture) run its
-implementation directly.
+``return_lse=True`` also returns each query row's log-sum-exp of the true logits (what ring attention
+merges partial outputs by), from the same call: the kernels store it from their softmax state, the
+references return it beside their output.
+
+The op is registered as ``pasa::attention`` (the output) and ``pasa::attention_lse`` (the output and
+the LSE), each with a fake (meta) implementation, so ``torch.compile`` and ``torch.export`` trace
+either without graph breaks, and a call without ``return_lse`` traces the op it always did; eager
+calls (and CUDA graph capture) run the implementation directly.
 """
 from __future__ import annotations
 
@@ -37,9 +42,10 @@ def _interpreting() -> bool:
 
 
 def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, precision: str,
-              shift: bool | str, beta: float | None, layout: str) -> None:
+              shift: bool | str, beta: float | None, layout: str, return_lse: bool) -> None:
     fn = "pasa_attention"
-    rules.check_options(fn, precision=precision, shift=shift, beta=beta, scale=scale, layout=layout)
+    rules.check_options(fn, precision=precision, shift=shift, beta=beta, scale=scale, layout=layout,
+                        return_lse=return_lse)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if isinstance(t, torch.Tensor) and t.dim() != 4:
             raise ValueError(f"{fn}: {name} must have rank 4 ({layout.upper()}), got {name}.shape={tuple(t.shape)}")
@@ -59,14 +65,25 @@ def _use_kernel(device: torch.device, precision: str) -> bool:
     return device.type == "cuda" or _interpreting()
 
 
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, precision: str, shift: str,
-               beta: float, layout: str) -> torch.Tensor:
-    """The op on checked arguments (``shift`` a name of ``variants.SHIFT_MODES``); the output has ``q``'s
-    layout, contiguous."""
+def _lse_shape(q: torch.Tensor, layout: str) -> tuple[int, int, int]:
+    """``(B, Hq, Nq)`` of ``q`` in ``layout``."""
+    return (q.shape[0], q.shape[2], q.shape[1]) if layout == "bnhd" else tuple(q.shape[:3])
+
+
+def _wide(precision: str) -> torch.dtype:
+    """The LSE's dtype: float64 for ``"fp64"``, float32 otherwise."""
+    return torch.float64 if precision == "fp64" else torch.float32
+
+
+def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, precision: str, shift: str, beta: float,
+         layout: str, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The op on checked arguments (``shift`` a name of ``variants.SHIFT_MODES``): the output in ``q``'s
+    layout, contiguous, and with ``return_lse`` the (B, Hq, Nq) LSE (else ``None``)."""
     variant = Variant(shift, precision)
     out = torch.empty(q.shape, dtype=torch.float64 if precision == "fp64" else q.dtype, device=q.device)
+    lse = torch.empty(_lse_shape(q, layout), dtype=_wide(precision), device=q.device) if return_lse else None
     if out.numel() == 0:  # no batch or no queries: nothing to compute, as SDPA
-        return out
+        return out, lse
     if layout == "bnhd":
         q, k, v, out_bhnd = (t.transpose(1, 2) for t in (q, k, v, out))
     else:
@@ -74,14 +91,33 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, 
     if _use_kernel(q.device, precision):
         from .kernels import dispatch
 
-        dispatch.forward(q, k, v, out_bhnd, scale=scale, variant=variant, beta=beta)
+        dispatch.forward(q, k, v, out_bhnd, scale=scale, variant=variant, beta=beta, lse=lse)
+    elif return_lse:
+        result, result_lse = reference.attention(q, k, v, scale, variant, beta, return_lse=True)
+        out_bhnd.copy_(result)
+        lse.copy_(result_lse)
     else:
         out_bhnd.copy_(reference.attention(q, k, v, scale, variant, beta))
-    return out
+    return out, lse
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, precision: str, shift: str,
+               beta: float, layout: str) -> torch.Tensor:
+    """The op's output on checked arguments (``_run`` without the LSE)."""
+    return _run(q, k, v, scale, precision, shift, beta, layout, False)[0]
+
+
+def _attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, precision: str, shift: str,
+                   beta: float, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op's output and LSE on checked arguments (``_run`` with the LSE)."""
+    return _run(q, k, v, scale, precision, shift, beta, layout, True)
 
 
 _attention_op = torch.library.custom_op("pasa::attention", _attention, mutates_args=())
 """``_attention`` registered as ``pasa::attention``: what ``torch.compile`` and ``torch.export`` trace."""
+
+_attention_lse_op = torch.library.custom_op("pasa::attention_lse", _attention_lse, mutates_args=())
+"""``_attention_lse`` registered as ``pasa::attention_lse``: the traced op of ``return_lse=True``."""
 
 
 @_attention_op.register_fake
@@ -90,10 +126,16 @@ def _attention_fake(q, k, v, scale, precision, shift, beta, layout):
     return q.new_empty(q.shape, dtype=out_dtype)
 
 
+@_attention_lse_op.register_fake
+def _attention_lse_fake(q, k, v, scale, precision, shift, beta, layout):
+    return _attention_fake(q, k, v, scale, precision, shift, beta, layout), q.new_empty(_lse_shape(q, layout),
+                                                                                     dtype=_wide(precision))
+
+
 def pasa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, *,
                    precision: str = rules.DEFAULT_PRECISION, shift: bool | str = rules.DEFAULT_SHIFT,
-                   beta: float | None = None,
-                   layout: str = "bhnd") -> torch.Tensor:
+                   beta: float | None = None, layout: str = "bhnd",
+                   return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention ``softmax(scale q k^T) v`` that cannot overflow in FP16.
 
     Args:
@@ -112,12 +154,20 @@ def pasa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
             FlashAttention (in ``"half"`` the naive control, which overflows above 65504).
         beta: PASA's shift strength in (0, 1), default ``DEFAULT_BETA`` (0.9375).
         layout: ``"bhnd"`` or ``"bnhd"``; the output has the layout of ``q``, contiguous.
+        return_lse: also return ``lse = logsumexp(scale q k^T, dim=-1)``, the natural-log log-sum-exp of
+            each query row's true logits, as diffusers' ring attention merges partial outputs:
+            ``out = sum_i exp(lse_i - lse) out_i`` with ``lse = logsumexp_i(lse_i)``.  The shifts do not
+            change it: the exact shift's removed ``scale q . c_j`` and PASA's removed pseudo-average are
+            in it (docs/NUMERICS.md, "The log-sum-exp"); its error is the variant's, as the output's.
 
     Returns:
-        The attention output in ``q.dtype`` (float64 for ``precision="fp64"``), head dim 16 to 256.
+        The attention output in ``q.dtype`` (float64 for ``precision="fp64"``), head dim 16 to 256; with
+        ``return_lse``, ``(out, lse)``: ``lse`` float32 (float64 for ``"fp64"``) of shape ``(B, Hq, Nq)``
+        whatever ``layout``, contiguous (empty for empty inputs; ``inf`` or NaN on rows whose output
+        overflowed, as the naive half control's).
 
     Kernels (CUDA): ``kernels.dispatch.plan`` picks them: the Gluon kernel in FA3's structure for the
-    default on sm_90 (fp16, head dim 64, keys of several blocks), the packed kernel for short one-block
+    default on sm_90 (fp16 or bf16, head dims 64 and 80-128, keys of several blocks), the packed kernel for short one-block
     sequences (temporal attention), the portable FlashAttention-2 loop for everything else.  All give
     the variant's result within its bound (``tests/test_kernel_gpu.py``).
 
@@ -125,12 +175,14 @@ def pasa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
         ValueError: an argument out of ``rules``' ranges (named in the message).
         RuntimeError: an input requires grad while grad mode is on: the op is forward-only.
     """
-    _validate(q, k, v, scale, precision, shift, beta, layout)
+    _validate(q, k, v, scale, precision, shift, beta, layout, return_lse)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     beta = DEFAULT_BETA if beta is None else float(beta)
     mode = rules.shift_mode(shift)
     if torch.compiler.is_compiling():
-        return _attention_op(q, k, v, scale, precision, mode, beta, layout)
+        op = _attention_lse_op if return_lse else _attention_op
+        return op(q, k, v, scale, precision, mode, beta, layout)
     # eager: the implementation itself, without the dispatcher's round trip (torch's custom-op wrapper
     # also imports torch._dynamo on its first call: 2-3 s of cold start)
-    return _attention(q, k, v, scale, precision, mode, beta, layout)
+    out, lse = _run(q, k, v, scale, precision, mode, beta, layout, return_lse)
+    return (out, lse) if return_lse else out

@@ -11,6 +11,15 @@ after every operation, exactly as a kernel holding fp16 registers would (and ove
 65504 as such a kernel does).  The softmax weights ``p`` are rounded once to the dtype ``P V`` reads,
 and ``l`` sums those same rounded weights, as the kernels do.  Query rows are independent, so ``block_m`` only bounds memory; the
 key blocking (``block_n``) is what changes the result.
+
+Log-sum-exp.  ``return_lse=True`` also returns ``lse`` (B, Hq, Nq), the natural-log log-sum-exp per
+query row of the true logits ``scale q . k`` (what ring attention merges partial outputs by:
+``out = sum_i exp(lse_i - lse) out_i``).  It comes from the running state where the kernels form it,
+``lse = m + log(l)`` in fp32 (float64 in ``"fp64"``), plus the part of the true logits the variant's
+state does not hold: nothing for plain FlashAttention and the exact shift (their ``m`` tracks the true
+logits, the exact shift's with ``r_j`` added back), and for PASA the last block's offset between true
+and recovered logits (:func:`pasa_reference`).  Its error is the variant's error in ``m`` and ``l``:
+the rounded ``p`` that ``l`` sums, the score rounding and, for PASA, the recovery's.
 """
 from __future__ import annotations
 
@@ -95,12 +104,29 @@ def _rowsum(x: torch.Tensor, out: torch.dtype) -> torch.Tensor:
     return x.to(wide).sum(-1, keepdim=True).to(out)
 
 
-def golden_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """Exact softmax attention ``softmax(scale q k^T) v`` in float64 (returns float64)."""
+def _lse_rows(m_i: torch.Tensor, l_i: torch.Tensor, wide: torch.dtype = torch.float32,
+              offset: torch.Tensor | None = None) -> torch.Tensor:
+    """``m + log(l) (+ offset)`` of a row chunk's final state (..., rows, 1), in ``wide``: (..., rows)."""
+    lse = m_i.to(wide) + torch.log(l_i.to(wide))
+    if offset is not None:
+        lse = lse + offset
+    return lse.squeeze(-1)
+
+
+def _lse_buffer(q: torch.Tensor, wide: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.empty(q.shape[:3], dtype=wide, device=q.device)
+
+
+def golden_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, *,
+                     return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Exact softmax attention ``softmax(scale q k^T) v`` in float64 (returns float64); with
+    ``return_lse`` also ``logsumexp(scale q k^T)`` per row, (B, Hq, Nq) float64."""
     validate_qkv(q, k, v, "golden_attention")
     scale = _default_scale(q, scale, "golden_attention")
     q64, k64, v64 = q.double(), _expand_kv(k.double(), q.shape[1]), _expand_kv(v.double(), q.shape[1])
-    return torch.softmax(scale * (q64 @ k64.transpose(-1, -2)), dim=-1) @ v64
+    logits = scale * (q64 @ k64.transpose(-1, -2))
+    out = torch.softmax(logits, dim=-1) @ v64
+    return (out, torch.logsumexp(logits, dim=-1)) if return_lse else out
 
 
 def _row_chunks(n: int, block_m: int):
@@ -114,7 +140,8 @@ def _key_blocks(n: int, block_n: int):
 
 
 def flash_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, *,
-                    block_m: int = 128, block_n: int = rules.SHIFT_BLOCK, precision: str = "hybrid") -> torch.Tensor:
+                    block_m: int = 128, block_n: int = rules.SHIFT_BLOCK, precision: str = "hybrid",
+                    return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Online-softmax FlashAttention over key blocks of ``block_n``.
 
     ``"hybrid"``: scores ``fp32(q k^T) * scale``, softmax state and accumulator in fp32, ``P`` rounded to
@@ -122,7 +149,8 @@ def flash_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     values (as the kernel does: see ``kernels/portable.py``, ``_merge``).
     ``"half"``: raw scores ``fp16(q k^T)`` (inf above 65504), then every stage in fp16: the naive
     fully-FP16 kernel, which returns NaN once a score overflows.
-    Output in ``q.dtype``.
+    Output in ``q.dtype``.  ``return_lse``: also ``lse = m + log(l)`` (B, Hq, Nq) fp32 from the final
+    state (``m`` the running maximum of the logits, fp16 in ``"half"``: inf where a score overflowed).
     """
     fn = "flash_reference"
     scale = _check_call(fn, q, k, v, scale, precision, _FLASH_PRECISIONS, block_m, block_n)
@@ -131,6 +159,7 @@ def flash_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     qg = q.to(g)
     kg, vg = _expand_kv(k.to(g), q.shape[1]), _expand_kv(v.to(g), q.shape[1])
     out = torch.empty(q.shape[:3] + (v.shape[-1],), dtype=q.dtype, device=q.device)
+    lse = _lse_buffer(q) if return_lse else None
     for rows in _row_chunks(q.shape[2], block_m):
         q_blk = qg[:, :, rows]
         m_i = torch.full(q_blk.shape[:3] + (1,), -math.inf, dtype=st, device=q.device)
@@ -145,12 +174,15 @@ def flash_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
             acc = alpha * acc + _gemm(p, vg[:, :, start:stop], st)
             m_i = m_new
         out[:, :, rows] = (acc.float() / l_i.float()).to(q.dtype)
-    return out
+        if return_lse:
+            lse[:, :, rows] = _lse_rows(m_i, l_i)
+    return (out, lse) if return_lse else out
 
 
 def pasa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, *,
                    beta: float | None = None, block_m: int = 128, block_n: int = rules.SHIFT_BLOCK,
-                   precision: str = "half") -> torch.Tensor:
+                   precision: str = "half",
+                   return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """PASA (Online Pseudo-Average Shifting Attention), step by step as the paper's algorithm.
 
     Per key block ``j`` of ``n_j`` keys (the last, ragged block uses only its ``n_j`` valid keys and its
@@ -176,6 +208,16 @@ def pasa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     accumulator; the paper rounds the scores to fp16 here too, which overflows where one key lies
     far from its block's mean), ``"fp64"`` (no rounding
     anywhere; returns float64).  ``beta=None`` uses ``DEFAULT_BETA``.
+
+    ``return_lse``: also the log-sum-exp of the true logits, (B, Hq, Nq) fp32 (float64 in ``"fp64"``).
+    Block ``j``'s true logits are ``s + gamma_j mu_j`` (the removed pseudo-average, ``mu_j`` the exact
+    row mean of ``s``), its softmax logits ``s + delta_j``: they differ by the per-row offset
+    ``o_j = gamma_j mu_j - delta_j`` (``gamma avg_j`` in real arithmetic), and ``eps_j = o_{j-1} - o_j``
+    moves the state from one block's offset to the next.  After the last block ``J`` the state holds
+    the logits relative to ``o_J``, so ``lse = m + log(l) + o_J``, with ``o_J`` formed in fp32 from the
+    unrounded mean (``mu_J`` before its rounding to the state's dtype; ``delta_J`` as the merge used
+    it): exact for block ``J``'s own logits, and the earlier blocks carry the recovery's rounding
+    exactly as the output does.
     """
     fn = "pasa_reference"
     scale = _check_call(fn, q, k, v, scale, precision, _PASA_PRECISIONS, block_m, block_n)
@@ -195,12 +237,13 @@ def pasa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     kg, vg = _expand_kv(k.to(g), q.shape[1]), _expand_kv(v.to(g), q.shape[1])
     out_dtype = torch.float64 if precision == "fp64" else q.dtype
     out = torch.empty(q.shape[:3] + (v.shape[-1],), dtype=out_dtype, device=q.device)
+    lse = _lse_buffer(q, wide) if return_lse else None
     for rows in _row_chunks(q.shape[2], block_m):
         q_blk = qg[:, :, rows]
         m_i = torch.full(q_blk.shape[:3] + (1,), -math.inf, dtype=st, device=q.device)
         l_i = torch.zeros_like(m_i)
         acc = torch.zeros(q_blk.shape[:3] + (v.shape[-1],), dtype=st, device=q.device)
-        avg_j = None
+        avg_j = offset = None
         for j, (start, stop) in enumerate(_key_blocks(k.shape[2], block_n), start=1):
             n_j = stop - start
             diag, off = shift_entries(beta, n_j, g, scale)
@@ -208,14 +251,19 @@ def pasa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
             k_blk = kg[:, :, start:stop].to(wide)
             k_shift = (a * k_blk - c * k_blk.sum(-2, keepdim=True)).to(g)
             s = _gemm(q_blk, k_shift.transpose(-1, -2), st)
-            mu_j = (_rowsum(s, wide) / n_j).to(st)
-            mu_hat = mu_j * torch.tensor(recovery_gamma(beta, n_j, g, scale) / gam_full, dtype=st)
+            mu_wide = _rowsum(s, wide) / n_j
+            mu_j = mu_wide.to(st)
+            tail_ratio = recovery_gamma(beta, n_j, g, scale) / gam_full
+            mu_hat = mu_j * torch.tensor(tail_ratio, dtype=st)
             if avg_j is None:
                 avg_prev = avg_j = mu_hat
             else:
                 avg_prev, avg_j = avg_j, avg_j + (mu_hat - avg_j) / torch.tensor(j, dtype=st)
             delta = gam * (mu_hat - avg_j)
             eps = gam * (avg_prev - avg_j)
+            if return_lse:  # o_j = gamma_j mu_j - delta_j, the last block's kept
+                removed = torch.tensor(gam_full, dtype=wide) * (mu_wide * torch.tensor(tail_ratio, dtype=wide))
+                offset = removed - delta.to(wide)
             logits = s + delta
             m_prev = m_i + eps
             m_new = torch.maximum(m_prev, logits.amax(-1, keepdim=True))
@@ -225,7 +273,9 @@ def pasa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
             acc = alpha * acc + _gemm(p, vg[:, :, start:stop], st)
             m_i = m_new
         out[:, :, rows] = (acc.to(wide) / l_i.to(wide)).to(out_dtype)
-    return out
+        if return_lse:
+            lse[:, :, rows] = _lse_rows(m_i, l_i, wide, offset)
+    return (out, lse) if return_lse else out
 
 
 def smooth_k_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, *,
@@ -277,8 +327,8 @@ def exact_centre(k_blk: torch.Tensor, g: torch.dtype) -> torch.Tensor:
 
 
 def exact_shift_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, *,
-                          block_m: int = 128, block_n: int = rules.SHIFT_BLOCK,
-                          precision: str = "hybrid") -> torch.Tensor:
+                          block_m: int = 128, block_n: int = rules.SHIFT_BLOCK, precision: str = "hybrid",
+                          return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The exact shift: each key block's mean is removed exactly and its logit carried in fp32.
 
     Per key block ``j`` of ``n_j`` valid keys (the ragged last block uses its ``n_j``):
@@ -303,6 +353,10 @@ def exact_shift_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
     rounding enters only at ``kbar_j`` (harmless: any ``c_j`` is exact in ``r_j``), ``k_c`` (none in
     hybrid), the score GEMM (fp32 in hybrid, fp16 in half), ``r_j``'s fp32 sum, ``p`` and the
     accumulator.  Output in ``q.dtype``.
+
+    ``return_lse``: also ``lse = m + log(l)`` (B, Hq, Nq) fp32.  ``m`` is the running maximum of the
+    logits ``s + r_j``, i.e. of the true logits with the removed ``r_j`` already added back, so no
+    offset remains (its rounding: ``r_j``'s fp32 sum, ``s``'s, and ``p`` rounded before ``l`` sums it).
     """
     fn = "exact_shift_reference"
     scale = _check_call(fn, q, k, v, scale, precision, _EXACT_PRECISIONS, block_m, block_n)
@@ -313,6 +367,7 @@ def exact_shift_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
     q_s = (qg.to(f32) * scale).to(torch.float16) if half else None
     kg, vg = _expand_kv(k.to(g), q.shape[1]), _expand_kv(v.to(g), q.shape[1])
     out = torch.empty(q.shape[:3] + (v.shape[-1],), dtype=q.dtype, device=q.device)
+    lse = _lse_buffer(q) if return_lse else None
     for rows in _row_chunks(q.shape[2], block_m):
         q_blk = qg[:, :, rows]
         m_i = torch.full(q_blk.shape[:3] + (1,), -math.inf, dtype=f32, device=q.device)
@@ -343,20 +398,24 @@ def exact_shift_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
                 acc = alpha * acc + _gemm(p, vg[:, :, start:stop], f32)
             m_i = m_new
         out[:, :, rows] = (acc.to(f32) / l_i).to(q.dtype)
-    return out
+        if return_lse:
+            lse[:, :, rows] = _lse_rows(m_i, l_i)
+    return (out, lse) if return_lse else out
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, variant: Variant,
-              beta: float | None) -> torch.Tensor:
+              beta: float | None, *, return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The reference of ``variant``: what the op computes for CPU tensors (``fp64``: the unrounded math,
     float64 out; the exact shift in ``fp64`` is the golden attention, exact in real arithmetic).
-    ``scale=None``: ``1/sqrt(D)``; ``beta=None``: ``DEFAULT_BETA`` (read by PASA only)."""
+    ``scale=None``: ``1/sqrt(D)``; ``beta=None``: ``DEFAULT_BETA`` (read by PASA only).  ``return_lse``:
+    ``(out, lse)``, ``lse`` (B, Hq, Nq) the log-sum-exp of the true logits per row, fp32 (float64 in
+    ``fp64``)."""
     if variant.precision == "fp64":
         if variant.shift == "pasa":
-            return pasa_reference(q, k, v, scale, beta=beta, precision="fp64")
-        return golden_attention(q, k, v, scale)
+            return pasa_reference(q, k, v, scale, beta=beta, precision="fp64", return_lse=return_lse)
+        return golden_attention(q, k, v, scale, return_lse=return_lse)
     if variant.shift == "exact":
-        return exact_shift_reference(q, k, v, scale, precision=variant.precision)
+        return exact_shift_reference(q, k, v, scale, precision=variant.precision, return_lse=return_lse)
     if variant.shift == "pasa":
-        return pasa_reference(q, k, v, scale, beta=beta, precision=variant.precision)
-    return flash_reference(q, k, v, scale, precision=variant.precision)
+        return pasa_reference(q, k, v, scale, beta=beta, precision=variant.precision, return_lse=return_lse)
+    return flash_reference(q, k, v, scale, precision=variant.precision, return_lse=return_lse)

@@ -61,9 +61,10 @@ def _is_real(x: Any) -> bool:
 
 
 def check_options(fn: str, *, precision: str, shift: bool | str, beta: float | None = None,
-                  scale: float | None = None, layout: str | None = None) -> None:
+                  scale: float | None = None, layout: str | None = None, return_lse: bool = False) -> None:
     """Check the op's options: ``precision``, ``shift``, ``beta`` in (0, 1), ``scale`` positive finite
-    (not a bool), ``layout``.  ``None`` for ``beta``/``scale`` means the default; ``layout=None`` skips it."""
+    (not a bool), ``layout``, ``return_lse`` a bool.  ``None`` for ``beta``/``scale`` means the default;
+    ``layout=None`` skips it."""
     if not (isinstance(precision, str) and precision in PRECISIONS):
         raise ValueError(f"{fn}: unknown precision={precision!r}; expected one of {PRECISIONS}")
     shift_mode(shift, fn)
@@ -73,6 +74,8 @@ def check_options(fn: str, *, precision: str, shift: bool | str, beta: float | N
         raise ValueError(f"{fn}: scale must be a positive finite number, got scale={scale!r}")
     if layout is not None and layout not in LAYOUTS:
         raise ValueError(f"{fn}: unknown layout={layout!r}; expected one of {LAYOUTS}")
+    if not isinstance(return_lse, bool):
+        raise ValueError(f"{fn}: return_lse must be a bool, got return_lse={return_lse!r}")
 
 
 def _shape(t: torch.Tensor) -> tuple[int, ...]:

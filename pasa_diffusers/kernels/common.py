@@ -9,9 +9,11 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["LOG2E", "INTERPRET", "round_to", "mma", "binade", "centre_tile", "strides3"]
+__all__ = ["LOG2E", "LN2", "INTERPRET", "round_to", "mma", "binade", "centre_tile", "strides3", "lse_arg"]
 
 LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+"""ln 2: a log2-unit log-sum-exp times ``LN2`` is the natural-log one."""
 
 
 @triton.jit
@@ -92,6 +94,22 @@ def centre_tile(k32, key_valid, n_j, G_ULP, g_ty: tl.constexpr, EXACT_CENTRE: tl
 def strides3(t: torch.Tensor) -> tuple[int, int, int]:
     """The strides of a (B, H, N, D) tensor's first three axes (the head dim's is 1)."""
     return t.stride(0), t.stride(1), t.stride(2)
+
+
+_NO_LSE: dict[torch.device, torch.Tensor] = {}
+
+
+def lse_arg(lse: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """The LSE pointer a launcher passes: ``lse``, or without one an empty fp32 tensor (a null pointer that
+    ``STORE_LSE=False`` never reads; no memory, cached per device).  A call without the LSE thus passes
+    arguments of the same dtypes as one with it: Triton's autotuner keys its choice by them, so both run
+    the same tuned config and give the same output bits."""
+    if lse is not None:
+        return lse
+    empty = _NO_LSE.get(device)
+    if empty is None:
+        empty = _NO_LSE[device] = torch.empty(0, dtype=torch.float32, device=device)
+    return empty
 
 
 INTERPRET = not isinstance(round_to, triton.runtime.jit.JITFunction)

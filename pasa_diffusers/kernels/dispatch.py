@@ -153,8 +153,9 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, scale: float,
             variant: Variant, beta: float, block_n: int | None = None, kernel: str = "auto",
-            prepass: bool | None = None, config: dict | None = None) -> torch.Tensor:
-    """Write ``softmax(scale q k^T) v`` of ``variant`` into ``out`` and return it.
+            prepass: bool | None = None, config: dict | None = None, lse: torch.Tensor | None = None) -> torch.Tensor:
+    """Write ``softmax(scale q k^T) v`` of ``variant`` into ``out`` (and, given ``lse``, each row's
+    log-sum-exp into it) and return ``out``.
 
     Args (checked by the caller, ``ops.pasa_attention``; here they are taken as they come):
         q: ``(B, Hq, Nq, D)``; k, v: ``(B, Hk, Nk, D)`` with ``Hq % Hk == 0``; out: ``(B, Hq, Nq, D)``,
@@ -169,11 +170,18 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
         config: fixed meta-parameters of the chosen kernel instead of autotuning (``portable.forward``,
             ``packed.forward``, ``hopper.forward``); with ``kernel="auto"`` it keeps the call off the Gluon
             kernel.
+        lse: ``None`` (the default: nothing more is computed or stored), or a contiguous float32
+            ``(B, Hq, Nq)`` tensor on ``q``'s device that receives ``logsumexp(scale q k^T)`` per query row
+            (natural log, of the true logits whatever the variant: ``reference.py``'s module docstring);
+            every kernel stores it from its own softmax state.  Checked here (a wrong buffer would be
+            written out of bounds).
     """
     chosen = plan(q, k, v, out, variant=variant, block_n=block_n, kernel=kernel, prepass=prepass, config=config)
+    if lse is not None:
+        _check_lse(q, lse)
     shift, precision = variant.shift, variant.precision
     if chosen.kernel == "packed":
-        return packed.forward(q, k, v, out, scale=scale, precision=precision, config=config)
+        return packed.forward(q, k, v, out, scale=scale, precision=precision, config=config, lse=lse)
     keys, centres = k, None
     constants = portable.NO_SHIFT
     if shift == "pasa":
@@ -184,7 +192,18 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
         keys = shift_keys(k, block_n=chosen.block_n, a_full=constants[0], c_full=constants[1], a_tail=constants[2],
                           c_tail=constants[3])
     if chosen.kernel == "gluon":
-        return hopper.forward(q, keys, v, centres, out, scale=scale, config=config)
+        return hopper.forward(q, keys, v, centres, out, scale=scale, config=config, lse=lse)
     return portable.forward(q, keys, v, out, scale=scale, shift=shift, precision=precision, block_n=chosen.block_n,
                             one_block=chosen.one_block, keys_prepared=chosen.prepass is not None, centres=centres,
-                            shift_constants=constants, config=config)
+                            shift_constants=constants, config=config, lse=lse)
+
+
+def _check_lse(q: torch.Tensor, lse: torch.Tensor) -> None:
+    """``lse`` must be the contiguous float32 ``(B, Hq, Nq)`` buffer the kernels store into."""
+    shape = tuple(q.shape[:3])
+    if not (isinstance(lse, torch.Tensor) and tuple(lse.shape) == shape and lse.dtype == torch.float32
+            and lse.device == q.device and lse.is_contiguous()):
+        got = (f"lse.shape={tuple(lse.shape)} {lse.dtype} {lse.device}, contiguous={lse.is_contiguous()}"
+               if isinstance(lse, torch.Tensor) else type(lse).__name__)
+        raise ValueError(f"dispatch.forward: lse must be a contiguous float32 tensor of shape (B, Hq, Nq)={shape} "
+                         f"on {q.device}, got {got}")

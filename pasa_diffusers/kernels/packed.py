@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, LOG2E, centre_tile, mma, round_to, strides3
+from .common import INTERPRET, LN2, LOG2E, centre_tile, lse_arg, mma, round_to, strides3
 from .tuning import autotuned, bucket, pow2_tile
 
 __all__ = ["packed_fwd_kernel", "forward", "MAX_TOKENS", "packs"]
@@ -37,7 +37,7 @@ def packs(n_q: int, n_k: int) -> bool:
 
 @triton.jit(do_not_specialize=["N_SEQ", "N_Q", "N_K"])
 def packed_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
     stride_qz, stride_qh, stride_qm,
     stride_kz, stride_kh, stride_kn,
     stride_vz, stride_vh, stride_vn,
@@ -46,7 +46,8 @@ def packed_fwd_kernel(
     NSEQ_BUCKET,  # autotune key only
     scale, G_ULP,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-    SEQS: tl.constexpr, CENTRE_IN_G: tl.constexpr, PRECISION: tl.constexpr, INTERPRET_BF16: tl.constexpr,
+    SEQS: tl.constexpr, CENTRE_IN_G: tl.constexpr, PRECISION: tl.constexpr, STORE_LSE: tl.constexpr,
+    INTERPRET_BF16: tl.constexpr,
 ):
     """``out = softmax(scale q k^T) v`` for ``SEQS`` whole sequences: flat (batch, head) indices
     ``pid * SEQS ...``, each with all its ``N_Q`` queries and ``N_K`` keys in one tile.
@@ -64,11 +65,14 @@ def packed_fwd_kernel(
         x = unit s - unit rowmax(s)   (fp32, one FMA; unit = scale log2(e) in hybrid, log2(e) in half)
         p = exp2(x) rounded to g (hybrid) | fp16 (half);  l = rowsum(p) fp32
         o = (p v) * (1 / l): ``p v`` with fp32 accumulators (hybrid) or fp16 ones (half)
+        lse = (m + r + log2(l)) ln 2, r = scale log2(e) (q . c)   (fp32, STORE_LSE only; m = unit rowmax(s))
 
     ``q . c`` is the same for every key of a row, so softmax drops it: one key block needs no offset
-    and no running maximum.  Rows past ``N_Q``, values past ``N_K`` and sequences past ``N_SEQ`` load
-    as zero, keys past ``N_K`` as copies of the last key; padded keys get ``-inf`` scores; padded rows
-    and sequences are not stored.
+    and no running maximum; only the log-sum-exp of the true logits needs it back (``r``, formed as
+    the portable kernel's ``r_j``; stored into the contiguous (B, Hq, Nq) fp32 buffer at ``lse_ptr``).
+    Rows past ``N_Q``, values past ``N_K`` and sequences past ``N_SEQ`` load as zero, keys past ``N_K``
+    as copies of the last key; padded keys get ``-inf`` scores; padded rows and sequences are not
+    stored.
     """
     pid = tl.program_id(0)
     offs_s = pid * SEQS + tl.arange(0, SEQS)
@@ -123,11 +127,17 @@ def packed_fwd_kernel(
     else:
         p = round_to(tl.math.exp2(x), g_ty, INTERPRET_BF16)
         pv = mma(p, v, tl.zeros([SEQS, BLOCK_Q, BLOCK_D], tl.float32), INTERPRET_BF16)
-    inv_l = 1.0 / tl.sum(p.to(tl.float32), axis=2)
+    l = tl.sum(p.to(tl.float32), axis=2)
+    inv_l = 1.0 / l
     out = round_to(pv * inv_l[:, :, None], o_ptr.dtype.element_ty, INTERPRET_BF16)
 
     o_rows = (off_z * stride_oz + off_hq * stride_oh)[:, None, None] + offs_i[None, :, None] * stride_om
     tl.store(o_ptr + o_rows + offs_d[None, None, :], out, mask=q_mask)
+    if STORE_LSE:
+        r = tl.sum(q.to(tl.float32) * c[:, None, :], axis=2) * (scale * LOG2E)
+        lse = ((m + r) + tl.math.log2(l)) * LN2
+        lse_rows = offs_s.to(tl.int64)[:, None] * N_Q + offs_i[None, :]
+        tl.store(lse_ptr + lse_rows, lse, mask=s_valid[:, None] & i_valid[None, :])
 
 
 AUTOTUNE_KEY = ["HEAD_DIM", "BLOCK_Q", "BLOCK_K", "PRECISION", "NSEQ_BUCKET"]
@@ -156,8 +166,9 @@ if not INTERPRET:
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, scale: float,
-            precision: str, config: dict | None = None) -> torch.Tensor:
-    """Write the exact shift's ``softmax(scale q k^T) v`` into ``out`` and return it.
+            precision: str, config: dict | None = None, lse: torch.Tensor | None = None) -> torch.Tensor:
+    """Write the exact shift's ``softmax(scale q k^T) v`` into ``out`` (and each row's log-sum-exp into
+    ``lse``) and return ``out``.
 
     Resolved arguments (``dispatch.forward`` checks and plans the call):
         q: ``(B, Hq, Nq, D)``; k, v: ``(B, Hk, Nk, D)`` with ``Hq % Hk == 0`` and ``packs(Nq, Nk)``;
@@ -166,14 +177,16 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
         config: fixed ``SEQS`` (sequences per program, a power of two), ``CENTRE_IN_G`` (bool, default
             False) and ``num_warps`` instead of autotuning (under the interpreter: over
             ``INTERPRET_CONFIG``, whose ``num_warps`` it ignores).
+        lse: ``None``, or a contiguous fp32 ``(B, Hq, Nq)`` buffer for the natural-log log-sum-exp of each
+            row's true logits ``scale q . k`` (``STORE_LSE``).
     """
     batch, h_q, n_q, head_dim = q.shape
     h_k, n_k = k.shape[1], k.shape[2]
     n_seq = batch * h_q
-    args = (q, k, v, out, *strides3(q), *strides3(k), *strides3(v), *strides3(out),
+    args = (q, k, v, out, lse_arg(lse, q.device), *strides3(q), *strides3(k), *strides3(v), *strides3(out),
             h_q, h_q // h_k, n_seq, n_q, n_k, bucket(n_seq), float(scale), torch.finfo(q.dtype).eps)
     meta = dict(HEAD_DIM=head_dim, BLOCK_D=pow2_tile(head_dim), BLOCK_Q=pow2_tile(n_q), BLOCK_K=pow2_tile(n_k),
-                PRECISION=precision, INTERPRET_BF16=INTERPRET and q.dtype == torch.bfloat16)
+                PRECISION=precision, STORE_LSE=lse is not None, INTERPRET_BF16=INTERPRET and q.dtype == torch.bfloat16)
 
     def grid(meta_):
         return (triton.cdiv(n_seq, meta_["SEQS"]),)

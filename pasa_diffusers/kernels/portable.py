@@ -14,8 +14,11 @@ and the new row maximum) and each precision in its merge helper (``_merge``).  S
 - ``SHIFT_IN_LOOP``: the key tile is shifted (PASA) or centred (the exact shift, one key block only)
   inside the loop, or read from the pre-pass's buffer (``prepass.py``);
 - ``ONE_BLOCK``: every key in one shift block (``N_K <= BLOCK_N``: temporal attention, short spatial
-  sequences): PASA's offsets ``delta_1 = eps_1 = 0`` and its block mean is skipped; the exact shift
-  centres its one key tile itself.
+  sequences): PASA's offsets ``delta_1 = eps_1 = 0`` and its block mean is skipped (unless the LSE is
+  stored); the exact shift centres its one key tile itself;
+- ``STORE_LSE``: also store each row's log-sum-exp of the true logits (fp32, natural log) for ring
+  attention's merge; off, the kernel is the same as without it (:func:`_row_lse` says per variant how
+  the state relates to the true logits).
 
 It runs every variant on every CUDA GPU Triton supports, and on CPU tensors under
 ``TRITON_INTERPRET=1`` (set before ``triton`` is first imported) with one fixed small configuration.
@@ -39,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, LOG2E, centre_tile, mma, round_to, strides3
+from .common import INTERPRET, LN2, LOG2E, centre_tile, lse_arg, mma, round_to, strides3
 from .tuning import SMEM_LIMIT, autotuned, bucket, pow2_tile
 
 __all__ = ["pasa_fwd_kernel", "forward", "INTERPRET_CONFIG", "NO_SHIFT"]
@@ -91,10 +94,10 @@ def _logits_exact(q, q32, k_blk, m_i, c_base, stride_cj, start_n, n_valid, offs_
 
 
 @triton.jit
-def _logits_pasa(q, k_blk, m_i, avg_j, start_n, n_valid, N_K, a_shift, c_shift, gamma_st, tail_ratio_st,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+def _logits_pasa(q, k_blk, m_i, avg_j, o_j, start_n, n_valid, N_K, a_shift, c_shift, gamma_st, tail_ratio_st,
+                 gamma, tail_ratio, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                  SHIFT_IN_LOOP: tl.constexpr, ONE_BLOCK: tl.constexpr, MASKED: tl.constexpr,
-                 INTERPRET_BF16: tl.constexpr):
+                 STORE_LSE: tl.constexpr, INTERPRET_BF16: tl.constexpr):
     """PASA, in natural-log units.  Key block ``j`` holds ``n_j`` valid keys; ``a_shift, c_shift`` are the
     stored entries of ``scale (I - beta/n_j 11^T) = a I - c 11^T`` in the GEMM dtype (the full block's,
     or the ragged tail's in the masked call), ``gamma`` the full block's recovery factor, ``tail_ratio``
@@ -108,6 +111,7 @@ def _logits_pasa(q, k_blk, m_i, avg_j, start_n, n_valid, N_K, a_shift, c_shift, 
         m_new   = max(m_i + eps_j, rowmax(s) + delta_j)
         x       = (s + delta_j - m_new) log2(e)    (fp32: one FMA per element)
         alpha   = exp(m_i + eps_j - m_new)
+        o_j     = gamma_j mu_j - delta_j            (fp32 from the unrounded mean; STORE_LSE only)
 
     Block ``j``'s true logits are ``s + gamma mu_hat_j`` (the removed pseudo-average; exact when the
     stored entries are, e.g. head dim 64 with beta 0.9375).  The state stays in natural-log units, like
@@ -116,7 +120,10 @@ def _logits_pasa(q, k_blk, m_i, avg_j, start_n, n_valid, N_K, a_shift, c_shift, 
     the block mean is not needed (the same result, bit for bit).  Hybrid keeps the shifted scores in
     fp32 (the paper rounds them to fp16 in its hybrid variant too; a shifted score above 65504, one key
     far from its block's mean, then turned the row into NaN where plain hybrid FlashAttention is
-    finite: only the fully-FP16 variant needs fp16 scores).
+    finite: only the fully-FP16 variant needs fp16 scores).  ``o_j`` is the offset of block ``j``'s true
+    logits over its softmax logits ``s + delta_j`` (``gamma avg_j`` in real arithmetic); the state
+    after the last block is relative to the last ``o_j`` (``_row_lse``).  ``gamma``, ``tail_ratio``:
+    the fp32 values of ``gamma_st``, ``tail_ratio_st``.
     """
     g_ty = q.dtype
     if SHIFT_IN_LOOP:
@@ -130,6 +137,12 @@ def _logits_pasa(q, k_blk, m_i, avg_j, start_n, n_valid, N_K, a_shift, c_shift, 
     else:
         s = mma(q, tl.trans(k_shift), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), INTERPRET_BF16)
     if ONE_BLOCK:
+        if STORE_LSE:  # the one block's removed pseudo-average gamma_1 mu_1 is the whole offset
+            if MASKED:
+                mu32 = tl.sum(tl.where(n_valid[None, :], s.to(tl.float32), 0.0), axis=1) / (N_K - start_n)
+                o_j = gamma * (mu32 * tail_ratio)
+            else:
+                o_j = gamma * (tl.sum(s.to(tl.float32), axis=1) * (1.0 / BLOCK_N))
         if MASKED:
             s = tl.where(n_valid[None, :], s, float("-inf"))
         delta_j = tl.zeros([BLOCK_M], s.dtype)
@@ -137,22 +150,29 @@ def _logits_pasa(q, k_blk, m_i, avg_j, start_n, n_valid, N_K, a_shift, c_shift, 
     else:
         if MASKED:
             s_sum = tl.sum(tl.where(n_valid[None, :], s.to(tl.float32), 0.0), axis=1)
-            mu_hat = (s_sum / (N_K - start_n)).to(s.dtype) * tail_ratio_st
+            mu32 = s_sum / (N_K - start_n)
+            mu_hat = mu32.to(s.dtype) * tail_ratio_st
             s = tl.where(n_valid[None, :], s, float("-inf"))
         else:
             s_sum = tl.sum(s.to(tl.float32), axis=1)
-            mu_hat = (s_sum * (1.0 / BLOCK_N)).to(s.dtype)
+            mu32 = s_sum * (1.0 / BLOCK_N)
+            mu_hat = mu32.to(s.dtype)
         j = start_n // BLOCK_N + 1
         avg_prev = tl.where(j == 1, mu_hat, avg_j)
         avg_j = avg_prev + ((mu_hat - avg_prev) / j).to(s.dtype)
         delta_j = gamma_st * (mu_hat - avg_j)
         eps_j = gamma_st * (avg_prev - avg_j)
+        if STORE_LSE:
+            if MASKED:
+                o_j = gamma * (mu32 * tail_ratio) - delta_j.to(tl.float32)
+            else:
+                o_j = gamma * mu32 - delta_j.to(tl.float32)
     m_prev = m_i + eps_j
     m_new = tl.maximum(m_prev, tl.max(s, axis=1).to(s.dtype) + delta_j)
     row_ref = (m_new.to(tl.float32) - delta_j.to(tl.float32)) * LOG2E
     x = s.to(tl.float32) * LOG2E - row_ref[:, None]
     alpha = tl.math.exp2((m_prev.to(tl.float32) - m_new.to(tl.float32)) * LOG2E)
-    return x, alpha, m_new, avg_j
+    return x, alpha, m_new, avg_j, o_j
 
 
 @triton.jit
@@ -214,15 +234,35 @@ def _merge(acc, l_i, x, alpha, v_blk, SHIFT: tl.constexpr, PRECISION: tl.constex
 
 
 @triton.jit
-def _attn_inner(acc, l_i, m_i, avg_j, q, q32, k_base, v_base, c_base, stride_kn, stride_vn, stride_cj,
+def _row_lse(m_i, l_i, o_j, SHIFT: tl.constexpr, PRECISION: tl.constexpr):
+    """The natural-log log-sum-exp of each row's true logits ``scale q . k`` (fp32) from the final state.
+
+    The exact shift and plain FA in hybrid keep ``m_i`` in log2 units as the running maximum of the
+    true logits (the exact shift's with ``r_j = qk_scale q . c_j`` added back in ``m_blk``):
+    ``lse = (m_i + log2(l_i)) ln 2``.  Plain FA in half keeps fp16 ``m_i``, ``l_i`` in natural units
+    (inf where a score overflowed): ``lse = m_i + ln(l_i)``.  PASA keeps them in natural units relative
+    to the last block's offset ``o_j`` (``_logits_pasa``): ``lse = m_i + ln(l_i) + o_j``.
+    """
+    if SHIFT == "pasa":
+        lse = m_i.to(tl.float32) + tl.log(l_i.to(tl.float32)) + o_j
+    elif SHIFT == "none" and PRECISION == "half":
+        lse = m_i.to(tl.float32) + tl.log(l_i.to(tl.float32))
+    else:
+        lse = (m_i + tl.math.log2(l_i)) * LN2
+    return lse
+
+
+@triton.jit
+def _attn_inner(acc, l_i, m_i, avg_j, o_j, q, q32, k_base, v_base, c_base, stride_kn, stride_vn, stride_cj,
                 lo, hi, N_K, offs_j, offs_d, d_valid,
-                scale_st, qk_scale, a_shift, c_shift, gamma_st, tail_ratio_st, G_ULP,
+                scale_st, qk_scale, a_shift, c_shift, gamma_st, tail_ratio_st, gamma, tail_ratio, G_ULP,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 CENTRE_BLOCK: tl.constexpr, SHIFT: tl.constexpr, SHIFT_IN_LOOP: tl.constexpr,
                 PRECISION: tl.constexpr, ONE_BLOCK: tl.constexpr, MASKED: tl.constexpr,
-                INTERPRET_BF16: tl.constexpr):
+                STORE_LSE: tl.constexpr, INTERPRET_BF16: tl.constexpr):
     """The key loop over ``[lo, hi)`` in steps of ``BLOCK_N``: load a K/V tile (masking rows past
-    ``N_K`` when ``MASKED``), the algorithm's logits, the precision's merge."""
+    ``N_K`` when ``MASKED``), the algorithm's logits, the precision's merge.  ``o_j`` (PASA with
+    ``STORE_LSE`` only) is the last block's offset of the true logits over the softmax logits."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_j
         n_valid = offs_n < N_K
@@ -247,20 +287,21 @@ def _attn_inner(acc, l_i, m_i, avg_j, q, q32, k_base, v_base, c_base, stride_kn,
                                             d_valid, N_K, qk_scale, G_ULP, BLOCK_M, BLOCK_N, CENTRE_BLOCK,
                                             PRECISION, SHIFT_IN_LOOP, MASKED, INTERPRET_BF16)
         elif SHIFT == "pasa":
-            x, alpha, m_new, avg_j = _logits_pasa(q, k_blk, m_i, avg_j, start_n, n_valid, N_K, a_shift, c_shift,
-                                                  gamma_st, tail_ratio_st, BLOCK_M, BLOCK_N, PRECISION,
-                                                  SHIFT_IN_LOOP, ONE_BLOCK, MASKED, INTERPRET_BF16)
+            x, alpha, m_new, avg_j, o_j = _logits_pasa(q, k_blk, m_i, avg_j, o_j, start_n, n_valid, N_K, a_shift,
+                                                       c_shift, gamma_st, tail_ratio_st, gamma, tail_ratio, BLOCK_M,
+                                                       BLOCK_N, PRECISION, SHIFT_IN_LOOP, ONE_BLOCK, MASKED,
+                                                       STORE_LSE, INTERPRET_BF16)
         else:
             x, alpha, m_new = _logits_flash(q, k_blk, m_i, n_valid, scale_st, qk_scale, BLOCK_M, BLOCK_N,
                                             PRECISION, MASKED, INTERPRET_BF16)
         acc, l_i = _merge(acc, l_i, x, alpha, v_blk, SHIFT, PRECISION, INTERPRET_BF16)
         m_i = m_new
-    return acc, l_i, m_i, avg_j
+    return acc, l_i, m_i, avg_j, o_j
 
 
 @triton.jit(do_not_specialize=["N_Q", "N_K"])
 def pasa_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
     stride_qz, stride_qh, stride_qm,
     stride_kz, stride_kh, stride_kn,
     stride_vz, stride_vh, stride_vn,
@@ -272,9 +313,11 @@ def pasa_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CENTRE_BLOCK: tl.constexpr,
     SHIFT: tl.constexpr, SHIFT_IN_LOOP: tl.constexpr, PRECISION: tl.constexpr,
-    ONE_BLOCK: tl.constexpr, INTERPRET_BF16: tl.constexpr,
+    ONE_BLOCK: tl.constexpr, STORE_LSE: tl.constexpr, INTERPRET_BF16: tl.constexpr,
 ):
-    """``out = softmax(scale q k^T) v`` for one block of ``BLOCK_M`` query rows of one (batch, head).
+    """``out = softmax(scale q k^T) v`` for one block of ``BLOCK_M`` query rows of one (batch, head), and
+    with ``STORE_LSE`` ``lse = logsumexp(scale q k^T)`` per row (fp32, natural log; ``_row_lse``) into
+    the contiguous (B, Hq, Nq) buffer at ``lse_ptr``.
 
     Loop invariant: ``acc / l_i == softmax(scale q K^T) V`` over the keys seen so far, with ``m_i``,
     ``l_i`` and ``acc`` kept relative to a per-row reference: the running maximum of the true logits
@@ -288,7 +331,8 @@ def pasa_fwd_kernel(
         copy ``q32`` for the exact shift's ``q . c_j``;  k_blk, v_blk (BLOCK_N, BLOCK_D) g;
         s (BLOCK_M, BLOCK_N): fp16 in half, fp32 in hybrid; the exp2 argument x fp32;  p (BLOCK_M, BLOCK_N) fp16 in half, fp32 rounded to g in hybrid;
         m_i, l_i, avg_j (BLOCK_M,) st;  acc (BLOCK_M, BLOCK_D) fp16 in half, fp32 in hybrid;
-        c_j (BLOCK_D,) fp32 (the exact shift's centre of the ``CENTRE_BLOCK`` keys that hold the tile).
+        c_j (BLOCK_D,) fp32 (the exact shift's centre of the ``CENTRE_BLOCK`` keys that hold the tile);
+        o_j (BLOCK_M,) fp32 (PASA's offset of the true logits, for the LSE only).
     ``BLOCK_D`` is ``HEAD_DIM`` rounded up to a power of two >= 16; padded columns load as zero.
 
     The key loop runs twice: the full blocks without masks, then the ragged last block (if any) with
@@ -336,6 +380,7 @@ def pasa_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), st)
     l_i = tl.zeros([BLOCK_M], st)
     avg_j = tl.zeros([BLOCK_M], st)
+    o_j = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float16 if PRECISION == "half" else tl.float32)
     qk_scale = scale * LOG2E
     q32 = q.to(tl.float32)
@@ -345,18 +390,18 @@ def pasa_fwd_kernel(
         q = (q32 * scale).to(tl.float16)
 
     n_full_keys = (N_K // BLOCK_N) * BLOCK_N
-    acc, l_i, m_i, avg_j = _attn_inner(
-        acc, l_i, m_i, avg_j, q, q32, k_base, v_base, c_base, stride_kn, stride_vn, stride_cj,
+    acc, l_i, m_i, avg_j, o_j = _attn_inner(
+        acc, l_i, m_i, avg_j, o_j, q, q32, k_base, v_base, c_base, stride_kn, stride_vn, stride_cj,
         0, n_full_keys, N_K, offs_j, offs_d, d_valid,
-        scale_st, qk_scale, a_full, c_full, gamma_st, tail_ratio_st, G_ULP,
+        scale_st, qk_scale, a_full, c_full, gamma_st, tail_ratio_st, gamma, tail_ratio, G_ULP,
         HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CENTRE_BLOCK, SHIFT, SHIFT_IN_LOOP, PRECISION, ONE_BLOCK, False,
-        INTERPRET_BF16)
-    acc, l_i, m_i, avg_j = _attn_inner(
-        acc, l_i, m_i, avg_j, q, q32, k_base, v_base, c_base, stride_kn, stride_vn, stride_cj,
+        STORE_LSE, INTERPRET_BF16)
+    acc, l_i, m_i, avg_j, o_j = _attn_inner(
+        acc, l_i, m_i, avg_j, o_j, q, q32, k_base, v_base, c_base, stride_kn, stride_vn, stride_cj,
         n_full_keys, N_K, N_K, offs_j, offs_d, d_valid,
-        scale_st, qk_scale, a_tail, c_tail, gamma_st, tail_ratio_st, G_ULP,
+        scale_st, qk_scale, a_tail, c_tail, gamma_st, tail_ratio_st, gamma, tail_ratio, G_ULP,
         HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CENTRE_BLOCK, SHIFT, SHIFT_IN_LOOP, PRECISION, ONE_BLOCK, True,
-        INTERPRET_BF16)
+        STORE_LSE, INTERPRET_BF16)
 
     inv_l = 1.0 / l_i.to(tl.float32)  # one division per row, then products
     out = round_to(acc.to(tl.float32) * inv_l[:, None], o_ptr.dtype.element_ty, INTERPRET_BF16)
@@ -365,11 +410,17 @@ def pasa_fwd_kernel(
         tl.store(o_ptrs, out, mask=m_valid[:, None])
     else:
         tl.store(o_ptrs, out, mask=m_valid[:, None] & d_valid[None, :])
+    if STORE_LSE:
+        tl.store(lse_ptr + pid_bh.to(tl.int64) * N_Q + offs_m, _row_lse(m_i, l_i, o_j, SHIFT, PRECISION),
+                 mask=m_valid)
 
 
 AUTOTUNE_KEY = ["HEAD_DIM", "NQ_BUCKET", "NK_BUCKET", "PRECISION", "SHIFT", "SHIFT_IN_LOOP", "ONE_BLOCK",
                 "CENTRE_BLOCK", "BLOCK_N"]
-"""The kernel arguments a tuned config is chosen by (the tiled pool tunes BLOCK_N, so it drops the last one)."""
+"""The kernel arguments a tuned config is chosen by (the tiled pool tunes BLOCK_N, so it drops the last one).
+``STORE_LSE`` is not among them, and the LSE pointer has one dtype whether stored or not
+(``common.lse_arg``): a call that stores the LSE runs the config tuned without it (one masked row store
+more), with the same output bits."""
 
 INTERPRET_CONFIG = {"BLOCK_M": 64, "num_warps": 4, "num_stages": 1}
 """The interpreter's fixed configuration (plus BLOCK_N: the shift block, or 64 for plain FA), which a
@@ -453,8 +504,9 @@ NO_SHIFT = (0.0, 0.0, 0.0, 0.0, 0.0, 1.0)
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, scale: float, shift: str,
             precision: str, block_n: int, one_block: bool, keys_prepared: bool, centres: torch.Tensor | None = None,
-            shift_constants: tuple[float, ...] = NO_SHIFT, config: dict | None = None) -> torch.Tensor:
-    """Write ``softmax(scale q k^T) v`` into ``out`` and return it.
+            shift_constants: tuple[float, ...] = NO_SHIFT, config: dict | None = None,
+            lse: torch.Tensor | None = None) -> torch.Tensor:
+    """Write ``softmax(scale q k^T) v`` into ``out`` (and each row's log-sum-exp into ``lse``) and return ``out``.
 
     Resolved arguments (``dispatch.forward`` checks and plans the call):
         q: ``(B, Hq, Nq, D)``; k, v: ``(B, Hk, Nk, D)`` with ``Hq % Hk == 0``; out: ``(B, Hq, Nq, D)``;
@@ -471,13 +523,15 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
             plain FA and for the exact shift with pre-centred keys, where it divides ``block_n``)
             instead of autotuning (under the interpreter: over ``INTERPRET_CONFIG``, whose
             ``num_warps`` and ``num_stages`` it ignores).
+        lse: ``None``, or a contiguous fp32 ``(B, Hq, Nq)`` buffer for the natural-log log-sum-exp of each
+            row's true logits ``scale q . k`` (``STORE_LSE``).
     """
     fn = "portable.forward"
     batch, h_q, n_q, head_dim = q.shape
     h_k, n_k = k.shape[1], k.shape[2]
     meta = dict(HEAD_DIM=head_dim, BLOCK_D=pow2_tile(head_dim), SHIFT=shift, PRECISION=precision,
                 SHIFT_IN_LOOP=not keys_prepared, ONE_BLOCK=shift != "none" and one_block,
-                CENTRE_BLOCK=block_n if shift == "exact" else 0,
+                CENTRE_BLOCK=block_n if shift == "exact" else 0, STORE_LSE=lse is not None,
                 INTERPRET_BF16=INTERPRET and q.dtype == torch.bfloat16)
     # Plain FA and the exact shift with pre-centred keys tune their tile of keys (the exact shift's
     # divides its centre block); PASA's tile is its shift block, and so is the in-loop centring's.
@@ -486,7 +540,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
         meta["BLOCK_N"] = block_n
     if centres is None:
         centres = q  # read only by the exact shift's pre-pass path
-    args = (q, k, v, out, *strides3(q), *strides3(k), *strides3(v), *strides3(out),
+    args = (q, k, v, out, lse_arg(lse, q.device), *strides3(q), *strides3(k), *strides3(v), *strides3(out),
             centres, *strides3(centres),
             h_q, h_q // h_k, n_q, n_k, bucket(n_q), bucket(n_k), float(scale), *shift_constants,
             torch.finfo(q.dtype).eps)
