@@ -23,6 +23,10 @@ BUILTIN_VIDEO_MODELS: dict[str, str] = {
                       "built from configs: runs on a CPU in seconds",
     "tiny-cogvideox": "an embedded random CogVideoX text-to-video pipeline (CogVideoXPipeline: tiny transformer and "
                       "VAE) built from configs: runs on a CPU in seconds",
+    "tiny-hunyuan-video": "an embedded random HunyuanVideo text-to-video pipeline (HunyuanVideoPipeline: tiny "
+                          "transformer and VAE) built from configs: runs on a CPU in seconds",
+    "tiny-mochi": "an embedded random Mochi text-to-video pipeline (MochiPipeline: tiny transformer and VAE) built "
+                  "from configs: runs on a CPU in seconds",
 }
 """Video-transformer pipelines built in code, by name, with what each is (``video.load_video``)."""
 
@@ -30,10 +34,13 @@ TINY_VIDEO_SETTINGS: dict[str, dict[str, int]] = {
     "tiny-wan": {"num_frames": 9, "height": 64, "width": 64},
     "tiny-ltx-video": {"num_frames": 17, "height": 128, "width": 128},
     "tiny-cogvideox": {"num_frames": 9, "height": 64, "width": 64},
+    "tiny-hunyuan-video": {"num_frames": 9, "height": 64, "width": 64},
+    "tiny-mochi": {"num_frames": 13, "height": 64, "width": 64},
 }
 """Built-in video model -> frames and size of its generations: each 3 latent frames and 48 video tokens in all, as
-``video_dits.example_inputs`` (Wan and CogVideoX: latents of 8 x 8, VAE 8x in space and 4x in time, patch 2;
-LTX-Video: latents of 4 x 4, VAE 32x in space and 8x in time, patch 1)."""
+``video_dits.example_inputs`` (Wan, CogVideoX and HunyuanVideo: latents of 8 x 8, VAE 8x in space and 4x in time,
+patch 2; LTX-Video: latents of 4 x 4, VAE 32x in space and 8x in time, patch 1; Mochi: latents of 8 x 8, VAE 8x
+in space and 6x in time, patch 2)."""
 
 ALL_BUILTIN_MODELS: dict[str, str] = {**BUILTIN_MODELS, **BUILTIN_VIDEO_MODELS}
 """Every model built in code: what ``--model`` takes besides a hub id or a folder."""

@@ -14,12 +14,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from diffusers import (AutoencoderKLCogVideoX, AutoencoderKLLTXVideo, AutoencoderKLWan, CogVideoXTransformer3DModel,
-                       HunyuanVideoTransformer3DModel, LTXVideoTransformer3DModel, MochiTransformer3DModel,
-                       WanTransformer3DModel)
+from diffusers import (AutoencoderKLCogVideoX, AutoencoderKLHunyuanVideo, AutoencoderKLLTXVideo, AutoencoderKLMochi,
+                       AutoencoderKLWan, CogVideoXTransformer3DModel, HunyuanVideoTransformer3DModel,
+                       LTXVideoTransformer3DModel, MochiTransformer3DModel, WanTransformer3DModel)
 
 __all__ = ["FAMILIES", "FULL_SIZE", "tiny_transformer", "tiny_wan_vae", "tiny_ltx_video_vae", "tiny_cogvideox_vae",
-           "full_size_transformer", "example_inputs", "full_size_inputs"]
+           "tiny_hunyuan_video_vae", "tiny_mochi_vae", "full_size_transformer", "example_inputs", "full_size_inputs"]
 
 TEXT_TOKENS = 7
 """Text tokens of the example prompts (the last two are padding where the family takes a mask)."""
@@ -206,4 +206,32 @@ def tiny_cogvideox_vae(*, seed: int = 0) -> torch.nn.Module:
         torch.manual_seed(seed)
         vae = AutoencoderKLCogVideoX(block_out_channels=(8, 8, 8, 8), latent_channels=channels, layers_per_block=1,
                                      norm_num_groups=2, sample_height=64, sample_width=64, scaling_factor=1.0)
+    return vae.eval()
+
+
+def tiny_hunyuan_video_vae(*, seed: int = 0) -> torch.nn.Module:
+    """A tiny random ``AutoencoderKLHunyuanVideo`` for ``tiny_transformer("hunyuan-video")`` (4 latent channels), fp32,
+    eval mode, seeded: HunyuanVideo's compression (8x in space: three downsamplings; 4x in time: the last two also
+    temporal, causal 3D convolutions, so f latent frames decode to 4(f - 1) + 1 frames) and its mid-block
+    attention, at 8 channels per level in 2 norm groups, one residual block per level, latents not scaled
+    (scaling factor 1; the released VAE's is 0.476986)."""
+    channels = 4  # the in_channels of _hunyuan()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        vae = AutoencoderKLHunyuanVideo(latent_channels=channels, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
+                                        norm_num_groups=2, scaling_factor=1.0)
+    return vae.eval()
+
+
+def tiny_mochi_vae(*, seed: int = 0) -> torch.nn.Module:
+    """A tiny random ``AutoencoderKLMochi`` for ``tiny_transformer("mochi")`` (4 latent channels), fp32, eval mode,
+    seeded: Mochi's compression, which ``MochiPipeline`` assumes (8x in space, 6x in time: expansions 1, 2, 3;
+    f latent frames decode to 6(f - 1) + 1 frames), at 32 channels per level (its group norms have 32 groups),
+    one residual block per level, latents neither shifted nor scaled."""
+    channels = 4  # the in_channels of _mochi()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        vae = AutoencoderKLMochi(latent_channels=channels, encoder_block_out_channels=(32, 32, 32, 32),
+                                 decoder_block_out_channels=(32, 32, 32, 32), layers_per_block=(1, 1, 1, 1, 1),
+                                 latents_mean=(0.0,) * channels, latents_std=(1.0,) * channels, scaling_factor=1.0)
     return vae.eval()

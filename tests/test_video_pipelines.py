@@ -1,11 +1,12 @@
 """The built-in video-transformer pipelines (``pipelines/video.py``: ``tiny-wan``, ``tiny-ltx-video``,
-``tiny-cogvideox``) and the commands on them: built offline, generated through the console script, diagnosed
-(attention layers and activations), saved and loaded again, and a planted overflow found where it was planted
-and nowhere else.  Small sizes: Wan 5 frames of 32 x 32 (2 latent frames of 4 x 4, 8 video tokens); LTX-Video 9
-frames of 64 x 64 (2 latent frames of 2 x 2, 8 tokens); CogVideoX 9 frames of 32 x 32 (3 latent frames of 4 x 4,
-12 tokens)."""
+``tiny-cogvideox``, ``tiny-hunyuan-video``, ``tiny-mochi``) and the commands on them: built offline, generated
+through the console script, diagnosed (attention layers and activations), saved and loaded again (a saved Wan also
+without the package ``accelerate``), and a planted overflow found where it was planted and nowhere else.  Small
+sizes: Wan 5 frames of 32 x 32 (2 latent frames of 4 x 4, 8 video tokens); LTX-Video 9 frames of 64 x 64 (2 latent
+frames of 2 x 2, 8 tokens); CogVideoX 9 frames of 32 x 32 (3 latent frames of 4 x 4, 12 tokens); HunyuanVideo 5
+frames of 32 x 32 (2 latent frames of 4 x 4, 8 tokens); Mochi 7 frames of 32 x 32 (2 latent frames of 4 x 4, 8
+tokens)."""
 import argparse
-import importlib.util
 import json
 import logging
 import re
@@ -15,15 +16,17 @@ import subprocess
 import numpy as np
 import pytest
 import torch
-from diffusers import (AutoencoderKLCogVideoX, AutoencoderKLLTXVideo, AutoencoderKLWan, CogVideoXDDIMScheduler,
-                       CogVideoXPipeline, CogVideoXTransformer3DModel, FlowMatchEulerDiscreteScheduler, LTXPipeline,
-                       LTXVideoTransformer3DModel, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel)
+from diffusers import (AutoencoderKLCogVideoX, AutoencoderKLHunyuanVideo, AutoencoderKLLTXVideo, AutoencoderKLMochi,
+                       AutoencoderKLWan, CogVideoXDDIMScheduler, CogVideoXPipeline, CogVideoXTransformer3DModel,
+                       FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline, HunyuanVideoTransformer3DModel,
+                       LTXPipeline, LTXVideoTransformer3DModel, MochiPipeline, MochiTransformer3DModel,
+                       UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel)
+from diffusers.utils import is_accelerate_available
 
 from pasa_diffusers.cli import common, main
 from pasa_diffusers.pipelines import video
 from pasa_diffusers.pipelines.diagnose import diagnose
 from pasa_diffusers.pipelines.names import TINY_VIDEO_SETTINGS
-from pasa_diffusers.pipelines.svd import ModelLoadError
 from pasa_diffusers.pipelines.video_dits import tiny_cogvideox_vae
 
 SMALL = {"num_frames": 5, "num_inference_steps": 2, "seed": 0, "height": 32, "width": 32}
@@ -36,7 +39,17 @@ NEW = {  # the built-ins besides tiny-wan: classes, (temporal, spatial) VAE fact
     "tiny-cogvideox": (
         (CogVideoXPipeline, CogVideoXTransformer3DModel, AutoencoderKLCogVideoX, CogVideoXDDIMScheduler),
         (4, 8), 7, {"num_frames": 9, "height": 32, "width": 32}),
+    "tiny-hunyuan-video": (
+        (HunyuanVideoPipeline, HunyuanVideoTransformer3DModel, AutoencoderKLHunyuanVideo,
+         FlowMatchEulerDiscreteScheduler), (4, 8), 256, {"num_frames": 5, "height": 32, "width": 32}),
+    "tiny-mochi": (
+        (MochiPipeline, MochiTransformer3DModel, AutoencoderKLMochi, FlowMatchEulerDiscreteScheduler),
+        (6, 8), 256, {"num_frames": 7, "height": 32, "width": 32}),
 }
+MASKED = {"tiny-ltx-video", "tiny-hunyuan-video", "tiny-mochi"}
+"""The built-ins whose pipelines take the prompts' attention masks."""
+TEXT_COMPONENTS = {"tiny-hunyuan-video": ("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2")}
+"""Tokenizers and text encoders left out, where a pipeline has more than Wan's two."""
 
 
 @pytest.fixture(scope="module")
@@ -71,14 +84,30 @@ def test_load_pipeline_tells_svd_from_video():
 def test_a_saved_tiny_wan_folder_loads_as_a_wan_pipeline(wan, tmp_path):
     wan.save_pretrained(tmp_path, safe_serialization=True)
     assert json.loads((tmp_path / "model_index.json").read_text())["_class_name"] == "WanPipeline"
-    if importlib.util.find_spec("accelerate") is None:  # diffusers loads fp32-kept modules only through accelerate
-        with pytest.raises(ModelLoadError, match=r"^load_video: cannot load model=.*needs the package accelerate"):
-            video.load_pipeline(str(tmp_path))
-        return
+    if not is_accelerate_available():  # what load_video works around: diffusers 0.42 alone refuses Wan's transformer
+        with pytest.raises(ValueError, match=r"^`low_cpu_mem_usage` cannot be False when `keep_in_fp32_modules`"):
+            WanTransformer3DModel.from_pretrained(tmp_path, subfolder="transformer")
     loaded = video.load_pipeline(str(tmp_path))
-    assert type(loaded) is WanPipeline and loaded.text_encoder is None
-    for mine, theirs in zip(wan.transformer.state_dict().values(), loaded.transformer.state_dict().values()):
-        assert torch.equal(mine, theirs)
+    assert type(loaded) is WanPipeline and type(loaded.transformer) is WanTransformer3DModel
+    assert loaded.text_encoder is None and loaded.tokenizer is None and loaded.transformer_2 is None
+    mine, theirs = wan.transformer.state_dict(), loaded.transformer.state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+def test_a_saved_tiny_wan_loads_in_half_precision_keeping_its_float32_modules(tmp_path):
+    """As ``from_pretrained(torch_dtype=float16)`` with accelerate: every tensor float16 but those of the modules
+    ``WanTransformer3DModel._keep_in_fp32_modules`` names (time embedder, norms, scale-shift tables, RoPE)."""
+    video.load_video("tiny-wan").save_pretrained(tmp_path, safe_serialization=True)
+    loaded = video.load_pipeline(str(tmp_path), dtype=torch.float16)
+    built = video.load_video("tiny-wan", dtype=torch.float16)
+    keep = set(WanTransformer3DModel._keep_in_fp32_modules)
+    for module in ("transformer", "vae"):
+        mine, theirs = getattr(built, module).state_dict(), getattr(loaded, module).state_dict()
+        assert mine.keys() == theirs.keys()
+        assert all(theirs[k].dtype == mine[k].dtype and torch.equal(mine[k], theirs[k]) for k in mine)
+    dtypes = {name: tensor.dtype for name, tensor in loaded.transformer.state_dict().items()}
+    assert {dtype for name, dtype in dtypes.items() if keep & set(name.split("."))} == {torch.float32}
+    assert {dtype for name, dtype in dtypes.items() if not keep & set(name.split("."))} == {torch.float16}
 
 
 def test_generate_returns_seeded_frames_in_range(wan):
@@ -194,16 +223,24 @@ def test_the_other_builtins_build_offline_seeded_without_text_encoder(pipes, nam
     pipe = pipes[name]
     assert (type(pipe), type(pipe.transformer), type(pipe.vae), type(pipe.scheduler)) == \
         (pipeline, transformer, vae, scheduler)
-    assert pipe.tokenizer is None and pipe.text_encoder is None and pipe.name_or_path == name
+    assert all(getattr(pipe, part) is None for part in TEXT_COMPONENTS.get(name, ("tokenizer", "text_encoder")))
+    assert pipe.name_or_path == name
     assert video.is_video_pipeline(pipe) and video.denoiser(pipe) is pipe.transformer
     assert video._compression(pipe) == factors
     positive, negative = video.prompt_embeddings(pipe)
     assert positive.shape == negative.shape == (1, tokens, 24) and not torch.equal(positive, negative)
     masks = video.prompt_attention_masks(pipe)
-    if name == "tiny-ltx-video":  # LTX-Video takes the prompts' attention masks: every token kept
+    if name in MASKED:  # the pipeline takes the prompts' attention masks: every token kept
         assert all(mask.dtype == torch.bool and mask.shape == (1, tokens) and mask.all() for mask in masks)
     else:
         assert masks is None
+    pooled = video.pooled_prompt_embeddings(pipe)
+    if name == "tiny-hunyuan-video":  # and CLIP's pooled embeddings, drawn next from the same generator
+        assert pooled[0].shape == pooled[1].shape == (1, pipe.transformer.config.pooled_projection_dim)
+        draws = torch.randn(2 * tokens * 24 + 2 * 12, generator=torch.Generator().manual_seed(video.PROMPT_SEED))
+        assert torch.equal(torch.cat([pooled[0], pooled[1]], dim=1).flatten(), draws[2 * tokens * 24:])
+    else:
+        assert pooled is None
     again = video.load_video(name)
     for module in ("transformer", "vae"):
         mine, theirs = getattr(pipe, module).state_dict(), getattr(again, module).state_dict()
@@ -243,6 +280,14 @@ def test_the_initial_noise_is_laid_out_as_each_pipeline_takes_it(pipes):
     ("tiny-cogvideox", "num_frames", 5, "CogVideoXPipeline takes 8k + 1 frames (its VAE compresses time 4x and "
                                         "decodes an odd number of latent frames only), got 5"),
     ("tiny-cogvideox", "width", 40, "CogVideoXPipeline takes multiples of 16 (VAE 8x, patch 2), got 40"),
+    ("tiny-hunyuan-video", "num_frames", 7, "HunyuanVideoPipeline takes 4k + 1 frames (its VAE compresses time 4x), "
+                                            "got 7"),
+    ("tiny-hunyuan-video", "height", 40, "HunyuanVideoPipeline takes multiples of 16 (VAE 8x, patch 2), got 40"),
+    ("tiny-mochi", "num_frames", 9, "MochiPipeline takes 6k + 1 frames (its VAE compresses time 6x), got 9"),
+    ("tiny-mochi", "width", 24, "MochiPipeline takes multiples of 16 (VAE 8x, patch 2), got 24"),
+    ("tiny-mochi", "num_inference_steps", 1, "MochiPipeline takes at least 2 steps (its linear-quadratic sigma "
+                                             "schedule divides by its linear steps, half the steps rounded down), "
+                                             "got 1"),
 ])
 def test_a_setting_the_other_pipelines_would_get_wrong_is_refused(pipes, name, setting, value, why):
     with pytest.raises(ValueError, match=rf"^generate: {setting}: {re.escape(why)}$"):
@@ -253,6 +298,9 @@ def test_a_setting_the_other_pipelines_would_get_wrong_is_refused(pipes, name, s
     ("tiny-ltx-video", ["--steps", "1"], "--steps 1: LTXPipeline takes at least 2 steps"),
     ("tiny-ltx-video", ["--frames", "13"], "--frames 13: LTXPipeline takes 8k + 1 frames"),
     ("tiny-cogvideox", ["--frames", "5"], "--frames 5: CogVideoXPipeline takes 8k + 1 frames"),
+    ("tiny-hunyuan-video", ["--width", "72"], "--width 72: HunyuanVideoPipeline takes multiples of 16"),
+    ("tiny-mochi", ["--steps", "1"], "--steps 1: MochiPipeline takes at least 2 steps"),
+    ("tiny-mochi", ["--frames", "9"], "--frames 9: MochiPipeline takes 6k + 1 frames"),
 ])
 def test_the_command_line_names_the_flag_the_other_pipelines_refuse(pipes, name, flags, message):
     with pytest.raises(common.UsageError, match=rf"^{re.escape(message)}"):
@@ -263,7 +311,7 @@ def test_the_command_line_names_the_flag_the_other_pipelines_refuse(pipes, name,
 
 def test_why_those_settings_are_refused(pipes):
     """CogVideoX's VAE decodes 2 latent frames (5 frames' worth) to 8 frames; LTX-Video's scheduler gives NaN
-    sigmas for one step."""
+    sigmas for one step; Mochi's sigma schedule divides by zero for one step."""
     with torch.no_grad():
         decoded = tiny_cogvideox_vae().decode(torch.randn(1, 4, 2, 4, 4), return_dict=False)[0]
     assert decoded.shape[2] == 8
@@ -273,6 +321,11 @@ def test_why_those_settings_are_refused(pipes):
     assert scheduler.sigmas[:1].isnan().all()
     scheduler.set_timesteps(sigmas=[1.0, 0.5], mu=0.6)
     assert scheduler.sigmas.isfinite().all()
+    from diffusers.pipelines.mochi.pipeline_mochi import linear_quadratic_schedule
+
+    with pytest.raises(ZeroDivisionError):
+        linear_quadratic_schedule(1, 0.025)
+    assert len(linear_quadratic_schedule(2, 0.025)) == 2
 
 
 def test_generate_ltx_video_through_the_console_script(tmp_path):
@@ -291,22 +344,67 @@ def test_generate_ltx_video_through_the_console_script(tmp_path):
     assert len(list((tmp_path / "pasa").glob("*.png"))) == 9
 
 
-@pytest.mark.parametrize("name, paths", [
-    ("tiny-ltx-video", [f"transformer_blocks.{b}.attn{i}" for b in (0, 1) for i in (1, 2)]),
-    ("tiny-cogvideox", [f"transformer_blocks.{b}.attn1" for b in (0, 1)]),  # text tokens joined: no cross-attention
+@pytest.mark.parametrize("name, notice, processor, installed, calls, fallbacks", [
+    # guidance-distilled: one call per layer and step; the text refiner's query x key mask is the counted fallback
+    pytest.param("tiny-hunyuan-video", "256 tokens x 24 (seed 0: the prompt's, then the negative prompt's, then pooled "
+                                       "ones of width 12); their attention masks keep every token",
+                 "HunyuanVideoAttnProcessor2_0", {"video-self": 2, "other": 1}, 3 * 2, {"attention mask": 2},
+                 id="tiny-hunyuan-video"),
+    # cond + uncond in one forward, whose processor attends each sample over its own prompt tokens: a call each
+    pytest.param("tiny-mochi", "256 tokens x 24 (seed 0: the prompt's, then the negative prompt's); their attention "
+                               "masks keep every token", "MochiAttnProcessor2_0", {"video-self": 2}, 2 * 2 * 2, {},
+                 id="tiny-mochi"),
 ])
-def test_diagnose_finds_every_attention_layer_of_the_other_builtins(name, paths, tmp_path, capsys):
+def test_generate_hunyuan_video_and_mochi_through_the_console_script(name, notice, processor, installed, calls,
+                                                                     fallbacks, tmp_path):
+    settings = NEW[name][3]
+    done = subprocess.run([shutil.which("pasa"), "generate", "--model", name, "--frames", str(settings["num_frames"]),
+                           "--steps", "2", "--height", str(settings["height"]), "--width", str(settings["width"]),
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == f"{video.NOTICE}: unit Gaussians of {notice}; no tokenizer or text encoder is loaded"
+    report = json.loads("\n".join(lines[1:lines.index("all frames finite")]))
+    assert {kind for kind, count in report["installed"].items() if count} == set(installed)
+    assert all(report["installed"][kind] == count for kind, count in installed.items())
+    assert all(report["processors"][kind] == ("PASAAttnProcessor" if kind == "other" else
+                                              f"PASAAttnProcessor via {processor}") for kind in installed)
+    assert report["calls"] == calls and report["fallbacks"] == fallbacks
+    assert report["attention_dtype"] == "float16"
+    assert len(list((tmp_path / "pasa").glob("*.png"))) == settings["num_frames"]
+
+
+_SINGLE = {"attention output", "norm", "block output"}
+"""The roles recorded in HunyuanVideo's single-stream block, whose MLP (``proj_mlp``, run beside the attention
+and joined in ``proj_out``) is not one of the diagnosis's feed-forward sites."""
+
+
+@pytest.mark.parametrize("name, paths, kinds, calls, blocks", [
+    ("tiny-ltx-video", [f"transformer_blocks.{b}.attn{i}" for b in (0, 1) for i in (1, 2)],
+     {"video-self", "video-cross"}, 2, {"transformer_blocks.0": ROLES, "transformer_blocks.1": ROLES}),
+    ("tiny-cogvideox", [f"transformer_blocks.{b}.attn1" for b in (0, 1)],  # text tokens joined: no cross-attention
+     {"video-self"}, 2, {"transformer_blocks.0": ROLES, "transformer_blocks.1": ROLES}),
+    ("tiny-hunyuan-video",  # text tokens joined; the text refiner's self-attention over the prompt: kind other
+     ["context_embedder.token_refiner.refiner_blocks.0.attn", "single_transformer_blocks.0.attn",
+      "transformer_blocks.0.attn"], {"video-self", "other"}, 2,
+     {"transformer_blocks.0": ROLES, "single_transformer_blocks.0": _SINGLE}),
+    ("tiny-mochi", [f"transformer_blocks.{b}.attn1" for b in (0, 1)],  # one call per sample: its prompts' own tokens
+     {"video-self"}, 4, {"transformer_blocks.0": ROLES, "transformer_blocks.1": ROLES}),
+])
+def test_diagnose_finds_every_attention_layer_of_the_other_builtins(name, paths, kinds, calls, blocks, tmp_path,
+                                                                    capsys):
     flags = [f"--{flag}={NEW[name][3][key]}" for flag, key in (("frames", "num_frames"), ("height", "height"),
                                                                  ("width", "width"))]
     assert main(["diagnose", "--model", name, *flags, "--steps", "2", "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
     result = json.loads((tmp_path / "diagnosis.json").read_text())
     assert sorted(layer["path"] for layer in result["layers"]) == paths
-    assert all(layer["calls"] == 2 for layer in result["layers"])  # 2 steps, cond + uncond in one call
-    assert {layer["kind"] for layer in result["layers"]} == ({"video-self", "video-cross"} if len(paths) == 4
-                                                             else {"video-self"})
-    for block in ("transformer_blocks.0", "transformer_blocks.1"):
-        assert {site["role"] for site in result["activations"] if site["block"] == block} == ROLES
+    # 2 steps; cond + uncond in one call (HunyuanVideo: guidance-distilled, one sample; Mochi: a call per sample)
+    assert all(layer["calls"] == calls for layer in result["layers"])
+    assert {layer["kind"] for layer in result["layers"]} == kinds
+    assert {site["block"] for site in result["activations"]} == set(blocks)
+    for block, roles in blocks.items():
+        assert {site["role"] for site in result["activations"] if site["block"] == block} == roles
     assert f"0 of {len(paths)} attention layers overflow" in printed and result["conditioning"] == video.NOTICE
     assert result["frames"] == {"finite": True, "match_plain": True}
 
@@ -318,7 +416,8 @@ def _save(name: str, folder, capsys) -> str:
     assert {p.suffix for p in folder.rglob("*.safetensors")} == {".safetensors"}
     assert not [p for p in folder.rglob("*") if p.suffix in (".bin", ".pt", ".pth")]
     index = json.loads((folder / "model_index.json").read_text())
-    assert index["text_encoder"] == index["tokenizer"] == [None, None]
+    for part in TEXT_COMPONENTS.get(name, ("tokenizer", "text_encoder")):
+        assert index[part] == [None, None]
     assert index[video.SETTINGS_KEY] == TINY_VIDEO_SETTINGS[name]
     return printed
 
@@ -338,13 +437,9 @@ def test_save_model_of_tiny_wan_and_its_reload(wan, tmp_path, capsys):
     count = sum(p.numel() for module in (wan.transformer, wan.vae) for p in module.parameters())
     assert printed.startswith(f"saved tiny-wan ({count / 1e3:.3g} k parameters, float32)")  # every component counted
     assert "text encoder replaced by fixed prompt embeddings" in printed
-    if importlib.util.find_spec("accelerate") is None:
-        assert main(["generate", "--model", str(folder), *FLAGS, "--out", str(tmp_path / "video")]) == 2
-        last = capsys.readouterr().err.splitlines()[-1]  # after diffusers' progress bar and its own warning
-        assert last.startswith(f"pasa generate: error: --model {folder}: cannot load model=")
-        assert last.endswith("needs the package accelerate (pip install accelerate)")
-        pytest.skip("reloading a saved Wan folder needs accelerate (WanTransformer3DModel keeps modules in float32 "
-                    "and diffusers loads those only through accelerate), which is not installed")
+    assert main(["generate", "--model", str(folder), "--steps", "2", "--out", str(tmp_path / "video")]) == 0
+    assert "all frames finite" in capsys.readouterr().out  # with or without the package accelerate
+    assert len(list((tmp_path / "video" / "pasa").glob("*.png"))) == TINY_VIDEO_SETTINGS["tiny-wan"]["num_frames"]
     loaded = video.load_pipeline(str(folder))
     assert video.default_settings(loaded) == TINY_VIDEO_SETTINGS["tiny-wan"]
     np.testing.assert_allclose(video.generate(loaded, progress=False, **SMALL),  # as below: unaligned buffers
@@ -356,7 +451,8 @@ def test_save_model_of_the_other_builtins_loads_the_same_pipeline(pipes, name, t
     folder = tmp_path / name
     _save(name, folder, capsys)
     loaded = video.load_pipeline(str(folder))
-    assert type(loaded) is type(pipes[name]) and loaded.text_encoder is None and loaded.tokenizer is None
+    assert type(loaded) is type(pipes[name])
+    assert all(getattr(loaded, part) is None for part in TEXT_COMPONENTS.get(name, ("tokenizer", "text_encoder")))
     assert video.default_settings(loaded) == TINY_VIDEO_SETTINGS[name]  # its small defaults, not the pipeline's
     for module in ("transformer", "vae"):
         mine, theirs = getattr(pipes[name], module).state_dict(), getattr(loaded, module).state_dict()

@@ -7,13 +7,15 @@ in a fraction of a second with one line ``pasa <command>: error: <message>`` (ex
 The limits come from what the pipeline needs:
 
 - ``--frames`` >= 2: one frame fails inside diffusers' SVD pipeline (a tensor-size mismatch,
-  diffusers 0.42); a video transformer's pipeline takes ``4k + 1`` frames (Wan: its VAE compresses time
-  4x), ``8k + 1`` (LTX-Video: 8x; CogVideoX: 4x, an odd number of latent frames), checked once the model is
-  loaded (``generation_settings``);
+  diffusers 0.42); a video transformer's pipeline takes ``4k + 1`` frames (Wan, HunyuanVideo: its VAE
+  compresses time 4x), ``8k + 1`` (LTX-Video: 8x; CogVideoX: 4x, an odd number of latent frames), ``6k + 1``
+  (Mochi: 6x), checked once the model is loaded (``generation_settings``);
 - ``--height``/``--width``: multiples of 8 (``StableVideoDiffusionPipeline.check_inputs``), at
   least 8, and at least 16 for a command that scores frames (SSIM's 11 x 11 Gaussian window, sigma 1.5);
-  multiples of 16 for Wan and CogVideoX (VAE 8x, patch 2), of 32 for LTX-Video (VAE 32x, patch 1);
-- ``--steps`` >= 1; ``--seed`` in [0, 2**63 - 1] (a CPU ``torch.Generator`` seed); ``--fps`` > 0.
+  multiples of 16 for Wan, CogVideoX, HunyuanVideo and Mochi (VAE 8x, patch 2), of 32 for LTX-Video (VAE 32x,
+  patch 1);
+- ``--steps`` >= 1 (LTX-Video and Mochi: >= 2); ``--seed`` in [0, 2**63 - 1] (a CPU ``torch.Generator`` seed);
+  ``--fps`` > 0.
 """
 from __future__ import annotations
 
@@ -333,15 +335,17 @@ def generation_settings(args: argparse.Namespace, pipe: Any) -> dict[str, int]:
 
 def conditioning_notice(pipe: Any) -> str | None:
     """The line a command prints about a video pipeline's conditioning (``video.NOTICE``), or ``None`` (SVD)."""
-    from pasa_diffusers.pipelines.video import (NOTICE, PROMPT_SEED, is_video_pipeline, prompt_attention_masks,
-                                                prompt_embeddings)
+    from pasa_diffusers.pipelines.video import (NOTICE, PROMPT_SEED, is_video_pipeline, pooled_prompt_embeddings,
+                                                prompt_attention_masks, prompt_embeddings)
 
     if not is_video_pipeline(pipe):
         return None
     positive, _ = prompt_embeddings(pipe)
+    pooled = pooled_prompt_embeddings(pipe)
+    pooled = f", then pooled ones of width {pooled[0].shape[1]}" if pooled is not None else ""
     masks = "; their attention masks keep every token" if prompt_attention_masks(pipe) is not None else ""
     return (f"{NOTICE}: unit Gaussians of {positive.shape[1]} tokens x {positive.shape[2]} (seed {PROMPT_SEED}: the "
-            f"prompt's, then the negative prompt's){masks}; no tokenizer or text encoder is loaded")
+            f"prompt's, then the negative prompt's{pooled}){masks}; no tokenizer or text encoder is loaded")
 
 
 def load_condition_image(args: argparse.Namespace) -> Any:

@@ -57,8 +57,8 @@ def run(args: argparse.Namespace) -> int:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="one video (SVD or a video transformer) using one attention backend",
                        description="Animate --image with the SVD pipeline --model (or, for a video-transformer "
-                                   "pipeline such as tiny-wan, tiny-ltx-video or tiny-cogvideox, generate from fixed "
-                                   "prompt embeddings), its attention "
+                                   "pipeline such as tiny-wan, tiny-ltx-video, tiny-cogvideox, tiny-hunyuan-video or "
+                                   "tiny-mochi, generate from fixed prompt embeddings), its attention "
                                    "computed by --attention, from the initial noise of --seed; write the video as "
                                    "mp4, gif and PNG frames into --out, and print the processors installed, the "
                                    "attention calls and their fallbacks, and whether every frame is finite.")

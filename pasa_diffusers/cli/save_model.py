@@ -5,9 +5,10 @@ the dtype given, is saved once and then loaded by every command with the same we
 (``pasa save-model --model svd-xt-random --device cuda --dtype fp16 DIR``).  Any ``--model`` saves (a
 hub id, another folder, ``tiny``, ``tiny-resonant``: its planted projection biases are parameters its
 UNet's config lists, ``pipelines/resonant.py``, so ``--model DIR`` loads the same model), a video
-transformer's pipeline too (``tiny-wan``, ``tiny-ltx-video``, ``tiny-cogvideox``, a Wan, LTX-Video or CogVideoX
-hub id or folder): without tokenizer and text encoder, as ``pipelines.video.load_video`` loads it, and a
-built-in model with its small default frames and size (``video.SETTINGS_KEY`` in ``model_index.json``).
+transformer's pipeline too (``tiny-wan``, ``tiny-ltx-video``, ``tiny-cogvideox``, ``tiny-hunyuan-video``,
+``tiny-mochi``, a Wan, LTX-Video, CogVideoX, HunyuanVideo or Mochi hub id or folder): without tokenizers and text
+encoders, as ``pipelines.video.load_video`` loads it, and a built-in model with its small default frames and size
+(``video.SETTINGS_KEY`` in ``model_index.json``).
 """
 from __future__ import annotations
 

@@ -2,8 +2,9 @@
 
 A ``LayerRecorder`` keeps the ``call_stats`` of each call handed to it (``record(query, key, scale)``).
 The processor that hands it the calls is the caller's: ``recording(model, processor)`` builds one
-recorder per attention module of a diffusers model (anything with ``attn_processors`` /
-``set_attn_processor``: a UNet, a transformer), installs ``processor(recorder)`` on that module, and
+recorder per attention module of a diffusers model (its ``attn_processors`` / ``set_attn_processor``: a UNet, a
+transformer; or, for a model without them such as ``MochiTransformer3DModel``, every submodule holding a
+``processor`` and the projections ``to_q``/``to_k``), installs ``processor(recorder)`` on that module, and
 puts the previous processor objects back on exit, also on error.  The application's processor
 (``pasa_diffusers.pipelines.diagnose.DiagnosticAttnProcessor``) records, then computes the stock
 attention, so the model's outputs are the ones it makes without the diagnosis.
@@ -83,22 +84,40 @@ class LayerRecorder:
         self.records.append(stats)
 
 
+def _processors(model: Any) -> dict[str, Any]:
+    """``{"<module path>.processor": processor}`` of a model's attention modules (the rule of
+    ``install.attention_processors``, which this package does not import)."""
+    if hasattr(model, "attn_processors"):
+        return dict(model.attn_processors)
+    return {f"{name}.processor": module.processor for name, module in model.named_modules()
+            if callable(getattr(module, "processor", None)) and hasattr(module, "to_q") and hasattr(module, "to_k")}
+
+
+def _install(model: Any, processors: dict[str, Any]) -> None:
+    """Install ``processors`` (keys as ``_processors``) on ``model``."""
+    if hasattr(model, "set_attn_processor"):
+        model.set_attn_processor(dict(processors))
+        return
+    for key, processor in processors.items():
+        model.get_submodule(key.removesuffix(".processor")).processor = processor
+
+
 @contextmanager
 def recording(model: Any, processor: Callable[[LayerRecorder], Any], *, clock: StepClock | None = None,
               max_elements: int = 2 ** 26) -> Iterator[list[LayerRecorder]]:
     """Record every attention call of ``model`` while the ``with`` block runs.
 
-    Builds one ``LayerRecorder`` per ``model.attn_processors`` key (named by the module path, sharing
+    Builds one ``LayerRecorder`` per attention module (``_processors``: named by the module path, sharing
     ``clock``), installs ``processor(recorder)`` on its module (a diffusers attention processor that
     calls ``recorder.record`` on every call), yields the recorders in the model's module order, and
     restores the previous processor objects on exit (also when the block raises).
     """
-    previous = dict(model.attn_processors)
+    previous = _processors(model)
     clock = clock or StepClock()
     recorders = {key: LayerRecorder(key.removesuffix(".processor"), clock=clock, max_elements=max_elements)
                  for key in previous}
-    model.set_attn_processor({key: processor(recorder) for key, recorder in recorders.items()})
+    _install(model, {key: processor(recorder) for key, recorder in recorders.items()})
     try:
         yield list(recorders.values())
     finally:
-        model.set_attn_processor(dict(previous))
+        _install(model, previous)
