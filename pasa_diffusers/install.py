@@ -23,6 +23,7 @@ import torch
 from diffusers import DiffusionPipeline
 from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
 
+from .attention_modules import attention_processors, set_processors
 from . import backends, processors, rules
 from .processors import CountedAttnProcessor, PASAAttnProcessor
 from .routing import RoutedAttnProcessor, routable_reason, routed
@@ -69,25 +70,6 @@ def module_kind(key: str) -> str:
     if leaf == "attn2":
         return f"{place}-cross"
     return "other"
-
-
-def attention_processors(model: torch.nn.Module) -> dict[str, Any]:
-    """``{"<module path>.processor": processor}`` of a model's attention modules: diffusers'
-    ``attn_processors`` where the model has it, else every submodule holding a ``processor`` and the
-    projections ``to_q``/``to_k`` (MochiTransformer3DModel has no ``attn_processors``)."""
-    if hasattr(model, "attn_processors"):
-        return dict(model.attn_processors)
-    return {f"{name}.processor": module.processor for name, module in model.named_modules()
-            if callable(getattr(module, "processor", None)) and hasattr(module, "to_q") and hasattr(module, "to_k")}
-
-
-def _set_processors(model: torch.nn.Module, processors: dict[str, Any]) -> None:
-    """Install ``processors`` (keys as ``attention_processors``) on ``model``."""
-    if hasattr(model, "set_attn_processor"):
-        model.set_attn_processor(dict(processors))
-        return
-    for key, processor in processors.items():
-        model.get_submodule(key.removesuffix(".processor")).processor = processor
 
 
 def _pipeline_models(pipe: DiffusionPipeline, vae: bool) -> list[tuple[str, torch.nn.Module]]:
@@ -204,6 +186,16 @@ def replacement(stock: Any, counted: CountedAttnProcessor) -> Any:
     return routed(stock, counted)
 
 
+def _carry_parallel_config(installed: Any, new: Any) -> Any:
+    """``new``, given the diffusers parallel config ``installed`` runs with (``model.enable_parallelism`` sets
+    ``_parallel_config`` on the processors present when it runs): without it a processor installed or put
+    back later would attend to its rank's shard of the sequence only."""
+    config = getattr(installed, "_parallel_config", None)
+    if config is not None and hasattr(new, "_parallel_config"):
+        new._parallel_config = config
+    return new
+
+
 def counted_processor(processor: Any) -> CountedAttnProcessor | None:
     """The ``CountedAttnProcessor`` that computes an installed processor's attention (itself, or the one a
     routed processor sends its calls to), or ``None`` for a processor ``apply`` did not install."""
@@ -293,7 +285,7 @@ def apply(
                 _check_head_dim(counted, model.get_submodule(key.removesuffix(".processor")), dtype)
                 model_dtypes.add(_dtype_name(dtype))
                 attention_dtypes.add(_dtype_name(counted.attention_dtype(dtype)))
-                processors[key] = replacement(stock[key], counted)
+                processors[key] = _carry_parallel_config(processors[key], replacement(stock[key], counted))
                 installed += 1
             classes[kind].add(_label(processors[key]))
         plans.append((model, processors))
@@ -306,7 +298,7 @@ def apply(
     for model, processors in plans:
         if not hasattr(model, _SAVED_ATTR):
             setattr(model, _SAVED_ATTR, attention_processors(model))
-        _set_processors(model, processors)
+        set_processors(model, processors)
     return {
         "backend": backend,
         "options": dict(options),
@@ -332,7 +324,9 @@ def restore(model_or_pipeline: Any) -> None:
     if not saved:
         raise ValueError(f"restore: no processors saved on {type(model_or_pipeline).__name__}; call apply() first")
     for model, processors in saved:
-        _set_processors(model, processors)
+        installed = attention_processors(model)
+        set_processors(model, {key: _carry_parallel_config(installed.get(key), stock)
+                                for key, stock in processors.items()})
         delattr(model, _SAVED_ATTR)
 
 

@@ -16,8 +16,12 @@ backend or its documented fallback:
 - ``"attention mask"``: SDPA with the mask (HunyuanVideo's and LTX-Video's text padding masks);
 - ``"single key"``: the key's value;
 - ``"causal"`` and ``"dropout"``: SDPA with them (no video transformer asks for either at inference);
-- ``"context parallel"``: the model's own dispatcher with its parallel config (the op has no
-  distributed schedule yet).
+- ``"attention kwargs"``: the model's own dispatcher with them.
+
+A call that carries a context-parallel config (``model.enable_parallelism``: Ulysses, ring or both) goes
+to ``parallel.attend``: diffusers' own Ulysses / ring schedule with the backend as its local op, counted
+as the backend's call; what it cannot run that way is the ``"context parallel"`` fallback, the model's
+own dispatcher with its parallel config (``parallel.py`` says which calls).
 
 Every name but ``dispatch_attention_fn`` and ``F`` resolves as in the stock module, and the subclass
 keeps the stock ``__call__``'s signature (diffusers filters a processor's keyword arguments by it).
@@ -33,6 +37,7 @@ from typing import Any
 import torch
 import torch.nn.functional as torch_functional
 
+from . import parallel
 from .processors import CountedAttnProcessor
 
 __all__ = ["RoutedAttnProcessor", "routable_reason", "routed"]
@@ -75,13 +80,16 @@ def _dispatch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
               attention_kwargs: dict[str, Any] | None = None, *, backend: Any = None,
               parallel_config: Any = None) -> torch.Tensor:
     """``diffusers.models.attention_dispatch.dispatch_attention_fn`` as a routed body sees it."""
-    if parallel_config is not None or attention_kwargs:
+    if attention_kwargs:
         from diffusers.models.attention_dispatch import dispatch_attention_fn
 
         _ACTIVE.get().counted.count_call("context parallel" if parallel_config is not None else "attention kwargs")
         return dispatch_attention_fn(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                                      scale=scale, enable_gqa=enable_gqa, attention_kwargs=attention_kwargs,
                                      backend=backend, parallel_config=parallel_config)
+    if parallel.context_parallel_config(parallel_config) is not None:
+        return parallel.attend(_ACTIVE.get().counted, query, key, value, attn_mask, dropout_p, is_causal, scale,
+                               enable_gqa, backend=backend, parallel_config=parallel_config)
     return _attend_bnhd(query, key, value, attn_mask, dropout_p, is_causal, scale)
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..attention_modules import attention_processors, set_processors
 from ..beta import DEFAULT_BETA
 from ..rules import SHIFT_BLOCK
 from .stats import call_stats
@@ -84,40 +85,22 @@ class LayerRecorder:
         self.records.append(stats)
 
 
-def _processors(model: Any) -> dict[str, Any]:
-    """``{"<module path>.processor": processor}`` of a model's attention modules (the rule of
-    ``install.attention_processors``, which this package does not import)."""
-    if hasattr(model, "attn_processors"):
-        return dict(model.attn_processors)
-    return {f"{name}.processor": module.processor for name, module in model.named_modules()
-            if callable(getattr(module, "processor", None)) and hasattr(module, "to_q") and hasattr(module, "to_k")}
-
-
-def _install(model: Any, processors: dict[str, Any]) -> None:
-    """Install ``processors`` (keys as ``_processors``) on ``model``."""
-    if hasattr(model, "set_attn_processor"):
-        model.set_attn_processor(dict(processors))
-        return
-    for key, processor in processors.items():
-        model.get_submodule(key.removesuffix(".processor")).processor = processor
-
-
 @contextmanager
 def recording(model: Any, processor: Callable[[LayerRecorder], Any], *, clock: StepClock | None = None,
               max_elements: int = 2 ** 26) -> Iterator[list[LayerRecorder]]:
     """Record every attention call of ``model`` while the ``with`` block runs.
 
-    Builds one ``LayerRecorder`` per attention module (``_processors``: named by the module path, sharing
+    Builds one ``LayerRecorder`` per attention module (``attention_modules.attention_processors``: named by the module path, sharing
     ``clock``), installs ``processor(recorder)`` on its module (a diffusers attention processor that
     calls ``recorder.record`` on every call), yields the recorders in the model's module order, and
     restores the previous processor objects on exit (also when the block raises).
     """
-    previous = _processors(model)
+    previous = attention_processors(model)
     clock = clock or StepClock()
     recorders = {key: LayerRecorder(key.removesuffix(".processor"), clock=clock, max_elements=max_elements)
                  for key in previous}
-    _install(model, {key: processor(recorder) for key, recorder in recorders.items()})
+    set_processors(model, {key: processor(recorder) for key, recorder in recorders.items()})
     try:
         yield list(recorders.values())
     finally:
-        _install(model, previous)
+        set_processors(model, previous)
