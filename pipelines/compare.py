@@ -57,18 +57,23 @@ from .svd import load_image
 __all__ = ["VideoRun", "CompareConfig", "Conditioning", "MODEL_NOTES", "RunInterrupted", "SettingError",
            "check_backends", "conditioning", "compare_sample", "sample_record", "run_comparison", "evaluate"]
 
+_NOISE = ("built in code to run on a CPU in seconds: its videos look like noise by design, and what counts is "
+          "how far each backend's video lies from the FP32 one")
+_TINY_VIDEO = {"tiny-wan": "Wan 2.1 text-to-video pipeline (WanPipeline",
+               "tiny-ltx-video": "LTX-Video pipeline (LTXPipeline",
+               "tiny-cogvideox": "CogVideoX pipeline (CogVideoXPipeline",
+               "tiny-hunyuan-video": "HunyuanVideo pipeline (HunyuanVideoPipeline",
+               "tiny-mochi": "Mochi pipeline (MochiPipeline"}
 MODEL_NOTES: dict[str, str] = {
-    "tiny": "a tiny SVD with random weights, built in code to run on a CPU in seconds: its videos look like noise "
-            "by design, and what counts is how far each backend's video lies from the FP32 one",
+    "tiny": f"a tiny SVD with random weights, {_NOISE}",
     "tiny-resonant": "the tiny SVD with random weights and an FP16 overflow planted in "
                      f"{len(PLANTED_LAYERS)} attention layers (a large query and key bias, in phase along the head "
                      "dimension: pipelines/resonant.py), so that naive FP16 attention overflows there: its videos look "
                      "like noise by design, and what counts is how far each backend's video lies from the FP32 one",
     "svd-xt-random": "SVD-XT at full size with seeded random weights, for time and memory at the real sizes: its "
                      "videos look like noise by design, and it plants no overflow",
-    "tiny-wan": "a tiny Wan 2.1 text-to-video pipeline (WanPipeline: a two-block transformer and a small VAE) with "
-                "random weights, built in code to run on a CPU in seconds: its videos look like noise by design, and "
-                "what counts is how far each backend's video lies from the FP32 one",
+    **{name: f"a tiny {what}: a small transformer and VAE) with random weights, {_NOISE}"
+       for name, what in _TINY_VIDEO.items()},
 }
 """What each built-in model is, for the report (which would otherwise read as a failure: noise videos)."""
 
