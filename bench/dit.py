@@ -2,17 +2,41 @@
 
     python -m bench.dit --out DIR                                          # Wan 2.1 1.3B at 480p
     python -m bench.dit --model wan2.1-1.3b --resolution 480p 720p --backends sdpa pasa fa3 --out DIR
+    python -m bench.dit --model wan2.1-1.3b --backends sdpa pasa fa3 --compile --out DIR   # eager and compiled
     python -m bench.dit --model cogvideox-5b --backends sdpa pasa --compile pasa --out DIR
+    python -m bench.dit --model hunyuan-video --resolution 540p --backends sdpa pasa --iters 2 --out DIR
+    python -m bench.dit --model ltx-video --backends sdpa pasa fa3 --out DIR
+    python -m bench.dit --model mochi-1 --resolution 480x848x19 480x848x163 --out DIR
     python -m bench.dit --model tiny-wan --out DIR                          # any machine, the CPU included
 
-The transformer of ``pipelines.video_dits`` (``FULL_SIZE``: Wan 2.1 1.3B / 14B, CogVideoX-5B from
-their released configs, random weights, bf16 on the GPU; or a ``tiny-<family>`` one, fp32), one
-forward with classifier-free guidance (batch 2), Wan at 81 frames.  Per backend (names of
-``pasa_diffusers.backends.BACKENDS``, installed by ``install.apply``: the model's own processors,
-attention routed): the forward's time (the timer's median over ``--iters`` forwards after one
-warm-up), the first backend's time over it (> 1: faster), the peak GPU memory of the forward, whether
-the output is finite, its relative RMS difference to the first backend's, and the fallback calls.
-``--compile`` adds ``torch.compile``d forwards of the named backends (or all).
+The transformer of ``pipelines.video_dits`` (``FULL_SIZE``: Wan 2.1 1.3B / 14B, CogVideoX-5B, HunyuanVideo,
+LTX-Video 0.9 (2B), Mochi 1 preview from their released configs, random weights, bf16 on the GPU; or a
+``tiny-<family>`` one, fp32), one forward as the model's pipeline calls it at each ``--resolution``
+(``VIDEO_SIZES``, the pipeline's default first; video tokens, text tokens on top):
+
+    --model         --resolution   frames, height x width   video tokens (+ text)     batch
+    wan2.1-1.3b     480p           81, 480 x 832            32,760 (512, cross)       2
+                    720p           81, 720 x 1280           75,600 (512, cross)       2
+    wan2.1-14b      480p, 720p     as wan2.1-1.3b
+    cogvideox-5b    480x720x49     49, 480 x 720            17,550 + 226 joined       2
+    hunyuan-video   720p           129, 720 x 1280          118,800 + 256 joined      1 (embedded guidance)
+                    540p           129, 544 x 960           67,320 + 256 joined       1
+    ltx-video       512x704x161    161, 512 x 704           7,392 (128, cross)        2
+    mochi-1         480x848x19     19, 480 x 848            6,360 + 256 joined        2
+                    480x848x163    163, 480 x 848           44,520 + 256 joined       2
+
+Batch 2 is classifier-free guidance.  Per backend (names of ``pasa_diffusers.backends.BACKENDS``, installed
+by ``install.apply``: the model's own processors, attention routed): the forward's time (the timer's median
+over ``--iters`` forwards after one warm-up and three estimating ones), the first backend's time over it
+(> 1: faster), the peak GPU memory of the forward, whether the output is finite, its relative RMS difference
+to the first backend's, and the fallback calls.  ``--compile`` adds ``torch.compile``d forwards of the named
+backends (or all).  The peers (FA3, SageAttention, SDPA's single backends) take no mask: HunyuanVideo's joint
+attention and LTX-Video's cross-attention carry a text mask, so there they fall back to SDPA (counted).
+
+One H200, SDPA, estimated from Wan 2.1 1.3B's measured 1239 / 4950 ms at 32,760 / 75,600 tokens (a linear
+term scaled by parameters and batch, a quadratic one by layers x attention width and batch; it gives
+CogVideoX-5B 1.73 s against 1.58 s measured): HunyuanVideo 720p ~27 s a forward, 540p ~11 s; Mochi 19
+frames ~0.9 s, 163 frames ~9 s; LTX-Video ~0.2 s.  A backend's row takes ``--iters`` + 5 forwards.
 """
 from __future__ import annotations
 
@@ -24,13 +48,16 @@ import torch
 
 from pasa_diffusers.backends import BACKENDS
 from pasa_diffusers.metrics import records
-from pasa_diffusers.pipelines.video_dits import (FAMILIES, FULL_SIZE, RESOLUTIONS, example_inputs,
-                                                 full_size_inputs, full_size_transformer, tiny_transformer)
+from pasa_diffusers.pipelines.video_dits import (FAMILIES, FULL_SIZE, VIDEO_SIZES, example_inputs,
+                                                 full_size_inputs, full_size_transformer, tiny_transformer,
+                                                 video_tokens)
 
 from . import harness
 
 NAME = "dit"
 MODELS = tuple(FULL_SIZE) + tuple(f"tiny-{family}" for family in FAMILIES)
+SIZES = {name: tuple(VIDEO_SIZES[family]) for name, (_, _, family) in FULL_SIZE.items()}
+"""Full-size model -> its ``--resolution`` names, the default first."""
 
 
 def make_model(name: str) -> torch.nn.Module:
@@ -41,6 +68,7 @@ def make_model(name: str) -> torch.nn.Module:
 
 
 def make_inputs(name: str, model: torch.nn.Module, resolution: str) -> dict:
+    """The forward's inputs: a tiny model's example ones, a full-size one's at ``resolution`` (``VIDEO_SIZES``)."""
     if name.startswith("tiny-"):
         family = name.removeprefix("tiny-")
         inputs = example_inputs(family, model, torch.Generator().manual_seed(1))
@@ -52,14 +80,18 @@ def forward_rows(model: torch.nn.Module, name: str, resolution: str, args, timer
     """Every backend (and compiled mode) at one resolution; the first backend is the baseline."""
     inputs = make_inputs(name, model, resolution)
     rows = harness.model_runs(model, args.backends, args.compile, lambda runner: runner(**inputs)[0], timer)
-    return [{"model": name, "resolution": resolution, **row} for row in rows]
+    tokens = None if name.startswith("tiny-") else video_tokens(name, resolution)
+    return [{"model": name, "resolution": resolution, "video_tokens": tokens, **row} for row in rows]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = harness.parser(NAME, __doc__)
     p.add_argument("--model", default="wan2.1-1.3b", choices=MODELS, help="the transformer (default: wan2.1-1.3b)")
-    p.add_argument("--resolution", nargs="+", default=["480p"], choices=list(RESOLUTIONS),
-                   help="Wan's video sizes at 81 frames (default: 480p; CogVideoX and the tiny models: their own)")
+    p.add_argument("--resolution", nargs="+", default=None, metavar="SIZE",
+                   choices=sorted({size for sizes in SIZES.values() for size in sizes}),
+                   help="video sizes of a full-size model, its pipeline's default first (default: that one): "
+                        + "; ".join(f"{name} {' '.join(sizes)}" for name, sizes in SIZES.items())
+                        + " (the table above); the tiny models take none (their example inputs)")
     p.add_argument("--backends", nargs="+", default=["sdpa", "pasa"], choices=list(BACKENDS), metavar="BACKEND",
                    help=f"attention backends, the first is the baseline; of {', '.join(BACKENDS)} (default: sdpa pasa)")
     p.add_argument("--compile", nargs="*", default=None, metavar="BACKEND",
@@ -69,6 +101,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = sorted(set(args.compile or ()) - set(args.backends))
     if unknown:
         p.error(f"--compile {' '.join(unknown)}: not among --backends {' '.join(args.backends)}")
+    sizes = SIZES.get(args.model, ())
+    other = [size for size in args.resolution or () if size not in sizes]
+    if other:
+        p.error(f"--resolution {' '.join(other)}: not a size of {args.model} "
+                f"({'its sizes: ' + ' '.join(sizes) if sizes else 'a tiny model runs its example inputs'})")
+    resolutions = args.resolution or (list(sizes[:1]) if sizes else ["own"])
     if not args.model.startswith("tiny-") and not torch.cuda.is_available():
         print(f"bench.{NAME}: --model {args.model} needs a CUDA GPU (the full-size transformer); "
               "--model tiny-<family> runs anywhere", file=sys.stderr)
@@ -82,17 +120,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     cmd, env = harness.command(NAME, argv), harness.environment()
     timer = harness.Timer(warmup_ms=0.0, rep_ms=0.0, min_runs=args.iters, flush_l2=False)
     model = make_model(args.model)
-    resolutions = args.resolution if FULL_SIZE.get(args.model, (None, None, ""))[2] == "wan" else ["own"]
     rows = [r for resolution in harness.progress(resolutions, NAME)
             for r in forward_rows(model, args.model, resolution, args, timer)]
     first = args.backends[0]
     text = harness.header(f"bench.dit: one forward of {args.model} per attention backend", env, cmd) + "\n" + \
         records.markdown_table(
-            ["resolution", "backend", "mode", "forward ms", f"vs {first}", "peak MiB", "finite",
+            ["resolution", "video tokens", "backend", "mode", "forward ms", f"vs {first}", "peak MiB", "finite",
              f"rel. RMS diff to {first}", "fallback calls"],
-            [[r["resolution"], r["backend"], r["mode"], f"{r['ms']:.1f}", f"{r['vs_first']:.3f}",
+            [[r["resolution"], "-" if r["video_tokens"] is None else f"{r['video_tokens']:,}", r["backend"],
+              r["mode"], f"{r['ms']:.1f}", f"{r['vs_first']:.3f}",
               "-" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}", r["finite"], f"{r['rel_rms_diff']:.2e}",
-              r["fallback_calls"]] for r in rows], align="lllrrrlrr") + "\n"
+              r["fallback_calls"]] for r in rows], align="lrllrrrlrr") + "\n"
     harness.write_report(args.out, NAME, text, {"bench": NAME, "command": cmd, "environment": env,
                                                 "timer": asdict(timer), "rows": rows})
     print(text)

@@ -4,22 +4,24 @@ Tiny ones, one per family the package serves: Wan 2.1 / 2.2 (``WanTransformer3DM
 LTX-Video, CogVideoX and Mochi.  Each keeps what its attention does (QK RMSNorm, RoPE, joined or
 separate text tokens, text padding masks, cross-attention) at sizes that run on two CPU cores in well
 under a second, with head dims the PASA op takes (16 and 32).  Seeded: the same family gives the same
-weights.  Full-size ones (``FULL_SIZE``: the released configs of Wan 2.1 1.3B and 14B and CogVideoX-5B),
-built directly on the device, for time and memory at the real sizes (random weights say nothing of
-quality).
+weights.  Full-size ones (``FULL_SIZE``: the released configs of Wan 2.1 1.3B and 14B, CogVideoX-5B,
+HunyuanVideo, LTX-Video 0.9 and Mochi 1 preview), built directly on the device, with the inputs their
+pipelines give them at their video sizes (``VIDEO_SIZES``), for time and memory at the real sizes (random
+weights say nothing of quality).
 """
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from diffusers import (AutoencoderKLCogVideoX, AutoencoderKLHunyuanVideo, AutoencoderKLLTXVideo, AutoencoderKLMochi,
                        AutoencoderKLWan, CogVideoXTransformer3DModel, HunyuanVideoTransformer3DModel,
                        LTXVideoTransformer3DModel, MochiTransformer3DModel, WanTransformer3DModel)
 
-__all__ = ["FAMILIES", "FULL_SIZE", "tiny_transformer", "tiny_wan_vae", "tiny_ltx_video_vae", "tiny_cogvideox_vae",
-           "tiny_hunyuan_video_vae", "tiny_mochi_vae", "full_size_transformer", "example_inputs", "full_size_inputs"]
+__all__ = ["FAMILIES", "FULL_SIZE", "LATENTS", "VIDEO_SIZES", "tiny_transformer", "tiny_wan_vae", "tiny_ltx_video_vae",
+           "tiny_cogvideox_vae", "tiny_hunyuan_video_vae", "tiny_mochi_vae", "full_size_transformer", "example_inputs",
+           "full_size_inputs", "video_tokens"]
 
 TEXT_TOKENS = 7
 """Text tokens of the example prompts (the last two are padding where the family takes a mask)."""
@@ -118,16 +120,104 @@ FULL_SIZE: dict[str, tuple[type, dict[str, Any], str]] = {
     "cogvideox-5b": (CogVideoXTransformer3DModel, dict(num_attention_heads=48, num_layers=42, time_embed_dim=512,
                                                        max_text_seq_length=226, use_rotary_positional_embeddings=True),
                      "cogvideox"),
+    # hunyuanvideo-community/HunyuanVideo, transformer/config.json: diffusers' class defaults (20 double-stream and
+    # 40 single-stream blocks, 24 heads x 128, 2 text-refiner blocks, text 4096 wide (LLaVA-LLaMA-3), pooled CLIP
+    # 768, guidance embedding, patch 1 x 2 x 2, RoPE axes (16, 56, 56) with theta 256)
+    "hunyuan-video": (HunyuanVideoTransformer3DModel, {}, "hunyuan-video"),
+    # Lightricks/LTX-Video, the 2B transformer of 0.9.0-0.9.5 (transformer/config.json): diffusers' class defaults
+    # (28 layers, 32 heads x 64, cross-attention to T5 captions 4096 -> 2048 wide, 128 latent channels, patch 1,
+    # QK RMSNorm across heads); that 0.9.1-0.9.5 keep 0.9.0's transformer config is from memory (they changed the
+    # VAE and the scheduler); 0.9.7's 13B (48 layers, 32 x 128) is another config
+    "ltx-video": (LTXVideoTransformer3DModel, {}, "ltx-video"),
+    # genmo/mochi-1-preview, transformer/config.json: diffusers' class defaults (48 layers, 24 heads x 128, the
+    # text stream 1536 wide, T5 text 4096, 12 latent channels, patch 2, 256 text tokens)
+    "mochi-1": (MochiTransformer3DModel, {}, "mochi"),
 }
-"""Name -> (class, the config's differences from the class defaults, family)."""
+"""Name -> (class, the config's differences from the class defaults, family).
+
+Parameters (counted on the meta device, diffusers 0.42.1; the published figure in brackets, rounded): Wan 2.1
+1.3B 1,418,996,800 ("1.3B"), Wan 2.1 14B 14,288,491,584 ("14B"), CogVideoX-5B 5,570,283,072 ("5B"),
+HunyuanVideo 12,821,012,544 ("13B"; 12.8B is what its 25.6 GB bf16 checkpoint holds, a size from memory),
+LTX-Video 1,923,385,472 ("2B"), Mochi 1 preview 10,027,677,744 ("10B").  The same configs with the hub's
+weights make the released models; with random weights they say nothing of quality.
+"""
 
 RESOLUTIONS = {"480p": (480, 832), "720p": (720, 1280)}
 """Wan's video sizes (height, width); 81 frames."""
 
 
+class Latent(NamedTuple):
+    """How a family's pipeline turns a video into transformer tokens, and what it feeds the transformer."""
+
+    time: int          # the VAE's temporal compression: f frames -> (f - 1) // time + 1 latent frames
+    space: int         # the VAE's spatial compression
+    patch_t: int       # the transformer's patch in latent frames
+    patch: int         # the transformer's patch in latent pixels (each side)
+    text_tokens: int   # the pipeline's padded prompt length
+    batch: int         # transformer batch per denoising step: 2 with classifier-free guidance, 1 with embedded
+
+
+LATENTS: dict[str, Latent] = {
+    "wan": Latent(4, 8, 1, 2, 512, 2),
+    "cogvideox": Latent(4, 8, 1, 2, 226, 2),         # CogVideoX 1.0: no temporal patch
+    "hunyuan-video": Latent(4, 8, 1, 2, 256, 1),     # embedded guidance 6.0, true CFG off by default
+    "ltx-video": Latent(8, 32, 1, 1, 128, 2),
+    "mochi": Latent(6, 8, 1, 2, 256, 2),
+}
+"""Family -> its ``Latent`` (from diffusers' pipelines: their VAE ratios and ``__call__`` defaults)."""
+
+VIDEO_SIZES: dict[str, dict[str, tuple[int, int, int]]] = {
+    "wan": {name: (81, height, width) for name, (height, width) in RESOLUTIONS.items()},
+    "cogvideox": {"480x720x49": (49, 480, 720)},
+    "hunyuan-video": {"720p": (129, 720, 1280), "540p": (129, 544, 960)},
+    "ltx-video": {"512x704x161": (161, 512, 704)},
+    "mochi": {"480x848x19": (19, 480, 848), "480x848x163": (163, 480, 848)},
+}
+"""Family -> size name -> (frames, height, width); the first is the pipeline's default.  Video tokens
+(``video_tokens``; the text tokens of ``LATENTS`` come on top, joined to the video's in CogVideoX, HunyuanVideo
+and Mochi, cross-attended in Wan and LTX-Video):
+
+- Wan 2.1 (``WanPipeline``: 81 frames of 480 x 832; 8x / 4x VAE, patch 2 x 2): 480p 21 x 30 x 52 = 32,760;
+  720p 21 x 45 x 80 = 75,600.
+- CogVideoX-5B (its transformer's sample size, 49 frames of 480 x 720; 8x / 4x, patch 2): 13 x 30 x 45 = 17,550
+  + 226 text.
+- HunyuanVideo (``HunyuanVideoPipeline``: 129 frames of 720 x 1280; 8x / 4x, patch 2 x 2): 720p 33 x 45 x 80 =
+  118,800 + 256 text; 540p (544 x 960, the other size its README lists; from memory) 33 x 34 x 60 = 67,320 + 256.
+- LTX-Video (``LTXPipeline``: 161 frames of 512 x 704 at 25 fps; 32x / 8x VAE, patch 1): 21 x 16 x 22 = 7,392,
+  cross-attending 128 text tokens.
+- Mochi 1 (``MochiPipeline``: 19 frames of 480 x 848; 8x / 6x, patch 2): 4 x 30 x 53 = 6,360 + 256 text; at the
+  163 frames (5.4 s at 30 fps) of genmo's own examples (from memory) 28 x 30 x 53 = 44,520 + 256.
+"""
+
+
+def _size(name: str, resolution: str | None, frames: int | None) -> tuple[Latent, int, int, int]:
+    family = FULL_SIZE[name][2]
+    sizes = VIDEO_SIZES[family]
+    resolution = next(iter(sizes)) if resolution is None else resolution
+    if resolution not in sizes:
+        raise ValueError(f"{name}: unknown resolution={resolution!r}; expected one of {tuple(sizes)}")
+    latent = LATENTS[family]
+    default_frames, height, width = sizes[resolution]
+    frames = default_frames if frames is None else frames
+    if (frames - 1) % latent.time:
+        raise ValueError(f"{name}: frames={frames} is not {latent.time}k + 1 (its VAE's temporal compression)")
+    return latent, frames, height, width
+
+
+def video_tokens(name: str, resolution: str | None = None, *, frames: int | None = None) -> int:
+    """The video tokens of one forward of the ``FULL_SIZE`` model ``name`` at ``resolution`` (a name of its family's
+    ``VIDEO_SIZES``; ``None``: the first) and ``frames`` (``None``: the size's)."""
+    if name not in FULL_SIZE:
+        raise ValueError(f"video_tokens: unknown name={name!r}; expected one of {tuple(FULL_SIZE)}")
+    latent, frames, height, width = _size(name, resolution, frames)
+    latent_frames = (frames - 1) // latent.time + 1
+    side = latent.space * latent.patch
+    return latent_frames // latent.patch_t * (height // side) * (width // side)
+
+
 def full_size_transformer(name: str, *, device: str | torch.device, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
     """The full-size transformer ``name`` (one of ``FULL_SIZE``) with seeded random weights, built on ``device``
-    (in fp32, then cast to ``dtype``), eval mode."""
+    (in fp32, then cast to ``dtype``), eval mode.  ``device="meta"`` builds it without memory (no weights)."""
     if name not in FULL_SIZE:
         raise ValueError(f"full_size_transformer: unknown name={name!r}; expected one of {tuple(FULL_SIZE)}")
     cls, config, _ = FULL_SIZE[name]
@@ -144,29 +234,52 @@ def full_size_transformer(name: str, *, device: str | torch.device, dtype: torch
     return model.eval()
 
 
-def full_size_inputs(name: str, model: torch.nn.Module, resolution: str, *, batch: int = 2,
-                     frames: int = 81) -> dict[str, Any]:
-    """One forward's inputs of a ``FULL_SIZE`` model: Wan at ``resolution`` (``RESOLUTIONS``) and ``frames``
-    frames; CogVideoX at its sample size; classifier-free guidance as ``batch`` 2, 512 (Wan) or 226
-    (CogVideoX) text tokens, on the model's device and dtype."""
+def full_size_inputs(name: str, model: torch.nn.Module, resolution: str | None = None, *, batch: int | None = None,
+                     frames: int | None = None) -> dict[str, Any]:
+    """One forward's inputs of the ``FULL_SIZE`` model ``name`` as its pipeline calls it, at ``resolution`` (a name
+    of the family's ``VIDEO_SIZES``; ``None``: the pipeline's default size) and ``frames`` (``None``: the size's),
+    on the model's device and dtype: ``batch`` the pipeline's (``None``: ``LATENTS``: 2, classifier-free guidance,
+    or HunyuanVideo's 1), the text its padded prompt length (every token kept where the family takes a mask;
+    HunyuanVideo with pooled embeddings and guidance 6.0, LTX-Video with its RoPE scale at 25 fps), timestep 500.
+    On the meta device the tensors hold no values."""
+    latent, frames, height, width = _size(name, resolution, frames)
+    family = FULL_SIZE[name][2]
+    batch = latent.batch if batch is None else batch
     # the dtype of the weights most of the model holds (some modules stay fp32)
     param = max(model.parameters(), key=lambda p: p.numel())
-    gen = torch.Generator(device=param.device).manual_seed(1)
+    device = param.device
+    gen = None if device.type == "meta" else torch.Generator(device=device).manual_seed(1)
     cfg = model.config
 
     def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen, device=param.device).to(param.dtype)
+        return torch.randn(*shape, generator=gen, device=device).to(param.dtype)
 
-    timestep = torch.full((batch,), 500, dtype=torch.long, device=param.device)
-    if FULL_SIZE[name][2] == "wan":
-        height, width = RESOLUTIONS[resolution]
-        latent = (batch, cfg.in_channels, (frames - 1) // 4 + 1, height // 8, width // 8)
-        return {"hidden_states": randn(*latent), "timestep": timestep,
-                "encoder_hidden_states": randn(batch, 512, cfg.text_dim), "return_dict": False}
-    latent_frames = (cfg.sample_frames - 1) // cfg.temporal_compression_ratio + 1
-    return {"hidden_states": randn(batch, latent_frames, cfg.in_channels, cfg.sample_height, cfg.sample_width),
-            "encoder_hidden_states": randn(batch, cfg.max_text_seq_length, cfg.text_embed_dim),
-            "timestep": timestep, "return_dict": False}
+    frames_lat = (frames - 1) // latent.time + 1
+    height_lat, width_lat = height // latent.space, width // latent.space
+    video = (batch, cfg.in_channels, frames_lat, height_lat, width_lat)
+    timestep = torch.full((batch,), 500, dtype=torch.long, device=device)
+    kept = torch.ones(batch, latent.text_tokens, dtype=torch.long, device=device)
+    if family == "wan":
+        return {"hidden_states": randn(*video), "timestep": timestep,
+                "encoder_hidden_states": randn(batch, latent.text_tokens, cfg.text_dim), "return_dict": False}
+    if family == "cogvideox":
+        return {"hidden_states": randn(batch, frames_lat, cfg.in_channels, height_lat, width_lat),
+                "encoder_hidden_states": randn(batch, latent.text_tokens, cfg.text_embed_dim),
+                "timestep": timestep, "return_dict": False}
+    if family == "hunyuan-video":
+        return {"hidden_states": randn(*video), "timestep": timestep,
+                "encoder_hidden_states": randn(batch, latent.text_tokens, cfg.text_embed_dim),
+                "encoder_attention_mask": kept, "pooled_projections": randn(batch, cfg.pooled_projection_dim),
+                "guidance": torch.full((batch,), 6000.0, dtype=param.dtype, device=device), "return_dict": False}
+    if family == "ltx-video":  # packed latents (B, f h w, C), as LTXPipeline._pack_latents with patch 1
+        return {"hidden_states": randn(batch, frames_lat * height_lat * width_lat, cfg.in_channels),
+                "encoder_hidden_states": randn(batch, latent.text_tokens, cfg.caption_channels),
+                "timestep": timestep, "encoder_attention_mask": kept, "num_frames": frames_lat, "height": height_lat,
+                "width": width_lat,
+                "rope_interpolation_scale": (latent.time / 25, latent.space, latent.space), "return_dict": False}
+    return {"hidden_states": randn(*video),
+            "encoder_hidden_states": randn(batch, latent.text_tokens, cfg.text_embed_dim), "timestep": timestep,
+            "encoder_attention_mask": kept, "return_dict": False}
 
 
 def tiny_wan_vae(*, seed: int = 0) -> torch.nn.Module:

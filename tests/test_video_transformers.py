@@ -9,6 +9,7 @@ output to the same dtype once; the rest of the model is the same code.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import pytest
@@ -17,7 +18,9 @@ import torch
 from pasa_diffusers import install as I
 from pasa_diffusers import processors as P
 from pasa_diffusers import routing
-from pasa_diffusers.pipelines.video_dits import FAMILIES, example_inputs, tiny_transformer
+from pasa_diffusers.pipelines.video_dits import (FAMILIES, FULL_SIZE, LATENTS, VIDEO_SIZES, example_inputs,
+                                                 full_size_inputs, full_size_transformer, tiny_transformer,
+                                                 video_tokens)
 
 K = 2.0
 TINY = 1e-12
@@ -180,3 +183,106 @@ def test_an_sdpa_backend_peer_routes_like_the_others(gen):
     assert counters["backends"] == ["flash"] and counters["fallbacks"] == {"attention mask": 2}  # its text mask
     gold = _golden("ltx-video", inputs)
     assert _rel(out, gold) <= K * _rel(stock, gold) + TINY
+
+
+# ---- full-size configs, on the meta device (no memory, no arithmetic) --------------------------------------
+
+PARAMETERS = {
+    "wan2.1-1.3b": 1.42e9,    # published "1.3B"; its fp32 checkpoint of 5.68 GB holds 1.42B (a size from memory)
+    "wan2.1-14b": 14.3e9,     # "14B"
+    "cogvideox-5b": 5.57e9,   # "5B"
+    "hunyuan-video": 12.8e9,  # "13B" (the paper: "over 13 billion"); its bf16 checkpoint of 25.6 GB holds 12.8B
+    "ltx-video": 1.92e9,      # "2B" (ltx-video-2b-v0.9)
+    "mochi-1": 10.0e9,        # "10B" (genmo: "a 10 billion parameter diffusion model")
+}
+"""Parameters of each released transformer, as ``FULL_SIZE``'s docstring states them (3 digits; the checkpoint sizes
+and quotes beside them are from memory, not checked offline)."""
+
+VIDEO_TOKENS = {
+    ("wan2.1-1.3b", "480p"): 32_760, ("wan2.1-1.3b", "720p"): 75_600,
+    ("wan2.1-14b", "480p"): 32_760, ("wan2.1-14b", "720p"): 75_600,
+    ("cogvideox-5b", "480x720x49"): 17_550,
+    ("hunyuan-video", "720p"): 118_800, ("hunyuan-video", "540p"): 67_320,
+    ("ltx-video", "512x704x161"): 7_392,
+    ("mochi-1", "480x848x19"): 6_360, ("mochi-1", "480x848x163"): 44_520,
+}
+"""Video tokens of every size, as ``VIDEO_SIZES``'s docstring and bench.dit's table state them."""
+
+
+def test_every_full_size_model_and_size_is_documented():
+    assert set(PARAMETERS) == set(FULL_SIZE)
+    assert set(VIDEO_TOKENS) == {(name, size) for name, (_, _, family) in FULL_SIZE.items()
+                                 for size in VIDEO_SIZES[family]}
+
+
+@pytest.mark.parametrize("name", list(FULL_SIZE))
+def test_full_size_model_builds_on_meta_with_the_documented_parameter_count(name):
+    model = full_size_transformer(name, device="meta", dtype=torch.bfloat16)
+    count = sum(p.numel() for p in model.parameters())
+    assert all(p.is_meta for p in model.parameters())
+    assert abs(count / PARAMETERS[name] - 1) < 0.01, f"{name}: {count:,} parameters"
+
+
+@contextlib.contextmanager
+def _meta_forward_allowed(monkeypatch):
+    """Two things diffusers' Mochi does that the meta device refuses: ``torch.autocast("meta")`` around its RoPE
+    (made a no-op) and ``torch.nonzero`` of its text mask, per sample (every token is kept: the meta kernel may
+    assume so)."""
+    autocast = torch.autocast
+
+    def no_meta_autocast(device_type, *args, **kwargs):
+        return contextlib.nullcontext() if device_type == "meta" else autocast(device_type, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "autocast", no_meta_autocast)
+    with torch.fx.experimental._config.patch(meta_nonzero_assume_all_nonzero=True):
+        yield
+
+
+def _attention_lengths(model, inputs) -> set[tuple[int, int | None]]:
+    """(query tokens, encoder tokens or None) of every attention module's call in one forward of ``model``."""
+    seen: set[tuple[int, int | None]] = set()
+
+    def record(module, args, kwargs):
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        encoder = kwargs.get("encoder_hidden_states", args[1] if len(args) > 1 else None)
+        seen.add((hidden.shape[1], None if encoder is None else encoder.shape[1]))
+
+    hooks = [model.get_submodule(key.removesuffix(".processor")).register_forward_pre_hook(record, with_kwargs=True)
+             for key in I.attention_processors(model)]
+    try:
+        with torch.no_grad():
+            out = model(**inputs)[0]
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert out.shape == inputs["hidden_states"].shape and out.is_meta  # the prediction has the latents' shape
+    return seen
+
+
+@pytest.mark.parametrize("name, size", list(VIDEO_TOKENS))
+def test_full_size_inputs_run_a_meta_forward_at_the_documented_tokens(name, size, monkeypatch):
+    """The inputs ``bench.dit`` gives each model run its forward (on the meta device: shapes and dtypes only), and
+    its attention sees the documented tokens: video queries attending to the pipeline's text tokens (cross- or
+    joint attention), every call's lengths of video, text or both joined."""
+    family = FULL_SIZE[name][2]
+    latent = LATENTS[family]
+    model = full_size_transformer(name, device="meta", dtype=torch.bfloat16)
+    inputs = full_size_inputs(name, model, size)
+    video, text = video_tokens(name, size), latent.text_tokens
+    assert video == VIDEO_TOKENS[name, size]
+    assert inputs["hidden_states"].shape[0] == inputs["encoder_hidden_states"].shape[0] == latent.batch
+    assert inputs["encoder_hidden_states"].shape[1] == text
+    assert inputs["hidden_states"].dtype == torch.bfloat16
+    with _meta_forward_allowed(monkeypatch):
+        seen = _attention_lengths(model, inputs)
+    assert (video, text) in seen, seen
+    assert {n for pair in seen for n in pair if n is not None} <= {video, text, video + text}, seen
+
+
+def test_full_size_inputs_refuse_a_size_or_frame_count_the_pipeline_does_not_take():
+    model = full_size_transformer("ltx-video", device="meta", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"^ltx-video: unknown resolution='480p'; expected one of \('512x704x161',\)"):
+        full_size_inputs("ltx-video", model, "480p")
+    with pytest.raises(ValueError, match=r"^ltx-video: frames=120 is not 8k \+ 1"):
+        full_size_inputs("ltx-video", model, frames=120)
+    assert full_size_inputs("ltx-video", model, frames=81)["num_frames"] == 11
