@@ -33,6 +33,7 @@ a logging call breaks the graph), so a compiled model's counters show its eager 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -110,6 +111,25 @@ def key_padding(attention_mask: torch.Tensor, batch: int, n_keys: int) -> torch.
         return None
     keep = keep[:, 0]
     return keep if keep.any(dim=-1).all() else None
+
+
+def attend_kept_keys(op: Callable[..., torch.Tensor], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     scale: float | None, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """``op(query, key, value, scale)`` on ``(B, N, H, D)`` tensors under no mask or a key-padding mask
+    (``key_padding`` accepts it): each batch element attends to its kept keys, exactly what the mask
+    computes, in one call where every key is kept."""
+    keep = None if attention_mask is None else key_padding(attention_mask, key.shape[0], key.shape[1])
+    if keep is None or keep.all():
+        return op(query, key, value, scale)
+    return torch.cat([op(query[b:b + 1], key[b:b + 1, keep[b]], value[b:b + 1, keep[b]], scale)
+                      for b in range(query.shape[0])])
+
+
+def mask_reason(key: torch.Tensor, attention_mask: torch.Tensor | None) -> str | None:
+    """``"attention mask"`` for a mask ``attend_kept_keys`` cannot take (any but a key-padding one), else ``None``."""
+    if attention_mask is None or key_padding(attention_mask, key.shape[0], key.shape[1]) is not None:
+        return None
+    return "attention mask"
 
 
 class CountedAttnProcessor:
@@ -327,7 +347,7 @@ class PASAAttnProcessor(CountedAttnProcessor):
     ) -> str | None:
         # the mask comes first: the single-key shortcut below ignores it
         if attention_mask is not None:
-            return None if key_padding(attention_mask, key.shape[0], key.shape[1]) is not None else "attention mask"
+            return mask_reason(key, attention_mask)
         if key.shape[1] == 1:
             return "single key"
         return None
@@ -340,16 +360,8 @@ class PASAAttnProcessor(CountedAttnProcessor):
         scale: float | None,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        try:
-            if attention_mask is None:
-                return self._op(query, key, value, scale)
-            # a key-padding mask (fallback_reason let no other through): each batch element attends to its
-            # kept keys, exactly what the mask computes
-            keep = key_padding(attention_mask, key.shape[0], key.shape[1])
-            if keep.all():
-                return self._op(query, key, value, scale)
-            return torch.cat([self._op(query[b:b + 1], key[b:b + 1, keep[b]], value[b:b + 1, keep[b]], scale)
-                              for b in range(query.shape[0])])
+        try:  # no mask or a key-padding one: fallback_reason let no other through
+            return attend_kept_keys(self._op, query, key, value, scale, attention_mask)
         except ValueError as error:
             raise ValueError(f"{type(self).__name__}(precision={self.precision!r}) in "
                              f"{self.name or 'an attention module'}: {error} (pass dtype= to cast q, k, v)") from error
@@ -428,8 +440,10 @@ class SDPAAttnProcessor(CountedAttnProcessor):
 class PeerAttnProcessor(CountedAttnProcessor):
     r"""
     Attention by a peer kernel (``peers.PEERS``: ``"fa3"``, ``"fa3-fp8"``, ``"sage"``, ``"cudnn"``,
-    ``"flash"``, ``"efficient"``), counted like the other processors.  The peers take no mask: a call
-    with one falls back to SDPA (``"attention mask"``, counted and logged once).
+    ``"flash"``, ``"efficient"``), counted like the other processors.  The peers take no mask: a
+    key-padding mask (HunyuanVideo's joint attention, LTX-Video's text cross-attention) runs the peer on
+    each batch element's kept keys, as the PASA processor does; any other mask falls back to SDPA
+    (``"attention mask"``, counted and logged once).
     """
 
     def __init__(self, peer: str, dtype: torch.dtype | None = None) -> None:
@@ -441,7 +455,7 @@ class PeerAttnProcessor(CountedAttnProcessor):
     def fallback_reason(
         self, query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None
     ) -> str | None:
-        return "attention mask" if attention_mask is not None else None
+        return mask_reason(key, attention_mask)
 
     def attention(
         self,
@@ -451,4 +465,4 @@ class PeerAttnProcessor(CountedAttnProcessor):
         scale: float | None,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return peers.PEERS[self.peer](query, key, value, scale)
+        return attend_kept_keys(peers.PEERS[self.peer], query, key, value, scale, attention_mask)

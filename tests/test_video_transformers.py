@@ -180,7 +180,8 @@ def test_an_sdpa_backend_peer_routes_like_the_others(gen):
     I.apply(model, "flash")  # SDPA's flash backend, which the CPU build of torch has too
     out = _forward(model, inputs)
     counters = I.fallback_summary(model)
-    assert counters["backends"] == ["flash"] and counters["fallbacks"] == {"attention mask": 2}  # its text mask
+    # its text mask removes padded keys: the peer runs on each sample's kept keys, no fallback
+    assert counters["backends"] == ["flash"] and counters["fallbacks"] == {} and counters["calls"] > 0
     gold = _golden("ltx-video", inputs)
     assert _rel(out, gold) <= K * _rel(stock, gold) + TINY
 
