@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .common import INTERPRET, LN2, LOG2E, centre_tile, lse_arg, mma, round_to, strides3
-from .tuning import autotuned, bucket, pow2_tile
+from .tuning import autotuned, bucket, interpreter_autotunes, pow2_tile
 
 __all__ = ["packed_fwd_kernel", "forward", "MAX_TOKENS", "packs"]
 
@@ -161,8 +161,7 @@ def _prune(configs, named_args, **kwargs):
     return [c for c in fitting if c.num_warps == fewest]
 
 
-if not INTERPRET:
-    _packed_fwd_tuned = autotuned(packed_fwd_kernel, CONFIGS, AUTOTUNE_KEY, _prune)
+_packed_fwd_tuned = autotuned(packed_fwd_kernel, CONFIGS, AUTOTUNE_KEY, _prune, name="packed")
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, scale: float,
@@ -191,7 +190,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
     def grid(meta_):
         return (triton.cdiv(n_seq, meta_["SEQS"]),)
 
-    if INTERPRET or config is not None:
+    if config is not None or (INTERPRET and not interpreter_autotunes()):
         fixed = {"CENTRE_IN_G": False, **(INTERPRET_CONFIG if INTERPRET else {}), **(config or {})}
         if not isinstance(fixed.get("SEQS"), int) or fixed["SEQS"] < 1 or fixed["SEQS"] & (fixed["SEQS"] - 1):
             raise ValueError(f"packed.forward: config['SEQS'] must be a power of two, got {fixed.get('SEQS')!r}")

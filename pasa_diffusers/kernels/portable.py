@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from .common import INTERPRET, LN2, LOG2E, centre_tile, lse_arg, mma, round_to, strides3
-from .tuning import SMEM_LIMIT, autotuned, bucket, pow2_tile
+from .tuning import SMEM_LIMIT, autotuned, bucket, interpreter_autotunes, pow2_tile
 
 __all__ = ["pasa_fwd_kernel", "forward", "INTERPRET_CONFIG", "NO_SHIFT"]
 
@@ -492,11 +492,11 @@ def _pool(table: dict[str, list[triton.Config]]) -> list[triton.Config]:
     return [c for cs in table.values() for c in cs]
 
 
-if not INTERPRET:
-    # the pool of the variants whose tile is their shift block (PASA, the exact shift centring in the
-    # loop), and the tiled pool, which also tunes BLOCK_N (plain FA, the exact shift with pre-centred keys)
-    _shift_fwd_tuned = autotuned(pasa_fwd_kernel, _pool(_SHIFT_CONFIGS), AUTOTUNE_KEY, _prune)
-    _tiled_fwd_tuned = autotuned(pasa_fwd_kernel, _pool(_TILED_CONFIGS), AUTOTUNE_KEY[:-1], _prune)
+# the pool of the variants whose tile is their shift block (PASA, the exact shift centring in the loop),
+# and the tiled pool, which also tunes BLOCK_N (plain FA, the exact shift with pre-centred keys); names in
+# the shipped tables (tuning.py)
+_shift_fwd_tuned = autotuned(pasa_fwd_kernel, _pool(_SHIFT_CONFIGS), AUTOTUNE_KEY, _prune, name="portable.shift")
+_tiled_fwd_tuned = autotuned(pasa_fwd_kernel, _pool(_TILED_CONFIGS), AUTOTUNE_KEY[:-1], _prune, name="portable.tiled")
 
 
 NO_SHIFT = (0.0, 0.0, 0.0, 0.0, 0.0, 1.0)
@@ -548,7 +548,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
     def grid(meta_):
         return (triton.cdiv(n_q, meta_["BLOCK_M"]) * batch * h_q,)
 
-    if INTERPRET or config is not None:
+    if config is not None or (INTERPRET and not interpreter_autotunes()):
         fixed = {**INTERPRET_CONFIG, **(config or {})} if INTERPRET else dict(config)
         if shift == "none":
             fixed.setdefault("BLOCK_N", 64)

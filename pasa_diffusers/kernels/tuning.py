@@ -1,30 +1,366 @@
 """What the kernels' launch configurations share: tile extents, shape buckets, the sm_90 shared-memory
-limit and the autotuner with its on-disk cache.  Each kernel file keeps its own config pool and pruning
-beside its kernel.
+limit, and the autotuner with its shipped tables and on-disk cache.  Each kernel file keeps its own
+config pool and pruning beside its kernel.
 
-Autotuning results persist across processes (``cache_results=True``): Triton stores each tuning key's
-timings in its cache directory (``TRITON_CACHE_DIR``, default ``~/.triton/cache``), keyed by the Triton
-version, the GPU target (e.g. ``cuda:90``), the kernel source, the key and the config pool, so a process
-that meets a shape bucket another process already tuned on this machine loads the winner instead of
-benchmarking every config again.
+How an autotuned launch gets its config (:class:`TableAutotuner`, Triton's ``Autotuner`` with one step
+in front), for a tuning key (the key arguments' values, then the dtype of each tensor argument, in
+argument order: Triton's own key, :meth:`TableAutotuner.key_of`) met for the first time in the process:
+
+1. the shipped table of this GPU: ``tuned/<gpu>.json`` beside this file, ``<gpu>`` the normalised
+   ``torch.cuda.get_device_name`` (:func:`table_name`: ``"NVIDIA H200"`` -> ``nvidia-h200``), written by
+   ``python -m bench.tune_table``.  An entry for the key whose config is one the kernel's pool and prune
+   allow for this call is put in the autotuner's cache: the kernel runs it without benchmarking, only
+   its compilation remains (and no losing config is compiled).  An entry the pool or the prune rejects
+   is ignored with a one-time warning, and the key autotunes;
+2. a prune that leaves one config: that config, unbenchmarked (Triton 3.8 does so itself, 3.6
+   benchmarks it);
+3. otherwise Triton's autotuner as before: the timings of an earlier process from Triton's cache
+   directory (``cache_results=True``: keyed by the Triton version, the GPU target, the kernel source,
+   the key and the configs), else every pruned config compiled and benchmarked.
+
+``PASA_TUNED`` (read when a key is first met) chooses the tables: unset or ``1``, the shipped ones; ``0``,
+none (for re-tuning, and what ``bench.tune_table`` sets); a ``.json`` path, that table (a folder: its
+``<gpu>.json``), e.g. a table just written by ``bench.tune_table`` before it is committed.
+
+Under ``TRITON_INTERPRET=1`` the launchers run one fixed config; inside :func:`interpreter_autotuning`
+they autotune (timed by the wall clock), so that a CPU test can write, load and use a table.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import json
+import os
+import re
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
+import torch
 import triton
+from triton.runtime.autotuner import Autotuner
 
-__all__ = ["SMEM_LIMIT", "autotuned", "bucket", "pow2_tile"]
+__all__ = ["SMEM_LIMIT", "TABLE_DIR", "TableAutotuner", "autotuned", "autotuners", "bucket", "config_of",
+           "forget", "interpreter_autotuning", "interpreter_autotunes", "load_table", "pow2_tile", "table_name",
+           "table_payload"]
 
 SMEM_LIMIT = 232448
 """Bytes of shared memory one block may use on sm_90."""
 
+TABLE_DIR = Path(__file__).with_name("tuned")
+"""The shipped tables, one ``<table_name(gpu)>.json`` per GPU (package data)."""
 
-def autotuned(kernel, configs: list[triton.Config], key: list[str], prune: Callable) -> triton.runtime.Autotuner:
-    """``kernel`` under Triton's autotuner over ``configs``, chosen per value of the arguments named in
-    ``key``, pruned by ``prune(configs, named_args, **kwargs)`` before compiling; results cached on disk."""
-    return triton.autotune(configs, key=key, prune_configs_by={"early_config_prune": prune},
-                           cache_results=True)(kernel)
+TABLE_FORMAT = 1
+"""The table files' ``format``: what :func:`load_table` reads and :func:`table_payload` writes."""
+
+ENV = "PASA_TUNED"
+
+INTERPRETER_TABLE = "triton-interpreter"
+"""The table name of CPU tensors (Triton's interpreter): tables a CPU test writes; none is shipped."""
+
+
+def table_name(gpu: str) -> str:
+    """A GPU's name as a table's file stem: lower case, each run of other characters than letters and
+    digits one ``-`` (``"NVIDIA H200"`` -> ``"nvidia-h200"``, ``"NVIDIA A100-SXM4-80GB"`` ->
+    ``"nvidia-a100-sxm4-80gb"``)."""
+    return re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
+
+
+def device_gpu(device: torch.device) -> str:
+    """The name a table of ``device`` is made for: the CUDA device's name, or the interpreter's."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else INTERPRETER_TABLE
+
+
+# ---- the tables ----------------------------------------------------------------------------------
+
+_WARNED: set[tuple] = set()
+"""What has been warned about (each once per process)."""
+
+
+def _warn_once(what: tuple, message: str) -> None:
+    if what not in _WARNED:
+        _WARNED.add(what)
+        warnings.warn(f"{message} (warned once per process)", UserWarning, stacklevel=4)
+
+
+def config_of(spec: dict) -> triton.Config:
+    """The ``triton.Config`` of a table entry's ``config``: ``{"kwargs": {...}, "num_warps": w,
+    "num_stages": s}`` (and ``num_ctas``, ``maxnreg`` where they are not 1 and None)."""
+    extra = {k: spec[k] for k in ("num_ctas", "maxnreg") if k in spec}
+    return triton.Config(dict(spec["kwargs"]), num_warps=int(spec["num_warps"]), num_stages=int(spec["num_stages"]),
+                         **extra)
+
+
+def _config_spec(cfg: triton.Config) -> dict:
+    spec: dict[str, Any] = {"kwargs": dict(cfg.kwargs), "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    if cfg.num_ctas != 1:
+        spec["num_ctas"] = cfg.num_ctas
+    if cfg.maxnreg is not None:
+        spec["maxnreg"] = cfg.maxnreg
+    return spec
+
+
+def load_table(path: str | os.PathLike) -> dict:
+    """A table file, checked: ``{"gpu", "triton", "source", "entries": [{"kernel", "key", "dtypes",
+    "config", ...}]}``; ``ValueError`` naming the file and what is wrong."""
+    path = Path(path)
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"tuned table {path}: cannot be read as JSON ({e})") from e
+    if not isinstance(table, dict) or table.get("format") != TABLE_FORMAT:
+        raise ValueError(f"tuned table {path}: expected a JSON object with format={TABLE_FORMAT}")
+    entries = table.get("entries")
+    if not isinstance(table.get("gpu"), str) or not isinstance(entries, list):
+        raise ValueError(f"tuned table {path}: expected 'gpu' (a string) and 'entries' (a list)")
+    for i, entry in enumerate(entries):
+        try:
+            ok = (isinstance(entry["kernel"], str) and isinstance(entry["key"], dict)
+                  and isinstance(entry["dtypes"], list) and config_of(entry["config"]) is not None)
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError(f"tuned table {path}: entry {i} needs 'kernel' (a string), 'key' (an object), "
+                             f"'dtypes' (a list) and 'config' ({{'kwargs', 'num_warps', 'num_stages'}}), got {entry!r}")
+    return table
+
+
+_TABLES: dict[tuple[str, str], dict | None] = {}
+"""(PASA_TUNED, GPU name) -> the table that applies (None: none), loaded once."""
+
+
+def _table_path(setting: str, gpu: str) -> Path | None:
+    if setting in ("", "1"):
+        path = TABLE_DIR / f"{table_name(gpu)}.json"
+        return path if path.is_file() else None
+    path = Path(setting)
+    if path.is_dir():
+        path = path / f"{table_name(gpu)}.json"
+        return path if path.is_file() else None
+    if not path.is_file():
+        raise ValueError(f"{ENV}={setting!r}: no such file or folder; {ENV}=0 turns the shipped tables off, a path "
+                         f"names a table (a .json file, or a folder of <gpu>.json tables)")
+    return path
+
+
+def active_table(device: torch.device) -> dict | None:
+    """The table that serves launches on ``device`` under the current ``PASA_TUNED`` (module docstring), or
+    ``None``.  A table that cannot be read, or is made for another GPU, is ignored with a one-time warning."""
+    setting, gpu = os.environ.get(ENV, "1").strip(), device_gpu(device)
+    if setting == "0":
+        return None
+    if (setting, gpu) not in _TABLES:
+        table, path = None, _table_path(setting, gpu)
+        if path is not None:
+            try:
+                table = load_table(path)
+            except ValueError as e:
+                _warn_once(("unreadable", str(path)), f"pasa_diffusers: {e}; autotuning instead")
+            else:
+                if table_name(table["gpu"]) != table_name(gpu):
+                    _warn_once(("gpu", str(path), gpu), f"pasa_diffusers: tuned table {path} is made for "
+                               f"{table['gpu']!r}, not this {gpu!r}; ignored, autotuning instead")
+                    table = None
+                else:
+                    table = {**table, "path": str(path)}
+        _TABLES[setting, gpu] = table
+    return _TABLES[setting, gpu]
+
+
+# ---- the autotuner -------------------------------------------------------------------------------
+
+_INTERPRETER_AUTOTUNING = [False]
+
+
+def interpreter_autotunes() -> bool:
+    """Whether the launchers autotune under Triton's interpreter (inside :func:`interpreter_autotuning`)."""
+    return _INTERPRETER_AUTOTUNING[0]
+
+
+@contextlib.contextmanager
+def interpreter_autotuning() -> Iterator[None]:
+    """Inside: the launchers autotune under ``TRITON_INTERPRET=1`` too (configs timed by the wall clock,
+    the tables applied) instead of running their fixed interpreter config."""
+    before, _INTERPRETER_AUTOTUNING[0] = _INTERPRETER_AUTOTUNING[0], True
+    try:
+        yield
+    finally:
+        _INTERPRETER_AUTOTUNING[0] = before
+
+
+def _wall_clock_bench(kernel_call: Callable[[], Any], quantiles=None) -> list[float]:
+    """The interpreter's benchmark (no GPU events, nothing to warm up): one call's wall time in ms (its
+    timings say nothing about a GPU; they exercise the autotuner)."""
+    start = time.perf_counter()
+    kernel_call()
+    ms = (time.perf_counter() - start) * 1e3
+    return [ms, ms, ms]
+
+
+class TableAutotuner(Autotuner):
+    """Triton's ``Autotuner`` that first takes the shipped table's config for a new key (module
+    docstring): it puts the config in ``self.cache``, which ``Autotuner.run`` reads before it prunes or
+    benchmarks anything (Triton 3.6 and 3.8; ``tests/test_tuned_configs.py`` checks that the key is
+    Triton's).  Records, per key met: where its config came from (``sources``: ``"table"``, ``"one
+    config"``, ``"benchmarked"``, ``"disk cache"``) and the benchmarked timings (``timings``, ms);
+    ``bench_calls`` counts the configs benchmarked; ``last_key`` is the key of the latest launch."""
+
+    def __init__(self, name: str, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        missing = [k for k in self.keys if k not in self.arg_names]
+        if missing:
+            raise ValueError(f"autotuned({name!r}): key {missing} names no argument of the kernel")
+        self.name = name
+        self._arg_set = frozenset(self.arg_names)
+        self.bench_calls = 0
+        self.sources: dict[tuple, str] = {}
+        self.timings: dict[tuple, dict[triton.Config, float]] = {}
+        self.last_key: tuple | None = None
+        self._index: dict[str, dict[tuple, dict]] = {}
+
+    def key_of(self, args: tuple, kwargs: dict) -> tuple:
+        """Triton's tuning key of a launch (``Autotuner.run``): the values of the key arguments, then
+        ``str(dtype)`` of each argument that has one, in argument order."""
+        named = dict(zip(self.arg_names, args))  # then the kernel's arguments among kwargs, as {**nargs, **kwargs}
+        named.update((k, v) for k, v in kwargs.items() if k in self._arg_set)
+        return tuple([named[k] for k in self.keys if k in named]
+                     + [str(v.dtype) for v in named.values() if hasattr(v, "dtype")])
+
+    def split_key(self, key: tuple) -> tuple[dict, list[str]]:
+        """A tuning key as a table writes it: the key arguments by name, and the dtypes."""
+        return dict(zip(self.keys, key[:len(self.keys)])), list(key[len(self.keys):])
+
+    def run(self, *args, **kwargs):
+        key = self.key_of(args, kwargs)
+        self.last_key = key
+        fresh = key not in self.cache
+        if fresh:
+            self._choose_unbenchmarked(key, args, kwargs)
+        benched = self.bench_calls
+        result = super().run(*args, **kwargs)
+        if fresh and key not in self.sources:
+            self.sources[key] = "benchmarked" if self.bench_calls > benched else "disk cache"
+        return result
+
+    def _choose_unbenchmarked(self, key: tuple, args: tuple, kwargs: dict) -> None:
+        """Put the table's config for ``key``, or the one config the prune leaves, in the cache."""
+        if len(self.configs) < 2:
+            return
+        self.nargs = dict(zip(self.arg_names, args))
+        try:
+            pruned = self.prune_configs(kwargs)
+        finally:
+            self.nargs = None
+        device = next(a.device for a in args if isinstance(a, torch.Tensor))
+        table = active_table(device)
+        entry = self._entry(table, key) if table is not None else None
+        if entry is not None:
+            cfg = config_of(entry["config"])
+            if cfg in pruned:
+                self.cache[key] = pruned[pruned.index(cfg)]
+                self.sources[key] = "table"
+                return
+            where = "is not in the kernel's config pool" if cfg not in self.configs else \
+                "is in the pool, but its prune rejects it for this call"
+            _warn_once(("entry", table["path"], self.name, key),
+                       f"pasa_diffusers: tuned table {table['path']}: the {self.name} entry for key "
+                       f"{entry['key']} {entry['dtypes']} has config {_config_text(cfg)}, which {where} "
+                       f"(allowed: {'; '.join(_config_text(c) for c in pruned)}); ignored, autotuning this key")
+        if len(pruned) == 1:
+            self.cache[key] = pruned[0]
+            self.sources[key] = "one config"
+
+    def _entry(self, table: dict, key: tuple) -> dict | None:
+        """The table's entry for this kernel and key, or ``None``."""
+        path = table["path"]
+        if path not in self._index:
+            index = {}
+            for entry in table["entries"]:
+                if entry["kernel"] != self.name:
+                    continue
+                if sorted(entry["key"]) != sorted(self.keys):
+                    _warn_once(("names", path, self.name), f"pasa_diffusers: tuned table {path}: {self.name} "
+                               f"entries are keyed by {sorted(entry['key'])}, the kernel by {sorted(self.keys)}; "
+                               "those entries are ignored")
+                    continue
+                index[tuple([entry["key"][k] for k in self.keys] + list(entry["dtypes"]))] = entry
+            self._index[path] = index
+        return self._index[path].get(key)
+
+    def _bench(self, *args, config, **meta):
+        self.bench_calls += 1
+        result = super()._bench(*args, config=config, **meta)
+        self.timings.setdefault(self.last_key, {})[config] = result[0] if isinstance(result, (list, tuple)) else result
+        return result
+
+    def forget(self) -> None:
+        """Empty the in-memory cache and the records (the next launch of each key chooses again)."""
+        self.bench_calls = 0
+        self.cache.clear()
+        self.sources.clear()
+        self.timings.clear()
+        self._index.clear()
+        self.last_key = None
+
+
+def _config_text(cfg: triton.Config) -> str:
+    return " ".join([*(f"{k}={v}" for k, v in cfg.kwargs.items()), f"num_warps={cfg.num_warps}",
+                     f"num_stages={cfg.num_stages}"])
+
+
+_AUTOTUNERS: dict[str, TableAutotuner] = {}
+
+
+def autotuners() -> dict[str, TableAutotuner]:
+    """Every autotuned kernel by its table name (``portable.shift``, ``portable.tiled``, ``packed``, ...)."""
+    return dict(_AUTOTUNERS)
+
+
+def forget() -> None:
+    """Forget every autotuner's choices and the loaded tables (tests, ``bench.tune_table``); the one-time
+    warnings stay given."""
+    for tuner in _AUTOTUNERS.values():
+        tuner.forget()
+    _TABLES.clear()
+
+
+def autotuned(kernel, configs: list[triton.Config], key: list[str], prune: Callable, *,
+              name: str | None = None) -> TableAutotuner:
+    """``kernel`` under :class:`TableAutotuner` over ``configs``, chosen per value of the arguments named in
+    ``key``, pruned by ``prune(configs, named_args, **kwargs)`` before compiling; results cached on disk.
+    ``name`` (default: the kernel's) is its name in the tables, one per autotuner."""
+    base = kernel
+    while not hasattr(base, "__name__"):
+        base = base.fn
+    name = name or base.__name__
+    if name in _AUTOTUNERS:
+        raise ValueError(f"autotuned: name={name!r} is taken; give each autotuner of a kernel its own name")
+    from .common import INTERPRET
+
+    tuner = TableAutotuner(name, kernel, kernel.arg_names, configs, key, None, None,
+                           prune_configs_by={"early_config_prune": prune},
+                           do_bench=_wall_clock_bench if INTERPRET else None, cache_results=True)
+    _AUTOTUNERS[name] = tuner
+    return tuner
+
+
+def table_payload(gpu: str, source: dict, shapes: dict[tuple[str, tuple], list[str]] | None = None) -> dict:
+    """The table of what every autotuner benchmarked in this process (its cache, the keys whose
+    ``sources`` is ``"benchmarked"``): format, ``gpu``, ``triton``, ``source`` (command, date, ...) and one
+    entry per (kernel, key): ``key`` (by name), ``dtypes``, ``config``, ``ms`` (its time) and
+    ``timings_ms`` (every benchmarked config's), ``shapes`` (``shapes[name, key]``: what met the key)."""
+    entries = []
+    for name, tuner in sorted(_AUTOTUNERS.items()):
+        for key, cfg in tuner.cache.items():
+            if tuner.sources.get(key) != "benchmarked":
+                continue
+            named, dtypes = tuner.split_key(key)
+            timings = tuner.timings.get(key, {})
+            entries.append({"kernel": name, "key": named, "dtypes": dtypes, "config": _config_spec(cfg),
+                            "ms": timings.get(cfg), "timings_ms": {_config_text(c): t for c, t in timings.items()},
+                            "shapes": (shapes or {}).get((name, key), [])})
+    return {"format": TABLE_FORMAT, "gpu": gpu, "triton": triton.__version__, "source": source, "entries": entries}
 
 
 def pow2_tile(n: int) -> int:
