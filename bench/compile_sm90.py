@@ -201,10 +201,10 @@ def _parse_config(text: str) -> tuple[int, int, bool, int]:
     return block_n, stages, bool(overlap), consumers
 
 
-def run_child(python: str, *args: str) -> tuple[dict | None, str]:
-    """``python -m bench.compile_sm90 *args`` from the repository root: its ``ROW`` JSON line (or None) and
-    the last lines of its stderr."""
-    res = subprocess.run([python, "-m", "bench.compile_sm90", *args], cwd=ROOT, capture_output=True, text=True,
+def run_child(python: str, *args: str, module: str = f"bench.{NAME}") -> tuple[dict | None, str]:
+    """``python -m <module> *args`` from the repository root (this file's by default; ``bench.compile_int8``
+    shares it): its ``ROW`` JSON line (or None) and the last lines of its stderr."""
+    res = subprocess.run([python, "-m", module, *args], cwd=ROOT, capture_output=True, text=True,
                          timeout=CHILD_TIMEOUT_S)
     tail = " / ".join((res.stderr.strip().splitlines() or [f"no output (rc {res.returncode})"])[-3:])
     for line in res.stdout.splitlines():
@@ -213,10 +213,10 @@ def run_child(python: str, *args: str) -> tuple[dict | None, str]:
     return None, f"process died (rc {res.returncode}): {tail}"[:400]
 
 
-def compile_isolated(python: str, case: dict) -> dict:
-    """:func:`compile_one` of ``case`` in a child process: a compiler that crashes is a failed row."""
+def compile_isolated(python: str, case: dict, module: str = f"bench.{NAME}") -> dict:
+    """The module's ``compile_one`` of ``case`` in a child process: a compiler that crashes is a failed row."""
     t0 = time.time()
-    row, tail = run_child(python, "--one", json.dumps(case))
+    row, tail = run_child(python, "--one", json.dumps(case), module=module)
     return row if row is not None else dict(case, ok=False, error=tail, seconds=round(time.time() - t0, 1))
 
 

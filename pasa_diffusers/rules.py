@@ -40,6 +40,7 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 PRECISION_DTYPES: dict[str, tuple[torch.dtype, ...]] = {
     "hybrid": SUPPORTED_DTYPES,
     "half": (torch.float16,),
+    "int8": SUPPORTED_DTYPES,
     "fp64": (torch.float16, torch.bfloat16, torch.float32, torch.float64),
 }
 """Input dtypes each precision takes."""
@@ -67,7 +68,10 @@ def check_options(fn: str, *, precision: str, shift: bool | str, beta: float | N
     ``layout=None`` skips it."""
     if not (isinstance(precision, str) and precision in PRECISIONS):
         raise ValueError(f"{fn}: unknown precision={precision!r}; expected one of {PRECISIONS}")
-    shift_mode(shift, fn)
+    mode = shift_mode(shift, fn)
+    if precision == "int8" and mode != "exact":
+        raise ValueError(f"{fn}: precision='int8' runs the exact shift only (its 8-bit codes need each key block "
+                         f"centred as the default does), got shift={shift!r}")
     if beta is not None and not (_is_real(beta) and 0.0 < float(beta) < 1.0):
         raise ValueError(f"{fn}: beta must be a number in (0, 1), got beta={beta!r}")
     if scale is not None and not (_is_real(scale) and math.isfinite(scale) and scale > 0):

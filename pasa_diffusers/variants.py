@@ -14,6 +14,8 @@ A variant is what the op computes, not how (which kernel runs it is ``kernels.di
 | --------- | ----------- | -------------------------- | ----------------------------------------------- |
 | ``hybrid``| fp16/bf16   | fp32 (``P`` rounded to g)  | fp32                                            |
 | ``half``  | fp16        | fp16                       | fp16 (``pasa``, ``none``); the exact shift keeps ``l`` in fp32 |
+| ``int8``  | INT8 codes  | int32 sums times fp32 scales, fp32 ``P V`` of ``P`` in g | fp32: the exact shift only, |
+|           | (q k^T)     | (``reference_int8``)       | keys centred and rotated, codes per token        |
 | ``fp64``  | float64     | float64                    | float64: the exact reference, no rounding (tests) |
 
 ``shift`` also takes ``True`` (``"pasa"``) and ``False`` (``"none"``), converted once by
@@ -30,8 +32,8 @@ SHIFT_MODES = ("exact", "pasa", "none")
 SHIFT_ALIASES = {True: "pasa", False: "none"}
 """The booleans ``shift`` also takes (the paper's on/off switch)."""
 
-PRECISIONS = ("hybrid", "half", "fp64")
-KERNEL_PRECISIONS = ("hybrid", "half")
+PRECISIONS = ("hybrid", "half", "int8", "fp64")
+KERNEL_PRECISIONS = ("hybrid", "half", "int8")
 """The precisions the Triton kernels run (``fp64`` is the reference's alone)."""
 
 _SHIFT_LABELS = {"exact": "exact", "pasa": "PASA", "none": "FA"}
@@ -63,6 +65,9 @@ class Variant:
             raise ValueError(f"Variant: unknown shift={self.shift!r}; expected one of {SHIFT_MODES}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"Variant: unknown precision={self.precision!r}; expected one of {PRECISIONS}")
+        if self.precision == "int8" and self.shift != "exact":
+            raise ValueError(f"Variant: precision='int8' is the exact shift's (its 8-bit codes need each block "
+                             f"centred exactly as the default does), got shift={self.shift!r}")
 
     @property
     def name(self) -> str:

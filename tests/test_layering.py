@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 KERNELS = "pasa_diffusers.kernels"
 DISPATCH = f"{KERNELS}.dispatch"
-KERNEL_FILES = {f"{KERNELS}.{name}" for name in ("portable", "packed", "hopper", "prepass")}
+KERNEL_FILES = {f"{KERNELS}.{name}" for name in ("portable", "packed", "hopper", "prepass", "int8")}
 HELPERS = {f"{KERNELS}.{name}" for name in ("common", "tuning")}
 KERNEL_DEPENDENCIES = HELPERS | {"pasa_diffusers.rules", "pasa_diffusers.beta", "pasa_diffusers.variants"}
 """What a kernel file may import of the project."""

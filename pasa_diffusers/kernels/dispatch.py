@@ -7,7 +7,8 @@ inputs it has checked.  The kernels (each in its file, with its launch wrapper a
 | ---------- | ------------- | ------------------------------------------------------------------------- |
 | ``portable`` | ``portable.py`` | every variant, any CUDA GPU and the interpreter: FlashAttention-2's loop |
 | ``packed`` | ``packed.py``   | the exact shift on short one-block sequences (temporal attention): several whole sequences per program, one pass |
-| ``gluon``  | ``hopper.py``   | the exact shift in hybrid on sm_90, fp16, head dim 64, keys of several blocks (spatial attention): FA3's warp-specialised structure |
+| ``gluon``  | ``hopper.py``   | the exact shift in hybrid on sm_90, fp16/bf16, head dims 64 and 80-128, keys of several blocks (spatial attention): FA3's warp-specialised structure |
+| ``int8``   | ``int8.py``     | the exact shift in 8 bits (``precision="int8"``, and only it): INT8 ``q k^T`` after its own quantizing pre-pass |
 
 and the key pre-passes (``prepass.py``): ``"centre"`` (the exact shift: each block's centre removed once
 per head, for the portable kernel on keys of several blocks and for the Gluon kernel) and ``"shift"``
@@ -26,14 +27,14 @@ import torch
 from .. import rules
 from ..beta import shift_constants
 from ..variants import KERNEL_PRECISIONS, Variant
-from . import hopper, packed, portable
+from . import hopper, int8, packed, portable
 from .common import INTERPRET
 from .prepass import centre_keys, shift_keys
 from .tuning import pow2_tile
 
 __all__ = ["KERNELS", "Plan", "plan", "forward"]
 
-KERNELS = ("auto", "portable", "packed", "gluon")
+KERNELS = ("auto", "portable", "packed", "gluon", "int8")
 """What ``kernel=`` takes: ``"auto"`` or one kernel by name."""
 
 _ORDER = ("packed", "gluon", "portable")
@@ -51,7 +52,8 @@ class Plan:
 
     Attributes:
         kernel: ``"portable"``, ``"packed"`` or ``"gluon"``.
-        prepass: ``"centre"``, ``"shift"`` or ``None`` (keys read as they are, shifted or centred inside the kernel).
+        prepass: ``"centre"``, ``"shift"``, ``"quantize"`` (the int8 kernel's: q, k, v to its codes) or ``None``
+            (keys read as they are, shifted or centred inside the kernel).
         block_n: the shift block the kernels see (at most the keys' tile: up to ``block_n`` keys form one
             block of ``n_j = Nk`` keys whatever the tile); 0 for plain FlashAttention.
         one_block: all keys in one shift block.
@@ -102,6 +104,22 @@ def _exact_reasons(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     return reasons, centred_first
 
 
+def _int8_plan(fn: str, q: torch.Tensor, k: torch.Tensor, precision: str, block_n: int | None, kernel: str,
+               prepass: bool | None) -> Plan:
+    """The plan of a call to the int8 kernel: ``precision="int8"`` runs it, and nothing else does."""
+    if precision != "int8":
+        raise ValueError(f"{fn}: kernel='int8' runs precision='int8' only, got precision={precision!r}")
+    if kernel not in ("auto", "int8"):
+        raise ValueError(f"{fn}: kernel={kernel!r} has no 8-bit path; precision='int8' runs kernel='int8'")
+    if block_n is not None and int(block_n) != rules.SHIFT_BLOCK:
+        raise ValueError(f"{fn}: precision='int8' centres blocks of {rules.SHIFT_BLOCK} keys, got block_n={block_n}")
+    if prepass is False:
+        raise ValueError(f"{fn}: prepass=False: the int8 kernel reads only its pre-pass's codes")
+    why = "precision='int8' runs the int8 kernel"
+    return Plan("int8", "quantize", rules.SHIFT_BLOCK, k.shape[2] <= rules.SHIFT_BLOCK,
+                {name: why for name in _ORDER})
+
+
 def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, variant: Variant,
          block_n: int | None = None, kernel: str = "auto", prepass: bool | None = None,
          config: dict | None = None) -> Plan:
@@ -115,6 +133,8 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *
     shift, precision = variant.shift, variant.precision
     if precision not in KERNEL_PRECISIONS:
         raise ValueError(f"{fn}: precision={precision!r} has no kernel; expected one of {KERNEL_PRECISIONS}")
+    if precision == "int8" or kernel == "int8":
+        return _int8_plan(fn, q, k, precision, block_n, kernel, prepass)
     if shift != "exact" and kernel in ("packed", "gluon"):
         raise ValueError(f"{fn}: kernel={kernel!r} is the exact shift's; got shift={shift!r}")
     if shift == "none":
@@ -180,6 +200,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
     if lse is not None:
         _check_lse(q, lse)
     shift, precision = variant.shift, variant.precision
+    if chosen.kernel == "int8":
+        return int8.forward(q, k, v, out, scale=scale, config=config, lse=lse)
     if chosen.kernel == "packed":
         return packed.forward(q, k, v, out, scale=scale, precision=precision, config=config, lse=lse)
     keys, centres = k, None

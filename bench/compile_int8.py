@@ -1,0 +1,228 @@
+"""What do the 8-bit exact shift's kernels compile to for sm_90, per config, on a machine without a GPU?
+
+    python -m bench.compile_int8 --python PYTHON --out DIR     # PYTHON: an interpreter with triton 3.6
+    python -m bench.compile_int8 --jobs 2 --out DIR            # this interpreter has triton 3.6
+
+Every kernel of pasa_diffusers/kernels/int8.py is compiled for GPUTarget("cuda", 90, 32), each (kernel,
+config, head dim, P V precision, dtype) in its own process (PYTHON -m bench.compile_int8 --one CASE) so
+that a compiler crash is a row: the attention kernel over its autotune pool (int8.AUTOTUNE configs), and
+the pre-pass (the fused quantize kernel, the column statistics and their reduction), from meta tensors
+in diffusers' (B, N, H, D) layout viewed as (B, H, N, D), through the launchers' own argument builders
+(int8.allocate, int8.quantize_call, int8.attention_call) and Triton's specialisation rules
+(bench.compile_sm90.specialization).
+
+Per case: the tensor-core instructions in the PTX (wgmma.mma_async by operand types, e.g. s32.s8.s8 for
+the INT8 q k^T and f32.e4m3.e4m3 or f32.f16.f16 for P V; mma.sync if Triton fell back), their SASS
+count (HGMMA 16-bit, IGMMA INT8, QGMMA FP8), spills (ptxas -v spill bytes, st.local/ld.local in the
+PTX, STL/LDL in the SASS), registers per thread (cuobjdump -res-usage), shared memory, threads, and for the
+pre-pass the IEEE divisions (div.rn.f32) and whether an FMA swallowed the rounding trick's addition
+(there must be none: the spec rounds the quotient first).
+"""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from .compile_sm90 import compile_isolated, run_child
+
+NAME = "compile_int8"
+ROOT = Path(__file__).resolve().parents[1]
+CHILD_TIMEOUT_S = 900
+SHAPE = (2, 8, 4096)
+"""(B, H, N) of the meta inputs (H = 8 query heads reading 4 key heads: GQA)."""
+KV_HEADS = 4
+
+
+def cases() -> list[dict]:
+    """The compile matrix: the attention kernel over its pool at head dims 64 and 128, P V in 16 and 8 bits
+    (fp16 inputs; bf16 once per head dim), and every pre-pass kernel at both head dims."""
+    from pasa_diffusers.kernels import int8
+
+    found = []
+    for d in (64, 128):
+        for pv_bits in (16, 8):
+            for cfg in int8.CONFIG_POOL:
+                found.append({"kernel": "attention", "d": d, "pv_bits": pv_bits, "dtype": "float16", "config": cfg})
+            found.append({"kernel": "quantize", "d": d, "pv_bits": pv_bits, "dtype": "float16"})
+        found.append({"kernel": "attention", "d": d, "pv_bits": 16, "dtype": "bfloat16",
+                      "config": int8.CONFIG_POOL[0]})
+        found.append({"kernel": "quantize", "d": d, "pv_bits": 16, "dtype": "bfloat16"})
+        for amax in (False, True):
+            found.append({"kernel": "colstats", "d": d, "amax": amax, "dtype": "float16"})
+            found.append({"kernel": "colstats_reduce", "d": d, "amax": amax, "dtype": "float16"})
+    return found
+
+
+# ---- the child's side: one compile, no GPU --------------------------------------------------------
+
+def _launch(case: dict):
+    """``(jitted kernel, args, meta, options)`` of one case, built by the launchers' own helpers."""
+    import torch
+
+    from pasa_diffusers.kernels import int8
+
+    dtype = getattr(torch, case["dtype"])
+    b, h, n = SHAPE
+    d = case["d"]
+
+    def bnhd(heads):
+        return torch.empty(b, n, heads, d, dtype=dtype, device="meta").transpose(1, 2)
+
+    q, k, v = bnhd(h), bnhd(KV_HEADS), bnhd(KV_HEADS)
+    prep, scratch = int8.allocate(q, k, v, pv_bits=case.get("pv_bits", 8 if case.get("amax") else 16))
+    dp = prep.k_codes.shape[-1]
+    if case["kernel"] == "attention":
+        out = bnhd(h)
+        args, meta = int8.attention_call(q, prep, out, scale=d ** -0.5)
+        block_m, block_n, warps, stages = case["config"]
+        meta.update(BLOCK_M=block_m, BLOCK_N=block_n)
+        return int8.int8_fwd_kernel, args, meta, {"num_warps": warps, "num_stages": stages}
+    if case["kernel"] == "quantize":
+        _, args, meta = int8.quantize_call(q, k, v, prep, scratch)
+        return int8.quantize_kernel, args, meta, {"num_warps": meta.pop("num_warps")}
+    amax = case["amax"]
+    x, heads = (v, KV_HEADS) if amax else (q, h)
+    part = scratch.v_part if amax else scratch.q_part
+    if case["kernel"] == "colstats":
+        args = (x, part, *x.stride()[:3], heads, n, part.shape[1])
+        meta = dict(HEAD_DIM=d, DP=dp, BLOCK_R=int8.CENTRE_BLOCK, AMAX=amax)
+        return int8.colstats_kernel, args, meta, {"num_warps": 4 if dp <= 64 else 8}
+    out = prep.v_scale if amax else prep.qbar
+    args = (part, out, scratch.v_inv if amax else out, n, part.shape[1])
+    meta = dict(DP=dp, AMAX=amax, G_BF16=dtype == torch.bfloat16, INTERPRET_BF16=False)
+    return int8.colstats_reduce_kernel, args, meta, {"num_warps": 4}
+
+
+def mma_report(ptx: str) -> dict:
+    """Tensor-core instructions of the PTX by operand types, and the rounding-trick checks."""
+    kinds = Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m\d+n\d+k\d+\.(\w+\.\w+\.\w+)", ptx))
+    magic = [ln.split()[0] for ln in ptx.splitlines() if "0f4B400000" in ln or "0fCB400000" in ln]
+    return {"wgmma": dict(kinds), "mma_sync": len(re.findall(r"\bmma\.sync", ptx)),
+            "div_rn": len(re.findall(r"div\.rn\.f32", ptx)),
+            "div_approx": len(re.findall(r"div\.(?:full|approx)\.f32", ptx)),
+            "rne_adds": magic.count("add.f32"), "rne_fused": len(magic) - magic.count("add.f32")}
+
+
+def sass_report(cubin: bytes) -> dict:
+    """Warpgroup MMA instructions of the SASS by kind: HGMMA (16-bit), IGMMA (INT8), QGMMA (FP8)."""
+    import os
+    import tempfile
+
+    from .compile_sm90 import _tool
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        sass = subprocess.run([_tool("cuobjdump"), "-sass", path], capture_output=True, text=True).stdout
+    counts = {kind: len(re.findall(rf"\b{kind}\b", sass)) for kind in ("HGMMA", "IGMMA", "QGMMA")}
+    return {"sass_gmma": {kind: n for kind, n in counts.items() if n}}
+
+
+def compile_one(case: dict) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from .compile_sm90 import cubin_report, ptxas_report, specialization
+
+    row, t0 = dict(case), time.time()
+    try:
+        fn, args, meta, options = _launch(case)
+        signature, constexprs, attrs = specialization(fn, args, meta)
+        kern = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options=options)
+        ptx = kern.asm["ptx"]
+        row.update(ok=True, smem=kern.metadata.shared, threads=32 * kern.metadata.num_warps,
+                   ptx_local=len(re.findall(r"\b(?:st|ld)\.local", ptx)), **mma_report(ptx), **ptxas_report(ptx),
+                   **cubin_report(kern.asm["cubin"]), **sass_report(kern.asm["cubin"]))
+    except Exception as e:  # noqa: BLE001 - a compiler failure is a result here
+        lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+        row.update(ok=False, error=(type(e).__name__ + ": " + " / ".join(lines[-3:]))[:400])
+    row["seconds"] = round(time.time() - t0, 1)
+    return row
+
+
+def probe() -> dict:
+    import triton
+
+    return {"triton": triton.__version__, "python": sys.executable}
+
+
+# ---- the parent's side ----------------------------------------------------------------------------
+
+def _what(row: dict) -> str:
+    if row["kernel"] == "attention":
+        bm, bn, w, s = row["config"]
+        return f"attention BLOCK_M {bm}, BLOCK_N {bn}, {w} warps, {s} stages, P V {row['pv_bits']}-bit"
+    if row["kernel"] == "quantize":
+        return f"quantize (pre-pass), V {'e4m3' if row['pv_bits'] == 8 else 'as is'}"
+    return f"{row['kernel']} ({'amax of v' if row['amax'] else 'sums of q'})"
+
+
+COLUMNS = ["kernel", "D", "dtype", "wgmma PTX by type (SASS)", "mma.sync", "spills st/ld, local PTX/SASS",
+           "regs/thread", "threads", "smem B", "div.rn / approx, rne adds / fused", "compile s"]
+
+
+def table_row(row: dict) -> list:
+    head = [_what(row), row["d"], row["dtype"]]
+    if not row["ok"]:
+        return head + [f"FAILED: {row['error']}"] + [""] * 6 + [row["seconds"]]
+    wg = ", ".join(f"{k} {v}" for k, v in row["wgmma"].items()) or "none"
+    sass = ", ".join(f"{k} {v}" for k, v in row["sass_gmma"].items()) or "none"
+    spill = f"{row['spill_st']}/{row['spill_ld']} B" if row["spill_st"] is not None else "?"
+    return head + [f"{wg} ({sass})", row["mma_sync"], f"{spill}, {row['ptx_local']}/{row['sass_local']}",
+                   row["regs"], row["threads"], row["smem"],
+                   f"{row['div_rn']} / {row['div_approx']}, {row['rne_adds']} / {row['rne_fused']}", row["seconds"]]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--one"]:
+        print("ROW " + json.dumps(compile_one(json.loads(argv[1])), default=str))
+        return 0
+    if argv[:1] == ["--probe"]:
+        print("ROW " + json.dumps(probe()))
+        return 0
+    from pasa_diffusers.metrics import records
+
+    from . import harness
+
+    p = harness.parser(NAME, __doc__)
+    p.add_argument("--python", default=sys.executable,
+                   help="the interpreter with triton 3.6 that compiles (default: this one)")
+    p.add_argument("--jobs", type=int, default=2, help="compiles in parallel (default: 2)")
+    args = p.parse_args(argv)
+    if args.jobs < 1:
+        p.error(f"--jobs {args.jobs}: must be at least 1")
+    found, tail = run_child(args.python, "--probe", module=f"bench.{NAME}")
+    if found is None:
+        print(f"bench.{NAME}: --python {args.python} cannot run the compiler: {tail}", file=sys.stderr)
+        return 2
+    cmd, env = harness.command(NAME, argv), harness.environment()
+    env["compiler"] = found
+    todo = cases()
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        rows = list(harness.progress(pool.map(lambda case: compile_isolated(args.python, case, f"bench.{NAME}"), todo), NAME,
+                                     total=len(todo)))
+    spilled = sum(1 for r in rows if r.get("spill_st") or r.get("ptx_local") or r.get("sass_local"))
+    text = harness.header(f"bench.compile_int8: the 8-bit kernels for sm_90 (triton {found['triton']})", env, cmd)
+    text += f"\nmeta inputs (B, H/Hk, N) = ({SHAPE[0]}, {SHAPE[1]}/{KV_HEADS}, {SHAPE[2]}), (B, N, H, D) memory\n\n"
+    text += records.markdown_table(COLUMNS, [table_row(r) for r in rows])
+    no_int8 = sum(1 for r in rows if r["kernel"] == "attention" and r.get("ok") and "s32.s8.s8" not in r["wgmma"])
+    text += (f"\n\n{sum(r['ok'] for r in rows)} of {len(rows)} compiled; with spills: {spilled}; attention kernels "
+             f"without INT8 wgmma: {no_int8}\n")
+    harness.write_report(args.out, NAME, text, {"bench": NAME, "command": cmd, "environment": env, "rows": rows})
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,398 @@
+"""The exact shift in 8 bits (``precision="int8"``): the PyTorch spec the int8 kernels are tested against.
+
+``q k^T`` runs as an INT8 GEMM with an exact int32 sum, everything an 8-bit code cannot hold is removed
+first and carried exactly in fp32, and ``P V`` runs in 16 bits (or, on request, FP8 e4m3).  The design
+and its measurements are in ``docs/NUMERICS.md`` ("The exact shift in 8 bits").  Every rounding point
+is one visible call here, at the place the kernels (``kernels/int8.py``) round.
+
+Notation: ``g`` the GEMM dtype (fp16, or bf16 for bf16 inputs); ``D`` the head dim, ``Dp`` its
+power-of-two tile (>= 32, padded with zeros: :func:`rotation_size`); ``H`` the ``Dp x Dp``
+Sylvester-Hadamard matrix (entries +-1, ``H H^T = Dp I``), applied by :func:`fwht`; ``u = scale log2(e)``
+(the kernels' log2 units).  Per (batch, head):
+
+1. **Queries, smoothed** (:func:`query_mean`, :func:`quantize_queries`): ``qbar = round_g(round_fp32(mean
+   over all tokens of q))`` (fp64 sums: exact for fp16 values, so any summation order gives the same bits);
+   ``y_i = fwht(q_i - qbar)`` (fp32); ``mu_i = y_i0 / Dp`` (the row's mean over the Dp channels) and
+   ``y_i0 := 0``, so that ``y_i = H q~_i`` with ``q~_i = q_i - qbar - mu_i 1``.
+2. **Keys, centred and rotated** (:func:`quantize_keys`): per block ``b`` of ``CENTRE_BLOCK = 128`` keys
+   ``c_b = round_g(round_fp32(block mean))`` (fp64 sums), ``kc_j = k_j - c_b`` (fp32); ``w_j = fwht(kc_j)``,
+   ``sigma_j = w_j0`` (``= sum_d kc_jd``) and ``w_j0 := 0``; ``A_hj = fp32(qbar_h . kc_j)`` (fp32
+   products, summed in fp64) for every query head ``h`` reading key head ``j``'s.
+3. **INT8 codes** (:func:`quantize_rows`), per token on both sides: ``amax = max |y_i|``, scale
+   ``s = amax / 127`` (fp32), codes ``rne(y_i / s)`` in [-127, 127] (0 where ``amax = 0``).
+4. **Scores** (:func:`attention_from_codes`), for query ``i`` and key ``j`` of block ``b``:
+
+       q_i . k_j = q_i . c_b + qbar . kc_j + mu_i sigma_j + (H q~_i) . (H kc_j) / Dp         (exact)
+       z_ij = (I_ij s_kj) (s_qi u / Dp) + (mu_i u) sigma_j + u A_j,   I_ij = sum_d Q_id K_jd (int32)
+       r_ib = u fp32(q_i . c_b)                                     (fp32 products and sum, per row)
+
+   so that ``z_ij + r_ib`` is ``u q_i . k_j`` up to the codes' rounding alone.  ``r_ib`` reaches 1e4 for
+   biased inputs, so the online softmax goes through the tile's own maximum ``m_s = rowmax z``, as the
+   default's kernel does: ``m_blk = m_s + r``, ``m_new = max(m_i, m_blk)``, ``x = z - (m_s - (m_blk -
+   m_new))``, ``alpha = exp2(m_i - m_new)``; ``m``, ``l`` and the accumulator fp32.
+5. **P V**: ``pv_bits=16`` (the default): ``p = round_g(exp2(x))``, ``l`` sums those rounded ``p``,
+   ``acc = alpha acc + p V`` (fp32), exactly the default's merge.  ``pv_bits=8``: ``P8 = e4m3(exp2(x +
+   P_SHIFT))`` (``<= 256``: e4m3's range, FlashAttention-3's shift of 8), V in e4m3 per channel
+   (:func:`quantize_values`: ``vs_d = amax_t |v_td| / 448`` over the head's keys, ``V8 = e4m3(v *
+   (448 / amax))``), ``l`` sums ``P8``, ``acc = alpha acc + (P8 V8) vs`` with ``P8 V8`` summed in fp32 per
+   key tile (on Hopper the FP8 products keep about 22 bits inside a tile; the tile's sum moves to the
+   fp32 accumulator every tile).  ``out = acc (1 / l)``, rounded to the input dtype.
+
+Why each step (measured, docs/NUMERICS.md): the INT8 error of a score is the codes' rounding, ``step |other
+operand|``, so everything large is taken out of both operands first and carried in fp32: the block
+centre (K's bias), ``qbar`` (a bias every query shares, per channel), ``mu_i`` (a bias common to a
+query's channels: a drift along the tokens), and the Hadamard rotation spreads an outlier channel over all
+channels so that one channel does not set every channel's step.  The centre is the rounded block mean,
+not the default's exact centre: ``k - c`` is quantized anyway, so it need not be exact in ``g``, and the
+mean leaves the smallest codes (the exact centre's clamp leaves an offset in some channels).
+Per-token scales beat per-block ones (per 128 or 64 keys, per 64 queries) where the codes' error
+dominates (benign: 8.7e-3 against 1.1e-2).  FP8 ``P V`` costs 2.3-4.2e-2 relative RMSE on every class
+(e4m3's 3 mantissa bits on both ``P`` and ``V``), above the 1e-2 bound, hence 16 bits by default.
+
+Query rows are independent, so ``block_m`` only bounds memory; the key tile ``block_n`` (dividing
+``CENTRE_BLOCK``) sets the online softmax's rescaling order.  :func:`error_model` predicts the first-order
+error of the codes' rounding (the tests' bound).
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from . import rules
+from .reference import gemm_dtype, validate_qkv
+
+__all__ = [
+    "CENTRE_BLOCK",
+    "QMAX",
+    "FP8_MAX",
+    "P_SHIFT",
+    "PV_BITS",
+    "rotation_size",
+    "fwht",
+    "quantize_rows",
+    "query_mean",
+    "QuantizedQueries",
+    "QuantizedKeys",
+    "QuantizedValues",
+    "quantize_queries",
+    "quantize_keys",
+    "quantize_values",
+    "attention_from_codes",
+    "int8_reference",
+    "ErrorModel",
+    "error_model",
+]
+
+CENTRE_BLOCK = rules.SHIFT_BLOCK
+"""Keys per centre block (the default's 128)."""
+QMAX = 127.0
+"""The largest INT8 code used (symmetric codes in [-127, 127])."""
+FP8_MAX = 448.0
+"""The largest finite e4m3 value."""
+P_SHIFT = 8.0
+"""``P8 = e4m3(exp2(x + P_SHIFT))``: ``x <= 0`` puts ``P8`` in [0, 256], inside e4m3's range."""
+PV_BITS = (16, 8)
+"""``pv_bits``: ``P V`` in the GEMM dtype (16) or in FP8 e4m3 (8)."""
+LOG2E = 1.4426950408889634
+
+_F32 = torch.float32
+_F64 = torch.float64
+_E4M3 = torch.float8_e4m3fn
+
+
+def rotation_size(head_dim: int) -> int:
+    """``Dp``: the smallest power of two >= max(head_dim, 32) (the kernels' ``BLOCK_D``; 32 is the reduction
+    depth of one INT8 MMA, below which the GPU has no INT8 dot)."""
+    return max(32, 1 << (int(head_dim) - 1).bit_length())
+
+
+def _pad(x: torch.Tensor, dp: int) -> torch.Tensor:
+    return torch.nn.functional.pad(x, (0, dp - x.shape[-1])) if x.shape[-1] < dp else x
+
+
+def fwht(x: torch.Tensor) -> torch.Tensor:
+    """``x H^T`` over the last axis (a power of two): the Walsh-Hadamard transform in natural order,
+    ``y_k = sum_d (-1)^popcount(k & d) x_d``, unnormalised, by butterflies in fp32.
+
+    Stage ``h = 1, 2, 4, ..., Dp/2`` pairs channel ``d`` (bit ``h`` clear) with ``d + h`` into ``(a + b,
+    a - b)``: additions only, so the kernels' identical stages give identical bits."""
+    dp = x.shape[-1]
+    if dp & (dp - 1):
+        raise ValueError(f"fwht: the last axis must be a power of two, got {dp}")
+    x = x.to(_F32)
+    h = 1
+    while h < dp:
+        y = x.reshape(*x.shape[:-1], dp // (2 * h), 2, h)
+        a, b = y[..., 0, :], y[..., 1, :]
+        x = torch.stack([a + b, a - b], dim=-2).reshape(*x.shape[:-1], dp)
+        h *= 2
+    return x
+
+
+def _ieee_inverse(top: float, amax: torch.Tensor) -> torch.Tensor:
+    """``top / amax`` by one IEEE division (0 where ``amax = 0``).  (``scalar / tensor`` in PyTorch multiplies
+    by a reciprocal: two roundings, which differ from the kernels' ``div_rn`` in a quarter of the values.)"""
+    live = amax > 0
+    return torch.where(live, torch.full_like(amax, top) / torch.where(live, amax, 1.0), 0.0)
+
+
+def quantize_rows(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric INT8 codes of fp32 rows ``y`` (..., Dp): ``(codes int8, scale fp32 (...,))`` with
+    ``scale = amax / 127`` and ``codes = rne(y / scale)`` (IEEE divisions, one rounding each; ``amax = 0``
+    gives codes 0 and scale 0), so ``y ~= codes * scale``; ``|y / scale| <= 127 (1 + 2^-24)`` rounds into
+    [-127, 127]."""
+    scale = y.abs().amax(dim=-1) / QMAX
+    live = (scale > 0)[..., None]
+    codes = torch.round(torch.where(live, y / torch.where(live, scale[..., None], 1.0), 0.0))
+    return codes.to(torch.int8), scale
+
+
+def _round_g(x64: torch.Tensor, g: torch.dtype) -> torch.Tensor:
+    """fp64 values rounded to fp32, then to ``g`` (two roundings, held in fp32: what the kernels do, and
+    what any two implementations can do alike; the double rounding moves no value by more than one ``g``
+    ulp, and the means it rounds need no better)."""
+    return x64.to(_F32).to(g).to(_F32)
+
+
+def query_mean(q: torch.Tensor) -> torch.Tensor:
+    """``qbar`` (B, Hq, 1, D) fp32: each (batch, head)'s mean query over all its tokens, summed in fp64
+    (exact for fp16 values), rounded to fp32 and then to ``g``."""
+    g = gemm_dtype(q.dtype)
+    return _round_g(q.to(g).to(_F64).sum(dim=-2, keepdim=True) / q.shape[-2], g)
+
+
+class QuantizedQueries(NamedTuple):
+    """What the queries' pre-pass writes: ``codes`` (B, Hq, Nq, Dp) int8 of ``H q~``; ``scale`` and ``mu``
+    (B, Hq, Nq) fp32; ``qbar`` (B, Hq, 1, D) fp32 (``g`` values)."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    mu: torch.Tensor
+    qbar: torch.Tensor
+
+
+class QuantizedKeys(NamedTuple):
+    """What the keys' pre-pass writes: ``codes`` (B, Hk, Nk, Dp) int8 of ``H kc``; ``scale`` and ``sigma``
+    (B, Hk, Nk) fp32; ``a`` (B, Hq, Nk) fp32 (``qbar_h . kc_j`` per query head); ``centres`` (B, Hk,
+    blocks, D) fp32 (``g`` values)."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    sigma: torch.Tensor
+    a: torch.Tensor
+    centres: torch.Tensor
+
+
+class QuantizedValues(NamedTuple):
+    """V for ``P V``: in 16 bits ``values`` is V in ``g`` and ``scale`` is None; in 8 bits ``values`` is
+    (B, Hk, Nk, D) e4m3 and ``scale`` (B, Hk, D) fp32 (``vs``)."""
+
+    values: torch.Tensor
+    scale: torch.Tensor | None
+
+
+def quantize_queries(q: torch.Tensor, qbar: torch.Tensor | None = None) -> QuantizedQueries:
+    """Step 1 and 3 of the module docstring for q (B, Hq, Nq, D); ``qbar`` defaults to :func:`query_mean`."""
+    g = gemm_dtype(q.dtype)
+    qbar = query_mean(q) if qbar is None else qbar
+    dp = rotation_size(q.shape[-1])
+    y = fwht(_pad(q.to(g).to(_F32) - qbar, dp))
+    mu = y[..., 0] / dp
+    y[..., 0] = 0.0
+    codes, scale = quantize_rows(y)
+    return QuantizedQueries(codes, scale, mu, qbar)
+
+
+def quantize_keys(k: torch.Tensor, qbar: torch.Tensor) -> QuantizedKeys:
+    """Step 2 and 3 of the module docstring for k (B, Hk, Nk, D), with the queries' ``qbar`` (B, Hq, 1, D)."""
+    g = gemm_dtype(k.dtype)
+    batch, h_k, n_k, d = k.shape
+    dp = rotation_size(d)
+    k32 = k.to(g).to(_F32)
+    kc = torch.empty_like(k32)
+    centres = []
+    for start in range(0, n_k, CENTRE_BLOCK):
+        blk = k32[:, :, start:start + CENTRE_BLOCK]
+        c = _round_g(blk.to(_F64).sum(dim=-2, keepdim=True) / blk.shape[-2], g)
+        kc[:, :, start:start + CENTRE_BLOCK] = blk - c
+        centres.append(c)
+    w = fwht(_pad(kc, dp))
+    sigma = w[..., 0].clone()
+    w[..., 0] = 0.0
+    codes, scale = quantize_rows(w)
+    group = qbar.shape[1] // h_k
+    a = (kc.repeat_interleave(group, dim=1) * qbar).to(_F64).sum(-1).to(_F32)
+    return QuantizedKeys(codes, scale, sigma, a, torch.cat(centres, dim=-2))
+
+
+def quantize_values(v: torch.Tensor, pv_bits: int = 16) -> QuantizedValues:
+    """V as ``P V`` reads it: in ``g`` (16 bits), or e4m3 per channel with ``vs = amax / 448`` (8 bits)."""
+    g = gemm_dtype(v.dtype)
+    if pv_bits == 16:
+        return QuantizedValues(v.to(g), None)
+    v32 = v.to(g).to(_F32)
+    amax = v32.abs().amax(dim=-2)  # (B, Hk, D)
+    inv = _ieee_inverse(FP8_MAX, amax)
+    return QuantizedValues((v32 * inv[:, :, None, :]).to(_E4M3), amax / FP8_MAX)
+
+
+def _f32(x: float) -> torch.Tensor:
+    return torch.tensor(x, dtype=_F32)
+
+
+def attention_from_codes(q: torch.Tensor, qq: QuantizedQueries, kq: QuantizedKeys, vq: QuantizedValues,
+                         scale: float, *, out_dtype: torch.dtype, block_m: int = 128, block_n: int = CENTRE_BLOCK,
+                         return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Steps 4 and 5 of the module docstring: the attention kernel's part, from the pre-pass's outputs and
+    the queries ``q`` (for ``r = u q . c_b``).  Output (B, Hq, Nq, D) in ``out_dtype``; with ``return_lse``
+    also each row's natural-log log-sum-exp ``(m + log2(l) (- P_SHIFT in 8 bits)) ln 2`` (B, Hq, Nq) fp32,
+    from the final state as the kernel stores it."""
+    g = gemm_dtype(q.dtype)
+    batch, h_q, n_q, d = q.shape
+    h_k, n_k = kq.codes.shape[1], kq.codes.shape[2]
+    dp = kq.codes.shape[-1]
+    group = h_q // h_k
+    fp8 = vq.scale is not None
+    u = _f32(scale) * _f32(LOG2E)
+    a_row = qq.scale * (u / dp)  # (B, Hq, Nq)
+    mu_u = qq.mu * u
+    au = kq.a * u  # (B, Hq, Nk)
+
+    def kv(t):
+        return t.repeat_interleave(group, dim=1)
+
+    k_codes, k_scale, sigma = kv(kq.codes).to(_F32), kv(kq.scale), kv(kq.sigma)
+    centres, values = kv(kq.centres), kv(vq.values).to(_F32)
+    v_scale = kv(vq.scale)[:, :, None, :] if fp8 else None
+    q32 = q.to(g).to(_F32)
+    out = torch.empty(batch, h_q, n_q, d, dtype=out_dtype)
+    lse = torch.empty(batch, h_q, n_q)
+    for r0 in range(0, n_q, block_m):
+        rows = slice(r0, min(r0 + block_m, n_q))
+        q_codes = qq.codes[:, :, rows].to(_F32)
+        a_i, mu_i = a_row[:, :, rows, None], mu_u[:, :, rows, None]
+        m_i = torch.full((batch, h_q, q_codes.shape[2], 1), -math.inf)
+        l_i = torch.zeros_like(m_i)
+        acc = torch.zeros(batch, h_q, q_codes.shape[2], d)
+        for start in range(0, n_k, block_n):
+            keys = slice(start, min(start + block_n, n_k))
+            c_b = centres[:, :, start // CENTRE_BLOCK, None, :]
+            r = (q32[:, :, rows] * c_b).sum(-1, keepdim=True) * u
+            i_sum = q_codes @ k_codes[:, :, keys].transpose(-1, -2)  # exact: |I| < 2^24 for Dp <= 1024
+            z = (i_sum * k_scale[:, :, None, keys]) * a_i + (mu_i * sigma[:, :, None, keys] + au[:, :, None, keys])
+            m_s = z.amax(-1, keepdim=True)
+            m_blk = m_s + r
+            m_new = torch.maximum(m_i, m_blk)
+            x = z - (m_s - (m_blk - m_new))
+            alpha = torch.exp2(m_i - m_new)
+            if fp8:
+                p = torch.exp2(x + P_SHIFT).to(_E4M3).to(_F32)
+                pv = (p @ values[:, :, keys]) * v_scale
+            else:
+                p = torch.exp2(x).to(g).to(_F32)
+                pv = p @ values[:, :, keys]
+            l_i = alpha * l_i + p.sum(-1, keepdim=True)
+            acc = alpha * acc + pv
+            m_i = m_new
+        out[:, :, rows] = (acc * (1.0 / l_i)).to(out_dtype)
+        lse[:, :, rows] = ((m_i + torch.log2(l_i) - (P_SHIFT if fp8 else 0.0)) * math.log(2.0))[..., 0]
+    return (out, lse) if return_lse else out
+
+
+def _check(fn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, pv_bits: int,
+           block_m: int, block_n: int) -> float:
+    validate_qkv(q, k, v, fn)
+    if q.dtype not in rules.SUPPORTED_DTYPES:
+        raise ValueError(f"{fn}: dtype {q.dtype} is not supported; expected one of {rules.SUPPORTED_DTYPES}")
+    if pv_bits not in PV_BITS:
+        raise ValueError(f"{fn}: unknown pv_bits={pv_bits!r}; expected one of {PV_BITS}")
+    if not (isinstance(block_m, int) and block_m >= 1):
+        raise ValueError(f"{fn}: block_m must be a positive int, got block_m={block_m!r}")
+    if not (isinstance(block_n, int) and block_n >= 1 and CENTRE_BLOCK % block_n == 0):
+        raise ValueError(f"{fn}: block_n must divide the centre block {CENTRE_BLOCK}, got block_n={block_n!r}")
+    rules.check_options(fn, precision="fp64", shift="exact", scale=scale)
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+
+
+def int8_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, *,
+                   pv_bits: int = 16, block_m: int = 128, block_n: int = CENTRE_BLOCK,
+                   return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The exact shift in 8 bits (the module docstring), for (B, H, N, D) fp16 or bf16 tensors with
+    ``Hq`` a multiple of ``Hk``, any ``Nq``, ``Nk >= 1``.  ``pv_bits``: ``P V`` in the GEMM dtype (16)
+    or in FP8 e4m3 (8).  ``block_n`` (the key tile) divides ``CENTRE_BLOCK``.  Output in ``q.dtype``;
+    ``return_lse`` also returns the rows' log-sum-exp (B, Hq, Nq) fp32 (:func:`attention_from_codes`)."""
+    scale = _check("int8_reference", q, k, v, scale, pv_bits, block_m, block_n)
+    qq = quantize_queries(q)
+    kq = quantize_keys(k, qq.qbar)
+    vq = quantize_values(v, pv_bits)
+    return attention_from_codes(q, qq, kq, vq, scale, out_dtype=q.dtype, block_m=block_m, block_n=block_n,
+                                return_lse=return_lse)
+
+
+E4M3_REL_RMS = math.sqrt(0.5 / 3.0) * 2.0 ** -4
+"""RMS relative rounding error of e4m3 (3 mantissa bits, uniform significands): ``2^-4 sqrt(E[1/(1+f)^2] / 3)``
+with ``E[1/(1+f)^2] = 1/2`` over ``f`` in [0, 1)."""
+
+
+class ErrorModel(NamedTuple):
+    """:func:`error_model`'s prediction: ``rel_rmse`` (the expected relative RMSE of the codes' rounding) and
+    ``rows`` (the effective number of query rows it comes from, ``(sum_i E_i)^2 / sum_i E_i^2`` over the rows'
+    expected squared errors ``E_i``: a few rows with near-ties can carry all of it, and then the realised
+    error scatters around the expectation by about ``sqrt(2 / rows)`` relative)."""
+
+    rel_rmse: float
+    rows: float
+
+
+def error_model(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, *,
+                pv_bits: int = 16) -> ErrorModel:
+    """The first-order prediction of :func:`int8_reference`'s relative RMSE against the exact output, from
+    its codes' rounding alone (and e4m3's, with ``pv_bits=8``).
+
+    Rounding to nearest leaves errors ``e`` uniform in ``+-step / 2`` (variance ``step^2 / 12``), independent
+    per element.  With golden weights ``p_ij`` and output ``o_i``, a logit error ``delta_ij`` moves the
+    output by ``sum_j p_ij delta_ij (v_j - o_i)``; ``delta_ij = scale (e_qi . w_j + y_i . e_kj) / Dp``
+    (``y``, ``w`` the rotated queries and keys, ``e`` their codes' errors):
+
+        E_i = E|do_i|^2 = (scale / Dp)^2 [ s_qi^2 / 12 ||sum_j p_ij w_j (v_j - o_i)^T||_F^2
+                                           + |y_i|^2 sum_j p_ij^2 s_kj^2 / 12 |v_j - o_i|^2 ]
+
+    plus, in 8 bits, ``eps^2 sum_j p_ij^2 |v_j - o_i|^2`` (``P``'s rounding) and ``eps^2 sum_j p_ij^2 |v_j|^2``
+    (V's), ``eps = E4M3_REL_RMS``.  ``rel_rmse = sqrt(mean_i E_i / mean_i |o_i|^2)``.  Second-order terms
+    (near-ties of the largest weights) and the 16-bit roundings (``P`` in ``g``, the output) are not in it.
+    Memory: float64 weights (B, Hq, Nq, Nk) and (B, Hq, Nq, Dp, D): small shapes only."""
+    scale = _check("error_model", q, k, v, scale, pv_bits, 1, CENTRE_BLOCK)
+    g = gemm_dtype(q.dtype)
+    qq = quantize_queries(q)
+    kq = quantize_keys(k, qq.qbar)
+    group = q.shape[1] // k.shape[1]
+    dp = qq.codes.shape[-1]
+    q64 = q.to(g).to(_F64)
+    k64 = k.to(g).to(_F64).repeat_interleave(group, dim=1)
+    v64 = v.to(g).to(_F64).repeat_interleave(group, dim=1)
+    p = torch.softmax(scale * (q64 @ k64.transpose(-1, -2)), dim=-1)
+    o = p @ v64
+    # the rotated operands the codes round: y (queries), w (keys), as quantize_queries/_keys form them
+    y = fwht(_pad(q.to(g).to(_F32) - qq.qbar, dp)).to(_F64)
+    y[..., 0] = 0.0
+    kc = k.to(g).to(_F32) - kq.centres.repeat_interleave(CENTRE_BLOCK, dim=-2)[:, :, :k.shape[2]]
+    w = fwht(_pad(kc, dp)).to(_F64).repeat_interleave(group, dim=1)
+    w[..., 0] = 0.0
+    s_q = qq.scale.to(_F64)
+    s_k2 = kq.scale.to(_F64).repeat_interleave(group, dim=1).pow(2)[:, :, None, :]  # (B, H, 1, Nk)
+    # ||sum_j p_ij w_j (v_j - o_i)^T||_F^2 = ||P_i W^T V - (P_i W)^T o_i||^2 per row
+    wv = (w[..., :, None] * v64[..., None, :]).flatten(-2)  # (B, H, Nk, Dp D)
+    m = (p @ wv).unflatten(-1, (dp, v64.shape[-1])) - (p @ w)[..., :, None] * o[..., None, :]
+    dv2 = ((v64 * v64).sum(-1)[:, :, None, :] - 2.0 * o @ v64.transpose(-1, -2)
+           + (o * o).sum(-1, keepdim=True)).clamp_(min=0.0)  # |v_j - o_i|^2, (B, H, Nq, Nk)
+    p2 = p * p
+    var = (scale / dp) ** 2 * (s_q.pow(2) / 12.0 * m.pow(2).sum((-1, -2))
+                              + y.pow(2).sum(-1) * (p2 * s_k2 / 12.0 * dv2).sum(-1))
+    if pv_bits == 8:
+        var = var + E4M3_REL_RMS ** 2 * ((p2 * dv2).sum(-1) + (p2 @ (v64 * v64).sum(-1, keepdim=True))[..., 0])
+    peak = var.max().item()
+    unit = var / peak if peak > 0 else var  # (sum E)^2 / sum E^2 without underflow
+    rows = unit.sum().item() ** 2 / unit.pow(2).sum().item() if peak > 0 else float(var.numel())
+    return ErrorModel(math.sqrt(max(var.mean().item(), 0.0) / max(o.pow(2).sum(-1).mean().item(), 1e-300)), rows)
