@@ -286,7 +286,7 @@ def test_packed_refuses_what_it_cannot_take(shape, shift, block_n, match, gen):
     ((1, 2, 2, 30, 30, 64), "exact", "gluon", "kernel='gluon' cannot run this call: all keys form one block"),
     ((1, 2, 2, 300, 300, 64), "pasa", "gluon", "kernel='gluon' is the exact shift's; got shift='pasa'"),
     ((1, 2, 2, 300, 300, 64), "exact", "cudnn",
-     r"unknown kernel='cudnn'; expected one of \('auto', 'portable', 'packed', 'gluon'\)"),
+     r"unknown kernel='cudnn'; expected one of \('auto', 'portable', 'packed', 'gluon', 'int8'\)"),
 ])
 def test_kernel_choice_refuses_what_it_cannot_run(shape, shift, kernel, match, gen):
     """A kernel named explicitly says why it cannot run a call rather than running another kernel."""

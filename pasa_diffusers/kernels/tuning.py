@@ -200,11 +200,12 @@ def _wall_clock_bench(kernel_call: Callable[[], Any], quantiles=None) -> list[fl
 
 class TableAutotuner(Autotuner):
     """Triton's ``Autotuner`` that first takes the shipped table's config for a new key (module
-    docstring): it puts the config in ``self.cache``, which ``Autotuner.run`` reads before it prunes or
-    benchmarks anything (Triton 3.6 and 3.8; ``tests/test_tuned_configs.py`` checks that the key is
-    Triton's).  Records, per key met: where its config came from (``sources``: ``"table"``, ``"one
+    docstring): its prune leaves only that config, and the one config left is not timed (Triton 3.6 and
+    3.8; ``tests/test_tuned_configs.py`` checks that the key is Triton's).  Records, per key met: where its config came from (``sources``: ``"table"``, ``"one
     config"``, ``"benchmarked"``, ``"disk cache"``) and the benchmarked timings (``timings``, ms);
-    ``bench_calls`` counts the configs benchmarked; ``last_key`` is the key of the latest launch."""
+    ``bench_calls`` counts the configs benchmarked; ``last_key`` is the latest key met for the first time.
+    The table is read where Triton prunes (:meth:`prune_configs`), which it does on a key's first launch
+    only: a launch of a known key costs what Triton's own does."""
 
     def __init__(self, name: str, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -218,6 +219,9 @@ class TableAutotuner(Autotuner):
         self.timings: dict[tuple, dict[triton.Config, float]] = {}
         self.last_key: tuple | None = None
         self._index: dict[str, dict[tuple, dict]] = {}
+        self._new_key: tuple | None = None
+        self._benched = 0
+        self._skip_bench = False
 
     def key_of(self, args: tuple, kwargs: dict) -> tuple:
         """Triton's tuning key of a launch (``Autotuner.run``): the values of the key arguments, then
@@ -232,35 +236,29 @@ class TableAutotuner(Autotuner):
         return dict(zip(self.keys, key[:len(self.keys)])), list(key[len(self.keys):])
 
     def run(self, *args, **kwargs):
-        key = self.key_of(args, kwargs)
-        self.last_key = key
-        fresh = key not in self.cache
-        if fresh:
-            self._choose_unbenchmarked(key, args, kwargs)
-        benched = self.bench_calls
+        self._new_key, self._skip_bench = None, False
         result = super().run(*args, **kwargs)
-        if fresh and key not in self.sources:
-            self.sources[key] = "benchmarked" if self.bench_calls > benched else "disk cache"
+        key = self._new_key
+        if key is not None and key not in self.sources:
+            self.sources[key] = "benchmarked" if self.bench_calls > self._benched else "disk cache"
         return result
 
-    def _choose_unbenchmarked(self, key: tuple, args: tuple, kwargs: dict) -> None:
-        """Put the table's config for ``key``, or the one config the prune leaves, in the cache."""
-        if len(self.configs) < 2:
-            return
-        self.nargs = dict(zip(self.arg_names, args))
-        try:
-            pruned = self.prune_configs(kwargs)
-        finally:
-            self.nargs = None
-        device = next(a.device for a in args if isinstance(a, torch.Tensor))
+    def prune_configs(self, kwargs: dict) -> list[triton.Config]:
+        """The configs Triton may time for a key met for the first time: Triton calls this only after
+        its in-memory cache missed (3.6 and 3.8), so launches of known keys pay nothing here.  The
+        table's config for the key (if the pool and the prune allow it for this call), else the pruned
+        pool; where one config is left, Triton's timing of it is skipped (3.8 skips it itself)."""
+        pruned = super().prune_configs(kwargs)
+        key = self.key_of(tuple(self.nargs.values()), kwargs)
+        self.last_key, self._new_key, self._benched = key, key, self.bench_calls
+        device = next(a.device for a in self.nargs.values() if isinstance(a, torch.Tensor))
         table = active_table(device)
         entry = self._entry(table, key) if table is not None else None
         if entry is not None:
             cfg = config_of(entry["config"])
             if cfg in pruned:
-                self.cache[key] = pruned[pruned.index(cfg)]
-                self.sources[key] = "table"
-                return
+                self.sources[key], self._skip_bench = "table", True
+                return [pruned[pruned.index(cfg)]]
             where = "is not in the kernel's config pool" if cfg not in self.configs else \
                 "is in the pool, but its prune rejects it for this call"
             _warn_once(("entry", table["path"], self.name, key),
@@ -268,8 +266,8 @@ class TableAutotuner(Autotuner):
                        f"{entry['key']} {entry['dtypes']} has config {_config_text(cfg)}, which {where} "
                        f"(allowed: {'; '.join(_config_text(c) for c in pruned)}); ignored, autotuning this key")
         if len(pruned) == 1:
-            self.cache[key] = pruned[0]
-            self.sources[key] = "one config"
+            self.sources[key], self._skip_bench = "one config", True
+        return pruned
 
     def _entry(self, table: dict, key: tuple) -> dict | None:
         """The table's entry for this kernel and key, or ``None``."""
@@ -289,6 +287,8 @@ class TableAutotuner(Autotuner):
         return self._index[path].get(key)
 
     def _bench(self, *args, config, **meta):
+        if self._skip_bench:  # the one config left (Triton 3.6 would time it): nothing to compare
+            return [0.0, 0.0, 0.0]
         self.bench_calls += 1
         result = super()._bench(*args, config=config, **meta)
         self.timings.setdefault(self.last_key, {})[config] = result[0] if isinstance(result, (list, tuple)) else result
