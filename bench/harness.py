@@ -281,8 +281,9 @@ def peer_methods() -> tuple[list[Method], dict[str, str]]:
     return [m for name, m in found.items() if name not in missing], missing
 
 
-VARIANTS = tuple(Variant(shift, precision) for shift in ("exact", "pasa", "none") for precision in ("hybrid", "half"))
-"""Our variants, the default (``exact-hybrid``) first."""
+VARIANTS = (Variant("exact", "hybrid"), Variant("exact", "half"), Variant("exact", "int8"),
+            *(Variant(shift, precision) for shift in ("pasa", "none") for precision in ("hybrid", "half")))
+"""Our variants, the default (``exact-hybrid``) first; ``exact-int8`` is ``pasa-int8``."""
 
 _SHIFT_ARGUMENT = {"exact": "exact", "pasa": True, "none": False}
 """``pasa_attention``'s ``shift`` for each ``Variant.shift``."""
@@ -312,7 +313,7 @@ def op_method(variant: Variant) -> Method:
     return Method(variant.name, "ours", build)
 
 
-KERNELS = ("portable", "packed", "gluon")
+KERNELS = ("portable", "packed", "gluon", "int8")
 
 
 def _plan_name(variant: Variant, plan: Plan) -> str:
