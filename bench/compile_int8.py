@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .compile_sm90 import compile_isolated, run_child
+from .compile_sm90 import add_compiler_arguments, answer_child, compile_isolated, run_child
 
 NAME = "compile_int8"
 ROOT = Path(__file__).resolve().parents[1]
@@ -185,20 +185,14 @@ def table_row(row: dict) -> list:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--one"]:
-        print("ROW " + json.dumps(compile_one(json.loads(argv[1])), default=str))
-        return 0
-    if argv[:1] == ["--probe"]:
-        print("ROW " + json.dumps(probe()))
+    if answer_child(argv, compile_one, probe):
         return 0
     from pasa_diffusers.metrics import records
 
     from . import harness
 
     p = harness.parser(NAME, __doc__)
-    p.add_argument("--python", default=sys.executable,
-                   help="the interpreter with triton 3.6 that compiles (default: this one)")
-    p.add_argument("--jobs", type=int, default=2, help="compiles in parallel (default: 2)")
+    add_compiler_arguments(p)
     args = p.parse_args(argv)
     if args.jobs < 1:
         p.error(f"--jobs {args.jobs}: must be at least 1")

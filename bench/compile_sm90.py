@@ -241,22 +241,35 @@ COLUMNS = ["config", "shape", "warp-specialised", "wgmma PTX (HGMMA SASS)", "TMA
            "mbarrier PTX ops", "spills st/ld", "regs/thread", "threads", "smem B", "MUFU.EX2", "compile s"]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--one"]:  # a child: one compile, printed as JSON (no harness: triton and torch only)
+def answer_child(argv: list[str], compile_one, probe) -> bool:
+    """A child's one job, printed as a ``ROW`` JSON line (no harness: triton and torch only): ``--one CASE``
+    (``compile_one`` of the JSON case) or ``--probe``; ``False`` where ``argv`` is the parent's."""
+    if argv[:1] == ["--one"]:
         print("ROW " + json.dumps(compile_one(json.loads(argv[1])), default=str))
-        return 0
+        return True
     if argv[:1] == ["--probe"]:
         print("ROW " + json.dumps(probe()))
+        return True
+    return False
+
+
+def add_compiler_arguments(p) -> None:
+    """``--python`` (the interpreter with triton 3.6 that compiles) and ``--jobs``."""
+    p.add_argument("--python", default=sys.executable,
+                   help="the interpreter with triton 3.6 that compiles (default: this one)")
+    p.add_argument("--jobs", type=int, default=2, help="compiles in parallel (default: 2)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if answer_child(argv, compile_one, probe):
         return 0
     from pasa_diffusers.metrics import records
 
     from . import harness
 
     p = harness.parser(NAME, __doc__)
-    p.add_argument("--python", default=sys.executable,
-                   help="the interpreter with triton 3.6 that compiles (default: this one)")
-    p.add_argument("--jobs", type=int, default=2, help="compiles in parallel (default: 2)")
+    add_compiler_arguments(p)
     p.add_argument("--configs", type=_parse_config, nargs="+", metavar="BLOCK_N,STAGES,OVERLAP,CONSUMERS",
                    help="the configs to compile at every shape (default: CONFIGS at head dim 64, WIDE_CONFIGS "
                         "above it)")
