@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -110,22 +109,6 @@ def mma_report(ptx: str) -> dict:
             "rne_adds": magic.count("add.f32"), "rne_fused": len(magic) - magic.count("add.f32")}
 
 
-def sass_report(cubin: bytes) -> dict:
-    """Warpgroup MMA instructions of the SASS by kind: HGMMA (16-bit), IGMMA (INT8), QGMMA (FP8)."""
-    import os
-    import tempfile
-
-    from .compile_sm90 import _tool
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(cubin)
-        sass = subprocess.run([_tool("cuobjdump"), "-sass", path], capture_output=True, text=True).stdout
-    counts = {kind: len(re.findall(rf"\b{kind}\b", sass)) for kind in ("HGMMA", "IGMMA", "QGMMA")}
-    return {"sass_gmma": {kind: n for kind, n in counts.items() if n}}
-
-
 def compile_one(case: dict) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -142,7 +125,7 @@ def compile_one(case: dict) -> dict:
         ptx = kern.asm["ptx"]
         row.update(ok=True, smem=kern.metadata.shared, threads=32 * kern.metadata.num_warps,
                    ptx_local=len(re.findall(r"\b(?:st|ld)\.local", ptx)), **mma_report(ptx), **ptxas_report(ptx),
-                   **cubin_report(kern.asm["cubin"]), **sass_report(kern.asm["cubin"]))
+                   **cubin_report(kern.asm["cubin"]))
     except Exception as e:  # noqa: BLE001 - a compiler failure is a result here
         lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
         row.update(ok=False, error=(type(e).__name__ + ": " + " / ".join(lines[-3:]))[:400])
@@ -176,7 +159,7 @@ def table_row(row: dict) -> list:
     if not row["ok"]:
         return head + [f"FAILED: {row['error']}"] + [""] * 6 + [row["seconds"]]
     wg = ", ".join(f"{k} {v}" for k, v in row["wgmma"].items()) or "none"
-    sass = ", ".join(f"{k} {v}" for k, v in row["sass_gmma"].items()) or "none"
+    sass = ", ".join(f"{kind.upper()} {row[kind]}" for kind in ("hgmma", "igmma", "qgmma") if row[kind]) or "none"
     spill = f"{row['spill_st']}/{row['spill_ld']} B" if row["spill_st"] is not None else "?"
     return head + [f"{wg} ({sass})", row["mma_sync"], f"{spill}, {row['ptx_local']}/{row['sass_local']}",
                    row["regs"], row["threads"], row["smem"],

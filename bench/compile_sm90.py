@@ -118,7 +118,8 @@ def ptxas_report(ptx: str) -> dict:
 
 
 def cubin_report(cubin: bytes) -> dict:
-    """``cuobjdump -res-usage`` (registers, stack) and ``-sass`` instruction counts of the cubin."""
+    """``cuobjdump -res-usage`` (registers, stack) and ``-sass`` instruction counts of the cubin (warpgroup
+    MMAs by kind: HGMMA 16-bit, IGMMA INT8, QGMMA FP8)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cubin")
         with open(path, "wb") as f:
@@ -126,7 +127,8 @@ def cubin_report(cubin: bytes) -> dict:
         usage = subprocess.run([_tool("cuobjdump"), "-res-usage", path], capture_output=True, text=True).stdout
         sass = subprocess.run([_tool("cuobjdump"), "-sass", path], capture_output=True, text=True).stdout
     return {"regs": _first_int(r"REG:(\d+)", usage), "stack": _first_int(r"STACK:(\d+)", usage),
-            "hgmma": len(re.findall(r"\bHGMMA\b", sass)), "utmaldg": len(re.findall(r"UTMALDG", sass)),
+            "hgmma": len(re.findall(r"\bHGMMA\b", sass)), "igmma": len(re.findall(r"\bIGMMA\b", sass)),
+            "qgmma": len(re.findall(r"\bQGMMA\b", sass)), "utmaldg": len(re.findall(r"UTMALDG", sass)),
             "utmastg": len(re.findall(r"UTMASTG", sass)), "mufu_ex2": len(re.findall(r"MUFU\.EX2", sass)),
             "sass_local": len(re.findall(r"\b(?:STL|LDL)\b", sass))}
 
