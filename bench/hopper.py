@@ -19,7 +19,8 @@ tile: 64, or 128 above 64).  A config is BLOCK_N,num_stages,overlap,consumers.
    - over the whole output, rel_rmse(out, portable) against the portable kernel
      (dispatch.forward(kernel="portable")) must be at most 3x that reference error + 1e-6.
    A config that fails a check is WRONG and is not timed.
-2. Time (the harness's timer): SDPA's cuDNN and flash backends, the op's default, every kernel path of
+2. Time (the harness's timer): SDPA's cuDNN and flash backends, the peers that import (FA3 bf16 / fp8,
+   SageAttention), the op's default, every kernel path of
    the default (kernels.dispatch), the key pre-pass alone (prepass.centre_keys), and each correct
    config alone (hopper.forward on pre-centred keys) and with the pre-pass.  TFLOP/s = 4 B H N N D / t.
 """
@@ -181,9 +182,10 @@ def _prepass_alone() -> harness.Method:
 
 
 def timing_methods(q, k, v, correct: Sequence[dict]) -> list[harness.Method]:
-    """SDPA cuDNN and flash, the op's default, every kernel path of the default, the pre-pass, and each
-    correct config alone and with the pre-pass."""
-    found = [harness.sdpa_method("cudnn"), harness.sdpa_method("flash"), harness.op_method(DEFAULT),
+    """SDPA cuDNN and flash, the peers that import (FA3 bf16 and fp8, SageAttention), the op's default,
+    every kernel path of the default, the pre-pass, and each correct config alone and with the pre-pass."""
+    found = [harness.sdpa_method("cudnn"), harness.sdpa_method("flash"), *harness.peer_methods()[0],
+             harness.op_method(DEFAULT),
              *harness.kernel_methods(DEFAULT, q, k, v), _prepass_alone()]
     for cfg in correct:
         found += [_kernel_alone(cfg), *harness.config_methods(DEFAULT, q, k, v, [("gluon", cfg)])]

@@ -2,10 +2,8 @@
 # One device call: the Gluon kernel's configs with and without the consumers' ping-pong schedule
 # (bench.hopper: correctness of every config, then time), bf16 at head dim 128 and fp16 at 64.
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-python -m pip install -q --no-index --no-deps --no-build-isolation -e . > /dev/null
-export PYTHONPATH=/tmp/site
-summary() { grep -A12 "## Correctness" "$1" | grep "^| B" ; grep "alone\|sdpa-cudnn" "$1" | cut -d"|" -f3,4,5,7; }
+source "$(dirname "$0")/device_env.sh"
+summary() { grep -A12 "## Correctness" "$1" | grep "^| B" ; grep "alone\|sdpa-cudnn\|fa3\|sageattn" "$1" | cut -d"|" -f3,4,5,7; }
 timeout 220 python -m bench.hopper --dtype bfloat16 --shapes 2,12,8192,128 1,2,32760,128 --budget-s 120 \
   --configs 128,2,0,2 128,2,0,2,1 128,2,1,2,1 64,3,1,2,1 --out "$OUT/wide" > "$OUT/wide.log" 2>&1; echo "wide rc $?"
 summary "$OUT/wide/hopper.md"

@@ -9,19 +9,17 @@
 #                   pipelines' default sizes (7,392 and 6,360 + 256 tokens)
 #   long            HunyuanVideo (12.8B) at 540p, 129 frames (67,320 + 256 tokens, batch 1); Mochi 1 at 163 frames
 #                   (44,520 + 256 tokens)
-#   hunyuan-720p    HunyuanVideo at its default 720p, 129 frames (118,800 + 256 tokens, batch 1): SDPA and the default
+#   hunyuan-720p    HunyuanVideo at its default 720p, 129 frames (118,800 + 256 tokens, batch 1): SDPA, the default, FA3
 #
 # Times per forward (SDPA), estimated from Wan 2.1 1.3B's measured 1239 / 4950 ms at 32,760 / 75,600 tokens
 # (bench/dit.py's docstring says how): LTX-Video ~0.2 s, Mochi 19 frames ~0.9 s and 163 frames ~9 s, HunyuanVideo
 # 540p ~11 s and 720p ~27 s (its SDPA calls carry a text mask; a slower SDPA kernel would add to it).  A row of
 # bench.dit takes --iters + 5 forwards; compiling Wan 1.3B is guessed at 1-2 minutes per backend.  The timeouts
-# below are those estimates with room, each part's sum under 10 minutes.  FA3 takes no mask: on HunyuanVideo
-# every joint attention call would fall back to SDPA, so its rows leave FA3 out.
+# below are those estimates with room, each part's sum under 10 minutes.  Every row has FA3 beside SDPA and the
+# default: the peers run HunyuanVideo's key-padding masks on each sample's kept keys, as PASA does.
 set -uo pipefail
 PART=${1:-base}
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-python -m pip install -q --no-index --no-deps --no-build-isolation -e . > /dev/null
-export PYTHONPATH=/tmp/site
+source "$(dirname "$0")/device_env.sh"
 
 dit() {  # dit NAME TIMEOUT ARGS...: one bench.dit run into $OUT/NAME, its table printed (its log's end if it failed)
   local name=$1 limit=$2 rc
@@ -48,11 +46,11 @@ case $PART in
     dit mochi 120 --model mochi-1 --resolution 480x848x19 --backends sdpa pasa fa3 --iters 3
     ;;
   long)
-    dit hunyuan_540p 300 --model hunyuan-video --resolution 540p --backends sdpa pasa --iters 2
-    dit mochi_163f 230 --model mochi-1 --resolution 480x848x163 --backends sdpa pasa --iters 2
+    dit hunyuan_540p 300 --model hunyuan-video --resolution 540p --backends sdpa pasa fa3 --iters 2
+    dit mochi_163f 230 --model mochi-1 --resolution 480x848x163 --backends sdpa pasa fa3 --iters 2
     ;;
   hunyuan-720p)
-    dit hunyuan_720p 550 --model hunyuan-video --resolution 720p --backends sdpa pasa --iters 1
+    dit hunyuan_720p 550 --model hunyuan-video --resolution 720p --backends sdpa pasa fa3 --iters 1
     ;;
   *)
     echo "gpu_video_bench.sh: unknown PART=$PART; expected base, models, long or hunyuan-720p" >&2

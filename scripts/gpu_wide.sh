@@ -2,10 +2,8 @@
 # One device call: install the carried wheels, then the Gluon kernel's configs at head dim 128 and in bf16
 # (bench.hopper: correctness of every config, then time) and their GPU tests.  Logs under $OUT.
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-python -m pip install -q --no-index --no-deps --no-build-isolation -e . > /dev/null
-export PYTHONPATH=/tmp/site
-summary() { grep -A12 "## Correctness" "$1" | grep "^| B" ; grep "alone\|sdpa-cudnn\|exact-hybrid |" "$1" | cut -d"|" -f3,4,5,7; }
+source "$(dirname "$0")/device_env.sh"
+summary() { grep -A12 "## Correctness" "$1" | grep "^| B" ; grep "alone\|sdpa-cudnn\|fa3\|sageattn\|exact-hybrid |" "$1" | cut -d"|" -f3,4,5,7; }
 timeout 200 python -m bench.hopper --dtype bfloat16 --shapes 2,12,8192,128 --budget-s 100 \
   --configs 128,2,1,2 128,2,0,2 64,2,1,3 --out "$OUT/wide" > "$OUT/wide.log" 2>&1; echo "wide rc $?"
 summary "$OUT/wide/hopper.md"
