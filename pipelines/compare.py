@@ -49,7 +49,7 @@ from pasa_diffusers.metrics.report import worst_key
 
 from . import runlog, svd, video
 from .distributed import Dist
-from .names import BUILTIN_MODELS, BUILTIN_VIDEO_MODELS, TINY_VIDEO_SETTINGS
+from .names import BUILTIN_MODELS, BUILTIN_VIDEO_MODELS, TINY_VIDEO_PIPELINES, TINY_VIDEO_SETTINGS
 from .resonant import PLANTED_LAYERS
 from .samples import Sample, image_identity, make_samples, prompt_spec
 from .svd import load_image
@@ -59,11 +59,6 @@ __all__ = ["VideoRun", "CompareConfig", "Conditioning", "MODEL_NOTES", "RunInter
 
 _NOISE = ("built in code to run on a CPU in seconds: its videos look like noise by design, and what counts is "
           "how far each backend's video lies from the FP32 one")
-_TINY_VIDEO = {"tiny-wan": "Wan 2.1 text-to-video pipeline (WanPipeline",
-               "tiny-ltx-video": "LTX-Video pipeline (LTXPipeline",
-               "tiny-cogvideox": "CogVideoX pipeline (CogVideoXPipeline",
-               "tiny-hunyuan-video": "HunyuanVideo pipeline (HunyuanVideoPipeline",
-               "tiny-mochi": "Mochi pipeline (MochiPipeline"}
 MODEL_NOTES: dict[str, str] = {
     "tiny": f"a tiny SVD with random weights, {_NOISE}",
     "tiny-resonant": "the tiny SVD with random weights and an FP16 overflow planted in "
@@ -72,8 +67,8 @@ MODEL_NOTES: dict[str, str] = {
                      "like noise by design, and what counts is how far each backend's video lies from the FP32 one",
     "svd-xt-random": "SVD-XT at full size with seeded random weights, for time and memory at the real sizes: its "
                      "videos look like noise by design, and it plants no overflow",
-    **{name: f"a tiny {what}: a small transformer and VAE) with random weights, {_NOISE}"
-       for name, what in _TINY_VIDEO.items()},
+    **{name: f"a tiny {family} text-to-video pipeline ({cls}: a small transformer and VAE) with random weights, "
+             f"{_NOISE}" for name, (family, cls) in TINY_VIDEO_PIPELINES.items()},
 }
 """What each built-in model is, for the report (which would otherwise read as a failure: noise videos)."""
 

@@ -6,7 +6,7 @@ exactly when the command line accepts it.
 """
 from __future__ import annotations
 
-__all__ = ["BUILTIN_MODELS", "BUILTIN_VIDEO_MODELS", "TINY_VIDEO_SETTINGS", "ALL_BUILTIN_MODELS", "BUILTIN_IMAGES", "is_hub_id"]
+__all__ = ["BUILTIN_MODELS", "BUILTIN_VIDEO_MODELS", "TINY_VIDEO_PIPELINES", "TINY_VIDEO_SETTINGS", "ALL_BUILTIN_MODELS", "BUILTIN_IMAGES", "is_hub_id"]
 
 BUILTIN_MODELS: dict[str, str] = {
     "tiny": "an embedded random SVD built from configs: runs on a CPU in seconds",
@@ -16,17 +16,13 @@ BUILTIN_MODELS: dict[str, str] = {
 }
 """SVD pipelines built in code (no download, no file), by name, with what each is (``svd.load_svd``)."""
 
+TINY_VIDEO_PIPELINES: dict[str, tuple[str, str]] = {"tiny-wan": ("Wan 2.1", "WanPipeline"), "tiny-ltx-video": ("LTX-Video", "LTXPipeline"),
+                   "tiny-cogvideox": ("CogVideoX", "CogVideoXPipeline"),
+                   "tiny-hunyuan-video": ("HunyuanVideo", "HunyuanVideoPipeline"), "tiny-mochi": ("Mochi", "MochiPipeline")}
+"""Built-in video model name -> (the model it is a tiny random version of, its diffusers pipeline class)."""
 BUILTIN_VIDEO_MODELS: dict[str, str] = {
-    "tiny-wan": "an embedded random Wan 2.1 text-to-video pipeline (WanPipeline: tiny transformer and VAE) built "
-                "from configs: runs on a CPU in seconds",
-    "tiny-ltx-video": "an embedded random LTX-Video text-to-video pipeline (LTXPipeline: tiny transformer and VAE) "
-                      "built from configs: runs on a CPU in seconds",
-    "tiny-cogvideox": "an embedded random CogVideoX text-to-video pipeline (CogVideoXPipeline: tiny transformer and "
-                      "VAE) built from configs: runs on a CPU in seconds",
-    "tiny-hunyuan-video": "an embedded random HunyuanVideo text-to-video pipeline (HunyuanVideoPipeline: tiny "
-                          "transformer and VAE) built from configs: runs on a CPU in seconds",
-    "tiny-mochi": "an embedded random Mochi text-to-video pipeline (MochiPipeline: tiny transformer and VAE) built "
-                  "from configs: runs on a CPU in seconds",
+    name: f"an embedded {family} text-to-video pipeline ({cls}: tiny transformer and VAE) with random weights, built "
+          "from configs: runs on a CPU in seconds" for name, (family, cls) in TINY_VIDEO_PIPELINES.items()
 }
 """Video-transformer pipelines built in code, by name, with what each is (``video.load_video``)."""
 
