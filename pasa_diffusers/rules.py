@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .variants import KERNEL_PRECISIONS, PRECISIONS, SHIFT_MODES, shift_mode
+from .variants import KERNEL_PRECISIONS, PRECISIONS, SHIFT_MODES, combination_problem, shift_mode
 
 __all__ = [
     "PRECISIONS",
@@ -68,10 +68,9 @@ def check_options(fn: str, *, precision: str, shift: bool | str, beta: float | N
     ``layout=None`` skips it."""
     if not (isinstance(precision, str) and precision in PRECISIONS):
         raise ValueError(f"{fn}: unknown precision={precision!r}; expected one of {PRECISIONS}")
-    mode = shift_mode(shift, fn)
-    if precision == "int8" and mode != "exact":
-        raise ValueError(f"{fn}: precision='int8' runs the exact shift only (its 8-bit codes need each key block "
-                         f"centred as the default does), got shift={shift!r}")
+    problem = combination_problem(shift_mode(shift, fn), precision)
+    if problem:
+        raise ValueError(f"{fn}: {problem}")
     if beta is not None and not (_is_real(beta) and 0.0 < float(beta) < 1.0):
         raise ValueError(f"{fn}: beta must be a number in (0, 1), got beta={beta!r}")
     if scale is not None and not (_is_real(scale) and math.isfinite(scale) and scale > 0):

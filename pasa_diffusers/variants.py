@@ -26,7 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["SHIFT_MODES", "SHIFT_ALIASES", "PRECISIONS", "KERNEL_PRECISIONS", "Variant", "DEFAULT", "shift_mode"]
+__all__ = ["SHIFT_MODES", "SHIFT_ALIASES", "PRECISIONS", "KERNEL_PRECISIONS", "Variant", "DEFAULT", "shift_mode",
+           "combination_problem"]
 
 SHIFT_MODES = ("exact", "pasa", "none")
 SHIFT_ALIASES = {True: "pasa", False: "none"}
@@ -49,6 +50,15 @@ def shift_mode(shift: bool | str, fn: str = "shift_mode") -> str:
                      "False for 'none')")
 
 
+def combination_problem(shift: str, precision: str) -> str | None:
+    """Why ``shift`` (a name of ``SHIFT_MODES``) and ``precision`` make no variant, or ``None``: ``int8`` is
+    the exact shift's alone."""
+    if precision == "int8" and shift != "exact":
+        return (f"precision='int8' runs the exact shift only, got shift={shift!r} (precision='int8' is the exact "
+                "shift's 8-bit form: its codes need each key block centred as the default does)")
+    return None
+
+
 @dataclass(frozen=True)
 class Variant:
     """One cell of the grid ``SHIFT_MODES x PRECISIONS``: what the op computes.
@@ -65,9 +75,9 @@ class Variant:
             raise ValueError(f"Variant: unknown shift={self.shift!r}; expected one of {SHIFT_MODES}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"Variant: unknown precision={self.precision!r}; expected one of {PRECISIONS}")
-        if self.precision == "int8" and self.shift != "exact":
-            raise ValueError(f"Variant: precision='int8' is the exact shift's (its 8-bit codes need each block "
-                             f"centred exactly as the default does), got shift={self.shift!r}")
+        problem = combination_problem(self.shift, self.precision)
+        if problem:
+            raise ValueError(f"Variant: {problem}")
 
     @property
     def name(self) -> str:
