@@ -1,17 +1,18 @@
 """How far is each attention from the exact answer, per class of input: error against a float64 golden.
 
     python -m bench.accuracy --out DIR
+    python -m bench.accuracy --dtype bfloat16 --out DIR              # the classes in bf16, as the DiTs run
     TRITON_INTERPRET=1 python -m bench.accuracy --shapes tiny --out DIR   # a CPU, under the interpreter
 
 For each class of numerics.input_classes (benign, large common biases, drifting and jumping biases,
-sign changes, a far key, FlashAttention-3's outliers, resonance; V ~ N(0, 1)) at a spatial shape, a
-grouped-head one and a temporal one, the relative RMSE against reference.golden_attention (float64) of:
-our variants (pasa_attention; exact-hybrid is the default), SDPA on the fp16 inputs (its own backend
-choice), SDPA on bf16 copies, the FlashAttention-2 reference (reference.flash_reference: fp32 scores
+sign changes, a far key, FlashAttention-3's outliers, resonance; V ~ N(0, 1)) in --dtype at a spatial
+shape, a grouped-head one with a ragged last block, a temporal one and one of head dim 128, the relative
+RMSE against reference.golden_attention (float64) of: our variants (pasa_attention; exact-hybrid is the
+default, exact-int8 is pasa-int8), SDPA on fp16 copies (its own backend choice), SDPA on bf16 copies, the FlashAttention-2 reference (reference.flash_reference: fp32 scores
 and state, P rounded to fp16, IEEE fp32 GEMMs) and the peers when importable (FA3 bf16, FA3 fp8
 scaled per kv head, SageAttention on a clone of k).
 A non-finite output shows as "NaN (count)"; a method that fails shows its error.  The last column is
-the default's error over SDPA fp16's.
+the default's error over SDPA's in the inputs' dtype.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import torch
 from pasa_diffusers import numerics
 from pasa_diffusers.metrics import records
 from pasa_diffusers.reference import flash_reference, golden_attention
+from pasa_diffusers.rules import PRECISION_DTYPES
 
 from . import harness
 
@@ -30,9 +32,10 @@ NAME = "accuracy"
 
 SHAPES = [harness.Shape("accuracy", "spatial", 2, 5, 5, 4096, 4096, 64),
           harness.Shape("accuracy", "spatial GQA", 2, 8, 4, 1000, 1000, 64),
-          harness.Shape("accuracy", "temporal", 4608, 5, 5, 25, 25, 64)]
+          harness.Shape("accuracy", "temporal", 4608, 5, 5, 25, 25, 64),
+          harness.Shape("accuracy", "spatial d128", 2, 4, 4, 4096, 4096, 128)]
 """A spatial problem of 32 key blocks, one with grouped heads and a ragged last block, SVD's temporal
-attention at 25 frames."""
+attention at 25 frames, and the video transformers' head dim 128."""
 
 
 def _sdpa(dtype: torch.dtype, name: str) -> harness.Method:
@@ -51,10 +54,14 @@ def _flash_reference() -> harness.Method:
     return harness.Method("FA2 reference", "reference", build)
 
 
-def methods() -> tuple[list[harness.Method], dict[str, str]]:
-    """Our variants, SDPA fp16 and bf16, the FA2 reference, the peers that import (and why the others do not)."""
+def methods(dtype: torch.dtype = torch.float16) -> tuple[list[harness.Method], dict[str, str]]:
+    """Our variants that take ``dtype``, SDPA fp16 and bf16, the FA2 reference, the peers that import (and
+    why the others are not run)."""
     peers, missing = harness.peer_methods()
-    found = [harness.op_method(v) for v in harness.VARIANTS]
+    ours = [v for v in harness.VARIANTS if dtype in PRECISION_DTYPES[v.precision]]
+    missing.update({v.name: f"precision={v.precision!r} takes {', '.join(map(str, PRECISION_DTYPES[v.precision]))} only"
+                    for v in harness.VARIANTS if v not in ours})
+    found = [harness.op_method(v) for v in ours]
     found += [_sdpa(torch.float16, "SDPA fp16"), _sdpa(torch.bfloat16, "SDPA bf16"), _flash_reference(), *peers]
     return found, missing
 
@@ -70,10 +77,12 @@ def error_cell(out: torch.Tensor | None, gold: torch.Tensor) -> dict:
     return {"rel_rmse": None if bad else numerics.rel_rmse(out, gold), "nonfinite": bad}
 
 
-def measure(shape: harness.Shape, found: Sequence[harness.Method], seed: int, dev: str) -> list[dict]:
-    """One row per input class at ``shape``: each method's :func:`error_cell` or error."""
+def measure(shape: harness.Shape, found: Sequence[harness.Method], seed: int, dev: str,
+            dtype: torch.dtype = torch.float16) -> list[dict]:
+    """One row per input class at ``shape`` in ``dtype``: each method's :func:`error_cell` or error."""
     rows = []
-    for case, cpu in numerics.input_classes((shape.b, shape.hq, shape.hk, shape.nq, shape.d), seed=seed).items():
+    classes = numerics.input_classes((shape.b, shape.hq, shape.hk, shape.nq, shape.d), seed=seed, dtype=dtype)
+    for case, cpu in classes.items():
         q, k, v = (_diffusers_layout(t, dev) for t in cpu)
         gold = golden_attention(q, k, v)
         row: dict = {"case": case}
@@ -94,14 +103,14 @@ def _cell(c: dict) -> str:
     return f"NaN ({c['nonfinite']})" if c["nonfinite"] else f"{c['rel_rmse']:.2e}"
 
 
-def table(rows: Sequence[dict], names: Sequence[str]) -> str:
-    """Classes down, methods across, and the default's error over SDPA fp16's."""
+def table(rows: Sequence[dict], names: Sequence[str], baseline: str = "SDPA fp16") -> str:
+    """Classes down, methods across, and the default's error over ``baseline``'s (SDPA in the inputs' dtype)."""
     lines = []
     for row in rows:
-        d, s = row["exact-hybrid"].get("rel_rmse"), row["SDPA fp16"].get("rel_rmse")
+        d, s = row["exact-hybrid"].get("rel_rmse"), row[baseline].get("rel_rmse")
         ratio = f"{d / s:.2f}" if d is not None and s else "-"
         lines.append([row["case"], *(_cell(row[n]) for n in names), ratio])
-    return records.markdown_table(["class", *names, "default / SDPA fp16"], lines)
+    return records.markdown_table(["class", *names, f"default / {baseline}"], lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -109,6 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--shapes", choices=["default", "tiny"], default="default",
                    help="the three shapes above, or the tiny set for a CPU (default: default)")
     p.add_argument("--seed", type=int, default=0, help="seed of numerics.input_classes (default: 0)")
+    harness.add_dtype_argument(p)
     args = p.parse_args(argv)
     problem = harness.cpu_problem(NAME)
     if problem:
@@ -116,15 +126,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
     cmd, env = harness.command(NAME, argv), harness.environment()
-    found, missing = methods()
+    dtype = harness.INPUT_DTYPES[args.dtype]
+    found, missing = methods(dtype)
+    baseline = "SDPA bf16" if dtype == torch.bfloat16 else "SDPA fp16"
     names = [m.name for m in found]
     shapes = SHAPES if args.shapes == "default" else harness.TINY
     results, text = {}, harness.header("bench.accuracy: relative RMSE against the float64 golden output", env, cmd)
     text += "".join(f"\n- {name} not run: {reason}" for name, reason in missing.items())
     with torch.no_grad():
         for shape in harness.progress(shapes, NAME):
-            results[shape.label] = measure(shape, found, args.seed, harness.device())
-            text += f"\n\n## {shape.label} {shape.bhnd}, fp16\n\n{table(results[shape.label], names)}\n"
+            results[shape.label] = measure(shape, found, args.seed, harness.device(), dtype)
+            text += f"\n\n## {shape.label} {shape.bhnd}, {args.dtype}\n\n{table(results[shape.label], names, baseline)}\n"
     harness.write_report(args.out, NAME, text, {"bench": NAME, "command": cmd, "environment": env,
                                                 "not_run": missing, "results": results})
     print(text)

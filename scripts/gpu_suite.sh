@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
-# The GPU test suite (tests/test_kernel_gpu.py, marker gpu) in SHARDS parallel pytest processes on one
+# The GPU test suite (every test marked gpu under tests/) in SHARDS parallel pytest processes on one
 # machine.  A cold machine spends most of the suite compiling and autotuning Triton kernels, which is
 # CPU work, so several processes sharing the one GPU finish sooner than one.
 #
 #     OUT=/some/folder SHARDS=4 bash scripts/gpu_suite.sh [extra pytest arguments, e.g. -k temporal]
 #
+# The carried wheels (WHEELS, default .whl: diffusers, the peers) are installed first (device_env.sh).
 # The test ids are split round-robin, so every shard gets a mix of shapes and variants.  Writes
 # $OUT/gpu_suite_<i>.log and $OUT/ratios_<i>/gpu_error_ratios.md (the kernel / reference error ratios)
-# per shard and prints each shard's summary line; the exit status is non-zero if any shard failed.
+# (-v: a line per test, so a shard cut short by a time limit still says what passed) per shard and prints each shard's summary line; the exit status is non-zero if any shard failed.
 set -uo pipefail
+. "$(dirname "$0")/device_env.sh"
 
 OUT=${OUT:-$PWD/out/gpu_suite}
 SHARDS=${SHARDS:-4}
 mkdir -p "$OUT"
 ids="$OUT/test_ids.txt"
-python -m pytest tests/test_kernel_gpu.py -m gpu --collect-only -q -p no:cacheprovider "$@" \
+python -m pytest tests -m gpu --collect-only -q -p no:cacheprovider "$@" \
   | grep '::' > "$ids"
 echo "$(wc -l < "$ids") tests in $SHARDS shards"
 
@@ -23,7 +25,7 @@ for ((i = 0; i < SHARDS; i++)); do
   awk -v n="$SHARDS" -v i="$i" 'NR % n == i' "$ids" > "$OUT/shard_$i.txt"
   if [[ -s "$OUT/shard_$i.txt" ]]; then
     mapfile -t shard < "$OUT/shard_$i.txt"
-    PASA_REPORT_DIR="$OUT/ratios_$i" python -m pytest -q -p no:cacheprovider -rf "$@" "${shard[@]}" \
+    PASA_REPORT_DIR="$OUT/ratios_$i" python -m pytest -v -p no:cacheprovider -rf "$@" "${shard[@]}" \
       > "$OUT/gpu_suite_$i.log" 2>&1 &
     pids+=($!)
   fi
