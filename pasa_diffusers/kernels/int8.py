@@ -23,11 +23,9 @@ the GPU compiler alone), round-to-nearest-even by the 1.5 * 2^23 trick (exact fo
 attention kernel rounds where the spec does but contracts products into FMAs and sums in its own order,
 so it matches the spec to fp32 rounding, not bit for bit.
 
-Under the interpreter FP8 ``tl.dot`` is not emulated (it returns wrong sums), so ``PV_FP8`` there
-multiplies the same e4m3 values widened to fp32 (exact products, fp32 sums): the same rounding of
-``P`` and ``V``, another summation order; and the interpreter's fp32 -> e4m3 conversion drops the carry
-of a rounding that crosses a power of two, so values are first rounded onto e4m3's grid in fp32
-(:func:`_to_e4m3`).  bf16 goes through ``common.round_to`` / ``common.mma`` there as in the other kernels.
+``PV_FP8`` multiplies the e4m3 values of ``P`` and ``V`` widened to fp16 (:func:`_merge`).  The
+interpreter's fp32 -> e4m3 conversion drops the carry of a rounding that crosses a power of two, so
+there values are first rounded onto e4m3's grid in fp32 (:func:`_to_e4m3`).  bf16 goes through ``common.round_to`` / ``common.mma`` there as in the other kernels.
 """
 from __future__ import annotations
 
@@ -320,25 +318,24 @@ def _logits(q_codes, q, a_i, mu_u, m_i, kc_base, ks_base, sig_base, a_base, c_ba
 
 @triton.jit
 def _merge(acc, l_i, x, alpha, v_base, v8_base, vs, stride_vn, stride_v8d, offs_n, n_valid, offs_d, d_valid,
-           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PV_FP8: tl.constexpr, FP8_DOT: tl.constexpr,
+           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PV_FP8: tl.constexpr, INTERPRET_FP8: tl.constexpr,
            MASKED: tl.constexpr, INTERPRET_BF16: tl.constexpr):
     """``P V`` (``reference_int8`` step 5).  16 bits: ``p = round_g(exp2(x))``, ``l_i = alpha l_i +
     rowsum(p)``, ``acc = alpha acc + p V`` (fp32), as the default's hybrid merge.  FP8: ``P8 =
     e4m3(exp2(x + 8))``, ``l_i`` sums ``P8``, ``acc = alpha acc + (P8 V8) vs`` with the tile's ``P8 V8`` in
-    its own fp32 accumulator (Hopper's FP8 products keep ~22 bits there; the product with ``vs`` also
-    keeps Triton from folding ``acc`` into the dot) and V8 read transposed (DP, BLOCK_N) so that both
-    operands are K-major.  ``FP8_DOT=False`` (the interpreter) multiplies ``P8`` and ``V8`` widened to fp32."""
+    its own fp32 accumulator, V8 read transposed (DP, BLOCK_N).  ``P8 V8`` multiplies the e4m3 values
+    widened to fp16 (exact: every e4m3 value is an fp16 one; exact products, fp32 sums): the FP8 design's
+    numbers at the 16-bit MMA's rate.  (The FP8 MMA itself, ``tl.dot`` of the e4m3 tiles, gave wrong sums and
+    NaN in this kernel on an H200 with triton 3.6, though it is right in a kernel of one dot: docs/JOURNAL.md
+    entry 53.)"""
     if PV_FP8:
         if MASKED:
             v8t = tl.load(v8_base + offs_d[:, None] * stride_v8d + offs_n[None, :], mask=n_valid[None, :], other=0.0)
         else:
             v8t = tl.load(v8_base + offs_d[:, None] * stride_v8d + offs_n[None, :])
-        p8 = _to_e4m3(tl.math.exp2(x + P_SHIFT), not FP8_DOT)
+        p8 = _to_e4m3(tl.math.exp2(x + P_SHIFT), INTERPRET_FP8)
         l_i = alpha * l_i + tl.sum(p8.to(tl.float32), axis=1)
-        if FP8_DOT:
-            pv = tl.dot(p8, tl.trans(v8t))
-        else:
-            pv = tl.dot(p8.to(tl.float32), tl.trans(v8t.to(tl.float32)), input_precision="ieee")
+        pv = tl.dot(p8.to(tl.float16), tl.trans(v8t.to(tl.float16)))
         acc = acc * alpha[:, None] + pv * vs[None, :]
     else:
         v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :]
@@ -361,7 +358,7 @@ def _merge(acc, l_i, x, alpha, v_base, v8_base, vs, stride_vn, stride_v8d, offs_
 def _attn_inner(acc, l_i, m_i, q_codes, q, a_i, mu_u, kc_base, ks_base, sig_base, a_base, c_base, v_base, v8_base,
                 vs, stride_kcn, stride_cj, stride_vn, stride_v8d, lo, hi, N_K, offs_j, offs_c, offs_d, d_valid,
                 qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                CENTRE_BLOCK_: tl.constexpr, PV_FP8: tl.constexpr, FP8_DOT: tl.constexpr, MASKED: tl.constexpr,
+                CENTRE_BLOCK_: tl.constexpr, PV_FP8: tl.constexpr, INTERPRET_FP8: tl.constexpr, MASKED: tl.constexpr,
                 INTERPRET_BF16: tl.constexpr):
     """The key loop over ``[lo, hi)`` in steps of ``BLOCK_N``: :func:`_logits`, then :func:`_merge`."""
     for start_n in range(lo, hi, BLOCK_N):
@@ -369,7 +366,7 @@ def _attn_inner(acc, l_i, m_i, q_codes, q, a_i, mu_u, kc_base, ks_base, sig_base
             q_codes, q, a_i, mu_u, m_i, kc_base, ks_base, sig_base, a_base, c_base, stride_kcn, stride_cj,
             start_n, offs_j, offs_c, offs_d, d_valid, N_K, qk_scale, BLOCK_N, CENTRE_BLOCK_, MASKED, INTERPRET_BF16)
         acc, l_i = _merge(acc, l_i, x, alpha, v_base, v8_base, vs, stride_vn, stride_v8d, offs_n, n_valid, offs_d,
-                          d_valid, HEAD_DIM, BLOCK_D, PV_FP8, FP8_DOT, MASKED, INTERPRET_BF16)
+                          d_valid, HEAD_DIM, BLOCK_D, PV_FP8, INTERPRET_FP8, MASKED, INTERPRET_BF16)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -383,7 +380,7 @@ def int8_fwd_kernel(
     stride_oz, stride_oh, stride_om,
     H_Q, KV_GROUP, N_Q, N_K, NQ_BUCKET, NK_BUCKET, scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CENTRE_BLOCK_: tl.constexpr, PV_FP8: tl.constexpr, FP8_DOT: tl.constexpr, STORE_LSE: tl.constexpr,
+    CENTRE_BLOCK_: tl.constexpr, PV_FP8: tl.constexpr, INTERPRET_FP8: tl.constexpr, STORE_LSE: tl.constexpr,
     INTERPRET_BF16: tl.constexpr,
 ):
     """``out = softmax(scale q k^T) v`` for one block of ``BLOCK_M`` query rows of one (batch, head), from
@@ -449,11 +446,11 @@ def int8_fwd_kernel(
     acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q_codes, q, a_i, mu_u, kc_base, ks_base, sig_base, a_base, c_base,
                                 v_base, v8_base, vs, stride_kcn, stride_cj, stride_vn, stride_v8d, 0, n_full, N_K,
                                 offs_j, offs_c, offs_d, d_valid, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CENTRE_BLOCK_,
-                                PV_FP8, FP8_DOT, False, INTERPRET_BF16)
+                                PV_FP8, INTERPRET_FP8, False, INTERPRET_BF16)
     acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q_codes, q, a_i, mu_u, kc_base, ks_base, sig_base, a_base, c_base,
                                 v_base, v8_base, vs, stride_kcn, stride_cj, stride_vn, stride_v8d, n_full, N_K, N_K,
                                 offs_j, offs_c, offs_d, d_valid, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CENTRE_BLOCK_,
-                                PV_FP8, FP8_DOT, True, INTERPRET_BF16)
+                                PV_FP8, INTERPRET_FP8, True, INTERPRET_BF16)
 
     inv_l = 1.0 / l_i
     out = round_to(acc * inv_l[:, None], o_ptr.dtype.element_ty, INTERPRET_BF16)
@@ -621,7 +618,7 @@ def attention_call(q: torch.Tensor, prep: Prepared, out: torch.Tensor, *, scale:
             *strides3(v), *strides3(v8), *strides3(out),
             h_q, h_q // h_k, n_q, n_k, bucket(n_q), bucket(n_k), float(scale))
     meta = dict(HEAD_DIM=d, BLOCK_D=prep.k_codes.shape[-1], CENTRE_BLOCK_=CENTRE_BLOCK, PV_FP8=fp8,
-                FP8_DOT=not INTERPRET, STORE_LSE=lse is not None,
+                INTERPRET_FP8=INTERPRET, STORE_LSE=lse is not None,
                 INTERPRET_BF16=INTERPRET and q.dtype == torch.bfloat16)
     return args, meta
 
