@@ -10,8 +10,10 @@ autotuning), the second and third with what the first left there (what every lat
 machine pays: compiled kernels and the autotuner's winners read from disk); the fourth starts from
 another empty cache with the shipped kernels on (what a fresh machine of a GPU with a bundle pays).  Per
 process: the time to import torch and the op, to import the kernels (triton, which the first call
-would otherwise pay), the first calls' total and the slowest one (each synchronized), and how many
-times the autotuner benchmarked configs (TRITON_PRINT_AUTOTUNING; 0 when its disk cache hit).
+would otherwise pay), the first calls' total and the slowest one (each synchronized), how many keys
+the autotuners met that Triton's disk cache did not hold (TRITON_PRINT_AUTOTUNING's "Triton autotuning
+for function" lines: printed for a key taken from the shipped tuned table too) and how many configs
+they timed ("Autotuning kernel" lines: none for a table's key).
 """
 from __future__ import annotations
 
@@ -79,6 +81,7 @@ def run_processes() -> dict[str, dict]:
                                  capture_output=True, text=True, check=True)
             results[label] = json.loads(run.stdout.strip().splitlines()[-1])
             results[label]["autotuning_runs"] = run.stdout.count("Triton autotuning for function")
+            results[label]["configs_timed"] = run.stdout.count("Autotuning kernel ")
     return results
 
 
@@ -111,10 +114,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for label, r in results.items():
         shape, worst = max(r["first_call_s"].items(), key=lambda kv: kv[1])
         lines.append([label, f"{r['import_s']:.2f}", f"{r['kernel_import_s']:.2f}", f"{r['total_s']:.3f}",
-                      f"{worst:.3f} s at {shape}", r["autotuning_runs"], _seeded_text(r["seeded"])])
+                      f"{worst:.3f} s at {shape}", r["autotuning_runs"], r["configs_timed"],
+                      _seeded_text(r["seeded"])])
     text = harness.header("bench.cold_start: the first calls at SVD's shapes in fresh processes", env, cmd) + "\n" + \
         records.markdown_table(["process", "import torch + op s", "import kernels s", "first calls, total s",
-                                "slowest first call", "autotuning runs", "shipped kernels"], lines) + "\n"
+                                "slowest first call", "keys tuned", "configs timed", "shipped kernels"], lines) + "\n"
     harness.write_report(args.out, NAME, text, {"bench": NAME, "command": cmd, "environment": env,
                                                 "processes": results})
     print(text)

@@ -9,7 +9,8 @@ shape set at 14 and 25 frames (fp16) and of the video transformers' (bf16), on d
 memory, then --model (default svd-xt-random: the full-size random-weight SVD-XT pipeline, built on the
 GPU) through the pasa backend for one 14-frame 576x1024 step at each of 14 and 25 frames (its cross-attention
 and every other shape the UNet calls); then writes what Triton compiled, the metadata JSON and binary of
-each kernel, to DIR/<gpu>/ with manifest.json (kernels/precompiled.py).  Commit that folder as
+each kernel and the launchers it built with the host's C compiler, to DIR/<gpu>/ with manifest.json
+(kernels/precompiled.py).  Commit that folder as
 pasa_diffusers/kernels/compiled/<gpu>/; bench.cold_start's last process and bench.video measure what it
 saves.  The bundle matches only the Triton build it was made with (its key covers Triton's files and
 libtriton: the same wheel, so the same Python version); other builds compile as before.
@@ -94,12 +95,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             "ran": ran})
     rows = []
     for key, names in manifest["entries"].items():
-        meta = json.loads((out / key / next(n for n in names if n.endswith(".json"))).read_text())
+        metadata = [n for n in names if n.endswith(".json")]
+        name = json.loads((out / key / metadata[0]).read_text())["name"] if metadata else f"launcher {names[0]}"
         size = sum((out / key / n).stat().st_size for n in names)
-        rows.append([meta["name"], key[:12], f"{size / 1024:.0f}"])
+        rows.append([name, key[:12], f"{size / 1024:.0f}"])
     total = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     text = harness.header(f"bench.precompile: the default's kernels compiled on {gpu}", env, cmd) + \
-        f"\nThe bundle: `{out}` ({len(rows)} kernels, {total / 2**20:.2f} MiB; commit it as " \
+        f"\nThe bundle: `{out}` ({len(rows)} entries, {total / 2**20:.2f} MiB; commit it as " \
         f"`pasa_diffusers/kernels/compiled/{out.name}/`), made while running:\n\n" + \
         "".join(f"- {r}\n" for r in ran) + "\n" + records.markdown_table(["kernel", "key", "KiB"], sorted(rows)) + "\n"
     harness.write_report(args.out, NAME, text, {"bench": NAME, "command": cmd, "environment": env,

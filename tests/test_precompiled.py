@@ -28,6 +28,9 @@ def _fake_cache(root: Path) -> Path:
     tuned = root / "TUNEKEY"
     tuned.mkdir()
     (tuned / "k.autotune.json").write_text("{}")
+    launcher = root / "LAUNCHERKEY"
+    launcher.mkdir()
+    (launcher / f"__triton_launcher{precompiled.MODULE_SUFFIX}").write_bytes(b"\x7fELF module")
     return root
 
 
@@ -47,7 +50,8 @@ def bundle(tmp_path, monkeypatch):
 
 def test_a_bundle_keeps_each_kernels_metadata_and_binary_only(bundle):
     folder, manifest, _ = bundle
-    assert manifest["entries"] == {"KERNELKEY": ["k.cubin", "k.json"]}
+    module = f"__triton_launcher{precompiled.MODULE_SUFFIX}"
+    assert manifest["entries"] == {"KERNELKEY": ["k.cubin", "k.json"], "LAUNCHERKEY": [module]}
     assert sorted(p.name for p in (folder / "KERNELKEY").iterdir()) == ["k.cubin", "k.json"]
     assert not (folder / "TUNEKEY").exists()
     assert manifest["triton_key"] == precompiled.triton_key_digest()
@@ -59,12 +63,14 @@ def test_seeding_installs_what_tritons_file_cache_then_finds(bundle):
     from triton.runtime.cache import FileCacheManager
 
     folder, _, cache = bundle
-    assert precompiled._seed(GPU) == {"bundle": str(folder), "installed": 1, "present": 0}
+    assert precompiled._seed(GPU) == {"bundle": str(folder), "installed": 2, "present": 0}
     group = FileCacheManager("KERNELKEY").get_group("k.json")  # Triton's own lookup of a compiled kernel
     assert group == {"k.json": str(cache / "KERNELKEY" / "k.json"), "k.cubin": str(cache / "KERNELKEY" / "k.cubin")}
     assert (cache / "KERNELKEY" / "k.cubin").read_bytes() == b"\x7fELF binary"
+    module = f"__triton_launcher{precompiled.MODULE_SUFFIX}"
+    assert FileCacheManager("LAUNCHERKEY").get_file(module) == str(cache / "LAUNCHERKEY" / module)  # a launcher's
     assert not any(".tmp." in p.name for p in (cache / "KERNELKEY").iterdir())
-    assert precompiled._seed(GPU) == {"bundle": str(folder), "installed": 0, "present": 1}
+    assert precompiled._seed(GPU) == {"bundle": str(folder), "installed": 0, "present": 2}
 
 
 def test_nothing_is_seeded_where_it_cannot_match_or_is_not_wanted(bundle, monkeypatch):
@@ -95,7 +101,7 @@ def test_seed_cache_runs_once_per_device(bundle, monkeypatch):
     monkeypatch.setattr(precompiled, "_SEEDED", {})
     monkeypatch.setattr(precompiled, "_BY_DEVICE", {})
     first = precompiled.seed_cache(torch.device("cuda", 0))
-    assert first["installed"] == 1
+    assert first["installed"] == 2
     assert precompiled.seed_cache(torch.device("cuda", 0)) is first and len(calls) == 1
 
 
@@ -116,7 +122,7 @@ def test_the_shipped_bundles_are_whole_and_current(folder):
     assert manifest["format"] == precompiled.FORMAT and precompiled.table_name(manifest["gpu"]) == folder.name
     for key, names in manifest["entries"].items():
         assert sorted(p.name for p in (folder / key).iterdir()) == sorted(names)
-        assert any(n.endswith(precompiled.BINARY_SUFFIXES) for n in names)
+        assert any(n.endswith(precompiled.BINARY_SUFFIXES) for n in names) or (len(names) == 1 and names[0].endswith(".so"))
     stale = {name for name, digest in precompiled.source_digests().items() if manifest["sources"].get(name) != digest}
     assert not stale, (f"{folder.name}: the bundled kernels were compiled from other versions of {sorted(stale)}; "
                        f"rerun python -m bench.precompile on a {manifest['gpu']} and commit its output here")

@@ -7,9 +7,9 @@ kernel's source, its specialisation and options, the GPU target and the whole Tr
 default's first SVD video compiles about five of them, ~6 s (``bench.cold_start``).
 
 A bundle, ``compiled/<gpu>/`` (``<gpu>`` as ``tuning.table_name`` spells it), holds such cache entries
-made on that GPU by ``python -m bench.precompile``: per entry the metadata JSON and the binary (the IR
-texts Triton also keeps are left out; it needs neither to launch), and ``manifest.json`` with the Triton
-version and key they were made with.  On the first launch on a CUDA device in a process,
+made on that GPU by ``python -m bench.precompile``: per kernel the metadata JSON and the binary (the IR
+texts Triton also keeps are left out; it needs neither to launch), the launchers Triton built for them
+with the host's C compiler, and ``manifest.json`` with the Triton version and key they were made with.  On the first launch on a CUDA device in a process,
 :func:`seed_cache` copies the entries the cache lacks into it, only when the running Triton's key is the
 manifest's (another Triton build would never hit them).  Triton then finds them as its own: a key that a
 shipped entry does not match compiles as always, so a bundle can only save time, never change what runs.
@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import shutil
+import sysconfig
 import threading
 import warnings
 from pathlib import Path
@@ -41,6 +42,8 @@ FORMAT = 1
 MANIFEST = "manifest.json"
 BINARY_SUFFIXES = (".cubin", ".hsaco")
 """The files of an entry a launch reads besides its metadata JSON (CUDA's and AMD's binaries)."""
+MODULE_SUFFIX = sysconfig.get_config_var("EXT_SUFFIX")
+"""A compiled launcher's file name ends so (``.cpython-312-x86_64-linux-gnu.so``)."""
 
 KERNEL_SOURCES = ("kernels/common.py", "kernels/hopper.py", "kernels/packed.py", "kernels/prepass.py", "rules.py")
 """The package files (relative to ``pasa_diffusers/``) whose text the bundled kernels are compiled from:
@@ -81,15 +84,19 @@ def source_digests() -> dict[str, str]:
     return {name: hashlib.sha256((package / name).read_bytes()).hexdigest() for name in KERNEL_SOURCES}
 
 
-def _entry_files(entry: Path) -> dict[str, str] | None:
-    """``{name: name}`` of the metadata JSON and binary of one cache entry (a kernel), or None for a folder
-    that holds no compiled kernel (an autotuner's result)."""
+def _entry_files(entry: Path) -> list[str] | None:
+    """The files of one cache entry to ship: a kernel's metadata JSON and binary, or the one extension
+    module of a launcher Triton built with the host's C compiler (``runtime/build.py``: keyed by its
+    source and the platform, so it only ever loads where it was built); None for anything else (an
+    autotuner's timings)."""
     names = [p.name for p in entry.iterdir() if p.is_file() and not p.name.startswith("__grp__")]
     metadata = [n for n in names if n.endswith(".json") and not n.endswith(".autotune.json")]
     binaries = [n for n in names if n.endswith(BINARY_SUFFIXES)]
-    if len(metadata) != 1 or len(binaries) != 1:
-        return None
-    return {metadata[0]: metadata[0], binaries[0]: binaries[0]}
+    if len(metadata) == 1 and len(binaries) == 1:
+        return sorted(metadata + binaries)
+    if len(names) == 1 and names[0].endswith(MODULE_SUFFIX):
+        return names
+    return None
 
 
 def write_bundle(source: Path, out: Path, *, gpu: str, provenance: dict) -> dict:
@@ -108,7 +115,7 @@ def write_bundle(source: Path, out: Path, *, gpu: str, provenance: dict) -> dict
         (out / entry.name).mkdir()
         for name in files:
             shutil.copyfile(entry / name, out / entry.name / name)
-        entries[entry.name] = sorted(files)
+        entries[entry.name] = files
     manifest = {"format": FORMAT, "gpu": gpu, "triton": triton.__version__, "triton_key": triton_key_digest(),
                 "sources": source_digests(), **provenance, "entries": entries}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
@@ -127,11 +134,11 @@ def _read_manifest(bundle: Path) -> dict | None:
 
 def _install_entry(bundle: Path, key: str, names: list[str], cache: Path) -> bool:
     """Copy one entry into ``cache/key`` as Triton's file cache writes one (each file to a temporary name,
-    then renamed; the group file that makes it visible last).  False if Triton already has it."""
-    metadata = next(n for n in names if n.endswith(".json"))
+    then renamed; a kernel's group file, which makes it visible, last).  False if Triton already has it."""
+    metadata = [n for n in names if n.endswith(".json")]
     dst = cache / key
-    group = dst / f"__grp__{metadata}"
-    if group.exists():
+    done = dst / f"__grp__{metadata[0]}" if metadata else dst / names[0]
+    if done.exists():
         return False
     dst.mkdir(parents=True, exist_ok=True)
     paths = {}
@@ -140,9 +147,10 @@ def _install_entry(bundle: Path, key: str, names: list[str], cache: Path) -> boo
         shutil.copyfile(bundle / key / name, tmp)
         os.replace(tmp, dst / name)
         paths[name] = str(dst / name)
-    tmp = dst / f"{group.name}.tmp.pid_{os.getpid()}"
-    tmp.write_text(json.dumps({"child_paths": paths}))
-    os.replace(tmp, group)
+    if metadata:
+        tmp = dst / f"{done.name}.tmp.pid_{os.getpid()}"
+        tmp.write_text(json.dumps({"child_paths": paths}))
+        os.replace(tmp, done)
     return True
 
 
