@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 KERNELS = "pasa_diffusers.kernels"
 DISPATCH = f"{KERNELS}.dispatch"
 KERNEL_FILES = {f"{KERNELS}.{name}" for name in ("portable", "packed", "hopper", "prepass", "int8")}
-HELPERS = {f"{KERNELS}.{name}" for name in ("common", "tuning")}
+HELPERS = {f"{KERNELS}.{name}" for name in ("common", "tuning", "precompiled")}
 KERNEL_DEPENDENCIES = HELPERS | {"pasa_diffusers.rules", "pasa_diffusers.beta", "pasa_diffusers.variants"}
 """What a kernel file may import of the project."""
 APPLICATIONS = ("pasa_diffusers.pipelines", "pasa_diffusers.cli")
@@ -266,7 +266,7 @@ def test_kernel_imports_go_downward_only():
     bad = [e for e in EDGES if within(e.source, KERNELS) and e.target.startswith("pasa_diffusers")
            and not _kernel_rule(e.source, e.target)]
     assert not bad, _report(bad, "dispatch -> kernel files (portable, packed, hopper, prepass) -> helpers (common, "
-                                 "tuning) and rules, beta, variants; never sideways or up")
+                                 "tuning, precompiled) and rules, beta, variants; never sideways or up")
 
 
 def test_outside_kernels_only_ops_reaches_them_through_dispatch():

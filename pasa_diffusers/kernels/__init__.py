@@ -5,9 +5,10 @@
 - kernel files, each with its launch wrapper and configs: ``portable.py`` (FlashAttention-2's loop,
   every variant), ``packed.py`` (the exact shift on short one-block sequences), ``hopper.py`` (the
   exact shift on sm_90 in Gluon, FA3's structure), ``prepass.py`` (the keys centred or shifted once per
-  head);
+  head), ``int8.py`` (the exact shift in 8 bits);
 - shared helpers: ``common.py`` (rounding, products, the exact centre, ``INTERPRET``), ``tuning.py``
-  (tile extents, buckets, the autotuner with its on-disk cache).
+  (tile extents, buckets, the autotuner with its shipped tables and on-disk cache), ``precompiled.py``
+  (the compiled kernels shipped per GPU, copied into Triton's cache on the first launch).
 
 Kernel files import only the helpers, ``rules``, ``beta`` and ``variants``; never each other.
 Importing a kernel module imports ``triton``; for CPU tensors set ``TRITON_INTERPRET=1`` before that.
