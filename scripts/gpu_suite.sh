@@ -6,9 +6,10 @@
 #     OUT=/some/folder SHARDS=4 bash scripts/gpu_suite.sh [extra pytest arguments, e.g. -k temporal]
 #
 # The carried wheels (WHEELS, default .whl: diffusers, the peers) are installed first (device_env.sh).
-# The test ids are split round-robin, so every shard gets a mix of shapes and variants.  Writes
-# $OUT/gpu_suite_<i>.log and $OUT/ratios_<i>/gpu_error_ratios.md (the kernel / reference error ratios)
-# (-v: a line per test, so a shard cut short by a time limit still says what passed) per shard and prints each shard's summary line; the exit status is non-zero if any shard failed.
+# The test ids are split round-robin, so every shard gets a mix of shapes and variants.  Writes, per
+# shard, $OUT/gpu_suite_<i>.log (-v: a line per test, so a shard cut short by a time limit still says
+# what passed) and $OUT/ratios_<i>/gpu_error_ratios.md (the kernel / reference error ratios), and prints
+# each shard's summary line; the exit status is non-zero if any shard failed.
 set -uo pipefail
 . "$(dirname "$0")/device_env.sh"
 
