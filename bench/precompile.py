@@ -7,12 +7,12 @@ In a fresh process with an empty Triton cache (TRITON_CACHE_DIR a new temporary 
 kernels off (PASA_PRECOMPILED=0), runs pasa_attention with its defaults once per shape of SVD-XT's
 shape set at 14 and 25 frames (fp16) and of the video transformers' (bf16), on diffusers' (B, N, H, D)
 memory, then --model (default svd-xt-random: the full-size random-weight SVD-XT pipeline, built on the
-GPU) through the pasa backend for one 14-frame 576x1024 step at each of 14 and 25 frames (its cross-attention
-and every other shape the UNet calls); then writes what Triton compiled, the metadata JSON and binary of
-each kernel and the launchers it built with the host's C compiler, to DIR/<gpu>/ with manifest.json
+GPU) through the pasa backend for one 576x1024 step at each of 14 and 25 frames (its cross-attention and
+every other shape the UNet calls); then writes what Triton compiled, the metadata JSON and binary of
+each kernel and the launchers it built with the host's C compiler, to DIR/<arch>/ with manifest.json
 (kernels/precompiled.py).  Commit that folder as
-pasa_diffusers/kernels/compiled/<gpu>/; bench.cold_start's last process and bench.video measure what it
-saves.  The bundle matches only the Triton build it was made with (its key covers Triton's files and
+pasa_diffusers/kernels/compiled/<arch>/ (sm_90: it serves every GPU of the architecture);
+bench.cold_start's last process and bench.video measure what it saves.  The bundle matches only the Triton build it was made with (its key covers Triton's files and
 libtriton: the same wheel, so the same Python version); other builds compile as before.
 """
 from __future__ import annotations
@@ -89,8 +89,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(run.stderr[-4000:], file=sys.stderr)
             return 1
         ran = json.loads(run.stdout.strip().splitlines()[-1])["ran"]
-        out = Path(args.out) / precompiled.table_name(gpu)
-        manifest = precompiled.write_bundle(Path(cache), out, gpu=gpu, provenance={
+        arch = precompiled.arch_name(torch.cuda.get_device_capability())
+        out = Path(args.out) / arch
+        manifest = precompiled.write_bundle(Path(cache), out, arch=arch, gpu=gpu, provenance={
             "python": env["python"], "torch": env["torch"], "cuda": env["cuda"], "command": cmd, "date": env["date"],
             "ran": ran})
     rows = []

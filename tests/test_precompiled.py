@@ -13,7 +13,7 @@ pytest.importorskip("triton")
 
 from pasa_diffusers.kernels import precompiled  # noqa: E402
 
-GPU = "NVIDIA H200"
+ARCH = "sm_90"
 
 
 def _fake_cache(root: Path) -> Path:
@@ -36,16 +36,16 @@ def _fake_cache(root: Path) -> Path:
 
 @pytest.fixture
 def bundle(tmp_path, monkeypatch):
-    """A bundle for ``GPU`` made by the running Triton, installed as the package's bundle folder."""
+    """A bundle for ``ARCH`` made by the running Triton, installed as the package's bundle folder."""
     bundles = tmp_path / "bundles"
-    manifest = precompiled.write_bundle(_fake_cache(tmp_path / "made"), bundles / "nvidia-h200", gpu=GPU,
+    manifest = precompiled.write_bundle(_fake_cache(tmp_path / "made"), bundles / ARCH, arch=ARCH, gpu="NVIDIA H200",
                                         provenance={"python": "3.x", "command": "test"})
     monkeypatch.setattr(precompiled, "BUNDLE_DIR", bundles)
     monkeypatch.delenv(precompiled.ENV, raising=False)
     monkeypatch.delenv("TRITON_CACHE_MANAGER", raising=False)
     cache = tmp_path / "cache"
     monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
-    return bundles / "nvidia-h200", manifest, cache
+    return bundles / ARCH, manifest, cache
 
 
 def test_a_bundle_keeps_each_kernels_metadata_and_binary_only(bundle):
@@ -63,27 +63,27 @@ def test_seeding_installs_what_tritons_file_cache_then_finds(bundle):
     from triton.runtime.cache import FileCacheManager
 
     folder, _, cache = bundle
-    assert precompiled._seed(GPU) == {"bundle": str(folder), "installed": 2, "present": 0}
+    assert precompiled._seed(ARCH) == {"bundle": str(folder), "installed": 2, "present": 0}
     group = FileCacheManager("KERNELKEY").get_group("k.json")  # Triton's own lookup of a compiled kernel
     assert group == {"k.json": str(cache / "KERNELKEY" / "k.json"), "k.cubin": str(cache / "KERNELKEY" / "k.cubin")}
     assert (cache / "KERNELKEY" / "k.cubin").read_bytes() == b"\x7fELF binary"
     module = f"__triton_launcher{precompiled.MODULE_SUFFIX}"
     assert FileCacheManager("LAUNCHERKEY").get_file(module) == str(cache / "LAUNCHERKEY" / module)  # a launcher's
     assert not any(".tmp." in p.name for p in (cache / "KERNELKEY").iterdir())
-    assert precompiled._seed(GPU) == {"bundle": str(folder), "installed": 0, "present": 2}
+    assert precompiled._seed(ARCH) == {"bundle": str(folder), "installed": 0, "present": 2}
 
 
 def test_nothing_is_seeded_where_it_cannot_match_or_is_not_wanted(bundle, monkeypatch):
     folder, manifest, cache = bundle
-    assert precompiled._seed("NVIDIA A100-SXM4-80GB") == {"skipped": "no bundle for NVIDIA A100-SXM4-80GB"}
+    assert precompiled._seed("sm_80") == {"skipped": "no bundle for sm_80"}
     monkeypatch.setenv(precompiled.ENV, "0")
-    assert precompiled._seed(GPU) == {"skipped": "PASA_PRECOMPILED=0"}
+    assert precompiled._seed(ARCH) == {"skipped": "PASA_PRECOMPILED=0"}
     monkeypatch.delenv(precompiled.ENV)
     monkeypatch.setenv("TRITON_CACHE_MANAGER", "my.remote:Cache")
-    assert "TRITON_CACHE_MANAGER" in precompiled._seed(GPU)["skipped"]
+    assert "TRITON_CACHE_MANAGER" in precompiled._seed(ARCH)["skipped"]
     monkeypatch.delenv("TRITON_CACHE_MANAGER")
     (folder / precompiled.MANIFEST).write_text(json.dumps({**manifest, "triton_key": "0" * 64}))
-    assert "another Triton build" in precompiled._seed(GPU)["skipped"]
+    assert "another Triton build" in precompiled._seed(ARCH)["skipped"]
     assert not cache.exists()
 
 
@@ -91,13 +91,13 @@ def test_an_unwritable_cache_is_a_warning(bundle, tmp_path, monkeypatch):
     blocked = tmp_path / "a-file"
     blocked.write_text("not a folder")  # no folder can be made under it, whoever runs the test
     monkeypatch.setenv("TRITON_CACHE_DIR", str(blocked / "cache"))
-    with pytest.warns(UserWarning, match="could not copy the compiled kernels"):
-        assert "skipped" in precompiled._seed(GPU)
+    with pytest.warns(UserWarning, match="could not copy the compiled sm_90 kernels"):
+        assert "skipped" in precompiled._seed(ARCH)
 
 
 def test_seed_cache_runs_once_per_device(bundle, monkeypatch):
     calls = []
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: calls.append(device) or GPU)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: calls.append(device) or (9, 0))
     monkeypatch.setattr(precompiled, "_SEEDED", {})
     monkeypatch.setattr(precompiled, "_BY_DEVICE", {})
     first = precompiled.seed_cache(torch.device("cuda", 0))
@@ -109,20 +109,20 @@ def test_a_bundle_of_another_format_is_refused(bundle):
     folder, manifest, _ = bundle
     (folder / precompiled.MANIFEST).write_text(json.dumps({**manifest, "format": 99}))
     with pytest.raises(ValueError, match="bundle format 99"):
-        precompiled._seed(GPU)
+        precompiled._seed(ARCH)
 
 
 @pytest.mark.parametrize("folder", sorted(p for p in precompiled.BUNDLE_DIR.iterdir() if p.is_dir()),
                          ids=lambda p: p.name)
 def test_the_shipped_bundles_are_whole_and_current(folder):
-    """Each shipped bundle: named for its GPU, every entry's files present, and compiled from the kernel
+    """Each shipped bundle: named for its architecture, every entry's files present, and compiled from the kernel
     sources as they are now (a changed kernel file: rerun ``python -m bench.precompile`` on that GPU and
     commit its output, or the first video there compiles again)."""
     manifest = json.loads((folder / precompiled.MANIFEST).read_text())
-    assert manifest["format"] == precompiled.FORMAT and precompiled.table_name(manifest["gpu"]) == folder.name
+    assert manifest["format"] == precompiled.FORMAT and manifest["arch"] == folder.name
     for key, names in manifest["entries"].items():
         assert sorted(p.name for p in (folder / key).iterdir()) == sorted(names)
         assert any(n.endswith(precompiled.BINARY_SUFFIXES) for n in names) or (len(names) == 1 and names[0].endswith(".so"))
     stale = {name for name, digest in precompiled.source_digests().items() if manifest["sources"].get(name) != digest}
     assert not stale, (f"{folder.name}: the bundled kernels were compiled from other versions of {sorted(stale)}; "
-                       f"rerun python -m bench.precompile on a {manifest['gpu']} and commit its output here")
+                       f"rerun python -m bench.precompile on an {manifest['arch']} GPU and commit its output here")

@@ -1,15 +1,18 @@
-"""Compiled kernels shipped for known GPUs: a fresh machine's first video without compiling.
+"""Compiled kernels shipped for known GPU architectures: a fresh machine's first video without compiling.
 
 Triton compiles each kernel specialisation on its first launch and keeps the binary in its cache
 directory (``TRITON_CACHE_DIR``, default ``~/.triton/cache``), one folder per compile key: a hash of the
 kernel's source, its specialisation and options, the GPU target and the whole Triton installation
 (``triton.runtime.cache.triton_key``: Triton's Python files and ``libtriton``).  On a fresh machine the
-default's first SVD video compiles about five of them, ~6 s (``bench.cold_start``).
+default's first SVD video compiles about ten of them and builds their launchers, 6-8 s
+(``bench.cold_start``).
 
-A bundle, ``compiled/<gpu>/`` (``<gpu>`` as ``tuning.table_name`` spells it), holds such cache entries
-made on that GPU by ``python -m bench.precompile``: per kernel the metadata JSON and the binary (the IR
-texts Triton also keeps are left out; it needs neither to launch), the launchers Triton built for them
-with the host's C compiler, and ``manifest.json`` with the Triton version and key they were made with.  On the first launch on a CUDA device in a process,
+A bundle, ``compiled/<arch>/`` (``sm_90``: the compute capability the binaries are compiled for, which
+is all of the compile key that depends on the GPU, so one bundle serves every GPU of the architecture:
+H100, H200, GH200), holds such cache entries made on such a GPU by ``python -m bench.precompile``: per
+kernel the metadata JSON and the binary (the IR texts Triton also keeps are left out; it needs neither
+to launch), the launchers Triton built for them with the host's C compiler, and ``manifest.json`` with
+the Triton version and key they were made with.  On the first launch on a CUDA device in a process,
 :func:`seed_cache` copies the entries the cache lacks into it, only when the running Triton's key is the
 manifest's (another Triton build would never hit them).  Triton then finds them as its own: a key that a
 shipped entry does not match compiles as always, so a bundle can only save time, never change what runs.
@@ -30,7 +33,6 @@ from pathlib import Path
 
 import torch
 
-from .tuning import table_name
 
 BUNDLE_DIR = Path(__file__).with_name("compiled")
 """The shipped bundles, one folder per GPU."""
@@ -52,7 +54,7 @@ the bundle's entries no longer match any compile key (harmless, but the first vi
 and ``tests/test_precompiled.py`` says so: rerun ``python -m bench.precompile`` on that GPU."""
 
 _SEEDED: dict[str, dict] = {}
-"""What :func:`seed_cache` did, per GPU name."""
+"""What :func:`seed_cache` did, per architecture."""
 _BY_DEVICE: dict[int | None, dict] = {}
 """The same per CUDA device index: the per-call check."""
 _LOCK = threading.Lock()
@@ -74,8 +76,13 @@ def cache_dir() -> Path | None:
     return Path(knobs.cache.dir)
 
 
-def bundle_path(gpu: str) -> Path:
-    return BUNDLE_DIR / table_name(gpu)
+def arch_name(capability: tuple[int, int]) -> str:
+    """A bundle's folder name for a compute capability: ``(9, 0)`` -> ``"sm_90"``."""
+    return f"sm_{capability[0]}{capability[1]}"
+
+
+def bundle_path(arch: str) -> Path:
+    return BUNDLE_DIR / arch
 
 
 def source_digests() -> dict[str, str]:
@@ -99,9 +106,10 @@ def _entry_files(entry: Path) -> list[str] | None:
     return None
 
 
-def write_bundle(source: Path, out: Path, *, gpu: str, provenance: dict) -> dict:
+def write_bundle(source: Path, out: Path, *, arch: str, gpu: str, provenance: dict) -> dict:
     """Copy the compiled kernels of the Triton cache folder ``source`` (one that only the kernels to ship
-    were compiled into) to the bundle folder ``out``; return its manifest (also written there)."""
+    were compiled into) to the bundle folder ``out``; return its manifest (also written there).  ``arch``:
+    what the kernels were compiled for; ``gpu``: the GPU they were made on."""
     import triton
 
     if out.exists():
@@ -116,7 +124,7 @@ def write_bundle(source: Path, out: Path, *, gpu: str, provenance: dict) -> dict
         for name in files:
             shutil.copyfile(entry / name, out / entry.name / name)
         entries[entry.name] = files
-    manifest = {"format": FORMAT, "gpu": gpu, "triton": triton.__version__, "triton_key": triton_key_digest(),
+    manifest = {"format": FORMAT, "arch": arch, "gpu": gpu, "triton": triton.__version__, "triton_key": triton_key_digest(),
                 "sources": source_digests(), **provenance, "entries": entries}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
@@ -155,27 +163,27 @@ def _install_entry(bundle: Path, key: str, names: list[str], cache: Path) -> boo
 
 
 def seed_cache(device: torch.device) -> dict:
-    """Once per process and GPU name: copy the bundle of ``device``'s GPU into Triton's cache where its
+    """Once per process and architecture: copy the bundle of ``device``'s into Triton's cache where its
     Triton key is the running one's.  Returns what happened: ``{"bundle", "installed", "present"}`` or
     ``{"skipped": reason}``; an unwritable cache is a warning (the kernels then compile as always)."""
     done = _BY_DEVICE.get(device.index)
     if done is not None:
         return done
-    gpu = torch.cuda.get_device_name(device)
+    arch = arch_name(torch.cuda.get_device_capability(device))
     with _LOCK:
-        if gpu not in _SEEDED:
-            _SEEDED[gpu] = _seed(gpu)
-        _BY_DEVICE[device.index] = _SEEDED[gpu]
-        return _SEEDED[gpu]
+        if arch not in _SEEDED:
+            _SEEDED[arch] = _seed(arch)
+        _BY_DEVICE[device.index] = _SEEDED[arch]
+        return _SEEDED[arch]
 
 
-def _seed(gpu: str) -> dict:
+def _seed(arch: str) -> dict:
     if os.environ.get(ENV) == "0":
         return {"skipped": f"{ENV}=0"}
-    bundle = bundle_path(gpu)
+    bundle = bundle_path(arch)
     manifest = _read_manifest(bundle)
     if manifest is None:
-        return {"skipped": f"no bundle for {gpu}"}
+        return {"skipped": f"no bundle for {arch}"}
     import triton
 
     if manifest["triton"] != triton.__version__ or manifest["triton_key"] != triton_key_digest():
@@ -187,7 +195,7 @@ def _seed(gpu: str) -> dict:
     try:
         installed = sum(_install_entry(bundle, key, names, cache) for key, names in manifest["entries"].items())
     except OSError as e:
-        warnings.warn(f"pasa_diffusers: could not copy the compiled kernels for {gpu} into Triton's cache {cache} "
+        warnings.warn(f"pasa_diffusers: could not copy the compiled {arch} kernels into Triton's cache {cache} "
                       f"({e}); they compile on first use", UserWarning, stacklevel=3)
         return {"skipped": str(e)}
     return {"bundle": str(bundle), "installed": installed, "present": len(manifest["entries"]) - installed}
