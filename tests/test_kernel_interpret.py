@@ -95,6 +95,16 @@ def _kernel(q, k, v, kind, precision, *, out=None, beta=DEFAULT_BETA, **options)
     return out
 
 
+def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| in ulps of their dtype at ``a``'s magnitude (the spacing ``2^(e-1) eps`` of the binade
+    ``[2^(e-1), 2^e)`` holding ``a``; the subnormal spacing below the normals)."""
+    info = torch.finfo(a.dtype)
+    _, exponent = torch.frexp(a.float())
+    spacing = torch.clamp(torch.ldexp(torch.full_like(a, info.eps, dtype=torch.float32), exponent - 1),
+                          min=info.smallest_normal * info.eps)
+    return (a.float() - b.float()).abs() / spacing
+
+
 def _reference(q, k, v, kind, precision, **options):
     if kind == "pasa":
         return pasa_reference(q, k, v, precision=precision, **options)
@@ -239,9 +249,12 @@ def test_exact_centring_in_the_loop_equals_the_prepass(precision, shape, gen):
                                              ("hybrid", torch.bfloat16)], ids=["half", "hybrid", "hybrid-bf16"])
 def test_packed_sequences_equal_the_loop(precision, dtype, shape, gen):
     """Several whole sequences per program (``packed.py``, what "auto" picks for short one-block
-    sequences) give the loop's bits: the same centres, the same roundings, with the centred keys
-    subtracted in fp32 or in the GEMM dtype (``CENTRE_IN_G``).  The odd batch x heads
-    leaves the last program with a padded sequence slot; inputs are (B, N, H, D) memory, as diffusers'."""
+    sequences) compute what the loop computes: the same centres, the same roundings, with the centred
+    keys subtracted in fp32 or in the GEMM dtype (``CENTRE_IN_G``), so every packed config gives the same
+    bits.  Against the loop each element is equal or one ulp of the dtype apart: the loop's key tile has
+    another padded length, and the interpreter's numpy dot then sums the same fp32 products in another
+    order (seed 2530032314: 1 of 8960 outputs one ulp apart at d80).  The odd batch x heads leaves the
+    last program with a padded sequence slot; inputs are (B, N, H, D) memory, as diffusers'."""
     b, hq, hk, nq, nk, d = shape
     q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2)
                for t in _biased_inputs(shape, gen, bias=20.0, dtype=dtype))
@@ -249,7 +262,7 @@ def test_packed_sequences_equal_the_loop(precision, dtype, shape, gen):
     packed = _kernel(q, k, v, "exact", precision)
     fused = _kernel(q, k, v, "exact", precision, kernel="portable")
     assert torch.isfinite(packed).all()
-    assert torch.equal(packed, fused)
+    assert (_ulps_apart(packed, fused) <= 1).all()
     assert torch.equal(_kernel(q, k, v, "exact", precision, kernel="packed"), packed)
     assert torch.equal(_kernel(q, k, v, "exact", precision, config={"CENTRE_IN_G": True}), packed)
     _assert_within_bound(packed, _reference(q, k, v, "exact", precision), golden_attention(q, k, v), "exact",
