@@ -20,16 +20,14 @@ pre-pass the IEEE divisions (div.rn.f32) and whether an FMA swallowed the roundi
 """
 from __future__ import annotations
 
-import json
 import re
 import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .compile_sm90 import add_compiler_arguments, answer_child, compile_isolated, run_child
+from .compile_sm90 import add_compiler_arguments, answer_child, compile_all, run_child, spilled
 
 NAME = "compile_int8"
 ROOT = Path(__file__).resolve().parents[1]
@@ -177,8 +175,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = harness.parser(NAME, __doc__)
     add_compiler_arguments(p)
     args = p.parse_args(argv)
-    if args.jobs < 1:
-        p.error(f"--jobs {args.jobs}: must be at least 1")
     found, tail = run_child(args.python, "--probe", module=f"bench.{NAME}")
     if found is None:
         print(f"bench.{NAME}: --python {args.python} cannot run the compiler: {tail}", file=sys.stderr)
@@ -186,15 +182,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     cmd, env = harness.command(NAME, argv), harness.environment()
     env["compiler"] = found
     todo = cases()
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        rows = list(harness.progress(pool.map(lambda case: compile_isolated(args.python, case, f"bench.{NAME}"), todo), NAME,
-                                     total=len(todo)))
-    spilled = sum(1 for r in rows if r.get("spill_st") or r.get("ptx_local") or r.get("sass_local"))
+    rows = compile_all(args.python, todo, args.jobs, f"bench.{NAME}")
     text = harness.header(f"bench.compile_int8: the 8-bit kernels for sm_90 (triton {found['triton']})", env, cmd)
     text += f"\nmeta inputs (B, H/Hk, N) = ({SHAPE[0]}, {SHAPE[1]}/{KV_HEADS}, {SHAPE[2]}), (B, N, H, D) memory\n\n"
     text += records.markdown_table(COLUMNS, [table_row(r) for r in rows])
     no_int8 = sum(1 for r in rows if r["kernel"] == "attention" and r.get("ok") and "s32.s8.s8" not in r["wgmma"])
-    text += (f"\n\n{sum(r['ok'] for r in rows)} of {len(rows)} compiled; with spills: {spilled}; attention kernels "
+    text += (f"\n\n{sum(r['ok'] for r in rows)} of {len(rows)} compiled; with spills: {spilled(rows)}; attention kernels "
              f"without INT8 wgmma: {no_int8}\n")
     harness.write_report(args.out, NAME, text, {"bench": NAME, "command": cmd, "environment": env, "rows": rows})
     print(text)

@@ -20,6 +20,7 @@ count; compile seconds.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -193,8 +194,6 @@ def probe() -> dict:
 
 def _parse_config(text: str) -> tuple[int, int, bool, int]:
     """``BLOCK_N,num_stages,overlap,consumers`` (overlap 0 or 1) -> a config tuple."""
-    import argparse
-
     try:
         block_n, stages, overlap, consumers = (int(x) for x in text.split(","))
     except ValueError:
@@ -255,11 +254,32 @@ def answer_child(argv: list[str], compile_one, probe) -> bool:
     return False
 
 
+def _jobs(text: str) -> int:
+    jobs = int(text)
+    if jobs < 1:
+        raise argparse.ArgumentTypeError(f"{jobs}: must be at least 1")
+    return jobs
+
+
 def add_compiler_arguments(p) -> None:
-    """``--python`` (the interpreter with triton 3.6 that compiles) and ``--jobs``."""
+    """``--python`` (the interpreter with triton 3.6 that compiles) and ``--jobs`` (>= 1)."""
     p.add_argument("--python", default=sys.executable,
                    help="the interpreter with triton 3.6 that compiles (default: this one)")
-    p.add_argument("--jobs", type=int, default=2, help="compiles in parallel (default: 2)")
+    p.add_argument("--jobs", type=_jobs, default=2, help="compiles in parallel (default: 2)")
+
+
+def compile_all(python: str, cases: list[dict], jobs: int, module: str = f"bench.{NAME}") -> list[dict]:
+    """:func:`compile_isolated` of every case, ``jobs`` at a time, with a progress bar named after ``module``."""
+    from . import harness
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        return list(harness.progress(pool.map(lambda case: compile_isolated(python, case, module), cases),
+                                     module.removeprefix("bench."), total=len(cases)))
+
+
+def spilled(rows: list[dict]) -> int:
+    """How many compiled rows spill (ptxas spill bytes or local memory in the PTX or SASS)."""
+    return sum(1 for r in rows if r.get("spill_st") or r.get("ptx_local") or r.get("sass_local"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -276,8 +296,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="the configs to compile at every shape (default: CONFIGS at head dim 64, WIDE_CONFIGS "
                         "above it)")
     args = p.parse_args(argv)
-    if args.jobs < 1:
-        p.error(f"--jobs {args.jobs}: must be at least 1")
     found, tail = run_child(args.python, "--probe")
     if found is None or found["unavailable"]:
         why = tail if found is None else found["unavailable"]
@@ -287,14 +305,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     cmd, env = harness.command(NAME, argv), harness.environment()
     env["compiler"] = found
     cases = [{"config": c, "shape": s, "dtype": dtype} for s, dtype, configs in SHAPES for c in args.configs or configs]
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        rows = list(harness.progress(pool.map(lambda case: compile_isolated(args.python, case), cases), NAME,
-                                     total=len(cases)))
-    spilled = sum(1 for r in rows if r.get("spill_st") or r.get("ptx_local") or r.get("sass_local"))
+    rows = compile_all(args.python, cases, args.jobs)
     text = harness.header(f"bench.compile_sm90: the Gluon kernel for sm_90 (triton {found['triton']})", env, cmd)
     text += "\n" + records.markdown_table(COLUMNS, [table_row(r) for r in rows], align="ll" + "l" * 5 + "rrrrr")
     text += (f"\n\n{sum(r['ok'] for r in rows)} of {len(rows)} compiled; warp-specialised: "
-             f"{sum(1 for r in rows if r.get('ws'))}; with spills: {spilled}\n")
+             f"{sum(1 for r in rows if r.get('ws'))}; with spills: {spilled(rows)}\n")
     harness.write_report(args.out, NAME, text, {"bench": NAME, "command": cmd, "environment": env, "rows": rows})
     print(text)
     return 0

@@ -99,7 +99,6 @@ def test_seed_cache_runs_once_per_device(bundle, monkeypatch):
     calls = []
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: calls.append(device) or (9, 0))
     monkeypatch.setattr(precompiled, "_SEEDED", {})
-    monkeypatch.setattr(precompiled, "_BY_DEVICE", {})
     first = precompiled.seed_cache(torch.device("cuda", 0))
     assert first["installed"] == 2
     assert precompiled.seed_cache(torch.device("cuda", 0)) is first and len(calls) == 1

@@ -53,10 +53,8 @@ their Triton functions and the constants they read.  A bundle records their sha2
 the bundle's entries no longer match any compile key (harmless, but the first video compiles again),
 and ``tests/test_precompiled.py`` says so: rerun ``python -m bench.precompile`` on that GPU."""
 
-_SEEDED: dict[str, dict] = {}
-"""What :func:`seed_cache` did, per architecture."""
-_BY_DEVICE: dict[int | None, dict] = {}
-"""The same per CUDA device index: the per-call check."""
+_SEEDED: dict[int | None, dict] = {}
+"""What :func:`seed_cache` did, per CUDA device index (the per-call check)."""
 _LOCK = threading.Lock()
 
 
@@ -163,18 +161,16 @@ def _install_entry(bundle: Path, key: str, names: list[str], cache: Path) -> boo
 
 
 def seed_cache(device: torch.device) -> dict:
-    """Once per process and architecture: copy the bundle of ``device``'s into Triton's cache where its
+    """Once per process and device: copy the bundle of ``device``'s architecture into Triton's cache where its
     Triton key is the running one's.  Returns what happened: ``{"bundle", "installed", "present"}`` or
     ``{"skipped": reason}``; an unwritable cache is a warning (the kernels then compile as always)."""
-    done = _BY_DEVICE.get(device.index)
+    done = _SEEDED.get(device.index)
     if done is not None:
         return done
-    arch = arch_name(torch.cuda.get_device_capability(device))
     with _LOCK:
-        if arch not in _SEEDED:
-            _SEEDED[arch] = _seed(arch)
-        _BY_DEVICE[device.index] = _SEEDED[arch]
-        return _SEEDED[arch]
+        if device.index not in _SEEDED:
+            _SEEDED[device.index] = _seed(arch_name(torch.cuda.get_device_capability(device)))
+        return _SEEDED[device.index]
 
 
 def _seed(arch: str) -> dict:
