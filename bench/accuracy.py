@@ -11,8 +11,9 @@ RMSE against reference.golden_attention (float64) of: our variants (pasa_attenti
 default, exact-int8 is pasa-int8), SDPA on fp16 copies (its own backend choice), SDPA on bf16 copies, the FlashAttention-2 reference (reference.flash_reference: fp32 scores
 and state, P rounded to fp16, IEEE fp32 GEMMs) and the peers when importable (FA3 bf16, FA3 fp8
 scaled per kv head, SageAttention on a clone of k).
-A non-finite output shows as "NaN (count)"; a method that fails shows its error.  The last column is
-the default's error over SDPA's in the inputs' dtype.
+A non-finite output shows as "NaN (count)"; a method that fails shows its error.  The last columns are
+the default's error over SDPA's in the inputs' dtype and the share of key blocks exact-int8 computed in
+16 bits (``block_tally``: its fallback for blocks an 8-bit code cannot hold).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pasa_diffusers import numerics
+from pasa_diffusers import block_tally, numerics
 from pasa_diffusers.metrics import records
 from pasa_diffusers.reference import flash_reference, golden_attention
 from pasa_diffusers.rules import PRECISION_DTYPES
@@ -86,11 +87,13 @@ def measure(shape: harness.Shape, found: Sequence[harness.Method], seed: int, de
         q, k, v = (_diffusers_layout(t, dev) for t in cpu)
         gold = golden_attention(q, k, v)
         row: dict = {"case": case}
+        block_tally.reset()
         for m in found:
             try:
                 row[m.name] = error_cell(m.build(q, k, v).call(), gold)
             except Exception as e:  # noqa: BLE001 - a method that cannot run this shape is a result
                 row[m.name] = {"error": harness.error_text(e)}
+        row["int8 blocks in 16 bits"] = block_tally.counts()["share"]
         rows.append(row)
         del q, k, v, gold
         harness.free_memory()
@@ -109,8 +112,10 @@ def table(rows: Sequence[dict], names: Sequence[str], baseline: str = "SDPA fp16
     for row in rows:
         d, s = row["exact-hybrid"].get("rel_rmse"), row[baseline].get("rel_rmse")
         ratio = f"{d / s:.2f}" if d is not None and s else "-"
-        lines.append([row["case"], *(_cell(row[n]) for n in names), ratio])
-    return records.markdown_table(["class", *names, f"default / {baseline}"], lines)
+        share = row.get("int8 blocks in 16 bits")
+        lines.append([row["case"], *(_cell(row[n]) for n in names), ratio,
+                      "-" if share is None else f"{100 * share:.0f} %"])
+    return records.markdown_table(["class", *names, f"default / {baseline}", "int8 blocks in 16 bits"], lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -6,9 +6,10 @@
 Every kernel of pasa_diffusers/kernels/int8.py is compiled for GPUTarget("cuda", 90, 32), each (kernel,
 config, head dim, P V precision, dtype) in its own process (PYTHON -m bench.compile_int8 --one CASE) so
 that a compiler crash is a row: the attention kernel over its autotune pool (int8.AUTOTUNE configs), and
-the pre-pass (the fused quantize kernel, the column statistics and their reduction), from meta tensors
+the pre-pass (the fused quantize kernel, the column statistics and their reduction, the 16-bit blocks'
+flags), from meta tensors
 in diffusers' (B, N, H, D) layout viewed as (B, H, N, D), through the launchers' own argument builders
-(int8.allocate, int8.quantize_call, int8.attention_call) and Triton's specialisation rules
+(int8.allocate, int8.quantize_call, int8.flags_call, int8.attention_call) and Triton's specialisation rules
 (bench.compile_sm90.specialization).
 
 Per case: the tensor-core instructions in the PTX (wgmma.mma_async by operand types, e.g. s32.s8.s8 for
@@ -51,6 +52,7 @@ def cases() -> list[dict]:
         found.append({"kernel": "attention", "d": d, "pv_bits": 16, "dtype": "bfloat16",
                       "config": int8.CONFIG_POOL[0]})
         found.append({"kernel": "quantize", "d": d, "pv_bits": 16, "dtype": "bfloat16"})
+        found.append({"kernel": "flags", "d": d, "dtype": "float16"})
         for amax in (False, True):
             found.append({"kernel": "colstats", "d": d, "amax": amax, "dtype": "float16"})
             found.append({"kernel": "colstats_reduce", "d": d, "amax": amax, "dtype": "float16"})
@@ -84,6 +86,10 @@ def _launch(case: dict):
     if case["kernel"] == "quantize":
         _, args, meta = int8.quantize_call(q, k, v, prep, scratch)
         return int8.quantize_kernel, args, meta, {"num_warps": meta.pop("num_warps")}
+    if case["kernel"] == "flags":
+        tally = torch.empty(2, dtype=torch.int64, device="meta")
+        _, args, meta = int8.flags_call(prep, scratch, scale=d ** -0.5, tally=tally)
+        return int8.fallback_flags_kernel, args, meta, {"num_warps": 4}
     amax = case["amax"]
     x, heads = (v, KV_HEADS) if amax else (q, h)
     part = scratch.v_part if amax else scratch.q_part
@@ -145,6 +151,8 @@ def _what(row: dict) -> str:
         return f"attention BLOCK_M {bm}, BLOCK_N {bn}, {w} warps, {s} stages, P V {row['pv_bits']}-bit"
     if row["kernel"] == "quantize":
         return f"quantize (pre-pass), V {'e4m3' if row['pv_bits'] == 8 else 'as is'}"
+    if row["kernel"] == "flags":
+        return "flags (16-bit blocks)"
     return f"{row['kernel']} ({'amax of v' if row['amax'] else 'sums of q'})"
 
 

@@ -17,15 +17,15 @@ from the issue's first sketch to the spec):
 - ``D``: C with the rounded block mean as centre; ``E``: D with the Hadamard rotation = the spec;
 - ``E fp8``: the spec with P V in FP8 e4m3; and the spec's first-order error model
   (reference_int8.error_model) beside it (``model``, ``model fp8``);
-- ``E + fallback``: an emulation of a 16-bit fallback per key block (LampAttention's idea; not in the
-  spec or the kernels): blocks whose predicted RMS logit error (:func:`block_logit_noise`) exceeds
-  ``FALLBACK_TAU`` = 2e-2 take unrounded centred logits, and the share of such blocks.
+- ``E + fallback``: the spec with its 16-bit key blocks (``reference_int8`` step 4b, LampAttention's idea:
+  the default ``int8_reference``): blocks whose predicted RMS logit error exceeds
+  ``reference_int8.FALLBACK_TAU`` = 2e-2 in 16 bits, and the share of such blocks; the other columns
+  have every block from the codes.
 
 Runs on the CPU (pure PyTorch; no kernel), in float64 for the golden and the model.
 """
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Sequence
 
@@ -104,7 +104,7 @@ def _rows(y: torch.Tensor, how: str) -> tuple[torch.Tensor, torch.Tensor]:
 def design_attention(q, k, v, *, centre: str, k_scale: str, q_scale: str, smooth: bool, rotate: bool,
                      pv_bits: int = 16) -> torch.Tensor:
     """The spec with its decisions exchanged (:data:`DESIGNS`); the spec's own (``E``) gives
-    ``r8.int8_reference``'s output bit for bit.  Without rotation the codes round ``q~`` and ``kc``
+    ``r8.int8_reference(..., fallback=False)``'s output bit for bit.  Without rotation the codes round ``q~`` and ``kc``
     themselves (``K``'s scale times ``Dp`` undoes the spec's ``1 / Dp``); without smoothing ``qbar = 0`` and
     ``mu = 0``, and key channel 0 of the rotated keys is kept."""
     g = gemm_dtype(q.dtype)
@@ -150,54 +150,6 @@ def design_attention(q, k, v, *, centre: str, k_scale: str, q_scale: str, smooth
     return r8.attention_from_codes(q, qq, kq, r8.quantize_values(v, pv_bits), scale, out_dtype=q.dtype)
 
 
-FALLBACK_TAU = 2e-2
-"""The predicted RMS logit error (natural units) above which a key block would be computed in 16 bits."""
-
-
-def block_logit_noise(qq: r8.QuantizedQueries, kq: r8.QuantizedKeys, y: torch.Tensor, w: torch.Tensor,
-                      scale: float) -> torch.Tensor:
-    """Each key block's predicted RMS logit error from the codes' rounding (B, H, blocks), as a pre-pass could
-    compute it from per-head query statistics and its own keys: ``(scale / Dp) sqrt((mean_i s_qi^2 mean_j
-    |w_j|^2 + mean_j s_kj^2 mean_i |y_i|^2) / 12)`` over the block's keys ``j`` (``reference_int8.error_model``'s
-    ``delta`` averaged; query and key heads one to one here)."""
-    dp = y.shape[-1]
-    sq2 = qq.scale.pow(2).mean(-1, keepdim=True)
-    y2 = y.pow(2).sum(-1).mean(-1, keepdim=True)
-    n_k, block = w.shape[-2], r8.CENTRE_BLOCK
-    pad = -n_k % block
-    w2 = torch.nn.functional.pad(w.pow(2).sum(-1), (0, pad)).unflatten(-1, (-1, block))
-    sk2 = torch.nn.functional.pad(kq.scale.pow(2), (0, pad)).unflatten(-1, (-1, block))
-    count = torch.nn.functional.pad(torch.ones(n_k), (0, pad)).unflatten(-1, (-1, block)).sum(-1)
-    return scale / dp * torch.sqrt((sq2 * w2.sum(-1) / count + sk2.sum(-1) / count * y2) / 12.0)
-
-
-def fallback_attention(q, k, v, tau: float = FALLBACK_TAU) -> tuple[torch.Tensor, float]:
-    """An emulation of LampAttention's idea on the spec: key blocks whose :func:`block_logit_noise` exceeds
-    ``tau`` take their centred logits from the unrounded rotated operands (fp32: what a 16-bit path would
-    give, up to its own rounding), the others from the codes; exact softmax of the result (float64).
-    Returns the output and the fraction of key blocks that fell back."""
-    g = gemm_dtype(q.dtype)
-    d = q.shape[-1]
-    dp, scale, f32 = r8.rotation_size(d), d ** -0.5, torch.float32
-    qq = r8.quantize_queries(q)
-    kq = r8.quantize_keys(k, qq.qbar)
-    y = r8.fwht(r8._pad(q.to(g).to(f32) - qq.qbar, dp))
-    y[..., 0] = 0.0
-    centres = kq.centres.repeat_interleave(r8.CENTRE_BLOCK, dim=-2)[:, :, :k.shape[2]]
-    w = r8.fwht(r8._pad(k.to(g).to(f32) - centres, dp))
-    w[..., 0] = 0.0
-    flag = block_logit_noise(qq, kq, y, w, scale) > tau
-    coded = (qq.codes.float() @ kq.codes.float().transpose(-1, -2)) * qq.scale[..., None] * kq.scale[:, :, None, :]
-    exact = y @ w.transpose(-1, -2)
-    keys = flag.repeat_interleave(r8.CENTRE_BLOCK, dim=-1)[:, :, None, :k.shape[2]]
-    centred = torch.where(keys, exact, coded) / dp
-    logits = scale * (centred.double() + kq.a[:, :, None, :].double()
-                      + qq.mu[..., None].double() * kq.sigma[:, :, None, :].double()
-                      + q.to(g).double() @ centres.double().transpose(-1, -2))
-    out = torch.softmax(logits, dim=-1) @ v.to(g).double()
-    return out.to(q.dtype), flag.float().mean().item()
-
-
 def measure(dtype: torch.dtype, d: int, seed: int) -> list[dict]:
     """One row per class: each design's relative RMSE (None where not finite) and the model's prediction."""
     rows = []
@@ -211,11 +163,12 @@ def measure(dtype: torch.dtype, d: int, seed: int) -> list[dict]:
         row = {"case": case, "16-bit": err(exact_shift_reference(q, k, v))}
         for name, decisions in DESIGNS.items():
             row[name] = err(design_attention(q, k, v, **decisions))
-        row["E fp8"] = err(r8.int8_reference(q, k, v, pv_bits=8))
-        fallen, row["fallback blocks"] = fallback_attention(q, k, v)
-        row["E + fallback"] = err(fallen)
-        row["model"] = r8.error_model(q, k, v).rel_rmse
-        row["model fp8"] = r8.error_model(q, k, v, pv_bits=8).rel_rmse
+        row["E fp8"] = err(r8.int8_reference(q, k, v, pv_bits=8, fallback=False))
+        row["E + fallback"] = err(r8.int8_reference(q, k, v))
+        qq = r8.quantize_queries(q)
+        row["fallback blocks"] = r8.fallback_blocks(qq, r8.quantize_keys(k, qq.qbar), d ** -0.5).double().mean().item()
+        row["model"] = r8.error_model(q, k, v, fallback=False).rel_rmse
+        row["model fp8"] = r8.error_model(q, k, v, pv_bits=8, fallback=False).rel_rmse
         rows.append(row)
         harness.log(f"{NAME}: {case}: spec {row['E']:.2e}, model {row['model']:.2e}")
     return rows

@@ -30,6 +30,16 @@ Sylvester-Hadamard matrix (entries +-1, ``H H^T = Dp I``), applied by :func:`fwh
    biased inputs, so the online softmax goes through the tile's own maximum ``m_s = rowmax z``, as the
    default's kernel does: ``m_blk = m_s + r``, ``m_new = max(m_i, m_blk)``, ``x = z - (m_s - (m_blk -
    m_new))``, ``alpha = exp2(m_i - m_new)``; ``m``, ``l`` and the accumulator fp32.
+4b. **Blocks in 16 bits** (:func:`fallback_blocks`, LampAttention's idea): a key block ``b`` whose predicted
+   RMS logit error from the codes' rounding, ``(scale / Dp) sqrt((SQ2 W2_b + SK2_b Y2) / 12)``, exceeds
+   ``FALLBACK_TAU`` (natural units) takes ``z_ij = u fp32(q_i . hi_j + q_i . lo_j)`` instead, for that
+   (batch, query head): ``kc_j = k_j - c_b`` (fp32) split into ``hi = round_g(kc)`` and ``lo = round_g(kc -
+   hi)`` (``k - c_b`` is not a ``g`` value: at +-40, fp16's rounding of it alone is 1.6e-2), two 16-bit
+   GEMMs with fp32 products and sum, as ``r``.  ``SQ2``, ``Y2``: the query head's means over
+   its tokens of ``s_qi^2`` and ``|y_i|^2``; ``W2_b``, ``SK2_b``: the block's means of ``|w_j|^2`` and
+   ``s_kj^2`` (:func:`error_model`'s ``delta`` averaged over the block and the queries); sums in fp64, the
+   queries' per ``CENTRE_BLOCK`` rows and then in block order.  The comparison is ``SQ2 W2 + SK2 Y2 > 12 t^2``
+   with ``t = (tau Dp) / scale`` in fp64 from the fp32 values of ``tau`` and ``scale``.
 5. **P V**: ``pv_bits=16`` (the default): ``p = round_g(exp2(x))``, ``l`` sums those rounded ``p``,
    ``acc = alpha acc + p V`` (fp32), exactly the default's merge.  ``pv_bits=8``: ``P8 = e4m3(exp2(x +
    P_SHIFT))`` (``<= 256``: e4m3's range, FlashAttention-3's shift of 8), V in e4m3 per channel
@@ -46,7 +56,9 @@ channels so that one channel does not set every channel's step.  The centre is t
 not the default's exact centre: ``k - c`` is quantized anyway, so it need not be exact in ``g``, and the
 mean leaves the smallest codes (the exact centre's clamp leaves an offset in some channels).
 Per-token scales beat per-block ones (per 128 or 64 keys, per 64 queries) where the codes' error
-dominates (benign: 8.7e-3 against 1.1e-2).  FP8 ``P V`` costs 2.3-4.2e-2 relative RMSE on every class
+dominates (benign: 8.7e-3 against 1.1e-2).  The 16-bit blocks are the classes whose centred blocks keep
+a large common part (two biases in one block, keys flipping sign: 3e-2 - 0.13 in 8 bits), which the
+criterion takes and no other class of the bench but uniform(80,5).  FP8 ``P V`` costs 2.3-4.2e-2 relative RMSE on every class
 (e4m3's 3 mantissa bits on both ``P`` and ``V``), above the 1e-2 bound, hence 16 bits by default.
 
 Query rows are independent, so ``block_m`` only bounds memory; the key tile ``block_n`` (dividing
@@ -60,7 +72,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import rules
+from . import block_tally, rules
 from .reference import gemm_dtype, validate_qkv
 
 __all__ = [
@@ -76,6 +88,9 @@ __all__ = [
     "QuantizedQueries",
     "QuantizedKeys",
     "QuantizedValues",
+    "FALLBACK_TAU",
+    "fallback_threshold",
+    "fallback_blocks",
     "quantize_queries",
     "quantize_keys",
     "quantize_values",
@@ -95,6 +110,8 @@ P_SHIFT = 8.0
 """``P8 = e4m3(exp2(x + P_SHIFT))``: ``x <= 0`` puts ``P8`` in [0, 256], inside e4m3's range."""
 PV_BITS = (16, 8)
 """``pv_bits``: ``P V`` in the GEMM dtype (16) or in FP8 e4m3 (8)."""
+FALLBACK_TAU = 2e-2
+"""The predicted RMS logit error (natural units) above which a key block is computed in 16 bits."""
 LOG2E = 1.4426950408889634
 
 _F32 = torch.float32
@@ -165,24 +182,29 @@ def query_mean(q: torch.Tensor) -> torch.Tensor:
 
 class QuantizedQueries(NamedTuple):
     """What the queries' pre-pass writes: ``codes`` (B, Hq, Nq, Dp) int8 of ``H q~``; ``scale`` and ``mu``
-    (B, Hq, Nq) fp32; ``qbar`` (B, Hq, 1, D) fp32 (``g`` values)."""
+    (B, Hq, Nq) fp32; ``qbar`` (B, Hq, 1, D) fp32 (``g`` values); ``stats`` (B, Hq, 2) fp64: the head's
+    means of ``s_qi^2`` and ``|y_i|^2`` (step 4b; None where codes are built without it, as
+    ``bench.int8_accuracy``'s designs)."""
 
     codes: torch.Tensor
     scale: torch.Tensor
     mu: torch.Tensor
     qbar: torch.Tensor
+    stats: torch.Tensor | None = None
 
 
 class QuantizedKeys(NamedTuple):
     """What the keys' pre-pass writes: ``codes`` (B, Hk, Nk, Dp) int8 of ``H kc``; ``scale`` and ``sigma``
     (B, Hk, Nk) fp32; ``a`` (B, Hq, Nk) fp32 (``qbar_h . kc_j`` per query head); ``centres`` (B, Hk,
-    blocks, D) fp32 (``g`` values)."""
+    blocks, D) fp32 (``g`` values); ``stats`` (B, Hk, blocks, 2) fp64: each block's means of ``s_kj^2``
+    and ``|w_j|^2`` (step 4b; None as for the queries)."""
 
     codes: torch.Tensor
     scale: torch.Tensor
     sigma: torch.Tensor
     a: torch.Tensor
     centres: torch.Tensor
+    stats: torch.Tensor | None = None
 
 
 class QuantizedValues(NamedTuple):
@@ -191,6 +213,17 @@ class QuantizedValues(NamedTuple):
 
     values: torch.Tensor
     scale: torch.Tensor | None
+
+
+def _block_sums(x: torch.Tensor) -> torch.Tensor:
+    """Sums of fp64 ``x`` (..., N, S) over each ``CENTRE_BLOCK`` tokens: (..., blocks, S)."""
+    pad = -x.shape[-2] % CENTRE_BLOCK
+    return torch.nn.functional.pad(x, (0, 0, 0, pad)).unflatten(-2, (-1, CENTRE_BLOCK)).sum(-2)
+
+
+def _row_stats(scale: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``(s^2, |row|^2)`` per token in fp64 (..., N, 2): squares of fp32 values are exact in fp64."""
+    return torch.stack([scale.to(_F64).pow(2), rows.to(_F64).pow(2).sum(-1)], dim=-1)
 
 
 def quantize_queries(q: torch.Tensor, qbar: torch.Tensor | None = None) -> QuantizedQueries:
@@ -202,7 +235,11 @@ def quantize_queries(q: torch.Tensor, qbar: torch.Tensor | None = None) -> Quant
     mu = y[..., 0] / dp
     y[..., 0] = 0.0
     codes, scale = quantize_rows(y)
-    return QuantizedQueries(codes, scale, mu, qbar)
+    parts = _block_sums(_row_stats(scale, y))  # (B, Hq, blocks, 2), then summed in block order
+    total = torch.zeros_like(parts[:, :, 0])
+    for blk in range(parts.shape[2]):
+        total = total + parts[:, :, blk]
+    return QuantizedQueries(codes, scale, mu, qbar, total / q.shape[-2])
 
 
 def quantize_keys(k: torch.Tensor, qbar: torch.Tensor) -> QuantizedKeys:
@@ -224,7 +261,25 @@ def quantize_keys(k: torch.Tensor, qbar: torch.Tensor) -> QuantizedKeys:
     codes, scale = quantize_rows(w)
     group = qbar.shape[1] // h_k
     a = (kc.repeat_interleave(group, dim=1) * qbar).to(_F64).sum(-1).to(_F32)
-    return QuantizedKeys(codes, scale, sigma, a, torch.cat(centres, dim=-2))
+    counts = torch.tensor([min(CENTRE_BLOCK, n_k - s) for s in range(0, n_k, CENTRE_BLOCK)], dtype=_F64)
+    stats = _block_sums(_row_stats(scale, w)) / counts[:, None]
+    return QuantizedKeys(codes, scale, sigma, a, torch.cat(centres, dim=-2), stats)
+
+
+def fallback_threshold(scale: float, dp: int, tau: float = FALLBACK_TAU) -> float:
+    """``12 t^2`` with ``t = (tau Dp) / scale`` in fp64 from the fp32 values of ``tau`` and ``scale`` (as the
+    kernel, which receives them in fp32): the right-hand side of step 4b's comparison."""
+    t = float(torch.tensor(tau, dtype=_F32)) * dp / float(torch.tensor(scale, dtype=_F32))
+    return 12.0 * t * t
+
+
+def fallback_blocks(qq: QuantizedQueries, kq: QuantizedKeys, scale: float, tau: float = FALLBACK_TAU
+                    ) -> torch.Tensor:
+    """Step 4b: which key blocks each (batch, query head) computes in 16 bits, (B, Hq, blocks) bool."""
+    group = qq.stats.shape[1] // kq.stats.shape[1]
+    keys = kq.stats.repeat_interleave(group, dim=1)
+    noise = qq.stats[:, :, None, 0] * keys[..., 1] + keys[..., 0] * qq.stats[:, :, None, 1]  # SQ2 W2 + SK2 Y2
+    return noise > fallback_threshold(scale, kq.codes.shape[-1], tau)
 
 
 def quantize_values(v: torch.Tensor, pv_bits: int = 16) -> QuantizedValues:
@@ -244,11 +299,13 @@ def _f32(x: float) -> torch.Tensor:
 
 def attention_from_codes(q: torch.Tensor, qq: QuantizedQueries, kq: QuantizedKeys, vq: QuantizedValues,
                          scale: float, *, out_dtype: torch.dtype, block_m: int = 128, block_n: int = CENTRE_BLOCK,
+                         fallback: torch.Tensor | None = None, k: torch.Tensor | None = None,
                          return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Steps 4 and 5 of the module docstring: the attention kernel's part, from the pre-pass's outputs and
-    the queries ``q`` (for ``r = u q . c_b``).  Output (B, Hq, Nq, D) in ``out_dtype``; with ``return_lse``
-    also each row's natural-log log-sum-exp ``(m + log2(l) (- P_SHIFT in 8 bits)) ln 2`` (B, Hq, Nq) fp32,
-    from the final state as the kernel stores it."""
+    the queries ``q`` (for ``r = u q . c_b``).  ``fallback`` (B, Hq, blocks) bool (:func:`fallback_blocks`)
+    marks the key blocks computed in 16 bits from the keys ``k`` (step 4b); None: none.  Output (B, Hq, Nq,
+    D) in ``out_dtype``; with ``return_lse`` also each row's natural-log log-sum-exp ``(m + log2(l) (-
+    P_SHIFT in 8 bits)) ln 2`` (B, Hq, Nq) fp32, from the final state as the kernel stores it."""
     g = gemm_dtype(q.dtype)
     batch, h_q, n_q, d = q.shape
     h_k, n_k = kq.codes.shape[1], kq.codes.shape[2]
@@ -267,6 +324,10 @@ def attention_from_codes(q: torch.Tensor, qq: QuantizedQueries, kq: QuantizedKey
     centres, values = kv(kq.centres), kv(vq.values).to(_F32)
     v_scale = kv(vq.scale)[:, :, None, :] if fp8 else None
     q32 = q.to(g).to(_F32)
+    if fallback is not None:
+        if k is None:
+            raise ValueError("attention_from_codes: fallback blocks need the keys k")
+        k32 = kv(k.to(g).to(_F32))
     out = torch.empty(batch, h_q, n_q, d, dtype=out_dtype)
     lse = torch.empty(batch, h_q, n_q)
     for r0 in range(0, n_q, block_m):
@@ -282,6 +343,12 @@ def attention_from_codes(q: torch.Tensor, qq: QuantizedQueries, kq: QuantizedKey
             r = (q32[:, :, rows] * c_b).sum(-1, keepdim=True) * u
             i_sum = q_codes @ k_codes[:, :, keys].transpose(-1, -2)  # exact: |I| < 2^24 for Dp <= 1024
             z = (i_sum * k_scale[:, :, None, keys]) * a_i + (mu_i * sigma[:, :, None, keys] + au[:, :, None, keys])
+            if fallback is not None:
+                kc = k32[:, :, keys] - c_b
+                hi = kc.to(g).to(_F32)
+                lo = (kc - hi).to(g).to(_F32)
+                z16 = (q32[:, :, rows].to(_F64) @ (hi.to(_F64) + lo.to(_F64)).transpose(-1, -2)).to(_F32) * u
+                z = torch.where(fallback[:, :, start // CENTRE_BLOCK, None, None], z16, z)
             m_s = z.amax(-1, keepdim=True)
             m_blk = m_s + r
             m_new = torch.maximum(m_i, m_blk)
@@ -317,18 +384,24 @@ def _check(fn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
 
 def int8_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, *,
-                   pv_bits: int = 16, block_m: int = 128, block_n: int = CENTRE_BLOCK,
+                   pv_bits: int = 16, fallback: bool = True, block_m: int = 128, block_n: int = CENTRE_BLOCK,
                    return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The exact shift in 8 bits (the module docstring), for (B, H, N, D) fp16 or bf16 tensors with
     ``Hq`` a multiple of ``Hk``, any ``Nq``, ``Nk >= 1``.  ``pv_bits``: ``P V`` in the GEMM dtype (16)
-    or in FP8 e4m3 (8).  ``block_n`` (the key tile) divides ``CENTRE_BLOCK``.  Output in ``q.dtype``;
-    ``return_lse`` also returns the rows' log-sum-exp (B, Hq, Nq) fp32 (:func:`attention_from_codes`)."""
+    or in FP8 e4m3 (8).  ``fallback``: key blocks the codes cannot hold in 16 bits (step 4b; the default),
+    counted in ``block_tally``; False: every block from the codes.  ``block_n`` (the key tile) divides
+    ``CENTRE_BLOCK``.  Output in ``q.dtype``; ``return_lse`` also returns the rows' log-sum-exp (B, Hq,
+    Nq) fp32 (:func:`attention_from_codes`)."""
     scale = _check("int8_reference", q, k, v, scale, pv_bits, block_m, block_n)
     qq = quantize_queries(q)
     kq = quantize_keys(k, qq.qbar)
     vq = quantize_values(v, pv_bits)
+    flags = None
+    if fallback:
+        flags = fallback_blocks(qq, kq, scale)
+        block_tally.count(flags)
     return attention_from_codes(q, qq, kq, vq, scale, out_dtype=q.dtype, block_m=block_m, block_n=block_n,
-                                return_lse=return_lse)
+                                fallback=flags, k=k, return_lse=return_lse)
 
 
 E4M3_REL_RMS = math.sqrt(0.5 / 3.0) * 2.0 ** -4
@@ -347,9 +420,10 @@ class ErrorModel(NamedTuple):
 
 
 def error_model(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, *,
-                pv_bits: int = 16) -> ErrorModel:
+                pv_bits: int = 16, fallback: bool = True) -> ErrorModel:
     """The first-order prediction of :func:`int8_reference`'s relative RMSE against the exact output, from
-    its codes' rounding alone (and e4m3's, with ``pv_bits=8``).
+    its codes' rounding alone (and e4m3's, with ``pv_bits=8``); with ``fallback`` the key blocks computed in
+    16 bits (step 4b) contribute no codes' error.
 
     Rounding to nearest leaves errors ``e`` uniform in ``+-step / 2`` (variance ``step^2 / 12``), independent
     per element.  With golden weights ``p_ij`` and output ``o_i``, a logit error ``delta_ij`` moves the
@@ -381,7 +455,11 @@ def error_model(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float 
     w = fwht(_pad(kc, dp)).to(_F64).repeat_interleave(group, dim=1)
     w[..., 0] = 0.0
     s_q = qq.scale.to(_F64)
-    s_k2 = kq.scale.to(_F64).repeat_interleave(group, dim=1).pow(2)[:, :, None, :]  # (B, H, 1, Nk)
+    s_k2 = kq.scale.to(_F64).repeat_interleave(group, dim=1).pow(2)
+    if fallback:  # a 16-bit block's keys: no codes, no codes' error
+        coded = ~fallback_blocks(qq, kq, scale).repeat_interleave(CENTRE_BLOCK, dim=-1)[..., :k.shape[2]]
+        w, s_k2 = w * coded[..., None], s_k2 * coded
+    s_k2 = s_k2[:, :, None, :]  # (B, H, 1, Nk)
     # ||sum_j p_ij w_j (v_j - o_i)^T||_F^2 = ||P_i W^T V - (P_i W)^T o_i||^2 per row
     wv = (w[..., :, None] * v64[..., None, :]).flatten(-2)  # (B, H, Nk, Dp D)
     m = (p @ wv).unflatten(-1, (dp, v64.shape[-1])) - (p @ w)[..., :, None] * o[..., None, :]

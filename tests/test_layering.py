@@ -31,7 +31,8 @@ KERNELS = "pasa_diffusers.kernels"
 DISPATCH = f"{KERNELS}.dispatch"
 KERNEL_FILES = {f"{KERNELS}.{name}" for name in ("portable", "packed", "hopper", "prepass", "int8")}
 HELPERS = {f"{KERNELS}.{name}" for name in ("common", "tuning", "precompiled")}
-KERNEL_DEPENDENCIES = HELPERS | {"pasa_diffusers.rules", "pasa_diffusers.beta", "pasa_diffusers.variants"}
+KERNEL_DEPENDENCIES = HELPERS | {"pasa_diffusers.rules", "pasa_diffusers.beta", "pasa_diffusers.variants",
+                                 "pasa_diffusers.block_tally"}
 """What a kernel file may import of the project."""
 APPLICATIONS = ("pasa_diffusers.pipelines", "pasa_diffusers.cli")
 ENTRY_POINT = "pasa_diffusers.__main__"

@@ -2,7 +2,7 @@
 
 They compute ``reference_int8.int8_reference`` (its module docstring states the math and why each step)
 on any CUDA GPU Triton supports with INT8 ``tl.dot`` (sm_80+; FP8 ``P V`` needs sm_89+), and on CPU
-tensors under ``TRITON_INTERPRET=1``.  Four launches per call (:func:`forward`):
+tensors under ``TRITON_INTERPRET=1``.  Five launches per call (:func:`forward`):
 
 1. :func:`colstats_kernel`: per block of ``BLOCK_R`` rows, the column sums of q (fp64) and, for FP8
    ``P V``, the column maxima of ``|v|``;
@@ -12,8 +12,12 @@ tensors under ``TRITON_INTERPRET=1``.  Four launches per call (:func:`forward`):
 3. :func:`quantize_kernel`, the fused pre-pass: one program per block of 128 queries (smoothing,
    rotation, INT8 codes) or 128 keys (centre, rotation, codes, the exact corrections ``sigma``, ``A``;
    V to e4m3 for FP8 ``P V``);
-4. :func:`int8_fwd_kernel`, the attention: INT8 ``q k^T`` with int32 sums, the removed logits added in
-   fp32, online softmax in fp32, ``P V`` in the GEMM dtype or FP8 (``PV_FP8``).
+4. :func:`fallback_flags_kernel`: the query statistics reduced, and per (batch, query head) which key
+   blocks go to 16 bits (``reference_int8`` step 4b), counted into ``block_tally``'s counter (left out
+   with ``fallback=False``);
+5. :func:`int8_fwd_kernel`, the attention: INT8 ``q k^T`` with int32 sums, the removed logits added in
+   fp32 (a flagged block: ``q . (k - c_b)`` by two 16-bit MMAs instead), online softmax in fp32, ``P V``
+   in the GEMM dtype or FP8 (``PV_FP8``).
 
 Head dims are padded to ``DP``, a power of two >= 32 (an INT8 MMA reduces over 32).  Every rounding of
 the pre-pass is the spec's, bit for bit: column sums in fp64 (exact for fp16 values, so their order does
@@ -35,12 +39,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import rules
+from .. import block_tally, rules
 from .common import INTERPRET, LOG2E, binade, mma, round_to, strides3
 from .tuning import SMEM_LIMIT, autotuned, bucket, interpreter_autotunes, pow2_tile
 
-__all__ = ["colstats_kernel", "colstats_reduce_kernel", "quantize_kernel", "int8_fwd_kernel", "Prepared", "Scratch",
-           "allocate", "quantize_call", "prepare", "attention_call", "attend", "forward", "INTERPRET_CONFIG",
+__all__ = ["colstats_kernel", "colstats_reduce_kernel", "quantize_kernel", "fallback_flags_kernel", "int8_fwd_kernel",
+           "Prepared", "Scratch", "allocate", "quantize_call", "flags_call", "prepare", "attention_call", "attend",
+           "forward", "INTERPRET_CONFIG",
            "CONFIG_POOL", "CENTRE_BLOCK", "PV_BITS"]
 
 CENTRE_BLOCK = rules.SHIFT_BLOCK
@@ -49,6 +54,8 @@ PV_BITS = (16, 8)
 QMAX = tl.constexpr(127.0)
 FP8_MAX = tl.constexpr(448.0)
 P_SHIFT = tl.constexpr(8.0)
+FALLBACK_TAU = 2e-2
+"""``reference_int8.FALLBACK_TAU``: the predicted RMS logit error above which a key block goes to 16 bits."""
 RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -164,13 +171,22 @@ def colstats_reduce_kernel(part_ptr, out_ptr, inv_ptr, N, n_blocks, DP: tl.const
 # ---- 3: the fused pre-pass ------------------------------------------------------------------------------
 
 @triton.jit
-def _quantize_queries(q_ptr, qbar_ptr, qc_ptr, qs_ptr, mu_ptr, task,
+def _row_stats(scale, y):
+    """``(sum s^2, sum |y|^2)`` of a block's rows in fp64 (squares of fp32 values are exact there)."""
+    s64 = scale.to(tl.float64)
+    y64 = y.to(tl.float64)
+    return tl.sum(s64 * s64, axis=0), tl.sum(tl.sum(y64 * y64, axis=1), axis=0)
+
+
+@triton.jit
+def _quantize_queries(q_ptr, qbar_ptr, qc_ptr, qs_ptr, mu_ptr, qstat_ptr, task,
                       stride_qz, stride_qh, stride_qm, stride_cz, stride_ch, stride_cm, stride_sz, stride_sh,
                       H_Q, N_Q, n_blocks,
                       HEAD_DIM: tl.constexpr, DP: tl.constexpr, LOG2_DP: tl.constexpr, BLOCK_R: tl.constexpr):
     """One block of ``BLOCK_R`` queries: ``y = fwht(q - qbar)`` (fp32), ``mu = y[:, 0] / DP``, ``y[:, 0] = 0``,
-    then :func:`_codes`.  Tiles: q (BLOCK_R, DP) g widened to fp32 (rows past ``N_Q`` and columns past
-    ``HEAD_DIM`` load as 0 and stay 0 before the transform); ``qbar`` (DP,) fp32."""
+    then :func:`_codes`, and the block's ``(sum s_q^2, sum |y|^2)`` (fp64) for the fallback's statistics.
+    Tiles: q (BLOCK_R, DP) g widened to fp32 (rows past ``N_Q`` and columns past ``HEAD_DIM`` load as 0
+    and stay 0 before the transform, so they add 0 to the sums); ``qbar`` (DP,) fp32."""
     pid_bh = task // n_blocks
     offs_r = (task % n_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_c = tl.arange(0, DP)
@@ -189,10 +205,13 @@ def _quantize_queries(q_ptr, qbar_ptr, qc_ptr, qs_ptr, mu_ptr, task,
     row = off_z * stride_sz + off_h * stride_sh + offs_r
     tl.store(qs_ptr + row, scale, mask=r_valid)
     tl.store(mu_ptr + row, mu * (1.0 / DP), mask=r_valid)
+    s2, y2 = _row_stats(scale, y)
+    tl.store(qstat_ptr + task.to(tl.int64) * 2, s2)
+    tl.store(qstat_ptr + task.to(tl.int64) * 2 + 1, y2)
 
 
 @triton.jit
-def _quantize_keys(k_ptr, v_ptr, qbar_ptr, v_inv_ptr, kc_ptr, ks_ptr, sig_ptr, a_ptr, c_ptr, v8_ptr, task,
+def _quantize_keys(k_ptr, v_ptr, qbar_ptr, v_inv_ptr, kc_ptr, ks_ptr, sig_ptr, a_ptr, c_ptr, v8_ptr, kstat_ptr, task,
                    stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
                    stride_cz, stride_ch, stride_cn, stride_sz, stride_sh, stride_az, stride_ah,
                    stride_oz, stride_oh, stride_oj, stride_v8z, stride_v8h, stride_v8d,
@@ -202,8 +221,9 @@ def _quantize_keys(k_ptr, v_ptr, qbar_ptr, v_inv_ptr, kc_ptr, ks_ptr, sig_ptr, a
     """One block ``b`` of ``BLOCK_R`` (= the centre block) keys: ``c_b = round_g(round_fp32(colsum_fp64 /
     n_b))``, ``kc = k - c_b`` (fp32, 0 past ``N_K`` and ``HEAD_DIM``), ``w = fwht(kc)``, ``sigma = w[:, 0]``,
     ``w[:, 0] = 0``, :func:`_codes`; ``A_h = fp32(sum_d fp64(fp32(qbar_h kc)))`` for each of the
-    ``KV_GROUP`` query heads reading this key head; with ``PV_FP8`` the block's V as
-    ``e4m3(v (448 / amax))``, stored transposed (B, Hk, DP, Nk) for the ``P V`` dot."""
+    ``KV_GROUP`` query heads reading this key head; the block's means of ``s_k^2`` and ``|w|^2`` (fp64, the
+    fallback's statistics, (B, Hk, blocks, 2)); with ``PV_FP8`` the block's V as ``e4m3(v (448 / amax))``,
+    stored transposed (B, Hk, DP, Nk) for the ``P V`` dot."""
     pid_bh = task // n_blocks
     blk = task % n_blocks
     start = blk * BLOCK_R
@@ -230,6 +250,9 @@ def _quantize_keys(k_ptr, v_ptr, qbar_ptr, v_inv_ptr, kc_ptr, ks_ptr, sig_ptr, a
     tl.store(ks_ptr + row, scale, mask=r_valid)
     tl.store(sig_ptr + row, sigma, mask=r_valid)
     tl.store(c_ptr + off_z * stride_oz + off_h * stride_oh + blk * stride_oj + offs_c, c)
+    s2, w2 = _row_stats(scale, w)
+    tl.store(kstat_ptr + task.to(tl.int64) * 2, s2 / n_b)
+    tl.store(kstat_ptr + task.to(tl.int64) * 2 + 1, w2 / n_b)
     h_q0 = pid_bh * KV_GROUP  # (batch, first query head of the group) flattened: batch * H_Q + head
     for g in range(0, KV_GROUP):
         qbar = tl.load(qbar_ptr + (h_q0 + g).to(tl.int64) * DP + offs_c)
@@ -246,7 +269,7 @@ def _quantize_keys(k_ptr, v_ptr, qbar_ptr, v_inv_ptr, kc_ptr, ks_ptr, sig_ptr, a
 
 @triton.jit(do_not_specialize=["N_Q", "N_K"])
 def quantize_kernel(q_ptr, k_ptr, v_ptr, qbar_ptr, v_inv_ptr,
-                    qc_ptr, qs_ptr, mu_ptr, kc_ptr, ks_ptr, sig_ptr, a_ptr, c_ptr, v8_ptr,
+                    qc_ptr, qs_ptr, mu_ptr, qstat_ptr, kc_ptr, ks_ptr, sig_ptr, a_ptr, c_ptr, v8_ptr, kstat_ptr,
                     stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
                     stride_qcz, stride_qch, stride_qcm, stride_qsz, stride_qsh,
                     stride_kcz, stride_kch, stride_kcn, stride_ksz, stride_ksh, stride_az, stride_ah,
@@ -259,11 +282,12 @@ def quantize_kernel(q_ptr, k_ptr, v_ptr, qbar_ptr, v_inv_ptr,
     (B Hq ceil(Nq / BLOCK_R) + B Hk ceil(Nk / BLOCK_R),)."""
     pid = tl.program_id(0)
     if pid < q_tasks:
-        _quantize_queries(q_ptr, qbar_ptr, qc_ptr, qs_ptr, mu_ptr, pid,
+        _quantize_queries(q_ptr, qbar_ptr, qc_ptr, qs_ptr, mu_ptr, qstat_ptr, pid,
                           stride_qz, stride_qh, stride_qm, stride_qcz, stride_qch, stride_qcm, stride_qsz, stride_qsh,
                           H_Q, N_Q, q_blocks, HEAD_DIM, DP, LOG2_DP, BLOCK_R)
     else:
-        _quantize_keys(k_ptr, v_ptr, qbar_ptr, v_inv_ptr, kc_ptr, ks_ptr, sig_ptr, a_ptr, c_ptr, v8_ptr, pid - q_tasks,
+        _quantize_keys(k_ptr, v_ptr, qbar_ptr, v_inv_ptr, kc_ptr, ks_ptr, sig_ptr, a_ptr, c_ptr, v8_ptr, kstat_ptr,
+                       pid - q_tasks,
                        stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
                        stride_kcz, stride_kch, stride_kcn, stride_ksz, stride_ksh, stride_az, stride_ah,
                        stride_oz, stride_oh, stride_oj, stride_v8z, stride_v8h, stride_v8d,
@@ -271,26 +295,50 @@ def quantize_kernel(q_ptr, k_ptr, v_ptr, qbar_ptr, v_inv_ptr,
                        INTERPRET_FP8)
 
 
-# ---- 4: the attention kernel ----------------------------------------------------------------------------
+# ---- 4: the 16-bit blocks -------------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["N_Q", "q_blocks", "k_blocks"])
+def fallback_flags_kernel(qpart_ptr, qstat_ptr, kstat_ptr, flag_ptr, tally_ptr, H_Q, KV_GROUP, N_Q, q_blocks,
+                          k_blocks, scale, TAU: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr):
+    """Which key blocks one (batch, query head) computes in 16 bits (``reference_int8`` step 4b).
+
+    ``SQ2, Y2`` = the query blocks' partial sums (fp64) added in block order, over ``N_Q`` (stored to
+    ``qstat`` (B, Hq, 2)); per key block ``b`` of its key head (``kstat`` (B, Hk, blocks, 2): ``SK2_b``,
+    ``W2_b``): ``flag_b = SQ2 W2_b + SK2_b Y2 > 12 t^2``, ``t = (tau DP) / scale`` in fp64 from the fp32
+    values of ``TAU`` and ``scale``, stored as int8 into ``flag`` (B, Hq, blocks); the blocks and the flagged
+    ones are added atomically to ``tally`` (int64: ``block_tally``'s counter).  Grid: (B x Hq,)."""
+    pid_bh = tl.program_id(0).to(tl.int64)
+    sq2 = tl.zeros([], tl.float64)
+    y2 = tl.zeros([], tl.float64)
+    for blk in range(0, q_blocks):
+        sq2 += tl.load(qpart_ptr + (pid_bh * q_blocks + blk) * 2)
+        y2 += tl.load(qpart_ptr + (pid_bh * q_blocks + blk) * 2 + 1)
+    sq2 = sq2 / N_Q
+    y2 = y2 / N_Q
+    tl.store(qstat_ptr + pid_bh * 2, sq2)
+    tl.store(qstat_ptr + pid_bh * 2 + 1, y2)
+    t = tl.full([], TAU, tl.float32).to(tl.float64) * DP / (scale + tl.zeros([], tl.float32)).to(tl.float64)
+    threshold = 12.0 * t * t
+    kv_bh = (pid_bh // H_Q) * (H_Q // KV_GROUP) + (pid_bh % H_Q) // KV_GROUP
+    flagged = tl.zeros([], tl.int64)
+    for start in range(0, k_blocks, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        valid = offs < k_blocks
+        sk2 = tl.load(kstat_ptr + (kv_bh * k_blocks + offs) * 2, mask=valid, other=0.0)
+        w2 = tl.load(kstat_ptr + (kv_bh * k_blocks + offs) * 2 + 1, mask=valid, other=0.0)
+        flag = ((sq2 * w2 + sk2 * y2) > threshold) & valid
+        tl.store(flag_ptr + pid_bh * k_blocks + offs, flag.to(tl.int8), mask=valid)
+        flagged += tl.sum(flag.to(tl.int64), axis=0)
+    tl.atomic_add(tally_ptr, k_blocks + tl.zeros([], tl.int64))
+    tl.atomic_add(tally_ptr + 1, flagged)
+
+
+# ---- 5: the attention kernel ----------------------------------------------------------------------------
 
 @triton.jit
-def _logits(q_codes, q, a_i, mu_u, m_i, kc_base, ks_base, sig_base, a_base, c_base, stride_kcn, stride_cj,
-            start_n, offs_j, offs_c, offs_d, d_valid, N_K, qk_scale,
-            BLOCK_N: tl.constexpr, CENTRE_BLOCK_: tl.constexpr, MASKED: tl.constexpr, INTERPRET_BF16: tl.constexpr):
-    """Block ``b``'s logits in log2 units from the codes (``reference_int8`` step 4):
-
-        I     = Q K^T                                   (int8 x int8 -> exact int32)
-        z     = (I ks_j) a_i + (mu_u_i sigma_j + qk_scale A_j)    (a_i = qs_i qk_scale / DP, mu_u = mu qk_scale)
-        r     = qk_scale fp32(q . c_b)                   (per row; exact products of g values summed in fp32,
-                                                          by a (BLOCK_D x 16) MMA with c_b in column 0)
-        m_s   = rowmax z,  m_blk = m_s + r,  m_new = max(m_i, m_blk)
-        x     = z - (m_s - (m_blk - m_new)),  alpha = exp2(m_i - m_new)
-
-    ``z + r`` is ``qk_scale q . k`` up to the codes' rounding; the offset goes through the tile's own
-    maximum ``m_s`` so that ``r``'s fp32 rounding (``r`` reaches 1e4 for biased inputs: 1e-3) does not enter
-    every exponent."""
-    offs_n = start_n + offs_j
-    n_valid = offs_n < N_K
+def _coded_logits(q_codes, a_i, mu_u, kc_base, ks_base, sig_base, a_base, stride_kcn, offs_n, n_valid, offs_c,
+                  qk_scale, MASKED: tl.constexpr):
+    """``z = (I ks_j) a_i + (mu_u_i sigma_j + qk_scale A_j)`` with ``I = Q K^T`` (int8 x int8 -> exact int32)."""
     if MASKED:
         k_codes = tl.load(kc_base + offs_n[:, None] * stride_kcn + offs_c[None, :], mask=n_valid[:, None], other=0)
         ks = tl.load(ks_base + offs_n, mask=n_valid, other=0.0)
@@ -301,11 +349,60 @@ def _logits(q_codes, q, a_i, mu_u, m_i, kc_base, ks_base, sig_base, a_base, c_ba
         ks = tl.load(ks_base + offs_n)
         sig = tl.load(sig_base + offs_n)
         a_j = tl.load(a_base + offs_n)
+    i_sum = tl.dot(q_codes, tl.trans(k_codes))  # int32
+    return (i_sum.to(tl.float32) * ks[None, :]) * a_i[:, None] + (mu_u[:, None] * sig[None, :]
+                                                                + (a_j * qk_scale)[None, :])
+
+
+@triton.jit
+def _logits_16(q, k_base, stride_kn, c_b, offs_n, n_valid, offs_d, d_valid, qk_scale, MASKED: tl.constexpr,
+               INTERPRET_BF16: tl.constexpr):
+    """A 16-bit block's ``z = qk_scale fp32(q . hi + q . lo)``: ``kc = k - c_b`` (fp32) split into ``hi =
+    round_g(kc)`` and ``lo = round_g(kc - hi)``, two ``g`` MMAs into one fp32 accumulator."""
+    k_ptrs = k_base + offs_n[:, None] * stride_kn + offs_d[None, :]
+    if MASKED:
+        k_blk = tl.load(k_ptrs, mask=n_valid[:, None] & d_valid[None, :], other=0.0)
+    else:
+        k_blk = tl.load(k_ptrs, mask=d_valid[None, :], other=0.0)
+    kc = k_blk.to(tl.float32) - c_b[None, :]
+    hi = round_to(kc, q.dtype, INTERPRET_BF16)
+    lo = round_to(kc - hi.to(tl.float32), q.dtype, INTERPRET_BF16)
+    s = mma(q, tl.trans(hi), tl.zeros([q.shape[0], offs_n.shape[0]], tl.float32), INTERPRET_BF16)
+    return mma(q, tl.trans(lo), s, INTERPRET_BF16) * qk_scale
+
+
+@triton.jit
+def _logits(q_codes, q, a_i, mu_u, m_i, kc_base, ks_base, sig_base, a_base, c_base, k_base, flag_base, stride_kcn,
+            stride_cj, stride_kn, start_n, offs_j, offs_c, offs_d, d_valid, N_K, qk_scale,
+            BLOCK_N: tl.constexpr, CENTRE_BLOCK_: tl.constexpr, FALLBACK: tl.constexpr, MASKED: tl.constexpr,
+            INTERPRET_BF16: tl.constexpr):
+    """Block ``b``'s logits in log2 units (``reference_int8`` steps 4 and 4b):
+
+        z     = from the codes (:func:`_coded_logits`), or in 16 bits where ``FALLBACK`` and the block's flag
+                say so (:func:`_logits_16`)
+        r     = qk_scale fp32(q . c_b)                   (per row; exact products of g values summed in fp32,
+                                                          by a (BLOCK_D x 16) MMA with c_b in column 0)
+        m_s   = rowmax z,  m_blk = m_s + r,  m_new = max(m_i, m_blk)
+        x     = z - (m_s - (m_blk - m_new)),  alpha = exp2(m_i - m_new)
+
+    ``z + r`` is ``qk_scale q . k`` up to the codes' rounding (or fp32's, in 16 bits); the offset goes through
+    the tile's own maximum ``m_s`` so that ``r``'s fp32 rounding (``r`` reaches 1e4 for biased inputs: 1e-3)
+    does not enter every exponent."""
+    offs_n = start_n + offs_j
+    n_valid = offs_n < N_K
     c_b = tl.load(c_base + (start_n // CENTRE_BLOCK_) * stride_cj + offs_d, mask=d_valid, other=0.0)
     c_mat = tl.where(tl.arange(0, 16)[None, :] == 0, c_b[:, None], 0.0).to(q.dtype)  # c_b in column 0
     r = tl.sum(mma(q, c_mat, tl.zeros([q.shape[0], 16], tl.float32), INTERPRET_BF16), axis=1) * qk_scale
-    i_sum = tl.dot(q_codes, tl.trans(k_codes))  # int32
-    z = (i_sum.to(tl.float32) * ks[None, :]) * a_i[:, None] + (mu_u[:, None] * sig[None, :] + (a_j * qk_scale)[None, :])
+    if FALLBACK:
+        if tl.load(flag_base + start_n // CENTRE_BLOCK_) != 0:
+            z = _logits_16(q, k_base, stride_kn, c_b, offs_n, n_valid, offs_d, d_valid, qk_scale, MASKED,
+                           INTERPRET_BF16)
+        else:
+            z = _coded_logits(q_codes, a_i, mu_u, kc_base, ks_base, sig_base, a_base, stride_kcn, offs_n, n_valid,
+                              offs_c, qk_scale, MASKED)
+    else:
+        z = _coded_logits(q_codes, a_i, mu_u, kc_base, ks_base, sig_base, a_base, stride_kcn, offs_n, n_valid,
+                          offs_c, qk_scale, MASKED)
     if MASKED:
         z = tl.where(n_valid[None, :], z, float("-inf"))
     m_s = tl.max(z, axis=1)
@@ -355,16 +452,17 @@ def _merge(acc, l_i, x, alpha, v_base, v8_base, vs, stride_vn, stride_v8d, offs_
 
 
 @triton.jit
-def _attn_inner(acc, l_i, m_i, q_codes, q, a_i, mu_u, kc_base, ks_base, sig_base, a_base, c_base, v_base, v8_base,
-                vs, stride_kcn, stride_cj, stride_vn, stride_v8d, lo, hi, N_K, offs_j, offs_c, offs_d, d_valid,
-                qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                CENTRE_BLOCK_: tl.constexpr, PV_FP8: tl.constexpr, INTERPRET_FP8: tl.constexpr, MASKED: tl.constexpr,
-                INTERPRET_BF16: tl.constexpr):
+def _attn_inner(acc, l_i, m_i, q_codes, q, a_i, mu_u, kc_base, ks_base, sig_base, a_base, c_base, k_base, flag_base,
+                v_base, v8_base, vs, stride_kcn, stride_cj, stride_kn, stride_vn, stride_v8d, lo, hi, N_K, offs_j,
+                offs_c, offs_d, d_valid, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_N: tl.constexpr, CENTRE_BLOCK_: tl.constexpr, FALLBACK: tl.constexpr, PV_FP8: tl.constexpr,
+                INTERPRET_FP8: tl.constexpr, MASKED: tl.constexpr, INTERPRET_BF16: tl.constexpr):
     """The key loop over ``[lo, hi)`` in steps of ``BLOCK_N``: :func:`_logits`, then :func:`_merge`."""
     for start_n in range(lo, hi, BLOCK_N):
         x, alpha, m_new, offs_n, n_valid = _logits(
-            q_codes, q, a_i, mu_u, m_i, kc_base, ks_base, sig_base, a_base, c_base, stride_kcn, stride_cj,
-            start_n, offs_j, offs_c, offs_d, d_valid, N_K, qk_scale, BLOCK_N, CENTRE_BLOCK_, MASKED, INTERPRET_BF16)
+            q_codes, q, a_i, mu_u, m_i, kc_base, ks_base, sig_base, a_base, c_base, k_base, flag_base, stride_kcn,
+            stride_cj, stride_kn, start_n, offs_j, offs_c, offs_d, d_valid, N_K, qk_scale, BLOCK_N, CENTRE_BLOCK_,
+            FALLBACK, MASKED, INTERPRET_BF16)
         acc, l_i = _merge(acc, l_i, x, alpha, v_base, v8_base, vs, stride_vn, stride_v8d, offs_n, n_valid, offs_d,
                           d_valid, HEAD_DIM, BLOCK_D, PV_FP8, INTERPRET_FP8, MASKED, INTERPRET_BF16)
         m_i = m_new
@@ -373,15 +471,17 @@ def _attn_inner(acc, l_i, m_i, q_codes, q, a_i, mu_u, kc_base, ks_base, sig_base
 
 @triton.jit(do_not_specialize=["N_Q", "N_K"])
 def int8_fwd_kernel(
-    q_ptr, qc_ptr, qs_ptr, mu_ptr, kc_ptr, ks_ptr, sig_ptr, a_ptr, c_ptr, v_ptr, v8_ptr, vs_ptr, o_ptr, lse_ptr,
+    q_ptr, qc_ptr, qs_ptr, mu_ptr, kc_ptr, ks_ptr, sig_ptr, a_ptr, c_ptr, k_ptr, flag_ptr, v_ptr, v8_ptr, vs_ptr,
+    o_ptr, lse_ptr,
     stride_qz, stride_qh, stride_qm, stride_qcz, stride_qch, stride_qcm, stride_qsz, stride_qsh,
     stride_kcz, stride_kch, stride_kcn, stride_ksz, stride_ksh, stride_az, stride_ah,
-    stride_cz, stride_ch, stride_cj, stride_vz, stride_vh, stride_vn, stride_v8z, stride_v8h, stride_v8d,
+    stride_cz, stride_ch, stride_cj, stride_kz, stride_kh, stride_kn,
+    stride_vz, stride_vh, stride_vn, stride_v8z, stride_v8h, stride_v8d,
     stride_oz, stride_oh, stride_om,
     H_Q, KV_GROUP, N_Q, N_K, NQ_BUCKET, NK_BUCKET, scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CENTRE_BLOCK_: tl.constexpr, PV_FP8: tl.constexpr, INTERPRET_FP8: tl.constexpr, STORE_LSE: tl.constexpr,
-    INTERPRET_BF16: tl.constexpr,
+    CENTRE_BLOCK_: tl.constexpr, FALLBACK: tl.constexpr, PV_FP8: tl.constexpr, INTERPRET_FP8: tl.constexpr,
+    STORE_LSE: tl.constexpr, INTERPRET_BF16: tl.constexpr,
 ):
     """``out = softmax(scale q k^T) v`` for one block of ``BLOCK_M`` query rows of one (batch, head), from
     the pre-pass's codes (``reference_int8.attention_from_codes``).
@@ -396,6 +496,8 @@ def int8_fwd_kernel(
         k_codes (BLOCK_N, BLOCK_D) int8; ks, sigma, A (BLOCK_N,) fp32; c_b (BLOCK_D,) fp32 (the centre of
         the ``CENTRE_BLOCK_`` keys holding the tile: ``BLOCK_N`` divides it);
         I (BLOCK_M, BLOCK_N) int32; z, x fp32; p (BLOCK_M, BLOCK_N) g (16 bits) or e4m3 (``PV_FP8``);
+        with ``FALLBACK`` the block's flag (int8, ``flag`` (B, Hq, blocks)) and, in a flagged block, the key
+        tile (BLOCK_N, BLOCK_D) g and its ``hi``, ``lo`` in g (:func:`_logits_16`);
         v_blk (BLOCK_N, BLOCK_D) g, or V8^T (BLOCK_D, BLOCK_N) e4m3 with vs (BLOCK_D,) fp32;
         m_i, l_i (BLOCK_M,) fp32; acc (BLOCK_M, BLOCK_D) fp32.
     The key loop runs twice: the full tiles unmasked, then the ragged last one masked.  With
@@ -432,6 +534,8 @@ def int8_fwd_kernel(
     sig_base = sig_ptr + off_z * stride_ksz + off_hk * stride_ksh
     a_base = a_ptr + off_z * stride_az + off_hq * stride_ah
     c_base = c_ptr + off_z * stride_cz + off_hk * stride_ch
+    k_base = k_ptr + off_z * stride_kz + off_hk * stride_kh
+    flag_base = flag_ptr + pid_bh.to(tl.int64) * tl.cdiv(N_K, CENTRE_BLOCK_)
     v_base = v_ptr + off_z * stride_vz + off_hk * stride_vh
     v8_base = v8_ptr + off_z * stride_v8z + off_hk * stride_v8h
     if PV_FP8:
@@ -444,13 +548,13 @@ def int8_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     n_full = (N_K // BLOCK_N) * BLOCK_N
     acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q_codes, q, a_i, mu_u, kc_base, ks_base, sig_base, a_base, c_base,
-                                v_base, v8_base, vs, stride_kcn, stride_cj, stride_vn, stride_v8d, 0, n_full, N_K,
-                                offs_j, offs_c, offs_d, d_valid, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CENTRE_BLOCK_,
-                                PV_FP8, INTERPRET_FP8, False, INTERPRET_BF16)
+                                k_base, flag_base, v_base, v8_base, vs, stride_kcn, stride_cj, stride_kn, stride_vn,
+                                stride_v8d, 0, n_full, N_K, offs_j, offs_c, offs_d, d_valid, qk_scale, HEAD_DIM,
+                                BLOCK_D, BLOCK_N, CENTRE_BLOCK_, FALLBACK, PV_FP8, INTERPRET_FP8, False, INTERPRET_BF16)
     acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q_codes, q, a_i, mu_u, kc_base, ks_base, sig_base, a_base, c_base,
-                                v_base, v8_base, vs, stride_kcn, stride_cj, stride_vn, stride_v8d, n_full, N_K, N_K,
-                                offs_j, offs_c, offs_d, d_valid, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CENTRE_BLOCK_,
-                                PV_FP8, INTERPRET_FP8, True, INTERPRET_BF16)
+                                k_base, flag_base, v_base, v8_base, vs, stride_kcn, stride_cj, stride_kn, stride_vn,
+                                stride_v8d, n_full, N_K, N_K, offs_j, offs_c, offs_d, d_valid, qk_scale, HEAD_DIM,
+                                BLOCK_D, BLOCK_N, CENTRE_BLOCK_, FALLBACK, PV_FP8, INTERPRET_FP8, True, INTERPRET_BF16)
 
     inv_l = 1.0 / l_i
     out = round_to(acc * inv_l[:, None], o_ptr.dtype.element_ty, INTERPRET_BF16)
@@ -502,7 +606,10 @@ class Prepared(NamedTuple):
     ``q_codes`` (B, Hq, Nq, DP) int8, ``q_scale``, ``mu`` (B, Hq, Nq) fp32, ``qbar`` (B, Hq, DP) fp32;
     ``k_codes`` (B, Hk, Nk, DP) int8, ``k_scale``, ``sigma`` (B, Hk, Nk) fp32, ``a`` (B, Hq, Nk) fp32,
     ``centres`` (B, Hk, blocks, DP) fp32; ``v`` the values ``P V`` reads: the input V (16 bits) or V8^T
-    (B, Hk, DP, Nk) e4m3, with ``v_scale`` (B, Hk, DP) fp32 (None in 16 bits)."""
+    (B, Hk, DP, Nk) e4m3, with ``v_scale`` (B, Hk, DP) fp32 (None in 16 bits).  The 16-bit blocks: ``k``
+    the input keys (a flagged block reads them), ``q_stats`` (B, Hq, 2) and ``k_stats`` (B, Hk, blocks, 2)
+    fp64 (``reference_int8``'s ``stats``), ``flags`` (B, Hq, blocks) int8 (1: in 16 bits; None: every block
+    from the codes)."""
 
     q_codes: torch.Tensor
     q_scale: torch.Tensor
@@ -515,6 +622,10 @@ class Prepared(NamedTuple):
     centres: torch.Tensor
     v: torch.Tensor
     v_scale: torch.Tensor | None
+    k: torch.Tensor
+    q_stats: torch.Tensor
+    k_stats: torch.Tensor
+    flags: torch.Tensor | None
 
 
 def _prepass_warps(dp: int) -> int:
@@ -525,15 +636,18 @@ def _prepass_warps(dp: int) -> int:
 
 class Scratch(NamedTuple):
     """The statistics between the pre-pass's launches: ``q_part`` (B Hq, query blocks, DP) fp64 column sums;
-    with FP8 ``P V`` ``v_part`` (B Hk, key blocks, DP) fp32 column maxima and ``v_inv`` (B, Hk, DP) fp32
-    ``448 / amax`` (None in 16 bits)."""
+    ``q_stat_part`` (B Hq, query blocks, 2) fp64 per block ``(sum s_q^2, sum |y|^2)``; with FP8 ``P V``
+    ``v_part`` (B Hk, key blocks, DP) fp32 column maxima and ``v_inv`` (B, Hk, DP) fp32 ``448 / amax``
+    (None in 16 bits)."""
 
     q_part: torch.Tensor
+    q_stat_part: torch.Tensor
     v_part: torch.Tensor | None
     v_inv: torch.Tensor | None
 
 
-def allocate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, pv_bits: int = 16) -> tuple[Prepared, Scratch]:
+def allocate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, pv_bits: int = 16, fallback: bool = True
+             ) -> tuple[Prepared, Scratch]:
     """Empty pre-pass outputs and statistics for these inputs, on their device (``meta`` too)."""
     batch, h_q, n_q, d = q.shape
     h_k, n_k = k.shape[1], k.shape[2]
@@ -551,8 +665,11 @@ def allocate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, pv_bits: int 
         k_scale=empty(batch, h_k, n_k), sigma=empty(batch, h_k, n_k), a=empty(batch, h_q, n_k),
         centres=empty(batch, h_k, k_blocks, dp),
         v=empty(batch, h_k, dp, n_k, dtype=torch.float8_e4m3fn) if fp8 else v,
-        v_scale=empty(batch, h_k, dp) if fp8 else None)
+        v_scale=empty(batch, h_k, dp) if fp8 else None, k=k, q_stats=empty(batch, h_q, 2, dtype=torch.float64),
+        k_stats=empty(batch, h_k, k_blocks, 2, dtype=torch.float64),
+        flags=empty(batch, h_q, k_blocks, dtype=torch.int8) if fallback else None)
     scratch = Scratch(empty(batch * h_q, q_blocks, dp, dtype=torch.float64),
+                      empty(batch * h_q, q_blocks, 2, dtype=torch.float64),
                       empty(batch * h_k, k_blocks, dp) if fp8 else None, empty(batch, h_k, dp) if fp8 else None)
     return prep, scratch
 
@@ -568,8 +685,8 @@ def quantize_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prep: Prepa
     v8 = prep.v if fp8 else prep.k_codes  # unread in 16 bits
     v_inv = scratch.v_inv if fp8 else prep.qbar
     q_tasks = batch * h_q * q_blocks
-    args = (q, k, v, prep.qbar, v_inv, prep.q_codes, prep.q_scale, prep.mu, prep.k_codes, prep.k_scale, prep.sigma,
-            prep.a, prep.centres, v8,
+    args = (q, k, v, prep.qbar, v_inv, prep.q_codes, prep.q_scale, prep.mu, scratch.q_stat_part, prep.k_codes,
+            prep.k_scale, prep.sigma, prep.a, prep.centres, v8, prep.k_stats,
             *strides3(q), *strides3(k), *strides3(v), *strides3(prep.q_codes), *prep.q_scale.stride()[:2],
             *strides3(prep.k_codes), *prep.k_scale.stride()[:2], *prep.a.stride()[:2], *strides3(prep.centres),
             *strides3(v8), h_q, h_k, n_q, n_k, q_blocks, k_blocks, q_tasks)
@@ -579,11 +696,24 @@ def quantize_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prep: Prepa
     return (q_tasks + batch * h_k * k_blocks,), args, meta
 
 
-def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, pv_bits: int = 16) -> Prepared:
-    """The pre-pass (launches 1-3 of the module docstring) for (B, H, N, D) q, k, v with unit stride in D."""
+def flags_call(prep: Prepared, scratch: Scratch, *, scale: float, tally: torch.Tensor) -> tuple[tuple[int], tuple, dict]:
+    """``(grid, args, meta)`` of :func:`fallback_flags_kernel` (launch 4) writing ``prep.flags`` and
+    ``prep.q_stats``, counting into ``tally``."""
+    batch, h_q = prep.q_scale.shape[:2]
+    k_blocks = prep.k_stats.shape[2]
+    args = (scratch.q_stat_part, prep.q_stats, prep.k_stats, prep.flags, tally, h_q, h_q // prep.k_codes.shape[1],
+            prep.q_scale.shape[2], scratch.q_stat_part.shape[1], k_blocks, float(scale))
+    meta = dict(TAU=FALLBACK_TAU, DP=prep.k_codes.shape[-1], BLOCK=min(1024, triton.next_power_of_2(k_blocks)))
+    return (batch * h_q,), args, meta
+
+
+def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, pv_bits: int = 16,
+            fallback: bool = True) -> Prepared:
+    """The pre-pass (launches 1-4 of the module docstring) for (B, H, N, D) q, k, v with unit stride in D;
+    ``fallback``: which key blocks go to 16 bits at this ``scale`` (launch 4, counted in ``block_tally``)."""
     batch, h_q, n_q, d = q.shape
     h_k, n_k = k.shape[1], k.shape[2]
-    prep, scratch = allocate(q, k, v, pv_bits=pv_bits)
+    prep, scratch = allocate(q, k, v, pv_bits=pv_bits, fallback=fallback)
     dp = prep.k_codes.shape[-1]
     bf16 = q.dtype == torch.bfloat16
     warps = _prepass_warps(dp)
@@ -599,33 +729,37 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, pv_bits: int =
                                                AMAX=True, G_BF16=bf16, INTERPRET_BF16=INTERPRET and bf16)
     grid, args, meta = quantize_call(q, k, v, prep, scratch)
     quantize_kernel[grid](*args, **meta)
+    if fallback:
+        grid, args, meta = flags_call(prep, scratch, scale=scale, tally=block_tally.counter(q.device))
+        fallback_flags_kernel[grid](*args, **meta)
     return prep
 
 
 def attention_call(q: torch.Tensor, prep: Prepared, out: torch.Tensor, *, scale: float,
                    lse: torch.Tensor | None = None) -> tuple[tuple, dict]:
-    """``(args, meta)`` of :func:`int8_fwd_kernel` (launch 4) on ``prep``, without the tile config."""
+    """``(args, meta)`` of :func:`int8_fwd_kernel` (launch 5) on ``prep``, without the tile config."""
     batch, h_q, n_q, d = q.shape
     h_k, n_k = prep.k_codes.shape[1], prep.k_codes.shape[2]
     fp8 = prep.v_scale is not None
     v, v8 = (q, prep.v) if fp8 else (prep.v, prep.q_codes)  # the unread one is any tensor
     vs = prep.v_scale if fp8 else prep.q_scale
     lse_buf = prep.q_scale if lse is None else lse
+    flags = prep.k_codes if prep.flags is None else prep.flags  # unread without the fallback
     args = (q, prep.q_codes, prep.q_scale, prep.mu, prep.k_codes, prep.k_scale, prep.sigma, prep.a, prep.centres,
-            v, v8, vs, out, lse_buf,
+            prep.k, flags, v, v8, vs, out, lse_buf,
             *strides3(q), *strides3(prep.q_codes), *prep.q_scale.stride()[:2],
             *strides3(prep.k_codes), *prep.k_scale.stride()[:2], *prep.a.stride()[:2], *strides3(prep.centres),
-            *strides3(v), *strides3(v8), *strides3(out),
+            *strides3(prep.k), *strides3(v), *strides3(v8), *strides3(out),
             h_q, h_q // h_k, n_q, n_k, bucket(n_q), bucket(n_k), float(scale))
-    meta = dict(HEAD_DIM=d, BLOCK_D=prep.k_codes.shape[-1], CENTRE_BLOCK_=CENTRE_BLOCK, PV_FP8=fp8,
-                INTERPRET_FP8=INTERPRET, STORE_LSE=lse is not None,
+    meta = dict(HEAD_DIM=d, BLOCK_D=prep.k_codes.shape[-1], CENTRE_BLOCK_=CENTRE_BLOCK, FALLBACK=prep.flags is not None,
+                PV_FP8=fp8, INTERPRET_FP8=INTERPRET, STORE_LSE=lse is not None,
                 INTERPRET_BF16=INTERPRET and q.dtype == torch.bfloat16)
     return args, meta
 
 
 def attend(q: torch.Tensor, prep: Prepared, out: torch.Tensor, *, scale: float, config: dict | None = None,
            lse: torch.Tensor | None = None) -> torch.Tensor:
-    """The attention kernel (launch 4) on :func:`prepare`'s outputs; writes ``out`` (B, Hq, Nq, D) (any
+    """The attention kernel (launch 5) on :func:`prepare`'s outputs; writes ``out`` (B, Hq, Nq, D) (any
     strides, unit stride in D) and, given ``lse`` (a contiguous fp32 (B, Hq, Nq) tensor), each row's
     log-sum-exp.  ``config``: ``BLOCK_M``, ``BLOCK_N`` (a power of two >= 32 dividing 128), ``num_warps``,
     ``num_stages`` instead of autotuning (under the interpreter: over ``INTERPRET_CONFIG``, unless inside
@@ -662,17 +796,21 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, scale: float,
-            pv_bits: int = 16, config: dict | None = None, lse: torch.Tensor | None = None) -> torch.Tensor:
+            pv_bits: int = 16, fallback: bool = True, config: dict | None = None,
+            lse: torch.Tensor | None = None) -> torch.Tensor:
     """Write ``softmax(scale q k^T) v`` of the 8-bit exact shift (``reference_int8.int8_reference``) into
     ``out`` and return it.
 
     q: (B, Hq, Nq, D); k, v: (B, Hk, Nk, D), ``Hq % Hk == 0``, ``Nk >= 1``; out: (B, Hq, Nq, D); fp16 or
     bf16, CUDA (CPU under ``TRITON_INTERPRET=1``), any strides with unit stride in D; head dims 16-256
     (padded to a power of two >= 32).  ``pv_bits``: ``P V`` in the inputs' dtype (16, the default: within the
-    1e-2 bound) or FP8 e4m3 (8; sm_89+).  ``config``, ``lse``: :func:`attend`."""
+    1e-2 bound) or FP8 e4m3 (8; sm_89+).  ``fallback``: the key blocks whose codes cannot hold their range
+    in 16 bits (the default; counted in ``block_tally``), or every block from the codes.  ``config``,
+    ``lse``: :func:`attend`."""
     _check(q, k, v, out, pv_bits)
     if out.numel() == 0:
         return out
     if k.shape[2] == 0:
         raise ValueError(f"int8.forward: k and v hold no keys (k.shape={tuple(k.shape)})")
-    return attend(q, prepare(q, k, v, pv_bits=pv_bits), out, scale=scale, config=config, lse=lse)
+    return attend(q, prepare(q, k, v, scale=scale, pv_bits=pv_bits, fallback=fallback), out, scale=scale,
+                  config=config, lse=lse)
