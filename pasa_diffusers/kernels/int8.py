@@ -378,8 +378,9 @@ def _logits(q_codes, q, a_i, mu_u, m_i, kc_base, ks_base, sig_base, a_base, c_ba
             INTERPRET_BF16: tl.constexpr):
     """Block ``b``'s logits in log2 units (``reference_int8`` steps 4 and 4b):
 
-        z     = from the codes (:func:`_coded_logits`), or in 16 bits where ``FALLBACK`` and the block's flag
-                say so (:func:`_logits_16`)
+        z     = from the codes (:func:`_coded_logits`), replaced by the 16-bit one where ``FALLBACK`` and the
+                block's flag say so (:func:`_logits_16`; a flagged tile also pays the INT8 dot, so that the
+                codes' loads are not inside a branch, which Triton's pipeliner would not prefetch)
         r     = qk_scale fp32(q . c_b)                   (per row; exact products of g values summed in fp32,
                                                           by a (BLOCK_D x 16) MMA with c_b in column 0)
         m_s   = rowmax z,  m_blk = m_s + r,  m_new = max(m_i, m_blk)
@@ -393,16 +394,12 @@ def _logits(q_codes, q, a_i, mu_u, m_i, kc_base, ks_base, sig_base, a_base, c_ba
     c_b = tl.load(c_base + (start_n // CENTRE_BLOCK_) * stride_cj + offs_d, mask=d_valid, other=0.0)
     c_mat = tl.where(tl.arange(0, 16)[None, :] == 0, c_b[:, None], 0.0).to(q.dtype)  # c_b in column 0
     r = tl.sum(mma(q, c_mat, tl.zeros([q.shape[0], 16], tl.float32), INTERPRET_BF16), axis=1) * qk_scale
-    if FALLBACK:
+    z = _coded_logits(q_codes, a_i, mu_u, kc_base, ks_base, sig_base, a_base, stride_kcn, offs_n, n_valid, offs_c,
+                      qk_scale, MASKED)
+    if FALLBACK:  # the codes' loads stay outside the branch, where the pipeliner prefetches them
         if tl.load(flag_base + start_n // CENTRE_BLOCK_) != 0:
             z = _logits_16(q, k_base, stride_kn, c_b, offs_n, n_valid, offs_d, d_valid, qk_scale, MASKED,
                            INTERPRET_BF16)
-        else:
-            z = _coded_logits(q_codes, a_i, mu_u, kc_base, ks_base, sig_base, a_base, stride_kcn, offs_n, n_valid,
-                              offs_c, qk_scale, MASKED)
-    else:
-        z = _coded_logits(q_codes, a_i, mu_u, kc_base, ks_base, sig_base, a_base, stride_kcn, offs_n, n_valid,
-                          offs_c, qk_scale, MASKED)
     if MASKED:
         z = tl.where(n_valid[None, :], z, float("-inf"))
     m_s = tl.max(z, axis=1)

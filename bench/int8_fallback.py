@@ -1,0 +1,103 @@
+"""What does the 8-bit path's 16-bit block fallback cost, with no block flagged and with every block flagged?
+
+    python -m bench.int8_fallback --dtype bfloat16 --out DIR       # the video transformers' shapes, bf16
+    python -m bench.int8_fallback --shapes svd-spatial --dtype float16 --out DIR
+    TRITON_INTERPRET=1 python -m bench.int8_fallback --shapes tiny --out DIR   # a CPU, under the interpreter
+
+The int8 kernel (``kernels.int8.forward``) with ``fallback=False`` (every key block from the codes) and
+``fallback=True`` (the default: blocks an 8-bit code cannot hold in 16 bits, ``reference_int8`` step 4b),
+beside SDPA's cuDNN backend, on two inputs generated on the device: ``benign`` (q, k, v ~ N(0, 1): no
+block flagged) and ``two biases per block`` (q ~ N(2, 1), k ~ N(0, 1) plus a per-channel bias of
++-(20..40) that jumps every 128 keys half a block off the centre blocks, ``numerics.input_classes``'
+"jump misaligned": every block flagged).  Columns: ms (the median of CUDA-event runs after warm-up,
+L2 flushed), the ratio to cuDNN and to the same input's ``fallback=False`` time, and the share of
+blocks computed in 16 bits (``block_tally``, from the first call).
+"""
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from pasa_diffusers import block_tally
+from pasa_diffusers.kernels import int8
+from pasa_diffusers.metrics import records
+
+from . import harness
+
+NAME = "int8_fallback"
+INPUTS = ("benign", "two biases per block")
+
+
+def make_inputs(shape: harness.Shape, kind: str, gen: torch.Generator, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``kind`` of :data:`INPUTS` at ``shape`` on ``gen``'s device, (B, N, H, D) memory viewed as (B, H, N, D)."""
+    q, k, v = harness.make_inputs(shape, gen, dtype=dtype)
+    if kind == "benign":
+        return q, k, v
+    blocks = shape.nk // 128 + 2
+    size = (shape.b, shape.hk, blocks, shape.d)
+    sign = torch.where(torch.rand(size, generator=gen, device=gen.device) < 0.5, -1.0, 1.0)
+    bias = sign * (20.0 + 20.0 * torch.rand(size, generator=gen, device=gen.device))
+    block = (torch.arange(shape.nk, device=gen.device) + 64) // 128
+    return (q + 2.0).to(dtype), (k.float() + bias[:, :, block, :]).to(dtype), v
+
+
+def _int8_method(fallback: bool) -> harness.Method:
+    def build(q, k, v):
+        out, scale = torch.empty_like(q), q.shape[-1] ** -0.5
+        block_tally.reset()
+        int8.forward(q, k, v, out, scale=scale, fallback=fallback)
+        share = block_tally.counts()["share"] if fallback else 0.0
+        return harness.Prepared(lambda: int8.forward(q, k, v, out, scale=scale, fallback=fallback),
+                                f"{100 * share:.0f} % of blocks in 16 bits", {"share_16_bit": share})
+    return harness.Method(f"int8, fallback {'on' if fallback else 'off'}", "ours", build)
+
+
+def table(rows: Sequence[dict]) -> str:
+    f = harness.fmt
+    return records.markdown_table(
+        ["shape", "(B, Hq/Hk, N, D)", "input", "method", "ms", "vs cuDNN", "vs fallback off", "note"],
+        [[r["shape"], r["bhnd"], r["input"], r["method"], f(r["ms"], ".3f"), f(r["vs_best_sdpa"], ".2f"),
+          f(r["vs_off"], ".2f"), r["note"]] for r in rows], align="llllrrrl")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = harness.parser(NAME, __doc__)
+    harness.add_shape_arguments(p, default="dit")
+    harness.add_dtype_argument(p)
+    harness.add_timer_arguments(p)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default: 0)")
+    args = p.parse_args(argv)
+    problem = harness.cpu_problem(NAME)
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
+
+    cmd, env = harness.command(NAME, argv), harness.environment()
+    dtype = harness.INPUT_DTYPES[args.dtype]
+    timer = harness.Timer(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
+    gen = torch.Generator(device=harness.device()).manual_seed(args.seed)
+    methods = [harness.sdpa_method("cudnn"), _int8_method(False), _int8_method(True)]
+    rows: list[dict] = []
+    with torch.no_grad():
+        for shape in harness.progress(harness.shapes(args.shapes, args.frames), NAME):
+            for kind in INPUTS:
+                q, k, v = make_inputs(shape, kind, gen, dtype)
+                measured = harness.measure(shape, methods, q, k, v, timer=timer)
+                off = next((r.ms for r in measured if r.method.endswith("off")), None)
+                for r in measured:
+                    rows.append({**harness.rows_payload([r])[0], "input": kind, "note": r.status(),
+                                 "vs_off": off / r.ms if off and r.ms else None})
+                del q, k, v
+                harness.free_memory()
+    text = (harness.header(f"bench.int8_fallback: the 16-bit block fallback's cost, {args.dtype}", env, cmd)
+            + "\n" + table(rows) + "\n")
+    harness.write_report(args.out, NAME, text, {"bench": NAME, "command": cmd, "environment": env, "rows": rows})
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
