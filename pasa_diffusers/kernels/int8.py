@@ -579,7 +579,9 @@ CONFIG_POOL = ((128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3), (64, 128, 4, 2
 widened values); the first two do not spill at head dim 64 or 128 in 16 bits (FP8 at 128: up to 124
 bytes), the last two spill at head dim 128 (56-152 bytes in 16 bits).  (128, 64, 4 warps) spilled everywhere and was dropped."""
 _CONFIGS = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in CONFIG_POOL]
-AUTOTUNE_KEY = ["HEAD_DIM", "NQ_BUCKET", "NK_BUCKET", "PV_FP8"]
+AUTOTUNE_KEY = ["HEAD_DIM", "NQ_BUCKET", "NK_BUCKET", "PV_FP8", "FALLBACK"]
+"""The tuning key: ``FALLBACK`` in it, since the 16-bit branch takes shared memory of its own (at head dim
+128 the config tuned without it, (128, 128), needs 267 KB with it: over the H200's 227 KB)."""
 
 
 def _smem_bytes(cfg: triton.Config, block_d: int, pv_fp8: bool) -> int:
