@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from pasa_diffusers import block_tally
-from pasa_diffusers.kernels import int8
+from pasa_diffusers.kernels import int8, tuning
 from pasa_diffusers.metrics import records
 
 from . import harness
@@ -63,6 +63,14 @@ def table(rows: Sequence[dict]) -> str:
           f(r["vs_off"], ".2f"), r["note"]] for r in rows], align="llllrrrl")
 
 
+def tuned_table(entries: Sequence[dict]) -> str:
+    """One line per autotuning key: the chosen config and every config's time."""
+    return records.markdown_table(
+        ["key", "chosen", "every config (ms)"],
+        [[", ".join(f"{k}={v}" for k, v in e["key"].items()), str(e["config"]),
+          "; ".join(f"{c}: {t:.3f}" for c, t in e["timings_ms"].items())] for e in entries])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = harness.parser(NAME, __doc__)
     harness.add_shape_arguments(p, default="dit")
@@ -92,9 +100,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  "vs_off": off / r.ms if off and r.ms else None})
                 del q, k, v
                 harness.free_memory()
+    tuned = [e for e in tuning.table_payload(env.get("gpu", ""), {})["entries"] if e["kernel"] == "int8.attention"]
     text = (harness.header(f"bench.int8_fallback: the 16-bit block fallback's cost, {args.dtype}", env, cmd)
-            + "\n" + table(rows) + "\n")
-    harness.write_report(args.out, NAME, text, {"bench": NAME, "command": cmd, "environment": env, "rows": rows})
+            + "\n" + table(rows) + "\n\nThe attention kernel's autotuning (every config timed, ms):\n\n"
+            + tuned_table(tuned) + "\n")
+    harness.write_report(args.out, NAME, text, {"bench": NAME, "command": cmd, "environment": env, "rows": rows,
+                                                "tuned": tuned})
     print(text)
     return 0
 

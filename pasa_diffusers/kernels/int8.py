@@ -572,12 +572,14 @@ def int8_fwd_kernel(
 INTERPRET_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1}
 """The interpreter's fixed configuration (a ``config`` given to :func:`attend` overrides it)."""
 
-CONFIG_POOL = ((128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3), (64, 128, 4, 2))
+CONFIG_POOL = ((128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 128, 4, 2))
 """The attention kernel's autotune pool, (BLOCK_M, BLOCK_N, num_warps, num_stages), not timed on a GPU yet
 (the portable path; the fast kernel is to be a Gluon one).  Compiled for sm_90 by ``bench.compile_int8``
 (triton 3.6): every config uses INT8 wgmma for ``q k^T`` and 16-bit wgmma for ``P V`` (FP8 ``P V`` too, on
 widened values); the first two do not spill at head dim 64 or 128 in 16 bits (FP8 at 128: up to 124
-bytes), the last two spill at head dim 128 (56-152 bytes in 16 bits).  (128, 64, 4 warps) spilled everywhere and was dropped."""
+bytes), the last two spill at head dim 128 (56-152 bytes in 16 bits).  (128, 64, 4 warps) spilled everywhere and was dropped.
+(128, 128, 8, 2): the 16-bit blocks' branch takes shared memory of its own, and at head dim 128 three
+stages of (128, 128) no longer fit with it (267 KB)."""
 _CONFIGS = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in CONFIG_POOL]
 AUTOTUNE_KEY = ["HEAD_DIM", "NQ_BUCKET", "NK_BUCKET", "PV_FP8", "FALLBACK"]
 """The tuning key: ``FALLBACK`` in it, since the 16-bit branch takes shared memory of its own (at head dim
