@@ -17,7 +17,7 @@ import torch
 from bench import attention, harness
 
 ENTRY_POINTS = ("attention", "accuracy", "unet", "dit", "overhead", "temporal", "hopper", "compile_sm90", "cold_start",
-                "video", "accumulation", "context_parallel", "tune_table", "int8_accuracy", "compile_int8", "precompile")
+                "video", "accumulation", "context_parallel", "tune_table", "int8_accuracy", "compile_int8", "precompile", "int8_fallback")
 ROOT = Path(__file__).resolve().parents[1]
 
 
