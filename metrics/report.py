@@ -13,7 +13,9 @@ Report layout (``report.json``)::
      "paired":    {"A - B": {metric: {"mean", "std", "ci95": [lo, hi], "n"}}},
      "health":    {backend: {"samples", "broken_samples", "frames", "nonfinite_frames",
                              "identical_samples", "fallbacks": {"calls", "fallback_calls", "share",
-                                                                "reasons": {reason: calls}}}},
+                                                                "reasons": {reason: calls},
+                                                                "int8_blocks": {"blocks", "in_16_bits",
+                                                                                "share"}}}},
      "per_frame": {backend: {"psnr": {"mean": [...], "ci95": [[lo, hi], ...], "n": [...]}}},
      "worst":     {backend: [{"sample", "image", "seed", "psnr", "ssim", "nonfinite_frames", "video"}]},
      "records": "samples.jsonl"}
@@ -74,8 +76,12 @@ def _fallbacks(backend: str, records: list[dict[str, Any]]) -> dict[str, Any]:
     if calls and fallback_calls == calls:
         raise ValueError(f"build_report: backend {backend!r} fell back on all {calls} attention calls it targets "
                          f"({', '.join(reasons)}): its videos are not {backend}'s")
+    no_blocks = {"blocks": 0, "in_16_bits": 0}  # records written before pasa-int8 counted them
+    blocks = sum(r["fallbacks"].get("int8_blocks", no_blocks)["blocks"] for r in records)
+    in_16_bits = sum(r["fallbacks"].get("int8_blocks", no_blocks)["in_16_bits"] for r in records)
     return {"calls": calls, "fallback_calls": fallback_calls, "share": fallback_calls / calls if calls else 0.0,
-            "reasons": dict(sorted(reasons.items()))}
+            "reasons": dict(sorted(reasons.items())),
+            "int8_blocks": {"blocks": blocks, "in_16_bits": in_16_bits, "share": in_16_bits / blocks if blocks else None}}
 
 
 def worst_key(record: dict[str, Any]) -> tuple[int, float] | None:
@@ -183,15 +189,18 @@ def _nonfinite_cell(health: dict[str, Any]) -> str:
 
 
 def _fallback_cell(fallbacks: dict[str, Any]) -> str:
-    """``0%``, or the share of calls that fell back and each reason's share, e.g. ``50% (single key)``."""
+    """``0%``, or the share of calls that fell back and each reason's share, e.g. ``50% (single key)``; for
+    pasa-int8 also the share of its key blocks computed in 16 bits, e.g. ``0%; 16-bit key blocks 3%``."""
+    blocks = fallbacks.get("int8_blocks") or {}
+    int8 = f"; 16-bit key blocks {100 * blocks['share']:.0f}%" if blocks.get("blocks") else ""
     if not fallbacks["fallback_calls"]:
-        return "0%"
+        return "0%" + int8
     calls = fallbacks["calls"]
     share = f"{100 * fallbacks['share']:.0f}%"
     reasons = fallbacks["reasons"]
     if len(reasons) == 1:
-        return f"{share} ({next(iter(reasons))})"
-    return share + " (" + ", ".join(f"{reason} {100 * n / calls:.0f}%" for reason, n in reasons.items()) + ")"
+        return f"{share} ({next(iter(reasons))})" + int8
+    return share + " (" + ", ".join(f"{reason} {100 * n / calls:.0f}%" for reason, n in reasons.items()) + ")" + int8
 
 
 def _on_cpu(report: dict[str, Any]) -> bool:
@@ -380,6 +389,10 @@ def _fallback_note(report: dict[str, Any]) -> str:
         text += (" In SVD's UNet every transformer block has one self-attention and one cross-attention to the "
                  "image embedding, a single key, so 50 % is expected of the backends that run the PASA op (the "
                  "pasa variants and naive-half).")
+    if any((h["fallbacks"].get("int8_blocks") or {}).get("blocks") for h in report["health"].values()):
+        text += (" 16-bit key blocks: the share of pasa-int8's (batch, head, 128-key block) tiles it computed in 16 "
+                 "bits because an 8-bit code could not hold their range (docs/NUMERICS.md, \"The 16-bit blocks\"); "
+                 "those calls are pasa-int8's own, not fallbacks.")
     return text
 
 

@@ -22,7 +22,8 @@ A record of ``samples.jsonl``::
      "psnr", "ssim", "lpips", "temporal_psnr", "flicker",   # the video's means (JSON: records.json_float)
      "frames", "nonfinite_frames", "first_nonfinite", "identical_frames",
      "psnr_per_frame": [...], "ssim_per_frame": [...],
-     "fallbacks": {"calls", "fallback_calls", "reasons": {reason: calls}},
+     "fallbacks": {"calls", "fallback_calls", "reasons": {reason: calls},
+                   "int8_blocks": {"blocks", "in_16_bits"}},   # pasa-int8's key blocks, and those in 16 bits
      "seconds", "rank"}
 
 A video's PSNR (and temporal PSNR) is the mean over its frames with a finite value, ``inf`` when every
@@ -42,7 +43,7 @@ import numpy as np
 import PIL.Image
 import torch
 
-from pasa_diffusers import install, metrics
+from pasa_diffusers import block_tally, install, metrics
 from pasa_diffusers.backends import COMPARED, DEFAULT_COMPARED, REFERENCE
 from pasa_diffusers.metrics import records
 from pasa_diffusers.metrics.report import worst_key
@@ -176,13 +177,17 @@ def _generate(pipe: Any, backend: str, image: PIL.Image.Image | None, latents: t
               settings: dict[str, int], seed: int) -> VideoRun:
     summary = install.apply(pipe, backend)
     try:
+        block_tally.reset()
         start = time.perf_counter()
         frames = video.generate_frames(pipe, image, latents=latents, seed=seed, progress=False, **settings)
         seconds = time.perf_counter() - start
         fallbacks = install.fallback_summary(pipe, strict=True)
+        blocks = block_tally.counts()
     finally:
         install.restore(pipe)
-    return VideoRun(backend, frames, seconds, records.json_safe({"installed": summary, "fallbacks": fallbacks}))
+    int8_blocks = {"blocks": blocks["blocks"], "in_16_bits": blocks["in_16_bits"]}
+    return VideoRun(backend, frames, seconds, records.json_safe({"installed": summary, "fallbacks": fallbacks,
+                                                                 "int8_blocks": int8_blocks}))
 
 
 def compare_sample(pipe: Any, image: PIL.Image.Image | None, *, seed: int, backends: Sequence[str], num_frames: int,
@@ -229,7 +234,7 @@ def sample_record(sample: Sample, run: VideoRun, scores: dict[str, Any], *, rank
         "psnr_per_frame": scores["psnr"]["per_frame"],
         "ssim_per_frame": scores["ssim"]["per_frame"],
         "fallbacks": {"calls": fallbacks["calls"], "fallback_calls": fallbacks["fallback_calls"],
-                      "reasons": fallbacks["fallbacks"]},
+                      "reasons": fallbacks["fallbacks"], "int8_blocks": run.processors["int8_blocks"]},
         "seconds": run.seconds,
         "rank": rank,
     })

@@ -154,7 +154,8 @@ def test_aggregate_and_paired_equal_direct_computations():
     health = report["health"]
     assert health["naive-half"]["broken_samples"] == 4 and health["naive-half"]["nonfinite_frames"] == 8
     assert health["pasa"]["fallbacks"] == {"calls": 384, "fallback_calls": 192, "share": 0.5,
-                                           "reasons": {"single key": 192}}
+                                           "reasons": {"single key": 192},
+                                           "int8_blocks": {"blocks": 0, "in_16_bits": 0, "share": None}}
     assert report["worst"]["pasa"] == [{"sample": "rocket-seed1", "image": "builtin:rocket", "seed": 1, "psnr": 41.5,
                                         "ssim": pytest.approx(0.915), "nonfinite_frames": 0,
                                         "video": "videos/rocket-seed1_pasa.gif"}]
@@ -177,6 +178,22 @@ def test_tables_show_intervals_fallbacks_and_verdicts():
     md = format_markdown(report, ["distributions.png"])
     assert "| pasa | 43.44 [" in md and "![rocket-seed1 pasa](videos/rocket-seed1_pasa.gif)" in md
     assert "LPIPS unavailable: no weights" in md and "![distributions](distributions.png)" in md
+
+
+def test_the_16_bit_key_blocks_of_pasa_int8_are_summed_and_shown():
+    """Records with pasa-int8's key-block counts (``fallbacks.int8_blocks``): summed over samples, shown beside
+    the fallbacks and explained below the table; records without them (before they were counted) count 0."""
+    records = make_records()
+    counts = iter([(40, 1), (40, 3), (40, 0), (40, 0)])
+    for r in records:
+        if r["backend"] == "bf16":
+            blocks, in_16_bits = next(counts)
+            r["fallbacks"]["int8_blocks"] = {"blocks": blocks, "in_16_bits": in_16_bits}
+    report = build_report(records, backends=BACKENDS, meta=META)
+    assert report["health"]["bf16"]["fallbacks"]["int8_blocks"] == {"blocks": 160, "in_16_bits": 4, "share": 0.025}
+    _, rows = table_rows(report)
+    assert rows[2][-1] == "0%; 16-bit key blocks 2%" and rows[0][-1] == "50% (single key)"
+    assert "16-bit key blocks: the share of pasa-int8's" in format_markdown(report, [])
 
 
 def test_a_backend_that_always_fell_back_is_an_error():
