@@ -438,6 +438,25 @@ def test_gpu_16_bit_blocks(case, gen):
         assert torch.isfinite(out).all() and numerics.rel_rmse(out.cpu(), spec) <= _ulp(dtype), fallback
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", int8.CONFIG_POOL, ids=["x".join(map(str, c)) for c in int8.CONFIG_POOL])
+def test_gpu_every_config_matches_the_spec(config, gen):
+    """Every config of the autotune pool, with 16-bit blocks among 8-bit ones (jump misaligned at head dim 128
+    with benign first 128 keys: blocks 1 and 2 flagged, block 0 not), within one ``g`` ulp of the spec at its
+    key tile."""
+    q, k, v = _case("jump misaligned", (1, 2, 1, 330, 128), torch.float16, gen, 110)
+    k = k.clone()
+    k[:, :, :128] = torch.randn(k[:, :, :128].shape, generator=gen).to(k.dtype)
+    qq = r8.quantize_queries(q)
+    flags = r8.fallback_blocks(qq, r8.quantize_keys(k, qq.qbar), 128 ** -0.5)
+    assert flags.any() and not flags.all()
+    block_m, block_n, warps, stages = config
+    out = int8.forward(*(t.cuda() for t in (q, k, v)), torch.full_like(q, float("nan")).cuda(), scale=128 ** -0.5,
+                       config={"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages})
+    spec = r8.int8_reference(q, k, v, block_n=block_n)
+    assert torch.isfinite(out).all() and numerics.rel_rmse(out.cpu(), spec) <= _ulp(q.dtype)
+
+
 @pytest.mark.parametrize("name", ["int8_accuracy", "compile_int8"])
 def test_bench_entry_points_answer_help(name, capsys):
     import importlib
