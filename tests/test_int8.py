@@ -186,6 +186,19 @@ def test_reference_fp8_pv_within_the_quantization_bound(name, gen):
     _assert_model_bound(r8.int8_reference(q, k, v, pv_bits=8), q, k, v, 8, name)
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_the_criterion_takes_the_blocks_the_codes_cannot_hold(d, gen):
+    """Step 4b on the bench's classes (1024 keys): every block of the two classes whose centred blocks keep a
+    large common part (two biases in one block, keys flipping sign) and of uniform(80,5) (its known false
+    positive), no block of any other class; the kernels use the spec's threshold."""
+    taken = {"jump misaligned", "sign change in block", "uniform(80,5)"}
+    for name, (q, k, _) in input_classes((1, 2, 1, 1024, d), seed=_seed(gen)).items():
+        qq = r8.quantize_queries(q[:, :, ::8])
+        share = r8.fallback_blocks(qq, r8.quantize_keys(k, qq.qbar), d ** -0.5).double().mean().item()
+        assert share == (1.0 if name in taken else 0.0), f"{name}: {share:.2f} of the blocks in 16 bits"
+    assert int8.FALLBACK_TAU == r8.FALLBACK_TAU
+
+
 def test_reference_rejects_bad_arguments():
     q = torch.randn(1, 1, 8, 16).half()
     with pytest.raises(ValueError, match="pv_bits=4"):
