@@ -1,3 +1,4 @@
+#!/usr/bin/env bash
 # One device call for the 8-bit path: its GPU tests, the fallback's cost, then accuracy beside the peers.
 #   OUT=$OUT bash scripts/gpu_int8_round.sh      (carry .whl)
 set -u
