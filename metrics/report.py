@@ -191,8 +191,8 @@ def _nonfinite_cell(health: dict[str, Any]) -> str:
 def _fallback_cell(fallbacks: dict[str, Any]) -> str:
     """``0%``, or the share of calls that fell back and each reason's share, e.g. ``50% (single key)``; for
     pasa-int8 also the share of its key blocks computed in 16 bits, e.g. ``0%; 16-bit key blocks 3%``."""
-    blocks = fallbacks.get("int8_blocks") or {}
-    int8 = f"; 16-bit key blocks {100 * blocks['share']:.0f}%" if blocks.get("blocks") else ""
+    blocks = fallbacks["int8_blocks"]
+    int8 = f"; 16-bit key blocks {100 * blocks['share']:.0f}%" if blocks["blocks"] else ""
     if not fallbacks["fallback_calls"]:
         return "0%" + int8
     calls = fallbacks["calls"]
@@ -389,7 +389,7 @@ def _fallback_note(report: dict[str, Any]) -> str:
         text += (" In SVD's UNet every transformer block has one self-attention and one cross-attention to the "
                  "image embedding, a single key, so 50 % is expected of the backends that run the PASA op (the "
                  "pasa variants and naive-half).")
-    if any((h["fallbacks"].get("int8_blocks") or {}).get("blocks") for h in report["health"].values()):
+    if any(h["fallbacks"]["int8_blocks"]["blocks"] for h in report["health"].values()):
         text += (" 16-bit key blocks: the share of pasa-int8's (batch, head, 128-key block) tiles it computed in 16 "
                  "bits because an 8-bit code could not hold their range (docs/NUMERICS.md, \"The 16-bit blocks\"); "
                  "those calls are pasa-int8's own, not fallbacks.")

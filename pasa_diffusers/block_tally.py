@@ -1,8 +1,9 @@
 """How many key blocks the 8-bit path computed in 16 bits (``precision="int8"``), per device.
 
 The 8-bit exact shift takes a key block whose codes cannot hold its range from 16-bit operands instead
-(``reference_int8``, step 4b).  Each call adds, per (batch, query head), its blocks and its 16-bit ones to
-a counter on the inputs' device: the spec by a tensor addition, the kernels by atomic additions inside
+(``reference_int8``, step 4b).  Each call of the op adds, per (batch, query head), its blocks and its
+16-bit ones to a counter on the inputs' device: on the CPU the spec by a tensor addition
+(``int8_reference(..., tally=True)``, as the op calls it), on a GPU the kernels by atomic additions inside
 their launch (no host synchronisation); :func:`counts` reads them (a synchronisation) and :func:`reset`
 zeroes them.
 
@@ -31,8 +32,9 @@ def counter(device: torch.device | str) -> torch.Tensor:
 
 def count(flags: torch.Tensor) -> None:
     """Add a call's ``flags`` (bool, one per (batch, query head, key block): True = in 16 bits)."""
-    counter(flags.device).add_(torch.stack([torch.tensor(flags.numel(), device=flags.device),
-                                            flags.sum().to(torch.int64)]))
+    tensor = counter(flags.device)
+    tensor[0] += flags.numel()
+    tensor[1] += flags.sum()
 
 
 def counts() -> dict[str, int | float | None]:

@@ -417,7 +417,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
     if variant.precision == "int8":
         from .reference_int8 import int8_reference  # it builds on this module's helpers
 
-        return int8_reference(q, k, v, scale, return_lse=return_lse)
+        return int8_reference(q, k, v, scale, tally=True, return_lse=return_lse)
     if variant.shift == "exact":
         return exact_shift_reference(q, k, v, scale, precision=variant.precision, return_lse=return_lse)
     if variant.shift == "pasa":

@@ -89,6 +89,7 @@ __all__ = [
     "QuantizedKeys",
     "QuantizedValues",
     "FALLBACK_TAU",
+    "fallback_noise",
     "fallback_threshold",
     "fallback_blocks",
     "quantize_queries",
@@ -110,7 +111,7 @@ P_SHIFT = 8.0
 """``P8 = e4m3(exp2(x + P_SHIFT))``: ``x <= 0`` puts ``P8`` in [0, 256], inside e4m3's range."""
 PV_BITS = (16, 8)
 """``pv_bits``: ``P V`` in the GEMM dtype (16) or in FP8 e4m3 (8)."""
-FALLBACK_TAU = 2e-2
+FALLBACK_TAU = rules.INT8_FALLBACK_TAU
 """The predicted RMS logit error (natural units) above which a key block is computed in 16 bits."""
 LOG2E = 1.4426950408889634
 
@@ -273,13 +274,17 @@ def fallback_threshold(scale: float, dp: int, tau: float = FALLBACK_TAU) -> floa
     return 12.0 * t * t
 
 
+def fallback_noise(qq: QuantizedQueries, kq: QuantizedKeys) -> torch.Tensor:
+    """The left-hand side of step 4b's comparison, ``SQ2 W2_b + SK2_b Y2`` (B, Hq, blocks) fp64."""
+    group = qq.stats.shape[1] // kq.stats.shape[1]
+    keys = kq.stats.repeat_interleave(group, dim=1)
+    return qq.stats[:, :, None, 0] * keys[..., 1] + keys[..., 0] * qq.stats[:, :, None, 1]
+
+
 def fallback_blocks(qq: QuantizedQueries, kq: QuantizedKeys, scale: float, tau: float = FALLBACK_TAU
                     ) -> torch.Tensor:
     """Step 4b: which key blocks each (batch, query head) computes in 16 bits, (B, Hq, blocks) bool."""
-    group = qq.stats.shape[1] // kq.stats.shape[1]
-    keys = kq.stats.repeat_interleave(group, dim=1)
-    noise = qq.stats[:, :, None, 0] * keys[..., 1] + keys[..., 0] * qq.stats[:, :, None, 1]  # SQ2 W2 + SK2 Y2
-    return noise > fallback_threshold(scale, kq.codes.shape[-1], tau)
+    return fallback_noise(qq, kq) > fallback_threshold(scale, kq.codes.shape[-1], tau)
 
 
 def quantize_values(v: torch.Tensor, pv_bits: int = 16) -> QuantizedValues:
@@ -384,12 +389,14 @@ def _check(fn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
 
 def int8_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, *,
-                   pv_bits: int = 16, fallback: bool = True, block_m: int = 128, block_n: int = CENTRE_BLOCK,
-                   return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                   pv_bits: int = 16, fallback: bool = True, tally: bool = False, block_m: int = 128,
+                   block_n: int = CENTRE_BLOCK, return_lse: bool = False
+                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The exact shift in 8 bits (the module docstring), for (B, H, N, D) fp16 or bf16 tensors with
     ``Hq`` a multiple of ``Hk``, any ``Nq``, ``Nk >= 1``.  ``pv_bits``: ``P V`` in the GEMM dtype (16)
-    or in FP8 e4m3 (8).  ``fallback``: key blocks the codes cannot hold in 16 bits (step 4b; the default),
-    counted in ``block_tally``; False: every block from the codes.  ``block_n`` (the key tile) divides
+    or in FP8 e4m3 (8).  ``fallback``: key blocks the codes cannot hold in 16 bits (step 4b; the default);
+    False: every block from the codes.  ``tally``: count them in ``block_tally`` (the op's CPU path does;
+    the spec used as a spec leaves the counters alone).  ``block_n`` (the key tile) divides
     ``CENTRE_BLOCK``.  Output in ``q.dtype``; ``return_lse`` also returns the rows' log-sum-exp (B, Hq,
     Nq) fp32 (:func:`attention_from_codes`)."""
     scale = _check("int8_reference", q, k, v, scale, pv_bits, block_m, block_n)
@@ -399,7 +406,8 @@ def int8_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     flags = None
     if fallback:
         flags = fallback_blocks(qq, kq, scale)
-        block_tally.count(flags)
+        if tally:
+            block_tally.count(flags)
     return attention_from_codes(q, qq, kq, vq, scale, out_dtype=q.dtype, block_m=block_m, block_n=block_n,
                                 fallback=flags, k=k, return_lse=return_lse)
 

@@ -54,8 +54,8 @@ PV_BITS = (16, 8)
 QMAX = tl.constexpr(127.0)
 FP8_MAX = tl.constexpr(448.0)
 P_SHIFT = tl.constexpr(8.0)
-FALLBACK_TAU = 2e-2
-"""``reference_int8.FALLBACK_TAU``: the predicted RMS logit error above which a key block goes to 16 bits."""
+FALLBACK_TAU = rules.INT8_FALLBACK_TAU
+"""The predicted RMS logit error above which a key block goes to 16 bits (``reference_int8`` step 4b)."""
 RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23
 LN2 = tl.constexpr(0.6931471805599453)
 
