@@ -6,7 +6,7 @@
 
 The int8 kernel (``kernels.int8.forward``) with ``fallback=False`` (every key block from the codes) and
 ``fallback=True`` (the default: blocks an 8-bit code cannot hold in 16 bits, ``reference_int8`` step 4b),
-beside SDPA's cuDNN backend, on two inputs generated on the device: ``benign`` (q, k, v ~ N(0, 1): no
+beside SDPA's cuDNN backend and the peers that import (FA3 bf16 and fp8, SageAttention), on two inputs generated on the device: ``benign`` (q, k, v ~ N(0, 1): no
 block flagged) and ``two biases per block`` (q ~ N(2, 1), k ~ N(0, 1) plus a per-channel bias of
 +-(20..40) that jumps every 128 keys half a block off the centre blocks, ``numerics.input_classes``'
 "jump misaligned": every block flagged).  Columns: ms (the median of CUDA-event runs after warm-up,
@@ -87,7 +87,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     dtype = harness.INPUT_DTYPES[args.dtype]
     timer = harness.Timer(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
     gen = torch.Generator(device=harness.device()).manual_seed(args.seed)
-    methods = [harness.sdpa_method("cudnn"), _int8_method(False), _int8_method(True)]
+    peers, missing = harness.peer_methods()
+    for name, reason in missing.items():
+        harness.log(f"{name} not run: {reason}")
+    methods = [harness.sdpa_method("cudnn"), *peers, _int8_method(False), _int8_method(True)]
     rows: list[dict] = []
     with torch.no_grad():
         for shape in harness.progress(harness.shapes(args.shapes, args.frames), NAME):
