@@ -13,13 +13,21 @@ degree: one dominant rounding direction per row, the worst case), so it scatters
 by at most ``sqrt(2 / rows)`` relative (one standard deviation; ``rows`` = the model's effective number of
 rows, small where a few near-ties carry the error: sharp attention at these small shapes).  The test asserts
 
-    err(int8_reference) <= K * sqrt(model^2 (1 + 3 sqrt(2 / rows)) + e16^2 + e_r^2) + TINY,   K = 1.5
+    err(int8_reference) <= sqrt(K^2 (model^2 (1 + 3 sqrt(2 / rows)) + e_r^2)
+                                + K16^2 e16^2 (1 + 3 sqrt(2 / rows16))) + TINY,      K = 1.5, K16 = 2
 
 with K covering what the model leaves out (second-order terms; the codes' errors are not exactly uniform
 or independent), and ``e_r`` the fp32 rounding of the removed block logit ``r = u q . c_b`` (up to 1e4 on
 biased inputs), which ``e16`` holds for the default's own centres and summation order, not for these
 (:func:`_block_logit_rounding`; it counts where no codes' error covers it: the 16-bit blocks of step 4b,
-where the model is 0 for the blocks computed in 16 bits).  Measured (bench.int8_accuracy, (1, 2, 1024 x 4096, D), 12 classes x fp16 64 / fp16 128 /
+where the model is 0 for the blocks computed in 16 bits).  The 16-bit roundings are another
+implementation's of the same kind as the default's (its fp32 sums of ``q . k_c``, in another order), so
+they are held as the GPU suite holds a 16-bit kernel against its reference: within ``K16 = 2`` times its
+error (FlashAttention's rule), scattered as the codes' error is: ``rows16`` is the effective number of rows
+of the default's own error, ``(sum_i e_i)^2 / sum_i e_i^2``, and two independent errors drawn alike from a
+few rows differ by their scatter (uniform(80,5) with every block in 16 bits: 1.5-14 effective rows of 64,
+the kernel at 0.9-2.0x the default's error over 40 draws where the block logit's rounding is negligible;
+seed 2667218195 put it at 1.71x).  Measured (bench.int8_accuracy, (1, 2, 1024 x 4096, D), 12 classes x fp16 64 / fp16 128 /
 bf16 128): err / sqrt(model^2 + e16^2) between 0.7 and 1.15.  And from below, where the codes' error
 dominates (model > 4 e16, and above one ulp of ``g``, below which an error can round away: one-hot
 attention) and comes from enough rows (3 sqrt(2 / rows) < 1/2): ``err >= model / 2 sqrt(1 - 3 sqrt(2 /
@@ -53,6 +61,7 @@ from pasa_diffusers import reference_int8 as r8
 from pasa_diffusers.reference import exact_shift_reference, golden_attention
 
 K = 1.5
+K16 = 2.0
 TINY = 1e-6
 CLASSES = list(input_classes((1, 1, 1, 16, 16)))
 
@@ -161,13 +170,18 @@ def _assert_model_bound(out, q, k, v, pv_bits, name):
     gold = golden_attention(q, k, v)
     assert torch.isfinite(out).all(), f"{name}: {numerics.nonfinite_count(out)} non-finite outputs"
     err = numerics.rel_rmse(out, gold)
-    e16 = numerics.rel_rmse(exact_shift_reference(q, k, v), gold)
+    default = exact_shift_reference(q, k, v)
+    e16 = numerics.rel_rmse(default, gold)
+    per_row = (default.double() - gold).pow(2).sum(-1).flatten()
+    rows16 = (per_row.sum() ** 2 / per_row.pow(2).sum()).item() if per_row.any() else float(per_row.numel())
     e_r = _block_logit_rounding(q, k, v)
     model, rows = r8.error_model(q, k, v, pv_bits=pv_bits)
     scatter = 3.0 * math.sqrt(2.0 / rows)
-    bound = K * math.sqrt(model * model * (1.0 + scatter) + e16 * e16 + e_r * e_r) + TINY
+    scatter16 = 3.0 * math.sqrt(2.0 / rows16)
+    bound = math.sqrt(K * K * (model * model * (1.0 + scatter) + e_r * e_r)
+                      + K16 * K16 * e16 * e16 * (1.0 + scatter16)) + TINY
     assert err <= bound, (f"{name}: error {err:.3e} > {bound:.3e} (model {model:.3e} from {rows:.0f} rows, "
-                          f"16-bit {e16:.3e}, block logit {e_r:.3e})")
+                          f"16-bit {e16:.3e} from {rows16:.0f} rows, block logit {e_r:.3e})")
     if model > 4 * max(e16, _ulp(q.dtype)) and scatter < 0.5:  # below one g ulp an error can round away
         low = model / 2 * math.sqrt(1.0 - scatter)
         assert err >= low, f"{name}: error {err:.3e} < {low:.3e} (model {model:.3e}): no 8-bit rounding?"

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from .. import block_tally, rules
+from ..variants import INT8_FALLBACK_TAU
 from .common import INTERPRET, LOG2E, binade, mma, round_to, strides3
 from .tuning import SMEM_LIMIT, autotuned, bucket, interpreter_autotunes, pow2_tile
 
@@ -54,7 +55,7 @@ PV_BITS = (16, 8)
 QMAX = tl.constexpr(127.0)
 FP8_MAX = tl.constexpr(448.0)
 P_SHIFT = tl.constexpr(8.0)
-FALLBACK_TAU = rules.INT8_FALLBACK_TAU
+FALLBACK_TAU = INT8_FALLBACK_TAU
 """The predicted RMS logit error above which a key block goes to 16 bits (``reference_int8`` step 4b)."""
 RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23
 LN2 = tl.constexpr(0.6931471805599453)
