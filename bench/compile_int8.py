@@ -56,6 +56,18 @@ def cases() -> list[dict]:
         for amax in (False, True):
             found.append({"kernel": "colstats", "d": d, "amax": amax, "dtype": "float16"})
             found.append({"kernel": "colstats_reduce", "d": d, "amax": amax, "dtype": "float16"})
+    return found + gluon_cases()
+
+
+def gluon_cases() -> list[dict]:
+    """The Gluon attention kernel (``kernels/hopper_int8.py``): its configs at head dims 64 and 128, with and
+    without the 16-bit blocks, fp16 and bf16."""
+    found = []
+    for d, configs in ((64, ((128, 3, 3), (128, 2, 2), (64, 3, 3))), (128, ((64, 3, 2), (128, 2, 2), (64, 2, 3)))):
+        for cfg in configs:
+            for fallback in (True, False):
+                found.append({"kernel": "gluon", "d": d, "dtype": "bfloat16", "config": cfg, "fallback": fallback})
+        found.append({"kernel": "gluon", "d": d, "dtype": "float16", "config": configs[0], "fallback": True})
     return found
 
 
@@ -75,6 +87,15 @@ def _launch(case: dict):
         return torch.empty(b, n, heads, d, dtype=dtype, device="meta").transpose(1, 2)
 
     q, k, v = bnhd(h), bnhd(KV_HEADS), bnhd(KV_HEADS)
+    if case["kernel"] == "gluon":
+        from pasa_diffusers.kernels import hopper_int8
+
+        prep, _ = int8.allocate(q, k, v, fallback=case["fallback"], split=case["fallback"])
+        block_n, stages, consumers = case["config"]
+        _, args, meta = hopper_int8.kernel_call(q, prep, bnhd(h), scale=d ** -0.5, config={
+            "BLOCK_N": block_n, "num_stages": stages, "consumers": consumers})
+        options = {name: meta.pop(name) for name in ("num_warps", "maxnreg")}
+        return hopper_int8.int8_fwd_gluon_kernel, args, meta, options
     prep, scratch = int8.allocate(q, k, v, pv_bits=case.get("pv_bits", 8 if case.get("amax") else 16))
     dp = prep.k_codes.shape[-1]
     if case["kernel"] == "attention":
@@ -124,7 +145,11 @@ def compile_one(case: dict) -> dict:
     try:
         fn, args, meta, options = _launch(case)
         signature, constexprs, attrs = specialization(fn, args, meta)
-        kern = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+        if case["kernel"] == "gluon":
+            from triton.experimental.gluon._runtime import GluonASTSource as source_class
+        else:
+            source_class = ASTSource
+        kern = triton.compile(source_class(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options=options)
         ptx = kern.asm["ptx"]
         row.update(ok=True, smem=kern.metadata.shared, threads=32 * kern.metadata.num_warps,
@@ -149,6 +174,10 @@ def _what(row: dict) -> str:
     if row["kernel"] == "attention":
         bm, bn, w, s = row["config"]
         return f"attention BLOCK_M {bm}, BLOCK_N {bn}, {w} warps, {s} stages, P V {row['pv_bits']}-bit"
+    if row["kernel"] == "gluon":
+        bn, s, c = row["config"]
+        return (f"Gluon attention BLOCK_N {bn}, {s} stages, {c} consumers, "
+                f"{'with' if row['fallback'] else 'without'} 16-bit blocks")
     if row["kernel"] == "quantize":
         return f"quantize (pre-pass), V {'e4m3' if row['pv_bits'] == 8 else 'as is'}"
     if row["kernel"] == "flags":

@@ -4,9 +4,11 @@
     python -m bench.int8_fallback --shapes svd-spatial --dtype float16 --out DIR
     TRITON_INTERPRET=1 python -m bench.int8_fallback --shapes tiny --out DIR   # a CPU, under the interpreter
 
-The int8 kernel (``kernels.int8.forward``) with ``fallback=False`` (every key block from the codes) and
-``fallback=True`` (the default: blocks an 8-bit code cannot hold in 16 bits, ``reference_int8`` step 4b),
-beside SDPA's cuDNN backend and the peers that import (FA3 bf16 and fp8, SageAttention), on two inputs generated on the device: ``benign`` (q, k, v ~ N(0, 1): no
+The 8-bit path (``kernels.int8.forward``: its pre-pass, then the attention on the codes by the Gluon Hopper
+kernel, ``hopper_int8.py``, or the portable one, ``--kernels``) with ``fallback=False`` (every key block from
+the codes) and ``fallback=True`` (the default: blocks an 8-bit code cannot hold in 16 bits, ``reference_int8``
+step 4b), the Gluon kernel also under each config of ``--gluon-configs`` (BLOCK_N,stages,consumers),
+and with ``--prepass`` the pre-pass alone, beside SDPA's cuDNN backend and the peers that import (FA3 bf16 and fp8, SageAttention), on two inputs generated on the device: ``benign`` (q, k, v ~ N(0, 1): no
 block flagged) and ``two biases per block`` (q ~ N(2, 1), k ~ N(0, 1) plus a per-channel bias of
 +-(20..40) that jumps every 128 keys half a block off the centre blocks, ``numerics.input_classes``'
 "jump misaligned": every block flagged).  Columns: ms (the median of CUDA-event runs after warm-up,
@@ -44,15 +46,32 @@ def make_inputs(shape: harness.Shape, kind: str, gen: torch.Generator, dtype: to
     return (q + 2.0).to(dtype), (k.float() + bias[:, :, block, :]).to(dtype), v
 
 
-def _int8_method(fallback: bool) -> harness.Method:
+def _int8_method(fallback: bool, kernel: str, config: dict | None = None) -> harness.Method:
     def build(q, k, v):
         out, scale = torch.empty_like(q), q.shape[-1] ** -0.5
         block_tally.reset()
-        int8.forward(q, k, v, out, scale=scale, fallback=fallback)
+
+        def call():
+            return int8.forward(q, k, v, out, scale=scale, fallback=fallback, kernel=kernel, config=config)
+        call()
         share = block_tally.counts()["share"] if fallback else 0.0
-        return harness.Prepared(lambda: int8.forward(q, k, v, out, scale=scale, fallback=fallback),
-                                f"{100 * share:.0f} % of blocks in 16 bits", {"share_16_bit": share})
-    return harness.Method(f"int8, fallback {'on' if fallback else 'off'}", "ours", build)
+        return harness.Prepared(call, f"{100 * share:.0f} % of blocks in 16 bits", {"share_16_bit": share})
+    tiles = "" if config is None else " " + ",".join(str(x) for x in config.values())
+    return harness.Method(f"int8 {kernel}{tiles}, fallback {'on' if fallback else 'off'}", "ours", build)
+
+
+def _prepass_method(split: bool) -> harness.Method:
+    """The pre-pass alone (``int8.prepare`` with the fallback's flags; ``split``: the Gluon kernel's hi/lo too),
+    so that a row's attention time is the kernel's minus this."""
+    def build(q, k, v):
+        scale = q.shape[-1] ** -0.5
+        return harness.Prepared(lambda: int8.prepare(q, k, v, scale=scale, split=split).q_scale, "", {})
+    return harness.Method(f"int8 pre-pass alone{' (with hi/lo)' if split else ''}", "ours", build)
+
+
+def _gluon_config(text: str) -> dict:
+    block_n, stages, consumers = (int(x) for x in text.split(","))
+    return {"BLOCK_N": block_n, "num_stages": stages, "consumers": consumers}
 
 
 def table(rows: Sequence[dict]) -> str:
@@ -77,6 +96,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     harness.add_dtype_argument(p)
     harness.add_timer_arguments(p)
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default: 0)")
+    p.add_argument("--kernels", default="gluon,portable",
+                   help="the attention kernels on the codes, of int8.ATTENTION_KERNELS (default: gluon,portable)")
+    p.add_argument("--gluon-configs", type=_gluon_config, nargs="*", default=[], metavar="BLOCK_N,STAGES,CONSUMERS",
+                   help="Gluon configs timed too, with the fallback on (default: none)")
+    p.add_argument("--prepass", action="store_true", help="also time the pre-pass alone")
     args = p.parse_args(argv)
     problem = harness.cpu_problem(NAME)
     if problem:
@@ -90,15 +114,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     peers, missing = harness.peer_methods()
     for name, reason in missing.items():
         harness.log(f"{name} not run: {reason}")
-    methods = [harness.sdpa_method("cudnn"), *peers, _int8_method(False), _int8_method(True)]
+    kernels = [name for name in args.kernels.split(",") if name]
+    methods = [harness.sdpa_method("cudnn"), *peers,
+               *(_int8_method(fallback, kernel) for kernel in kernels for fallback in (False, True)),
+               *(_int8_method(True, "gluon", cfg) for cfg in args.gluon_configs),
+               *([_prepass_method("gluon" in kernels)] if args.prepass else [])]
     rows: list[dict] = []
     with torch.no_grad():
         for shape in harness.progress(harness.shapes(args.shapes, args.frames), NAME):
             for kind in INPUTS:
                 q, k, v = make_inputs(shape, kind, gen, dtype)
                 measured = harness.measure(shape, methods, q, k, v, timer=timer)
-                off = next((r.ms for r in measured if r.method.endswith("off")), None)
                 for r in measured:
+                    kernel = r.method.rsplit(", fallback", 1)[0]
+                    off = next((o.ms for o in measured if o.method == kernel + ", fallback off"), None)
                     rows.append({**harness.rows_payload([r])[0], "input": kind, "note": r.status(),
                                  "vs_off": off / r.ms if off and r.ms else None})
                 del q, k, v

@@ -287,6 +287,32 @@ def test_prepass_is_the_spec_bit_for_bit(case, gen):
         assert prep.v is v and prep.v_scale is None
 
 
+def _split_keys(k, centres):
+    """The spec's ``hi``, ``lo`` of ``k - c_b`` (``attention_from_codes``'s 16-bit blocks), (B, Hk, Nk, D)."""
+    g = k.dtype
+    c = centres.repeat_interleave(int8.CENTRE_BLOCK, dim=2)[:, :, :k.shape[2]]
+    kc = k.float() - c
+    hi = kc.to(g)
+    return hi, (kc - hi.float()).to(g)
+
+
+@interpreted
+@pytest.mark.parametrize("case", ["gqa,ragged,fp16", "d80-padded,one-key-block", "bf16,d128"])
+def test_prepass_splits_the_keys_for_the_gluon_kernel(case, gen):
+    """``split=True``: each key's ``hi``, ``lo`` (the Gluon kernel's 16-bit blocks read them) are the spec's bit
+    for bit, zero in the padded columns."""
+    shape = KERNEL_CASES[case]
+    q, k, v = _inputs(shape, gen)
+    d = shape[5]
+    prep = int8.prepare(q, k, v, scale=d ** -0.5, split=True)
+    kq = r8.quantize_keys(k, r8.quantize_queries(q).qbar)
+    hi, lo = _split_keys(k, kq.centres)
+    assert prep.k_split.dtype == k.dtype and prep.k_split.shape == (2, *k.shape[:3], prep.k_codes.shape[-1])
+    assert torch.equal(prep.k_split[0, ..., :d], hi) and torch.equal(prep.k_split[1, ..., :d], lo)
+    assert not prep.k_split[..., d:].any()
+    assert int8.prepare(q, k, v, scale=d ** -0.5).k_split is None
+
+
 @interpreted
 @pytest.mark.parametrize("case", list(KERNEL_CASES), ids=list(KERNEL_CASES))
 def test_kernel_matches_the_spec(case, gen):
@@ -468,17 +494,80 @@ def test_gpu_every_config_matches_the_spec(config, gen):
     """Every config of the autotune pool, with 16-bit blocks among 8-bit ones (jump misaligned at head dim 128
     with benign first 128 keys: blocks 1 and 2 flagged, block 0 not), within one ``g`` ulp of the spec at its
     key tile."""
-    q, k, v = _case("jump misaligned", (1, 2, 1, 330, 128), torch.float16, gen, 110)
+    d = 64 if config == (128, 128, 8, 3) else 128  # at 128 its three stages do not fit beside the 16-bit branch
+    q, k, v = _case("jump misaligned", (1, 2, 1, 330, d), torch.float16, gen, 110)
     k = k.clone()
     k[:, :, :128] = torch.randn(k[:, :, :128].shape, generator=gen).to(k.dtype)
     qq = r8.quantize_queries(q)
-    flags = r8.fallback_blocks(qq, r8.quantize_keys(k, qq.qbar), 128 ** -0.5)
+    flags = r8.fallback_blocks(qq, r8.quantize_keys(k, qq.qbar), d ** -0.5)
     assert flags.any() and not flags.all()
     block_m, block_n, warps, stages = config
-    out = int8.forward(*(t.cuda() for t in (q, k, v)), torch.full_like(q, float("nan")).cuda(), scale=128 ** -0.5,
+    out = int8.forward(*(t.cuda() for t in (q, k, v)), torch.full_like(q, float("nan")).cuda(), scale=d ** -0.5,
                        config={"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages})
     spec = r8.int8_reference(q, k, v, block_n=block_n)
     assert torch.isfinite(out).all() and numerics.rel_rmse(out.cpu(), spec) <= _ulp(q.dtype)
+
+
+GLUON_CONFIGS = [{"BLOCK_N": 64, "num_stages": 3, "consumers": 3}, {"BLOCK_N": 64, "num_stages": 4, "consumers": 2},
+                 {"BLOCK_N": 128, "num_stages": 2, "consumers": 2}, {"BLOCK_N": 64, "num_stages": 2, "consumers": 3}]
+"""The Gluon kernel's configs that compile without spills (``bench.compile_int8``): the tuned ones and others."""
+
+
+def _gluon_or_skip():
+    from pasa_diffusers.kernels import hopper_int8
+
+    probe = torch.empty(1, 1, 64, 64, dtype=torch.float16, device="cuda")
+    reason = hopper_int8.unsuitable_reason(probe, probe, probe, pv_bits=16)
+    if reason is not None:
+        pytest.skip(f"the Gluon int8 kernel cannot run here: {reason}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", GLUON_CONFIGS, ids=["x".join(map(str, c.values())) for c in GLUON_CONFIGS])
+@pytest.mark.parametrize("case", ["gqa,ragged,fp16", "d80-padded,one-key-block", "bf16,d128", "jump misaligned,d128",
+                                  "sign change,bf16,d64"])
+def test_gpu_gluon_kernel_matches_the_spec(case, config, gen):
+    """The Gluon Hopper kernel (``hopper_int8.py``) on the pre-pass's codes: within one ``g`` ulp of the spec at
+    its key tile, with and without the 16-bit blocks (the fallback cases have flagged blocks among 8-bit
+    ones), and its log-sum-exp within 1e-5 of the portable kernel's."""
+    _gluon_or_skip()
+    if case.startswith(("jump", "sign")):
+        name = "jump misaligned" if case.startswith("jump") else "sign change in block"
+        d, dtype = (128, torch.float16) if case.startswith("jump") else (64, torch.bfloat16)
+        q, k, v = _case(name, (1, 2, 1, 330, d), dtype, gen, 110)
+        k = k.clone()
+        k[:, :, :128] = torch.randn(k[:, :, :128].shape, generator=gen).to(k.dtype)
+    else:
+        q, k, v = _inputs(KERNEL_CASES[case], gen)
+    d = q.shape[-1]
+    scale = d ** -0.5
+    qc, kc, vc = (t.cuda() for t in (q, k, v))
+    for fallback in (True, False):
+        out = torch.full_like(qc, float("nan"))
+        lse = torch.full(q.shape[:3], float("nan"), device="cuda")
+        int8.forward(qc, kc, vc, out, scale=scale, fallback=fallback, kernel="gluon", config=config, lse=lse)
+        spec = r8.int8_reference(q, k, v, fallback=fallback, block_n=config["BLOCK_N"])
+        diff = numerics.rel_rmse(out.cpu(), spec)
+        assert torch.isfinite(out).all() and diff <= _ulp(q.dtype), (fallback, diff)
+        lse_portable = torch.empty_like(lse)
+        int8.forward(qc, kc, vc, torch.empty_like(qc), scale=scale, fallback=fallback, kernel="portable",
+                     config=GPU_CONFIG, lse=lse_portable)
+        torch.testing.assert_close(lse, lse_portable, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_auto_takes_the_gluon_kernel_on_hopper(gen):
+    """``kernel="auto"``: the Gluon kernel on sm_90 for 16-bit ``P V`` (the same output as ``kernel="gluon"``), the
+    portable one for FP8 ``P V`` or a given portable config; ``kernel="gluon"`` where it cannot run says why."""
+    _gluon_or_skip()
+    q, k, v = (t.cuda() for t in _inputs(KERNEL_CASES["gqa,ragged,fp16"], gen))
+    assert int8.attention_kernel(q, v, q, pv_bits=16) == "gluon"
+    assert int8.attention_kernel(q, v, q, pv_bits=8) == "portable"
+    assert int8.attention_kernel(q, v, q, pv_bits=16, config=GPU_CONFIG) == "portable"
+    auto = int8.forward(q, k, v, torch.empty_like(q), scale=0.125)
+    assert torch.equal(auto, int8.forward(q, k, v, torch.empty_like(q), scale=0.125, kernel="gluon"))
+    with pytest.raises(ValueError, match="kernel='gluon' cannot run this call: it computes P V in 16 bits"):
+        int8.forward(q, k, v, torch.empty_like(q), scale=0.125, pv_bits=8, kernel="gluon")
 
 
 @pytest.mark.parametrize("name", ["int8_accuracy", "compile_int8"])

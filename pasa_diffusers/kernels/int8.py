@@ -41,17 +41,21 @@ import triton.language as tl
 
 from .. import block_tally, rules
 from ..variants import INT8_FALLBACK_TAU
+from . import hopper_int8
 from .common import INTERPRET, LOG2E, binade, mma, round_to, strides3
 from .tuning import SMEM_LIMIT, autotuned, bucket, interpreter_autotunes, pow2_tile
 
 __all__ = ["colstats_kernel", "colstats_reduce_kernel", "quantize_kernel", "fallback_flags_kernel", "int8_fwd_kernel",
            "Prepared", "Scratch", "allocate", "quantize_call", "flags_call", "prepare", "attention_call", "attend",
-           "forward", "INTERPRET_CONFIG",
+           "forward", "attention_kernel", "INTERPRET_CONFIG", "ATTENTION_KERNELS",
            "CONFIG_POOL", "CENTRE_BLOCK", "PV_BITS"]
 
 CENTRE_BLOCK = rules.SHIFT_BLOCK
 """Keys per centre block, and rows per pre-pass program (``BLOCK_R``)."""
 PV_BITS = (16, 8)
+ATTENTION_KERNELS = ("auto", "gluon", "portable")
+"""What ``forward(..., kernel=)`` takes: the attention on the codes by the Gluon Hopper kernel
+(``hopper_int8.py``), by :func:`int8_fwd_kernel`, or ``"auto"``: the Gluon one where it can run the call."""
 QMAX = tl.constexpr(127.0)
 FP8_MAX = tl.constexpr(448.0)
 P_SHIFT = tl.constexpr(8.0)
@@ -212,19 +216,23 @@ def _quantize_queries(q_ptr, qbar_ptr, qc_ptr, qs_ptr, mu_ptr, qstat_ptr, task,
 
 
 @triton.jit
-def _quantize_keys(k_ptr, v_ptr, qbar_ptr, v_inv_ptr, kc_ptr, ks_ptr, sig_ptr, a_ptr, c_ptr, v8_ptr, kstat_ptr, task,
+def _quantize_keys(k_ptr, v_ptr, qbar_ptr, v_inv_ptr, kc_ptr, ks_ptr, sig_ptr, a_ptr, c_ptr, v8_ptr, kstat_ptr,
+                   split_ptr, task,
                    stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
                    stride_cz, stride_ch, stride_cn, stride_sz, stride_sh, stride_az, stride_ah,
-                   stride_oz, stride_oh, stride_oj, stride_v8z, stride_v8h, stride_v8d,
+                   stride_oz, stride_oh, stride_oj, stride_v8z, stride_v8h, stride_v8d, split_half,
                    H_K, KV_GROUP, N_K, n_blocks,
                    HEAD_DIM: tl.constexpr, DP: tl.constexpr, LOG2_DP: tl.constexpr, BLOCK_R: tl.constexpr,
-                   PV_FP8: tl.constexpr, INTERPRET_BF16: tl.constexpr, INTERPRET_FP8: tl.constexpr):
+                   PV_FP8: tl.constexpr, SPLIT: tl.constexpr, INTERPRET_BF16: tl.constexpr,
+                   INTERPRET_FP8: tl.constexpr):
     """One block ``b`` of ``BLOCK_R`` (= the centre block) keys: ``c_b = round_g(round_fp32(colsum_fp64 /
     n_b))``, ``kc = k - c_b`` (fp32, 0 past ``N_K`` and ``HEAD_DIM``), ``w = fwht(kc)``, ``sigma = w[:, 0]``,
     ``w[:, 0] = 0``, :func:`_codes`; ``A_h = fp32(sum_d fp64(fp32(qbar_h kc)))`` for each of the
     ``KV_GROUP`` query heads reading this key head; the block's means of ``s_k^2`` and ``|w|^2`` (fp64, the
     fallback's statistics, (B, Hk, blocks, 2)); with ``PV_FP8`` the block's V as ``e4m3(v (448 / amax))``,
-    stored transposed (B, Hk, DP, Nk) for the ``P V`` dot."""
+    stored transposed (B, Hk, DP, Nk) for the ``P V`` dot; with ``SPLIT`` the 16-bit blocks' keys ``hi =
+    round_g(kc)``, ``lo = round_g(kc - hi)`` (``g``; (2, B, Hk, Nk, DP) contiguous, ``split_half`` elements
+    apart) for the Gluon kernel, which reads its operands from memory (the portable one splits in place)."""
     pid_bh = task // n_blocks
     blk = task % n_blocks
     start = blk * BLOCK_R
@@ -243,6 +251,12 @@ def _quantize_keys(k_ptr, v_ptr, qbar_ptr, v_inv_ptr, kc_ptr, ks_ptr, sig_ptr, a
     c = round_to(mean, k_blk.dtype, INTERPRET_BF16).to(tl.float32)
     kc = tl.where(mask, k32 - c[None, :], 0.0)
     w = _fwht(kc, BLOCK_R, DP, LOG2_DP)
+    if SPLIT:
+        hi = round_to(kc, k_blk.dtype, INTERPRET_BF16)
+        lo = round_to(kc - hi.to(tl.float32), k_blk.dtype, INTERPRET_BF16)
+        split = split_ptr + (pid_bh.to(tl.int64) * N_K + offs_r[:, None]) * DP + offs_c[None, :]
+        tl.store(split, hi, mask=r_valid[:, None])
+        tl.store(split + split_half, lo, mask=r_valid[:, None])
     sigma, w = _column0(w, offs_c)
     codes, scale = _codes(w)
     tl.store(kc_ptr + off_z * stride_cz + off_h * stride_ch + offs_r[:, None] * stride_cn + offs_c[None, :], codes,
@@ -271,13 +285,15 @@ def _quantize_keys(k_ptr, v_ptr, qbar_ptr, v_inv_ptr, kc_ptr, ks_ptr, sig_ptr, a
 @triton.jit(do_not_specialize=["N_Q", "N_K"])
 def quantize_kernel(q_ptr, k_ptr, v_ptr, qbar_ptr, v_inv_ptr,
                     qc_ptr, qs_ptr, mu_ptr, qstat_ptr, kc_ptr, ks_ptr, sig_ptr, a_ptr, c_ptr, v8_ptr, kstat_ptr,
+                    split_ptr,
                     stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
                     stride_qcz, stride_qch, stride_qcm, stride_qsz, stride_qsh,
                     stride_kcz, stride_kch, stride_kcn, stride_ksz, stride_ksh, stride_az, stride_ah,
-                    stride_oz, stride_oh, stride_oj, stride_v8z, stride_v8h, stride_v8d,
+                    stride_oz, stride_oh, stride_oj, stride_v8z, stride_v8h, stride_v8d, split_half,
                     H_Q, H_K, N_Q, N_K, q_blocks, k_blocks, q_tasks,
                     HEAD_DIM: tl.constexpr, DP: tl.constexpr, LOG2_DP: tl.constexpr, BLOCK_R: tl.constexpr,
-                    PV_FP8: tl.constexpr, INTERPRET_BF16: tl.constexpr, INTERPRET_FP8: tl.constexpr):
+                    PV_FP8: tl.constexpr, SPLIT: tl.constexpr, INTERPRET_BF16: tl.constexpr,
+                    INTERPRET_FP8: tl.constexpr):
     """The fused pre-pass: programs ``[0, q_tasks)`` quantize one block of ``BLOCK_R`` queries each
     (:func:`_quantize_queries`), the rest one block of keys (and V) each (:func:`_quantize_keys`).  Grid:
     (B Hq ceil(Nq / BLOCK_R) + B Hk ceil(Nk / BLOCK_R),)."""
@@ -288,12 +304,12 @@ def quantize_kernel(q_ptr, k_ptr, v_ptr, qbar_ptr, v_inv_ptr,
                           H_Q, N_Q, q_blocks, HEAD_DIM, DP, LOG2_DP, BLOCK_R)
     else:
         _quantize_keys(k_ptr, v_ptr, qbar_ptr, v_inv_ptr, kc_ptr, ks_ptr, sig_ptr, a_ptr, c_ptr, v8_ptr, kstat_ptr,
-                       pid - q_tasks,
+                       split_ptr, pid - q_tasks,
                        stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
                        stride_kcz, stride_kch, stride_kcn, stride_ksz, stride_ksh, stride_az, stride_ah,
-                       stride_oz, stride_oh, stride_oj, stride_v8z, stride_v8h, stride_v8d,
-                       H_K, H_Q // H_K, N_K, k_blocks, HEAD_DIM, DP, LOG2_DP, BLOCK_R, PV_FP8, INTERPRET_BF16,
-                       INTERPRET_FP8)
+                       stride_oz, stride_oh, stride_oj, stride_v8z, stride_v8h, stride_v8d, split_half,
+                       H_K, H_Q // H_K, N_K, k_blocks, HEAD_DIM, DP, LOG2_DP, BLOCK_R, PV_FP8, SPLIT,
+                       INTERPRET_BF16, INTERPRET_FP8)
 
 
 # ---- 4: the 16-bit blocks -------------------------------------------------------------------------------
@@ -606,12 +622,14 @@ class Prepared(NamedTuple):
     """The pre-pass's outputs (:func:`prepare`), as ``reference_int8``'s quantizers write them.
 
     ``q_codes`` (B, Hq, Nq, DP) int8, ``q_scale``, ``mu`` (B, Hq, Nq) fp32, ``qbar`` (B, Hq, DP) fp32;
-    ``k_codes`` (B, Hk, Nk, DP) int8, ``k_scale``, ``sigma`` (B, Hk, Nk) fp32, ``a`` (B, Hq, Nk) fp32,
+    ``k_codes`` (B, Hk, Nk, DP) int8, ``k_scale``, ``sigma`` (B, Hk, Nk) fp32, ``a`` (B, Hq, Nk) fp32 (views
+    of rows padded to a multiple of 4 keys),
     ``centres`` (B, Hk, blocks, DP) fp32; ``v`` the values ``P V`` reads: the input V (16 bits) or V8^T
     (B, Hk, DP, Nk) e4m3, with ``v_scale`` (B, Hk, DP) fp32 (None in 16 bits).  The 16-bit blocks: ``k``
     the input keys (a flagged block reads them), ``q_stats`` (B, Hq, 2) and ``k_stats`` (B, Hk, blocks, 2)
     fp64 (``reference_int8``'s ``stats``), ``flags`` (B, Hq, blocks) int8 (1: in 16 bits; None: every block
-    from the codes)."""
+    from the codes); ``k_split`` (2, B, Hk, Nk, DP) in the inputs' dtype: each key's ``hi`` and ``lo`` of
+    ``k - c_b`` for the Gluon kernel's 16-bit blocks (None unless ``prepare(..., split=True)``)."""
 
     q_codes: torch.Tensor
     q_scale: torch.Tensor
@@ -628,6 +646,7 @@ class Prepared(NamedTuple):
     q_stats: torch.Tensor
     k_stats: torch.Tensor
     flags: torch.Tensor | None
+    k_split: torch.Tensor | None = None
 
 
 def _prepass_warps(dp: int) -> int:
@@ -648,8 +667,8 @@ class Scratch(NamedTuple):
     v_inv: torch.Tensor | None
 
 
-def allocate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, pv_bits: int = 16, fallback: bool = True
-             ) -> tuple[Prepared, Scratch]:
+def allocate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, pv_bits: int = 16, fallback: bool = True,
+             split: bool = False) -> tuple[Prepared, Scratch]:
     """Empty pre-pass outputs and statistics for these inputs, on their device (``meta`` too)."""
     batch, h_q, n_q, d = q.shape
     h_k, n_k = k.shape[1], k.shape[2]
@@ -661,15 +680,19 @@ def allocate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, pv_bits: int 
     def empty(*shape, dtype=f32):
         return torch.empty(shape, dtype=dtype, device=dev)
 
+    def per_key(heads):  # rows padded to 16 bytes: the Gluon kernel copies tiles of them by TMA
+        return empty(batch, heads, -(-n_k // 4) * 4)[..., :n_k]
+
     prep = Prepared(
         q_codes=empty(batch, h_q, n_q, dp, dtype=torch.int8), q_scale=empty(batch, h_q, n_q), mu=empty(batch, h_q, n_q),
         qbar=empty(batch, h_q, dp), k_codes=empty(batch, h_k, n_k, dp, dtype=torch.int8),
-        k_scale=empty(batch, h_k, n_k), sigma=empty(batch, h_k, n_k), a=empty(batch, h_q, n_k),
+        k_scale=per_key(h_k), sigma=per_key(h_k), a=per_key(h_q),
         centres=empty(batch, h_k, k_blocks, dp),
         v=empty(batch, h_k, dp, n_k, dtype=torch.float8_e4m3fn) if fp8 else v,
         v_scale=empty(batch, h_k, dp) if fp8 else None, k=k, q_stats=empty(batch, h_q, 2, dtype=torch.float64),
         k_stats=empty(batch, h_k, k_blocks, 2, dtype=torch.float64),
-        flags=empty(batch, h_q, k_blocks, dtype=torch.int8) if fallback else None)
+        flags=empty(batch, h_q, k_blocks, dtype=torch.int8) if fallback else None,
+        k_split=empty(2, batch, h_k, n_k, dp, dtype=k.dtype) if split else None)
     scratch = Scratch(empty(batch * h_q, q_blocks, dp, dtype=torch.float64),
                       empty(batch * h_q, q_blocks, 2, dtype=torch.float64),
                       empty(batch * h_k, k_blocks, dp) if fp8 else None, empty(batch, h_k, dp) if fp8 else None)
@@ -686,13 +709,15 @@ def quantize_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prep: Prepa
     q_blocks, k_blocks = triton.cdiv(n_q, CENTRE_BLOCK), triton.cdiv(n_k, CENTRE_BLOCK)
     v8 = prep.v if fp8 else prep.k_codes  # unread in 16 bits
     v_inv = scratch.v_inv if fp8 else prep.qbar
+    split = prep.k_split is not None
     q_tasks = batch * h_q * q_blocks
     args = (q, k, v, prep.qbar, v_inv, prep.q_codes, prep.q_scale, prep.mu, scratch.q_stat_part, prep.k_codes,
             prep.k_scale, prep.sigma, prep.a, prep.centres, v8, prep.k_stats,
+            prep.k_split if split else k,
             *strides3(q), *strides3(k), *strides3(v), *strides3(prep.q_codes), *prep.q_scale.stride()[:2],
             *strides3(prep.k_codes), *prep.k_scale.stride()[:2], *prep.a.stride()[:2], *strides3(prep.centres),
-            *strides3(v8), h_q, h_k, n_q, n_k, q_blocks, k_blocks, q_tasks)
-    meta = dict(HEAD_DIM=d, DP=dp, LOG2_DP=dp.bit_length() - 1, BLOCK_R=CENTRE_BLOCK, PV_FP8=fp8,
+            *strides3(v8), prep.k_split[0].numel() if split else 0, h_q, h_k, n_q, n_k, q_blocks, k_blocks, q_tasks)
+    meta = dict(HEAD_DIM=d, DP=dp, LOG2_DP=dp.bit_length() - 1, BLOCK_R=CENTRE_BLOCK, PV_FP8=fp8, SPLIT=split,
                 INTERPRET_BF16=INTERPRET and q.dtype == torch.bfloat16, INTERPRET_FP8=INTERPRET,
                 num_warps=_prepass_warps(dp))
     return (q_tasks + batch * h_k * k_blocks,), args, meta
@@ -710,12 +735,13 @@ def flags_call(prep: Prepared, scratch: Scratch, *, scale: float, tally: torch.T
 
 
 def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, pv_bits: int = 16,
-            fallback: bool = True) -> Prepared:
+            fallback: bool = True, split: bool = False) -> Prepared:
     """The pre-pass (launches 1-4 of the module docstring) for (B, H, N, D) q, k, v with unit stride in D;
-    ``fallback``: which key blocks go to 16 bits at this ``scale`` (launch 4, counted in ``block_tally``)."""
+    ``fallback``: which key blocks go to 16 bits at this ``scale`` (launch 4, counted in ``block_tally``);
+    ``split``: also every key's ``hi`` and ``lo`` (``Prepared.k_split``, for the Gluon kernel)."""
     batch, h_q, n_q, d = q.shape
     h_k, n_k = k.shape[1], k.shape[2]
-    prep, scratch = allocate(q, k, v, pv_bits=pv_bits, fallback=fallback)
+    prep, scratch = allocate(q, k, v, pv_bits=pv_bits, fallback=fallback, split=split)
     dp = prep.k_codes.shape[-1]
     bf16 = q.dtype == torch.bfloat16
     warps = _prepass_warps(dp)
@@ -797,8 +823,26 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                          f"{out.dtype} {tuple(out.shape)} on {out.device}")
 
 
+def attention_kernel(q: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, pv_bits: int, kernel: str = "auto",
+                     config: dict | None = None) -> str:
+    """Which kernel attends on the codes (``"gluon"`` or ``"portable"``) for ``kernel`` (one of
+    :data:`ATTENTION_KERNELS`); ``"auto"`` takes the Gluon one where ``hopper_int8.unsuitable_reason`` is
+    ``None`` and no ``config`` is given (a config names one kernel's tile sizes).  ``ValueError`` naming the
+    reason where ``kernel="gluon"`` cannot run the call."""
+    if kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"int8.forward: unknown kernel={kernel!r}; expected one of {ATTENTION_KERNELS}")
+    if kernel == "portable":
+        return kernel
+    reason = hopper_int8.unsuitable_reason(q, v, out, pv_bits=pv_bits)
+    if kernel == "gluon":
+        if reason is not None:
+            raise ValueError(f"int8.forward: kernel='gluon' cannot run this call: {reason}")
+        return kernel
+    return "gluon" if reason is None and config is None else "portable"
+
+
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, scale: float,
-            pv_bits: int = 16, fallback: bool = True, config: dict | None = None,
+            pv_bits: int = 16, fallback: bool = True, kernel: str = "auto", config: dict | None = None,
             lse: torch.Tensor | None = None) -> torch.Tensor:
     """Write ``softmax(scale q k^T) v`` of the 8-bit exact shift (``reference_int8.int8_reference``) into
     ``out`` and return it.
@@ -807,12 +851,17 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
     bf16, CUDA (CPU under ``TRITON_INTERPRET=1``), any strides with unit stride in D; head dims 16-256
     (padded to a power of two >= 32).  ``pv_bits``: ``P V`` in the inputs' dtype (16, the default: within the
     1e-2 bound) or FP8 e4m3 (8; sm_89+).  ``fallback``: the key blocks whose codes cannot hold their range
-    in 16 bits (the default; counted in ``block_tally``), or every block from the codes.  ``config``,
-    ``lse``: :func:`attend`."""
+    in 16 bits (the default; counted in ``block_tally``), or every block from the codes.  ``kernel``: which
+    kernel attends on the codes (:func:`attention_kernel`).  ``config``: the chosen kernel's
+    (:func:`attend`, ``hopper_int8.forward``); ``lse``: :func:`attend`."""
     _check(q, k, v, out, pv_bits)
+    chosen = attention_kernel(q, v, out, pv_bits=pv_bits, kernel=kernel, config=config)
     if out.numel() == 0:
         return out
     if k.shape[2] == 0:
         raise ValueError(f"int8.forward: k and v hold no keys (k.shape={tuple(k.shape)})")
-    return attend(q, prepare(q, k, v, scale=scale, pv_bits=pv_bits, fallback=fallback), out, scale=scale,
-                  config=config, lse=lse)
+    gluon = chosen == "gluon"
+    prep = prepare(q, k, v, scale=scale, pv_bits=pv_bits, fallback=fallback, split=gluon and fallback)
+    if gluon:
+        return hopper_int8.forward(q, prep, out, scale=scale, config=config, lse=lse)
+    return attend(q, prep, out, scale=scale, config=config, lse=lse)

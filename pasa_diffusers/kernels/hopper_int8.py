@@ -1,0 +1,485 @@
+"""The exact shift in 8 bits for Hopper (sm_90), by hand in Gluon: the attention of ``precision="int8"`` in the
+warp-specialised structure of ``hopper.py``.
+
+One Gluon kernel, :func:`int8_fwd_gluon_kernel`, its launch wrapper :func:`forward` and
+:func:`unsuitable_reason`.  It reads the pre-pass's outputs (``int8.prepare``: the codes, their scales and
+corrections, the centres, the flags of the 16-bit blocks and those blocks' ``hi``/``lo`` keys) and computes
+``reference_int8.attention_from_codes``, as ``int8.int8_fwd_kernel`` does (same roundings, fp32 sums in the
+tensor cores' order).  Per key tile of ``BLOCK_N`` keys inside centre block ``b`` (``qk_scale = scale
+log2(e)``, ``a_i = q_scale_i qk_scale / DP``, ``mu_u_i = mu_i qk_scale``, per key ``ks_j``, ``sigma_j``,
+``A_j``):
+
+    r      = qk_scale fp32(q . c_b)                       (per row: column b mod 16 of a (64, 16) wgmma)
+    I      = q_codes k_codes^T                            (INT8 wgmma, exact int32; to fp32 exactly by the
+                                                           1.5 2^23 trick: |I| <= 128 127^2 < 2^22)
+    z      = (I ks_j) a_i + (mu_u_i sigma_j + qk_scale A_j)
+             or, in a flagged block, qk_scale fp32(q . hi + q . lo)       (two 16-bit wgmmas)
+    m_s    = rowmax z,  m_blk = m_s + r,  m_new = max(m_i, m_blk)
+    p      = round_g(exp2(z - (m_s - (m_blk - m_new)))),  alpha = exp2(m_i - m_new)
+    l_i    = alpha l_i + rowsum(p),  acc = alpha acc + p v_blk,  m_i = m_new
+
+and ``out = round_g(acc (1 / l_i))``, optionally ``lse = ln 2 (m_i + log2 l_i)``.  Loop invariant:
+``acc / l_i == softmax(scale q K^T) V`` over the keys seen so far up to the codes' rounding, ``m_i`` the
+running maximum of the true logits in log2 units.
+
+Partitions (``gl.warp_specialize``; one program = ``64 NUM_CONSUMERS`` query rows of one (batch, head)):
+
+- producer (the default partition, one warpgroup): TMA copies.  Each consumer's q codes (int8) and q
+  (``g``, for ``q . c_b`` and the 16-bit blocks; its buffer takes the output at the end); per key tile
+  ``i`` into stage ``i % NUM_STAGES``: the key codes with the centre rows ``b .. b + 15`` (``k_ready``),
+  then v (``v_ready``); with ``FALLBACK``, for a flagged tile also its ``hi`` and ``lo`` (``g``) into the
+  one-stage wide ring (``w_ready`` / ``w_empty``, phase = the count of flagged tiles before it).
+- ``NUM_CONSUMERS`` consumer warpgroups of 64 rows: the GEMMs (synchronous wgmma), the dequantisation, the
+  softmax and the output, as ``hopper._key_loop`` without overlap.  A flagged tile skips the INT8 wgmma (its
+  codes are still copied: the producer's ring stays one sequence of tiles).
+
+Shared memory per program: q codes (64, DP) int8 and q (64, DP) ``g`` per consumer; the rings k codes
+(NUM_STAGES, BLOCK_N, DP) int8, centres (NUM_STAGES, 16, DP) ``g``, v (NUM_STAGES, BLOCK_N, DP) ``g``; with
+``FALLBACK`` hi, lo (BLOCK_N, DP) ``g``.  Registers per consumer (NVMMA v3, 64 rows): I (64, BLOCK_N) int32,
+z the same in fp32, p in ``g`` (the A operand of ``P V`` from registers), acc (64, DP) fp32, rc (64, 16)
+fp32; ks, sigma, A (BLOCK_N,) fp32 and a_i, mu_u (64,) fp32 loaded from global memory (L2) per tile.
+``DP`` = 64 (head dim 64) or 128 (80 .. 128): the pre-pass pads its codes to ``DP`` columns, and the copy
+engine pads q, v and the output tile past ``D`` (zeros in, clipped out).  Keys past ``N_K`` arrive as zero
+codes and get ``z = -inf`` (``MASK_N``); rows past ``N_Q`` are computed and dropped by the store.
+
+Barriers as ``hopper.py``'s (its module docstring states the protocol); ``w_ready`` / ``w_empty`` follow it
+with the count of flagged tiles in place of the tile index.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from .. import rules
+from .hopper import (CENTRE_ROWS, PRODUCER_WARPS, ROWS_PER_CONSUMER, SHARED_MEMORY_BYTES, _GLUON_IMPORT_ERROR,
+                     _descriptor_layout_problem, _registers, _release, _round_p, _row_shift, gluon_jit,
+                     unavailable_reason)
+
+if _GLUON_IMPORT_ERROR is None:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+else:
+    gl = fence_async_shared = mbarrier = tma = warpgroup_mma = TensorDescriptor = None
+
+__all__ = ["int8_fwd_gluon_kernel", "forward", "kernel_call", "unsuitable_reason", "tuned_config", "HEAD_DIMS",
+           "CONFIGS"]
+
+SHIFT_BLOCK = rules.SHIFT_BLOCK
+HEAD_DIMS = (64, 80, 96, 112, 128)
+"""The head dims it takes: the pre-pass's DP is 64 for 64 and 128 for the others."""
+RNE_MAGIC_BITS = gl.constexpr(0x4B400000) if gl is not None else 0x4B400000
+"""The bits of 1.5 * 2^23: ``bits(1.5 2^23) + I`` read as fp32 is ``1.5 2^23 + I`` for ``|I| < 2^22``."""
+CONFIGS = {64: {"BLOCK_N": 64, "num_stages": 3, "consumers": 3},
+           128: {"BLOCK_N": 64, "num_stages": 4, "consumers": 2}}
+"""The config per DP: FA3's consumer counts with 64-key tiles, the largest that compile for sm_90 without
+spills (``bench.compile_int8``, triton 3.6: (128 keys, 3 consumers) spills 1.4 KB at DP 64, (128 keys, 2
+consumers) 0.5 KB at DP 128; the per-key vectors take registers beside the tiles)."""
+CENTRE_ROWS_ = gl.constexpr(CENTRE_ROWS) if gl is not None else CENTRE_ROWS
+_GL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.int8: "int8"}
+
+
+@gluon_jit
+def _producer(descs, q_bufs, q8_bufs, q_ready, ring, bars, flag_ptr, off_z, off_hq, off_hk, start_m, N_K,
+              key_row, a_row, SHIFT_BLOCK_N: gl.constexpr, FALLBACK: gl.constexpr):
+    """TMA copies only (module docstring).  ``descs = (q, q codes, k codes, v, centres, hi, lo, ks, sigma, A)``,
+    ``ring = (k codes, v, centres, hi, lo, ks, sigma, A)``, ``bars = (k_ready, k_empty, v_ready, v_empty,
+    w_ready, w_empty)``; ``flag_ptr`` points at this (batch, query head)'s flags; ``key_row``, ``a_row``: the
+    element of key 0 of this key head in the flat (1-d) ``ks``, ``sigma`` and of this query head in ``A``."""
+    desc_q, desc_q8, desc_k, desc_v, desc_c, desc_hi, desc_lo, desc_ks, desc_sig, desc_a = descs
+    k_bufs, v_bufs, c_bufs, hi_buf, lo_buf, ks_bufs, sig_bufs, a_bufs = ring
+    k_ready, k_empty, v_ready, v_empty, w_ready, w_empty = bars
+    NUM_CONSUMERS: gl.constexpr = q_bufs.shape[0]
+    NUM_STAGES: gl.constexpr = k_bufs.shape[0]
+    BLOCK_N: gl.constexpr = k_bufs.shape[3]
+    rows: gl.constexpr = q_bufs.shape[3]
+    q_bytes: gl.constexpr = desc_q.block_type.nbytes + desc_q8.block_type.nbytes
+    for w in gl.static_range(NUM_CONSUMERS):
+        mbarrier.expect(q_ready.index(w), q_bytes)
+        tma.async_copy_global_to_shared(desc_q, [off_z, off_hq, start_m + w * rows, 0], q_ready.index(w),
+                                        q_bufs.index(w))
+        tma.async_copy_global_to_shared(desc_q8, [off_z, off_hq, start_m + w * rows, 0], q_ready.index(w),
+                                        q8_bufs.index(w))
+    kc_bytes: gl.constexpr = (desc_k.block_type.nbytes + desc_c.block_type.nbytes + 2 * desc_ks.block_type.nbytes
+                              + desc_a.block_type.nbytes)
+    w_bytes: gl.constexpr = desc_hi.block_type.nbytes + desc_lo.block_type.nbytes
+    flagged = 0
+    flag = 0
+    if FALLBACK:
+        flag = gl.load(flag_ptr)
+    for i in range(gl.cdiv(N_K, BLOCK_N)):
+        stage = i % NUM_STAGES
+        phase = (i // NUM_STAGES) & 1
+        start_n = i * BLOCK_N
+        mbarrier.wait(k_empty.index(stage), phase ^ 1)
+        mbarrier.expect(k_ready.index(stage), kc_bytes)
+        tma.async_copy_global_to_shared(desc_k, [off_z, off_hk, start_n, 0], k_ready.index(stage), k_bufs.index(stage))
+        tma.async_copy_global_to_shared(desc_c, [off_z, off_hk, start_n // SHIFT_BLOCK_N, 0], k_ready.index(stage),
+                                        c_bufs.index(stage))
+        tma.async_copy_global_to_shared(desc_ks, [key_row + start_n], k_ready.index(stage), ks_bufs.index(stage))
+        tma.async_copy_global_to_shared(desc_sig, [key_row + start_n], k_ready.index(stage), sig_bufs.index(stage))
+        tma.async_copy_global_to_shared(desc_a, [a_row + start_n], k_ready.index(stage), a_bufs.index(stage))
+        if FALLBACK:
+            this_flag = flag
+            flag = _next_flag(flag_ptr, start_n + BLOCK_N, N_K, SHIFT_BLOCK_N)
+            if this_flag != 0:
+                mbarrier.wait(w_empty.index(0), (flagged & 1) ^ 1)
+                mbarrier.expect(w_ready.index(0), w_bytes)
+                tma.async_copy_global_to_shared(desc_hi, [off_z, off_hk, start_n, 0], w_ready.index(0), hi_buf)
+                tma.async_copy_global_to_shared(desc_lo, [off_z, off_hk, start_n, 0], w_ready.index(0), lo_buf)
+                flagged += 1
+        mbarrier.wait(v_empty.index(stage), phase ^ 1)
+        mbarrier.expect(v_ready.index(stage), desc_v.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc_v, [off_z, off_hk, start_n, 0], v_ready.index(stage), v_bufs.index(stage))
+
+
+@gluon_jit
+def _next_flag(flag_ptr, next_n, N_K, SHIFT_BLOCK_N: gl.constexpr):
+    """The flag of the tile starting at key ``next_n`` (0 past ``N_K``), loaded a tile ahead of its use so that
+    its latency is not on the loop's path."""
+    return gl.load(flag_ptr + next_n // SHIFT_BLOCK_N, mask=next_n < N_K, other=0)
+
+
+@gluon_jit
+def _coded_logits(q8, k8, key_vecs, a_i, mu_u, qk_scale, s_layout: gl.constexpr):
+    """``z = (I ks_j) a_i + (mu_u_i sigma_j + qk_scale A_j)`` (64, BLOCK_N) fp32 in ``s_layout``: ``I`` by the
+    INT8 wgmma of ``q8`` (64, DP) and ``k8^T`` (shared memory), widened exactly; ``key_vecs = (ks, sigma, A)``
+    the tile's (BLOCK_N,) fp32 rows in shared memory (copied with the codes)."""
+    ks_buf, sig_buf, a_buf = key_vecs
+    BLOCK_N: gl.constexpr = k8.shape[0]
+    i_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 32])
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    ks = ks_buf.load(col_layout)
+    sig = sig_buf.load(col_layout)
+    a_j = a_buf.load(col_layout)
+    ROWS: gl.constexpr = q8.shape[0]
+    i_sum = warpgroup_mma(q8, k8.permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.int32, layout=i_layout), use_acc=False)
+    i_f = gl.convert_layout((i_sum + RNE_MAGIC_BITS).to(gl.float32, bitcast=True) - 12582912.0, s_layout)
+    return (i_f * ks[None, :]) * a_i[:, None] + (mu_u[:, None] * sig[None, :] + (a_j * qk_scale)[None, :])
+
+
+@gluon_jit
+def _logits_16(q, hi, lo, qk_scale, s_layout: gl.constexpr):
+    """A flagged block's ``z = qk_scale fp32(q . hi + q . lo)``: two 16-bit wgmmas into one fp32 accumulator."""
+    ROWS: gl.constexpr = q.shape[0]
+    BLOCK_N: gl.constexpr = hi.shape[0]
+    s = warpgroup_mma(q, hi.permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout), use_acc=False)
+    return warpgroup_mma(q, lo.permute((1, 0)), s) * qk_scale
+
+
+@gluon_jit
+def _softmax_step(z, r, m_i, l_i, start_n, N_K, p_dtype: gl.constexpr, MASK_N: gl.constexpr):
+    """One tile's online softmax from its logits ``z`` (log2 units, fp32) and ``r``: ``(p, alpha, m_new,
+    l_new)``, ``p`` rounded to ``p_dtype``."""
+    if MASK_N:
+        cols = start_n + gl.arange(0, z.shape[1], layout=gl.SliceLayout(0, z.type.layout))
+        z = gl.where((cols < N_K)[None, :], z, float("-inf"))
+    m_s = gl.max(z, axis=1)
+    m_blk = m_s + r
+    m_new = gl.maximum(m_i, m_blk)
+    p = _round_p(gl.exp2(z - (m_s - (m_blk - m_new))[:, None]), p_dtype)
+    alpha = gl.exp2(m_i - m_new)
+    l_new = alpha * l_i + gl.sum(p.to(gl.float32), axis=1)
+    return p, alpha, m_new, l_new
+
+
+@gluon_jit
+def _consumer(desc_o, q_tile, q8_tile, q_ready, ring, bars, row_vecs, flag_ptr, off_z, off_hq, start_row,
+              N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N: gl.constexpr, MASK_N: gl.constexpr,
+              FALLBACK: gl.constexpr, STORE_LSE: gl.constexpr):
+    """One consumer warpgroup: query rows ``start_row ..`` of this (batch, head).  Per key tile: wait
+    ``k_ready``; ``rc = q c^T`` on the first tile of every 16th centre block; the logits (INT8 wgmma or, for
+    a flagged tile, the 16-bit pair after ``w_ready``); release the codes (and the wide ring); softmax;
+    wait ``v_ready``; ``acc = alpha acc + p v``; release v.  Then ``out = acc / l_i`` through the q tile and
+    a TMA store, and with ``STORE_LSE`` the log-sum-exp.  ``row_vecs = (q_scale, mu)`` pointers at this
+    (batch, head)'s row 0; ``ring``, ``bars`` as :func:`_producer`'s."""
+    k_bufs, v_bufs, c_bufs, hi_buf, lo_buf, ks_bufs, sig_bufs, a_bufs = ring
+    k_ready, k_empty, v_ready, v_empty, w_ready, w_empty = bars
+    NUM_STAGES: gl.constexpr = k_bufs.shape[0]
+    BLOCK_N: gl.constexpr = k_bufs.shape[3]
+    DP: gl.constexpr = k_bufs.shape[4]
+    rows: gl.constexpr = q_tile.shape[2]
+    C_ROWS: gl.constexpr = c_bufs.shape[3]
+    REFRESH: gl.constexpr = C_ROWS * SHIFT_BLOCK_N // BLOCK_N
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, DP, 16])
+    r_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, C_ROWS, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    q = q_tile.reshape([rows, DP])
+    q8 = q8_tile.reshape([rows, DP])
+    qs_ptr, mu_ptr = row_vecs
+    offs_m = start_row + gl.arange(0, rows, layout=row_layout)
+    a_i = gl.load(qs_ptr + offs_m, mask=offs_m < N_Q, other=0.0) * (qk_scale / DP)
+    mu_u = gl.load(mu_ptr + offs_m, mask=offs_m < N_Q, other=0.0) * qk_scale
+    m_i = gl.full([rows], float("-inf"), gl.float32, layout=row_layout)
+    l_i = gl.zeros([rows], gl.float32, layout=row_layout)
+    acc = gl.zeros([rows, DP], gl.float32, layout=o_layout)
+    rc = gl.zeros([rows, C_ROWS], gl.float32, layout=r_layout)
+    mbarrier.wait(q_ready, 0)
+    flagged = 0
+    flag = 0
+    if FALLBACK:
+        flag = gl.load(flag_ptr)
+    for i in range(gl.cdiv(N_K, BLOCK_N)):
+        stage = i % NUM_STAGES
+        phase = (i // NUM_STAGES) & 1
+        start_n = i * BLOCK_N
+        mbarrier.wait(k_ready.index(stage), phase)
+        if i % REFRESH == 0:
+            c_blk = c_bufs.index(stage).reshape([C_ROWS, DP])
+            rc = warpgroup_mma(q, c_blk.permute((1, 0)), gl.zeros_like(rc), use_acc=False)
+        r = _row_shift(rc, (start_n // SHIFT_BLOCK_N) % C_ROWS, qk_scale, row_layout)
+        k8 = k_bufs.index(stage).reshape([BLOCK_N, DP])
+        key_vecs = (ks_bufs.index(stage), sig_bufs.index(stage), a_bufs.index(stage))
+        if FALLBACK:
+            this_flag = flag
+            flag = _next_flag(flag_ptr, start_n + BLOCK_N, N_K, SHIFT_BLOCK_N)
+            if this_flag != 0:
+                mbarrier.wait(w_ready.index(0), flagged & 1)
+                z = _logits_16(q, hi_buf, lo_buf, qk_scale, s_layout)
+                mbarrier.arrive(w_empty.index(0))
+                flagged += 1
+            else:
+                z = _coded_logits(q8, k8, key_vecs, a_i, mu_u, qk_scale, s_layout)
+        else:
+            z = _coded_logits(q8, k8, key_vecs, a_i, mu_u, qk_scale, s_layout)
+        _release(k_empty, i)
+        p, alpha, m_i, l_i = _softmax_step(z, r, m_i, l_i, start_n, N_K, q.dtype, MASK_N)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        mbarrier.wait(v_ready.index(stage), phase)
+        acc = warpgroup_mma(gl.convert_layout(p, p_layout), v_bufs.index(stage).reshape([BLOCK_N, DP]), acc)
+        _release(v_empty, i)
+    if STORE_LSE:
+        gl.store(lse_ptr + offs_m, (m_i + gl.log2(l_i)) * 0.6931471805599453, mask=offs_m < N_Q)
+    inv_l = gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, o_layout))
+    q.store((acc * inv_l[:, None]).to(q.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(desc_o, [off_z, off_hq, start_row, 0], q_tile)
+    tma.store_wait(0)
+
+
+@gluon_jit(do_not_specialize=["N_Q", "N_K"])
+def int8_fwd_gluon_kernel(
+    desc_q, desc_q8, desc_k, desc_v, desc_c, desc_hi, desc_lo, desc_ks, desc_sig, desc_a, desc_o,
+    qs_ptr, mu_ptr, flag_ptr, lse_ptr,
+    H_Q, KV_GROUP, N_Q, N_K, N_ROW, qk_scale,
+    BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, SHIFT_BLOCK_N: gl.constexpr,
+    MASK_N: gl.constexpr, FALLBACK: gl.constexpr, STORE_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+):
+    """``out = softmax(scale q k^T) v`` from the 8-bit codes for ``64 NUM_CONSUMERS`` query rows of one
+    (batch, head) (the module docstring states the math, tiles and partitions).
+
+    Descriptors (host, 4-d (B, H, N, DP) boxes (1, 1, rows, DP)): q and out (``g``, 64 rows), q codes (int8,
+    64 rows), k codes (int8, BLOCK_N rows), v (``g``, BLOCK_N rows), centres (B, Hk, blocks, DP) in ``g``
+    (16 rows), hi and lo (``g``, BLOCK_N rows; read only with ``FALLBACK``).  Pointers (contiguous fp32):
+    ``q_scale``, ``mu`` (B, Hq, Nq), ``k_scale``, ``sigma`` (B, Hk, Nk), ``A`` (B, Hq, Nk); ``flag`` (B, Hq,
+    blocks) int8; ``lse`` (B, Hq, Nq) fp32, written with ``STORE_LSE``.  This function allocates the shared
+    tiles and barriers and forks into the producer and the consumers.
+    """
+    rows: gl.constexpr = desc_q.block_type.shape[2]
+    pid = gl.program_id(0)
+    num_m_blocks = gl.cdiv(N_Q, rows * NUM_CONSUMERS)
+    pid_m = pid % num_m_blocks
+    pid_bh = pid // num_m_blocks
+    off_z = pid_bh // H_Q
+    off_hq = pid_bh % H_Q
+    off_hk = off_hq // KV_GROUP
+    start_m = pid_m * (rows * NUM_CONSUMERS)
+    bh_q = pid_bh.to(gl.int64)
+    bh_k = (off_z * (H_Q // KV_GROUP) + off_hk).to(gl.int64)
+    row_vecs = (qs_ptr + bh_q * N_Q, mu_ptr + bh_q * N_Q)
+    key_row = bh_k.to(gl.int32) * N_ROW
+    a_row = bh_q.to(gl.int32) * N_ROW
+    flag_ptr += bh_q * gl.cdiv(N_K, SHIFT_BLOCK_N)
+    lse_ptr += bh_q * N_Q
+
+    q_bufs = gl.allocate_shared_memory(desc_q.dtype, [NUM_CONSUMERS] + desc_q.block_type.shape, desc_q.layout)
+    q8_bufs = gl.allocate_shared_memory(desc_q8.dtype, [NUM_CONSUMERS] + desc_q8.block_type.shape, desc_q8.layout)
+    k_bufs = gl.allocate_shared_memory(desc_k.dtype, [NUM_STAGES] + desc_k.block_type.shape, desc_k.layout)
+    v_bufs = gl.allocate_shared_memory(desc_v.dtype, [NUM_STAGES] + desc_v.block_type.shape, desc_v.layout)
+    c_bufs = gl.allocate_shared_memory(desc_c.dtype, [NUM_STAGES] + desc_c.block_type.shape, desc_c.layout)
+    wide: gl.constexpr = [BLOCK_N if FALLBACK else CENTRE_ROWS_, desc_hi.block_type.shape[3]]
+    hi_buf = gl.allocate_shared_memory(desc_hi.dtype, [1, 1, 1] + wide, desc_hi.layout)
+    lo_buf = gl.allocate_shared_memory(desc_lo.dtype, [1, 1, 1] + wide, desc_lo.layout)
+    ks_bufs = gl.allocate_shared_memory(desc_ks.dtype, [NUM_STAGES] + desc_ks.block_type.shape, desc_ks.layout)
+    sig_bufs = gl.allocate_shared_memory(desc_sig.dtype, [NUM_STAGES] + desc_sig.block_type.shape, desc_sig.layout)
+    a_bufs = gl.allocate_shared_memory(desc_a.dtype, [NUM_STAGES] + desc_a.block_type.shape, desc_a.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    w_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    w_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    for w in gl.static_range(NUM_CONSUMERS):
+        mbarrier.init(q_ready.index(w), count=1)
+    for st in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_ready.index(st), count=1)
+        mbarrier.init(k_empty.index(st), count=NUM_CONSUMERS)
+        mbarrier.init(v_ready.index(st), count=1)
+        mbarrier.init(v_empty.index(st), count=NUM_CONSUMERS)
+    mbarrier.init(w_ready.index(0), count=1)
+    mbarrier.init(w_empty.index(0), count=NUM_CONSUMERS)
+
+    descs = (desc_q, desc_q8, desc_k, desc_v, desc_c, desc_hi, desc_lo, desc_ks, desc_sig, desc_a)
+    ring = (k_bufs, v_bufs, c_bufs, hi_buf.index(0).reshape(wide), lo_buf.index(0).reshape(wide), ks_bufs, sig_bufs,
+            a_bufs)
+    bars = (k_ready, k_empty, v_ready, v_empty, w_ready, w_empty)
+    # The partition lists written out per consumer count (hopper.py says why: constexprs in a named tuple).
+    gl.static_assert(NUM_CONSUMERS == 2 or NUM_CONSUMERS == 3, "partition lists are written for 2 and 3 consumers")
+    if NUM_CONSUMERS == 2:
+        gl.warp_specialize([
+            (_producer, (descs, q_bufs, q8_bufs, q_ready, ring, bars, flag_ptr, off_z, off_hq, off_hk, start_m, N_K,
+                         key_row, a_row, SHIFT_BLOCK_N, FALLBACK)),
+            (_consumer, (desc_o, q_bufs.index(0), q8_bufs.index(0), q_ready.index(0), ring, bars, row_vecs,
+                         flag_ptr, off_z, off_hq, start_m, N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N, MASK_N,
+                         FALLBACK, STORE_LSE)),
+            (_consumer, (desc_o, q_bufs.index(1), q8_bufs.index(1), q_ready.index(1), ring, bars, row_vecs,
+                         flag_ptr, off_z, off_hq, start_m + rows, N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N, MASK_N,
+                         FALLBACK, STORE_LSE)),
+        ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+    else:
+        gl.warp_specialize([
+            (_producer, (descs, q_bufs, q8_bufs, q_ready, ring, bars, flag_ptr, off_z, off_hq, off_hk, start_m, N_K,
+                         key_row, a_row, SHIFT_BLOCK_N, FALLBACK)),
+            (_consumer, (desc_o, q_bufs.index(0), q8_bufs.index(0), q_ready.index(0), ring, bars, row_vecs,
+                         flag_ptr, off_z, off_hq, start_m, N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N, MASK_N,
+                         FALLBACK, STORE_LSE)),
+            (_consumer, (desc_o, q_bufs.index(1), q8_bufs.index(1), q_ready.index(1), ring, bars, row_vecs,
+                         flag_ptr, off_z, off_hq, start_m + rows, N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N, MASK_N,
+                         FALLBACK, STORE_LSE)),
+            (_consumer, (desc_o, q_bufs.index(2), q8_bufs.index(2), q_ready.index(2), ring, bars, row_vecs,
+                         flag_ptr, off_z, off_hq, start_m + 2 * rows, N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N,
+                         MASK_N, FALLBACK, STORE_LSE)),
+        ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
+
+
+def tuned_config(head_dim: int) -> dict:
+    """The config for ``head_dim``: :data:`CONFIGS` of its DP."""
+    return dict(CONFIGS[64 if head_dim <= 64 else 128])
+
+
+def shared_bytes(cfg: dict, dp: int, element_size: int, fallback: bool) -> int:
+    """Shared memory of one program: q (``g``) and its codes per consumer, the rings (codes, v, centres), the
+    wide buffers of the 16-bit blocks, the barriers."""
+    q = cfg["consumers"] * ROWS_PER_CONSUMER * dp * (element_size + 1)
+    ring = cfg["num_stages"] * dp * (cfg["BLOCK_N"] * (1 + element_size) + CENTRE_ROWS * element_size)
+    wide = 2 * (cfg["BLOCK_N"] if fallback else CENTRE_ROWS) * dp * element_size
+    return q + ring + wide + 8 * (cfg["consumers"] + 4 * cfg["num_stages"] + 2)
+
+
+def unsuitable_reason(q: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, pv_bits: int) -> str | None:
+    """Why this kernel cannot take an 8-bit call, in words, or ``None``: it needs an sm_90 GPU with Gluon 3.6,
+    fp16 or bf16, a head dim of :data:`HEAD_DIMS`, ``P V`` in 16 bits, and TMA-addressable q, v, out."""
+    reason = unavailable_reason()
+    if reason is not None:
+        return reason
+    if q.device.type != "cuda":
+        return f"it runs on CUDA GPUs, got {q.device}"
+    major, minor = torch.cuda.get_device_capability(q.device)
+    if major != 9:
+        return f"it needs sm_90 (Hopper), got sm_{major}{minor}"
+    if pv_bits != 16:
+        return f"it computes P V in 16 bits, got pv_bits={pv_bits}"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"it takes float16 and bfloat16, got {q.dtype}"
+    if q.shape[-1] not in HEAD_DIMS:
+        return f"it takes head dims {HEAD_DIMS}, got {q.shape[-1]}"
+    return _descriptor_layout_problem((("q", q), ("v", v), ("out", out)))
+
+
+def _config(config: dict | None, dp: int, element_size: int, fallback: bool) -> dict:
+    """:func:`tuned_config` updated by ``config``; ``ValueError`` for unknown keys or values."""
+    fn = "hopper_int8.forward"
+    base = tuned_config(dp)
+    unknown = set(config or {}) - set(base)
+    if unknown:
+        raise ValueError(f"{fn}: unknown config keys {sorted(unknown)}; expected {sorted(base)}")
+    cfg = {**base, **(config or {})}
+    if cfg["BLOCK_N"] not in (64, 128):
+        raise ValueError(f"{fn}: config BLOCK_N={cfg['BLOCK_N']} must be 64 or 128 (it divides the centre block "
+                         f"{SHIFT_BLOCK})")
+    if not 1 <= cfg["num_stages"] <= 4:
+        raise ValueError(f"{fn}: config num_stages={cfg['num_stages']} must be 1..4")
+    if cfg["consumers"] not in (2, 3):
+        raise ValueError(f"{fn}: config consumers={cfg['consumers']!r} must be 2 or 3 (consumer warpgroups)")
+    needed = shared_bytes(cfg, dp, element_size, fallback)
+    if needed > SHARED_MEMORY_BYTES:
+        raise ValueError(f"{fn}: config {cfg} needs {needed} bytes of shared memory at DP {dp}, more than sm_90's "
+                         f"{SHARED_MEMORY_BYTES}: fewer stages or consumers")
+    return cfg
+
+
+def _descriptor(t: torch.Tensor, rows: int, dp: int) -> TensorDescriptor:
+    """A 4-d (B, H, N, D) TMA descriptor of ``t`` with boxes (1, 1, rows, dp), NVMMA-swizzled for the wgmma
+    (columns past D read as zeros and are not stored)."""
+    block = [1, 1, rows, dp]
+    layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, _GL_DTYPES[t.dtype]))
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def _row_descriptor(t: torch.Tensor, block_n: int) -> TensorDescriptor:
+    """A 1-d TMA descriptor over the padded rows of a per-key (B, H, Nk) fp32 view (row stride a multiple of 4
+    elements), boxes of ``block_n`` elements; the elements past a row's ``Nk`` are the padding or the next
+    row's, which the kernel masks."""
+    batch, heads, n_k = t.shape
+    if t.stride() != (heads * t.stride(1), t.stride(1), 1) or t.stride(1) % 4 or t.stride(1) < n_k:
+        raise ValueError(f"hopper_int8: per-key vectors must be rows padded to 16 bytes (int8.allocate), got "
+                         f"strides {t.stride()} for shape {tuple(t.shape)}")
+    flat = torch.as_strided(t, (batch * heads * t.stride(1),), (1,), t.storage_offset())
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    return TensorDescriptor(flat, [flat.shape[0]], [1], [block_n], layout)
+
+
+def kernel_call(q: torch.Tensor, prep, out: torch.Tensor, *, scale: float, config: dict | None = None,
+                lse: torch.Tensor | None = None) -> tuple[tuple[int], tuple, dict]:
+    """``(grid, args, meta)`` of ``int8_fwd_gluon_kernel[grid](*args, **meta)`` on ``prep`` (``int8.Prepared``,
+    with ``k_split`` where it has flags); split from :func:`forward` so that a compile check builds exactly
+    this launch from meta tensors."""
+    batch, h_q, n_q, _ = q.shape
+    h_k, n_k, dp = prep.k_codes.shape[1:]
+    fallback = prep.flags is not None
+    if fallback and prep.k_split is None:
+        raise ValueError("hopper_int8.forward: prep has flags but no k_split (int8.prepare(..., split=True) writes "
+                         "the 16-bit blocks' hi and lo)")
+    cfg = _config(config, dp, q.element_size(), fallback)
+    block_n = cfg["BLOCK_N"]
+    maxnreg, consumer_regs = _registers(cfg["consumers"])
+    c_g = prep.centres.to(q.dtype)  # exact: the centres are values of the inputs' dtype
+    hi, lo = (prep.k_split[0], prep.k_split[1]) if fallback else (c_g, c_g)
+    wide_rows = block_n if fallback else CENTRE_ROWS
+    flags = prep.flags if fallback else prep.k_codes
+    grid = (triton.cdiv(n_q, ROWS_PER_CONSUMER * cfg["consumers"]) * batch * h_q,)
+    args = (_descriptor(q, ROWS_PER_CONSUMER, dp), _descriptor(prep.q_codes, ROWS_PER_CONSUMER, dp),
+            _descriptor(prep.k_codes, block_n, dp), _descriptor(prep.v, block_n, dp),
+            _descriptor(c_g, CENTRE_ROWS, dp), _descriptor(hi, wide_rows, dp), _descriptor(lo, wide_rows, dp),
+            _row_descriptor(prep.k_scale, block_n), _row_descriptor(prep.sigma, block_n),
+            _row_descriptor(prep.a, block_n), _descriptor(out, ROWS_PER_CONSUMER, dp),
+            prep.q_scale, prep.mu, flags, prep.q_scale if lse is None else lse,
+            h_q, h_q // h_k, n_q, n_k, prep.k_scale.stride(1), float(scale) * math.log2(math.e))
+    meta = dict(BLOCK_N=block_n, NUM_STAGES=cfg["num_stages"], NUM_CONSUMERS=cfg["consumers"],
+                SHIFT_BLOCK_N=SHIFT_BLOCK, MASK_N=n_k % block_n != 0, FALLBACK=fallback, STORE_LSE=lse is not None,
+                CONSUMER_REGS=consumer_regs, num_warps=PRODUCER_WARPS, maxnreg=maxnreg)
+    return grid, args, meta
+
+
+def forward(q: torch.Tensor, prep, out: torch.Tensor, *, scale: float, config: dict | None = None,
+            lse: torch.Tensor | None = None) -> torch.Tensor:
+    """Write ``softmax(scale q k^T) v`` of the 8-bit exact shift into ``out`` from ``int8.prepare``'s outputs
+    (with ``split=True`` where the 16-bit blocks are on) and return it.
+
+    q: (B, Hq, Nq, D), out: (B, Hq, Nq, D), ``prep.v`` (B, Hk, Nk, D): fp16 or bf16 on an sm_90 GPU, head dim
+    in :data:`HEAD_DIMS`, TMA-addressable (:func:`unsuitable_reason` returned ``None``); config:
+    ``BLOCK_N`` (64 / 128), ``num_stages``, ``consumers`` (2 / 3), missing keys from :func:`tuned_config`;
+    lse: ``None`` or a contiguous fp32 (B, Hq, Nq) tensor for the natural-log log-sum-exp."""
+    grid, args, meta = kernel_call(q, prep, out, scale=scale, config=config, lse=lse)
+    int8_fwd_gluon_kernel[grid](*args, **meta)
+    return out
