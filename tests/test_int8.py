@@ -557,11 +557,13 @@ def test_gpu_gluon_kernel_matches_the_spec(case, config, gen):
 
 @pytest.mark.gpu
 def test_gpu_auto_takes_the_gluon_kernel_on_hopper(gen):
-    """``kernel="auto"``: the Gluon kernel on sm_90 for 16-bit ``P V`` (the same output as ``kernel="gluon"``), the
-    portable one for FP8 ``P V`` or a given portable config; ``kernel="gluon"`` where it cannot run says why."""
+    """``kernel="auto"``: the Gluon kernel on sm_90 for 16-bit ``P V`` from ``GLUON_MIN_KEYS`` keys (the same output
+    as ``kernel="gluon"``), the portable one for fewer keys, FP8 ``P V`` or a given portable config;
+    ``kernel="gluon"`` where it cannot run says why."""
     _gluon_or_skip()
-    q, k, v = (t.cuda() for t in _inputs(KERNEL_CASES["gqa,ragged,fp16"], gen))
+    q, k, v = (t.cuda() for t in _inputs((1, 4, 2, 70, int8.GLUON_MIN_KEYS, 64, torch.float16, 16), gen))
     assert int8.attention_kernel(q, v, q, pv_bits=16) == "gluon"
+    assert int8.attention_kernel(q, v[:, :, 1:], q, pv_bits=16) == "portable"
     assert int8.attention_kernel(q, v, q, pv_bits=8) == "portable"
     assert int8.attention_kernel(q, v, q, pv_bits=16, config=GPU_CONFIG) == "portable"
     auto = int8.forward(q, k, v, torch.empty_like(q), scale=0.125)

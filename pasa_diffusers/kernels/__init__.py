@@ -5,7 +5,8 @@
 - kernel files, each with its launch wrapper and configs: ``portable.py`` (FlashAttention-2's loop,
   every variant), ``packed.py`` (the exact shift on short one-block sequences), ``hopper.py`` (the
   exact shift on sm_90 in Gluon, FA3's structure), ``prepass.py`` (the keys centred or shifted once per
-  head), ``int8.py`` (the exact shift in 8 bits);
+  head), ``int8.py`` (the exact shift in 8 bits: its pre-pass and portable attention kernel),
+  ``hopper_int8.py`` (the 8-bit attention on sm_90 in Gluon, ``hopper.py``'s structure);
 - shared helpers: ``common.py`` (rounding, products, the exact centre, ``INTERPRET``), ``tuning.py``
   (tile extents, buckets, the autotuner with its shipped tables and on-disk cache), ``precompiled.py``
   (the compiled kernels shipped per GPU, copied into Triton's cache on the first launch).

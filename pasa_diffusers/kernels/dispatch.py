@@ -8,7 +8,7 @@ inputs it has checked.  The kernels (each in its file, with its launch wrapper a
 | ``portable`` | ``portable.py`` | every variant, any CUDA GPU and the interpreter: FlashAttention-2's loop |
 | ``packed`` | ``packed.py``   | the exact shift on short one-block sequences (temporal attention): several whole sequences per program, one pass |
 | ``gluon``  | ``hopper.py``   | the exact shift in hybrid on sm_90, fp16/bf16, head dims 64 and 80-128, keys of several blocks (spatial attention): FA3's warp-specialised structure |
-| ``int8``   | ``int8.py``     | the exact shift in 8 bits (``precision="int8"``, and only it): INT8 ``q k^T`` after its own quantizing pre-pass |
+| ``int8``   | ``int8.py``     | the exact shift in 8 bits (``precision="int8"``, and only it): INT8 ``q k^T`` after its own quantizing pre-pass; the attention on the codes by ``hopper_int8.py`` (Gluon) on sm_90, else portable (``int8.attention_kernel``) |
 
 and the key pre-passes (``prepass.py``): ``"centre"`` (the exact shift: each block's centre removed once
 per head, for the portable kernel on keys of several blocks and for the Gluon kernel) and ``"shift"``

@@ -47,7 +47,7 @@ from .tuning import SMEM_LIMIT, autotuned, bucket, interpreter_autotunes, pow2_t
 
 __all__ = ["colstats_kernel", "colstats_reduce_kernel", "quantize_kernel", "fallback_flags_kernel", "int8_fwd_kernel",
            "Prepared", "Scratch", "allocate", "quantize_call", "flags_call", "prepare", "attention_call", "attend",
-           "forward", "attention_kernel", "INTERPRET_CONFIG", "ATTENTION_KERNELS",
+           "forward", "attention_kernel", "INTERPRET_CONFIG", "ATTENTION_KERNELS", "GLUON_MIN_KEYS",
            "CONFIG_POOL", "CENTRE_BLOCK", "PV_BITS"]
 
 CENTRE_BLOCK = rules.SHIFT_BLOCK
@@ -55,7 +55,12 @@ CENTRE_BLOCK = rules.SHIFT_BLOCK
 PV_BITS = (16, 8)
 ATTENTION_KERNELS = ("auto", "gluon", "portable")
 """What ``forward(..., kernel=)`` takes: the attention on the codes by the Gluon Hopper kernel
-(``hopper_int8.py``), by :func:`int8_fwd_kernel`, or ``"auto"``: the Gluon one where it can run the call."""
+(``hopper_int8.py``), by :func:`int8_fwd_kernel`, or ``"auto"``: the Gluon one where it can run the call and
+has at least ``GLUON_MIN_KEYS`` keys."""
+GLUON_MIN_KEYS = 256
+"""``kernel="auto"`` attends with the portable kernel below this many keys: on the H200 (``bench.int8_fallback``,
+2026-12-02) the Gluon one took 1.03 ms against 0.72 ms at (50, 20, 144, 64) (its launch builds eleven TMA
+descriptors on the host) and 1.34 against 1.44 ms at 576 keys."""
 QMAX = tl.constexpr(127.0)
 FP8_MAX = tl.constexpr(448.0)
 P_SHIFT = tl.constexpr(8.0)
@@ -827,8 +832,8 @@ def attention_kernel(q: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, pv_
                      config: dict | None = None) -> str:
     """Which kernel attends on the codes (``"gluon"`` or ``"portable"``) for ``kernel`` (one of
     :data:`ATTENTION_KERNELS`); ``"auto"`` takes the Gluon one where ``hopper_int8.unsuitable_reason`` is
-    ``None`` and no ``config`` is given (a config names one kernel's tile sizes).  ``ValueError`` naming the
-    reason where ``kernel="gluon"`` cannot run the call."""
+    ``None``, no ``config`` is given (a config names one kernel's tile sizes) and ``v`` holds at least
+    :data:`GLUON_MIN_KEYS` keys.  ``ValueError`` naming the reason where ``kernel="gluon"`` cannot run the call."""
     if kernel not in ATTENTION_KERNELS:
         raise ValueError(f"int8.forward: unknown kernel={kernel!r}; expected one of {ATTENTION_KERNELS}")
     if kernel == "portable":
@@ -838,7 +843,7 @@ def attention_kernel(q: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, pv_
         if reason is not None:
             raise ValueError(f"int8.forward: kernel='gluon' cannot run this call: {reason}")
         return kernel
-    return "gluon" if reason is None and config is None else "portable"
+    return "gluon" if reason is None and config is None and v.shape[2] >= GLUON_MIN_KEYS else "portable"
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, scale: float,

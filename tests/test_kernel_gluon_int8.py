@@ -1,0 +1,86 @@
+"""The Gluon int8 kernel (``kernels/hopper_int8.py``) on a machine that cannot run it.
+
+Its numbers come from the GPU (``tests/test_int8.py``'s gpu tests against the spec, ``bench.int8_fallback``)
+and its sm_90 compilation from ``bench.compile_int8``; here: the 8-bit path says why it attends with the
+portable kernel, ``kernel="gluon"`` is refused with that reason, bad configs and pre-pass outputs are
+refused by name before anything is built, and the tuned configs fit the shared memory.
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from pasa_diffusers.kernels import hopper, hopper_int8, int8  # noqa: E402
+
+
+def _inputs(d=64, n=200, dtype=torch.float16):
+    q = torch.randn(1, 2, n, d).to(dtype)
+    return q, q.clone(), q.clone()
+
+
+def test_unsuitable_reason_names_what_is_missing():
+    q, _, v = _inputs()
+    unavailable = hopper.unavailable_reason()
+    expected = unavailable if unavailable is not None else "it runs on CUDA GPUs, got cpu"
+    assert hopper_int8.unsuitable_reason(q, v, q, pv_bits=16) == expected
+    assert int8.attention_kernel(q, v, q, pv_bits=16) == "portable"
+    with pytest.raises(ValueError, match=r"kernel='gluon' cannot run this call: " + re.escape(expected)):
+        int8.forward(q, q, v, torch.empty_like(q), scale=0.125, kernel="gluon")
+    with pytest.raises(ValueError, match=r"unknown kernel='fast'; expected one of \('auto', 'gluon', 'portable'\)"):
+        int8.forward(q, q, v, torch.empty_like(q), scale=0.125, kernel="fast")
+
+
+@pytest.mark.parametrize("config,match", [
+    ({"BLOCK_M": 128}, r"unknown config keys \['BLOCK_M'\]"),
+    ({"BLOCK_N": 32}, "BLOCK_N=32 must be 64 or 128"),
+    ({"num_stages": 5}, "num_stages=5 must be 1..4"),
+    ({"consumers": 1}, "consumers=1 must be 2 or 3"),
+    ({"BLOCK_N": 128, "num_stages": 3, "consumers": 3}, r"needs \d+ bytes of shared memory at DP 128"),
+])
+def test_bad_configs_are_refused_by_name(config, match):
+    q, k, v = _inputs(d=128)
+    prep, _ = int8.allocate(q, k, v, split=True)
+    with pytest.raises(ValueError, match=match):
+        hopper_int8.kernel_call(q, prep, torch.empty_like(q), scale=0.125, config=config)
+
+
+def test_flags_without_the_split_keys_are_refused():
+    q, k, v = _inputs()
+    prep, _ = int8.allocate(q, k, v)
+    with pytest.raises(ValueError, match=r"prep has flags but no k_split \(int8.prepare\(\.\.\., split=True\)"):
+        hopper_int8.kernel_call(q, prep, torch.empty_like(q), scale=0.125)
+
+
+@pytest.mark.parametrize("n_k", [200, 203, 4096])
+def test_per_key_vectors_are_padded_rows_for_tma(n_k):
+    """The pre-pass's per-key vectors are views of rows padded to 16 bytes: what the 1-d TMA copies need."""
+    q, k, v = _inputs(n=n_k)
+    prep, _ = int8.allocate(q, k, v)
+    for t in (prep.k_scale, prep.sigma, prep.a):
+        assert t.shape[-1] == n_k and t.stride(1) % 4 == 0 and t.stride(1) >= n_k and t.stride(2) == 1
+    with pytest.raises(ValueError, match="per-key vectors must be rows padded to 16 bytes"):
+        hopper_int8._row_descriptor(torch.empty(1, 2, 203), 64)
+
+
+@pytest.mark.parametrize("head_dim", hopper_int8.HEAD_DIMS)
+@pytest.mark.parametrize("fallback", [True, False])
+def test_tuned_configs_fit_the_shared_memory(head_dim, fallback):
+    dp = 64 if head_dim <= 64 else 128
+    cfg = hopper_int8.tuned_config(head_dim)
+    assert cfg == hopper_int8.CONFIGS[dp]
+    assert hopper_int8.shared_bytes(cfg, dp, 2, fallback) <= hopper.SHARED_MEMORY_BYTES
+
+
+def test_auto_takes_the_gluon_kernel_from_its_minimum_keys(monkeypatch):
+    """Where the Gluon kernel could run, ``kernel="auto"`` takes it from ``GLUON_MIN_KEYS`` keys, and the
+    portable one for fewer keys or a given config (the rule alone; the GPU test runs both kernels)."""
+    monkeypatch.setattr(hopper_int8, "unsuitable_reason", lambda *args, **kwargs: None)
+    q, _, v = _inputs(n=int8.GLUON_MIN_KEYS)
+    assert int8.attention_kernel(q, v, q, pv_bits=16) == "gluon"
+    assert int8.attention_kernel(q, v[:, :, 1:], q, pv_bits=16) == "portable"
+    assert int8.attention_kernel(q, v, q, pv_bits=16, config={"BLOCK_N": 64}) == "portable"
+    assert int8.attention_kernel(q, v[:, :, 1:], q, pv_bits=16, kernel="gluon") == "gluon"
