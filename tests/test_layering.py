@@ -29,7 +29,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 KERNELS = "pasa_diffusers.kernels"
 DISPATCH = f"{KERNELS}.dispatch"
-KERNEL_FILES = {f"{KERNELS}.{name}" for name in ("portable", "packed", "hopper", "prepass", "int8")}
+KERNEL_FILES = {f"{KERNELS}.{name}" for name in ("portable", "packed", "hopper", "prepass", "int8", "hopper_int8")}
+SIDEWAYS = {(f"{KERNELS}.int8", f"{KERNELS}.hopper_int8"), (f"{KERNELS}.hopper_int8", f"{KERNELS}.hopper")}
+"""The kernel files' only sideways imports: the 8-bit path's launcher chooses its attention kernel (the Gluon
+one or its own), and the Gluon int8 kernel reuses ``hopper.py``'s Gluon helpers (editing ``hopper.py`` to move
+them would make the shipped sm_90 bundle stale)."""
 HELPERS = {f"{KERNELS}.{name}" for name in ("common", "tuning", "precompiled")}
 KERNEL_DEPENDENCIES = HELPERS | {"pasa_diffusers.rules", "pasa_diffusers.beta", "pasa_diffusers.variants",
                                  "pasa_diffusers.block_tally"}
@@ -259,7 +263,7 @@ def _kernel_rule(source: str, target: str) -> bool:
     if source in (KERNELS, DISPATCH):
         return target in KERNEL_FILES | KERNEL_DEPENDENCIES | ({DISPATCH} if source == KERNELS else set())
     if source in KERNEL_FILES:
-        return target in KERNEL_DEPENDENCIES
+        return target in KERNEL_DEPENDENCIES or (source, target) in SIDEWAYS
     return target in KERNEL_DEPENDENCIES and target != source  # a helper: the other helper, rules, beta, variants
 
 
