@@ -51,6 +51,7 @@ import math
 
 import torch
 import triton
+import triton.language as tl
 
 from .. import rules
 from .hopper import (CENTRE_ROWS, PRODUCER_WARPS, ROWS_PER_CONSUMER, SHARED_MEMORY_BYTES, _GLUON_IMPORT_ERROR,
@@ -70,14 +71,13 @@ __all__ = ["int8_fwd_gluon_kernel", "forward", "kernel_call", "unsuitable_reason
 SHIFT_BLOCK = rules.SHIFT_BLOCK
 HEAD_DIMS = (64, 80, 96, 112, 128)
 """The head dims it takes: the pre-pass's DP is 64 for 64 and 128 for the others."""
-RNE_MAGIC_BITS = gl.constexpr(0x4B400000) if gl is not None else 0x4B400000
+RNE_MAGIC_BITS = tl.constexpr(0x4B400000)
 """The bits of 1.5 * 2^23: ``bits(1.5 2^23) + I`` read as fp32 is ``1.5 2^23 + I`` for ``|I| < 2^22``."""
 CONFIGS = {64: {"BLOCK_N": 64, "num_stages": 3, "consumers": 3},
            128: {"BLOCK_N": 64, "num_stages": 4, "consumers": 2}}
 """The config per DP: FA3's consumer counts with 64-key tiles, the largest that compile for sm_90 without
 spills (``bench.compile_int8``, triton 3.6: (128 keys, 3 consumers) spills 1.4 KB at DP 64, (128 keys, 2
 consumers) 0.5 KB at DP 128; the per-key vectors take registers beside the tiles)."""
-CENTRE_ROWS_ = gl.constexpr(CENTRE_ROWS) if gl is not None else CENTRE_ROWS
 _GL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.int8: "int8"}
 
 
@@ -239,6 +239,8 @@ def _consumer(desc_o, q_tile, q8_tile, q_ready, ring, bars, row_vecs, flag_ptr, 
         r = _row_shift(rc, (start_n // SHIFT_BLOCK_N) % C_ROWS, qk_scale, row_layout)
         k8 = k_bufs.index(stage).reshape([BLOCK_N, DP])
         key_vecs = (ks_bufs.index(stage), sig_bufs.index(stage), a_bufs.index(stage))
+        # Both sides of a runtime branch are compiled, and without FALLBACK the wide buffers are 16-row
+        # dummies that the 16-bit side cannot read: hence the static branch around it.
         if FALLBACK:
             this_flag = flag
             flag = _next_flag(flag_ptr, start_n + BLOCK_N, N_K, SHIFT_BLOCK_N)
@@ -306,7 +308,7 @@ def int8_fwd_gluon_kernel(
     k_bufs = gl.allocate_shared_memory(desc_k.dtype, [NUM_STAGES] + desc_k.block_type.shape, desc_k.layout)
     v_bufs = gl.allocate_shared_memory(desc_v.dtype, [NUM_STAGES] + desc_v.block_type.shape, desc_v.layout)
     c_bufs = gl.allocate_shared_memory(desc_c.dtype, [NUM_STAGES] + desc_c.block_type.shape, desc_c.layout)
-    wide: gl.constexpr = [BLOCK_N if FALLBACK else CENTRE_ROWS_, desc_hi.block_type.shape[3]]
+    wide: gl.constexpr = [desc_hi.block_type.shape[2], desc_hi.block_type.shape[3]]  # (BLOCK_N or 16, DP)
     hi_buf = gl.allocate_shared_memory(desc_hi.dtype, [1, 1, 1] + wide, desc_hi.layout)
     lo_buf = gl.allocate_shared_memory(desc_lo.dtype, [1, 1, 1] + wide, desc_lo.layout)
     ks_bufs = gl.allocate_shared_memory(desc_ks.dtype, [NUM_STAGES] + desc_ks.block_type.shape, desc_ks.layout)

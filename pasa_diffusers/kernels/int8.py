@@ -120,6 +120,14 @@ def _to_e4m3(x, INTERPRET_FP8: tl.constexpr):
 
 
 @triton.jit
+def _split(kc, g: tl.constexpr, INTERPRET_BF16: tl.constexpr):
+    """A 16-bit block's keys ``kc = k - c_b`` (fp32) as ``hi = round_g(kc)``, ``lo = round_g(kc - hi)`` (``g``: the
+    inputs' fp16 or bf16; ``hi + lo`` holds ``kc`` to ``g``'s precision squared)."""
+    hi = round_to(kc, g, INTERPRET_BF16)
+    return hi, round_to(kc - hi.to(tl.float32), g, INTERPRET_BF16)
+
+
+@triton.jit
 def _column0(y, offs_c):
     """``(y[:, 0], y with column 0 set to 0)``: the row sums the transform put in channel 0."""
     first = offs_c[None, :] == 0
@@ -257,8 +265,7 @@ def _quantize_keys(k_ptr, v_ptr, qbar_ptr, v_inv_ptr, kc_ptr, ks_ptr, sig_ptr, a
     kc = tl.where(mask, k32 - c[None, :], 0.0)
     w = _fwht(kc, BLOCK_R, DP, LOG2_DP)
     if SPLIT:
-        hi = round_to(kc, k_blk.dtype, INTERPRET_BF16)
-        lo = round_to(kc - hi.to(tl.float32), k_blk.dtype, INTERPRET_BF16)
+        hi, lo = _split(kc, k_blk.dtype, INTERPRET_BF16)
         split = split_ptr + (pid_bh.to(tl.int64) * N_K + offs_r[:, None]) * DP + offs_c[None, :]
         tl.store(split, hi, mask=r_valid[:, None])
         tl.store(split + split_half, lo, mask=r_valid[:, None])
@@ -386,9 +393,7 @@ def _logits_16(q, k_base, stride_kn, c_b, offs_n, n_valid, offs_d, d_valid, qk_s
         k_blk = tl.load(k_ptrs, mask=n_valid[:, None] & d_valid[None, :], other=0.0)
     else:
         k_blk = tl.load(k_ptrs, mask=d_valid[None, :], other=0.0)
-    kc = k_blk.to(tl.float32) - c_b[None, :]
-    hi = round_to(kc, q.dtype, INTERPRET_BF16)
-    lo = round_to(kc - hi.to(tl.float32), q.dtype, INTERPRET_BF16)
+    hi, lo = _split(k_blk.to(tl.float32) - c_b[None, :], q.dtype, INTERPRET_BF16)
     s = mma(q, tl.trans(hi), tl.zeros([q.shape[0], offs_n.shape[0]], tl.float32), INTERPRET_BF16)
     return mma(q, tl.trans(lo), s, INTERPRET_BF16) * qk_scale
 
