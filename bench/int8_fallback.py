@@ -1,22 +1,25 @@
-"""What does the 8-bit path's 16-bit block fallback cost, with no block flagged and with every block flagged?
+"""How fast is the 8-bit path per attention kernel, and what do its 16-bit blocks cost, none or all flagged?
 
     python -m bench.int8_fallback --dtype bfloat16 --out DIR       # the video transformers' shapes, bf16
     python -m bench.int8_fallback --shapes svd-spatial --dtype float16 --out DIR
     TRITON_INTERPRET=1 python -m bench.int8_fallback --shapes tiny --out DIR   # a CPU, under the interpreter
 
 The 8-bit path (``kernels.int8.forward``: its pre-pass, then the attention on the codes by the Gluon Hopper
-kernel, ``hopper_int8.py``, or the portable one, ``--kernels``) with ``fallback=False`` (every key block from
-the codes) and ``fallback=True`` (the default: blocks an 8-bit code cannot hold in 16 bits, ``reference_int8``
-step 4b), the Gluon kernel also under each config of ``--gluon-configs`` (BLOCK_N,stages,consumers),
-and with ``--prepass`` the pre-pass alone, beside SDPA's cuDNN backend and the peers that import (FA3 bf16 and fp8, SageAttention), on two inputs generated on the device: ``benign`` (q, k, v ~ N(0, 1): no
-block flagged) and ``two biases per block`` (q ~ N(2, 1), k ~ N(0, 1) plus a per-channel bias of
-+-(20..40) that jumps every 128 keys half a block off the centre blocks, ``numerics.input_classes``'
-"jump misaligned": every block flagged).  Columns: ms (the median of CUDA-event runs after warm-up,
-L2 flushed), the ratio to cuDNN and to the same input's ``fallback=False`` time, and the share of
-blocks computed in 16 bits (``block_tally``, from the first call).
+kernel, ``hopper_int8.py``, or the portable one: ``--kernels``) with ``fallback=False`` (every key block
+from the codes) and ``fallback=True`` (the default: blocks an 8-bit code cannot hold in 16 bits,
+``reference_int8`` step 4b); the Gluon kernel also under each config of ``--gluon-configs``
+(BLOCK_N,stages,consumers), with ``--prepass`` the pre-pass alone.  Beside them, in the same run: SDPA's
+cuDNN, flash and efficient backends and the peers that import (FA3 bf16 and fp8, SageAttention).  Two
+inputs generated on the device: ``benign`` (q, k, v ~ N(0, 1): no block flagged) and ``two biases per
+block`` (q ~ N(2, 1), k ~ N(0, 1) plus a per-channel bias of +-(20..40) that jumps every 128 keys half a
+block off the centre blocks, ``numerics.input_classes``' "jump misaligned": every block flagged).
+Columns: ms (the median of CUDA-event runs after warm-up, L2 flushed), the ratio to SDPA's fastest
+backend and to the same kernel's ``fallback=False`` time on the same input, and the share of blocks
+computed in 16 bits (``block_tally``, from the first call).
 """
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Sequence
 
@@ -70,14 +73,26 @@ def _prepass_method(split: bool) -> harness.Method:
 
 
 def _gluon_config(text: str) -> dict:
-    block_n, stages, consumers = (int(x) for x in text.split(","))
+    try:
+        block_n, stages, consumers = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--gluon-configs {text!r}: expected BLOCK_N,STAGES,CONSUMERS, e.g. 64,4,2")
     return {"BLOCK_N": block_n, "num_stages": stages, "consumers": consumers}
+
+
+def _kernels(text: str) -> list[str]:
+    names = [name for name in text.split(",") if name]
+    unknown = [name for name in names if name not in int8.ATTENTION_KERNELS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"--kernels {text!r}: expected a comma-separated list of "
+                                         f"{int8.ATTENTION_KERNELS}")
+    return names
 
 
 def table(rows: Sequence[dict]) -> str:
     f = harness.fmt
     return records.markdown_table(
-        ["shape", "(B, Hq/Hk, N, D)", "input", "method", "ms", "vs cuDNN", "vs fallback off", "note"],
+        ["shape", "(B, Hq/Hk, N, D)", "input", "method", "ms", "vs SDPA's best", "vs fallback off", "note"],
         [[r["shape"], r["bhnd"], r["input"], r["method"], f(r["ms"], ".3f"), f(r["vs_best_sdpa"], ".2f"),
           f(r["vs_off"], ".2f"), r["note"]] for r in rows], align="llllrrrl")
 
@@ -96,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     harness.add_dtype_argument(p)
     harness.add_timer_arguments(p)
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default: 0)")
-    p.add_argument("--kernels", default="gluon,portable",
+    p.add_argument("--kernels", type=_kernels, default="gluon,portable",
                    help="the attention kernels on the codes, of int8.ATTENTION_KERNELS (default: gluon,portable)")
     p.add_argument("--gluon-configs", type=_gluon_config, nargs="*", default=[], metavar="BLOCK_N,STAGES,CONSUMERS",
                    help="Gluon configs timed too, with the fallback on (default: none)")
@@ -114,11 +129,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     peers, missing = harness.peer_methods()
     for name, reason in missing.items():
         harness.log(f"{name} not run: {reason}")
-    kernels = [name for name in args.kernels.split(",") if name]
-    methods = [harness.sdpa_method("cudnn"), *peers,
-               *(_int8_method(fallback, kernel) for kernel in kernels for fallback in (False, True)),
+    pairs = [(_int8_method(False, kernel), _int8_method(True, kernel)) for kernel in args.kernels]
+    fallback_off = {m.name: off.name for off, on in pairs for m in (off, on)}  # the ratio column's baseline
+    methods = [*(harness.sdpa_method(backend) for backend in ("cudnn", "flash", "efficient")), *peers,
+               *(m for pair in pairs for m in pair),
                *(_int8_method(True, "gluon", cfg) for cfg in args.gluon_configs),
-               *([_prepass_method("gluon" in kernels)] if args.prepass else [])]
+               *([_prepass_method("gluon" in args.kernels)] if args.prepass else [])]
     rows: list[dict] = []
     with torch.no_grad():
         for shape in harness.progress(harness.shapes(args.shapes, args.frames), NAME):
@@ -126,14 +142,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 q, k, v = make_inputs(shape, kind, gen, dtype)
                 measured = harness.measure(shape, methods, q, k, v, timer=timer)
                 for r in measured:
-                    kernel = r.method.rsplit(", fallback", 1)[0]
-                    off = next((o.ms for o in measured if o.method == kernel + ", fallback off"), None)
+                    off = next((o.ms for o in measured if o.method == fallback_off.get(r.method)), None)
                     rows.append({**harness.rows_payload([r])[0], "input": kind, "note": r.status(),
                                  "vs_off": off / r.ms if off and r.ms else None})
                 del q, k, v
                 harness.free_memory()
     tuned = [e for e in tuning.table_payload(env.get("gpu", ""), {})["entries"] if e["kernel"] == "int8.attention"]
-    text = (harness.header(f"bench.int8_fallback: the 16-bit block fallback's cost, {args.dtype}", env, cmd)
+    text = (harness.header(f"bench.int8_fallback: the 8-bit path per kernel and its 16-bit blocks, {args.dtype}",
+                                 env, cmd)
             + "\n" + table(rows) + "\n\nThe attention kernel's autotuning (every config timed, ms):\n\n"
             + tuned_table(tuned) + "\n")
     harness.write_report(args.out, NAME, text, {"bench": NAME, "command": cmd, "environment": env, "rows": rows,

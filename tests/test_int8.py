@@ -488,6 +488,15 @@ def test_gpu_16_bit_blocks(case, gen):
         assert torch.isfinite(out).all() and numerics.rel_rmse(out.cpu(), spec) <= _ulp(dtype), fallback
 
 
+def _mixed_blocks_case(name, d, dtype, gen):
+    """``name``'s class at (1, 2, 1, 330, d) with 110 queries and benign first 128 keys: 16-bit blocks among
+    8-bit ones (block 0 from the codes, the later ones flagged for the classes that take them)."""
+    q, k, v = _case(name, (1, 2, 1, 330, d), dtype, gen, 110)
+    k = k.clone()
+    k[:, :, :128] = torch.randn(k[:, :, :128].shape, generator=gen).to(k.dtype)
+    return q, k, v
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", int8.CONFIG_POOL, ids=["x".join(map(str, c)) for c in int8.CONFIG_POOL])
 def test_gpu_every_config_matches_the_spec(config, gen):
@@ -495,9 +504,7 @@ def test_gpu_every_config_matches_the_spec(config, gen):
     with benign first 128 keys: blocks 1 and 2 flagged, block 0 not), within one ``g`` ulp of the spec at its
     key tile."""
     d = 64 if config == (128, 128, 8, 3) else 128  # at 128 its three stages do not fit beside the 16-bit branch
-    q, k, v = _case("jump misaligned", (1, 2, 1, 330, d), torch.float16, gen, 110)
-    k = k.clone()
-    k[:, :, :128] = torch.randn(k[:, :, :128].shape, generator=gen).to(k.dtype)
+    q, k, v = _mixed_blocks_case("jump misaligned", d, torch.float16, gen)
     qq = r8.quantize_queries(q)
     flags = r8.fallback_blocks(qq, r8.quantize_keys(k, qq.qbar), d ** -0.5)
     assert flags.any() and not flags.all()
@@ -531,12 +538,10 @@ def test_gpu_gluon_kernel_matches_the_spec(case, config, gen):
     its key tile, with and without the 16-bit blocks (the fallback cases have flagged blocks among 8-bit
     ones), and its log-sum-exp within 1e-5 of the portable kernel's."""
     _gluon_or_skip()
-    if case.startswith(("jump", "sign")):
-        name = "jump misaligned" if case.startswith("jump") else "sign change in block"
-        d, dtype = (128, torch.float16) if case.startswith("jump") else (64, torch.bfloat16)
-        q, k, v = _case(name, (1, 2, 1, 330, d), dtype, gen, 110)
-        k = k.clone()
-        k[:, :, :128] = torch.randn(k[:, :, :128].shape, generator=gen).to(k.dtype)
+    if case.startswith("jump"):
+        q, k, v = _mixed_blocks_case("jump misaligned", 128, torch.float16, gen)
+    elif case.startswith("sign"):
+        q, k, v = _mixed_blocks_case("sign change in block", 64, torch.bfloat16, gen)
     else:
         q, k, v = _inputs(KERNEL_CASES[case], gen)
     d = q.shape[-1]

@@ -59,8 +59,8 @@ ATTENTION_KERNELS = ("auto", "gluon", "portable")
 has at least ``GLUON_MIN_KEYS`` keys."""
 GLUON_MIN_KEYS = 256
 """``kernel="auto"`` attends with the portable kernel below this many keys: on the H200 (``bench.int8_fallback``,
-2026-12-02) the Gluon one took 1.03 ms against 0.72 ms at (50, 20, 144, 64) (its launch builds eleven TMA
-descriptors on the host) and 1.34 against 1.44 ms at 576 keys."""
+2026-12-02) the Gluon one took 1.03 ms against 0.72 ms at (50, 20, 144, 64) and 1.34 against 1.44 ms at 576
+keys (why at 144 was not profiled; its launch builds eleven TMA descriptors on the host)."""
 QMAX = tl.constexpr(127.0)
 FP8_MAX = tl.constexpr(448.0)
 P_SHIFT = tl.constexpr(8.0)
