@@ -26,18 +26,21 @@ Partitions (``gl.warp_specialize``; one program = ``64 NUM_CONSUMERS`` query row
 
 - producer (the default partition, one warpgroup): TMA copies.  Each consumer's q codes (int8) and q
   (``g``, for ``q . c_b`` and the 16-bit blocks; its buffer takes the output at the end); per key tile
-  ``i`` into stage ``i % NUM_STAGES``: the key codes with the centre rows ``b .. b + 15`` (``k_ready``),
-  then v (``v_ready``); with ``FALLBACK``, for a flagged tile also its ``hi`` and ``lo`` (``g``) into the
-  one-stage wide ring (``w_ready`` / ``w_empty``, phase = the count of flagged tiles before it).
+  ``i`` into stage ``i % NUM_STAGES``: the key codes with the centre rows ``b .. b + 15`` and the tile's
+  ``ks``, ``sigma``, ``A`` (1-d copies; ``k_ready``), then v (``v_ready``); with ``FALLBACK``, for a flagged
+  tile also its ``hi`` and ``lo`` (``g``) into the one-stage wide ring (``w_ready`` / ``w_empty``, phase =
+  the count of flagged tiles before it).  Producer and consumers read each tile's flag a tile ahead (a
+  global load's latency off the loop's path).
 - ``NUM_CONSUMERS`` consumer warpgroups of 64 rows: the GEMMs (synchronous wgmma), the dequantisation, the
   softmax and the output, as ``hopper._key_loop`` without overlap.  A flagged tile skips the INT8 wgmma (its
   codes are still copied: the producer's ring stays one sequence of tiles).
 
 Shared memory per program: q codes (64, DP) int8 and q (64, DP) ``g`` per consumer; the rings k codes
-(NUM_STAGES, BLOCK_N, DP) int8, centres (NUM_STAGES, 16, DP) ``g``, v (NUM_STAGES, BLOCK_N, DP) ``g``; with
-``FALLBACK`` hi, lo (BLOCK_N, DP) ``g``.  Registers per consumer (NVMMA v3, 64 rows): I (64, BLOCK_N) int32,
-z the same in fp32, p in ``g`` (the A operand of ``P V`` from registers), acc (64, DP) fp32, rc (64, 16)
-fp32; ks, sigma, A (BLOCK_N,) fp32 and a_i, mu_u (64,) fp32 loaded from global memory (L2) per tile.
+(NUM_STAGES, BLOCK_N, DP) int8, centres (NUM_STAGES, 16, DP) ``g``, v (NUM_STAGES, BLOCK_N, DP) ``g``, ks,
+sigma, A (NUM_STAGES, BLOCK_N) fp32; hi, lo (BLOCK_N, DP) ``g`` with ``FALLBACK`` (16-row dummies without).
+Registers per consumer (NVMMA v3, 64 rows): I (64, BLOCK_N) int32, z the same in fp32, p in ``g`` (the A
+operand of ``P V`` from registers), acc (64, DP) fp32, rc (64, 16) fp32; ks, sigma, A (BLOCK_N,) fp32 read
+from shared memory per tile; a_i, mu_u (64,) fp32 loaded once.
 ``DP`` = 64 (head dim 64) or 128 (80 .. 128): the pre-pass pads its codes to ``DP`` columns, and the copy
 engine pads q, v and the output tile past ``D`` (zeros in, clipped out).  Keys past ``N_K`` arrive as zero
 codes and get ``z = -inf`` (``MASK_N``); rows past ``N_Q`` are computed and dropped by the store.
