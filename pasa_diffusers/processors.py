@@ -126,10 +126,14 @@ def attend_kept_keys(op: Callable[..., torch.Tensor], query: torch.Tensor, key: 
 
 
 def mask_reason(key: torch.Tensor, attention_mask: torch.Tensor | None) -> str | None:
-    """``"attention mask"`` for a mask ``attend_kept_keys`` cannot take (any but a key-padding one), else ``None``."""
-    if attention_mask is None or key_padding(attention_mask, key.shape[0], key.shape[1]) is not None:
+    """``"attention mask"`` for a mask ``attend_kept_keys`` cannot take (any but a key-padding one), else ``None``.
+    Under ``torch.compile`` every mask is one: telling a key-padding mask apart reads its values, which a
+    compiled graph cannot branch on."""
+    if attention_mask is None:
         return None
-    return "attention mask"
+    if torch.compiler.is_compiling() or key_padding(attention_mask, key.shape[0], key.shape[1]) is None:
+        return "attention mask"
+    return None
 
 
 class CountedAttnProcessor:

@@ -6,14 +6,19 @@ video tokens joined or apart) and call diffusers' attention dispatcher,
 ``(B, N, H, D)`` tensors; CogVideoX and Mochi call ``F.scaled_dot_product_attention`` on ``(B, H, N, D)``
 tensors.  diffusers 0.42 keys its dispatcher's registry by the members of a closed enum
 (``AttentionBackendName``), so an outside package cannot register a ``pasa`` backend there.  The
-closest equivalent, here: :func:`routed` builds, once per stock processor class, a subclass whose
-``__call__`` is the stock ``__call__`` itself (the same code object, so the model's own arithmetic runs
-unchanged) with those two names rebound in its globals to this module's :func:`_dispatch` and
-:data:`_FUNCTIONAL`.  They hand each call to the ``CountedAttnProcessor`` the instance carries
-(``.counted``: PASA, SDPA or a comparison twin), whose ``attend`` counts it, casts it and runs the
-backend or its documented fallback:
+closest equivalent, here: :func:`routed` gives each routed processor a body that is the stock ``__call__``
+itself (the same code object, so the model's own arithmetic runs unchanged) with those two names rebound
+in its globals to this module's :func:`_dispatch` and a copy of ``torch.nn.functional`` whose
+``scaled_dot_product_attention`` is :func:`_scaled_dot_product_attention`, both bound to the
+``CountedAttnProcessor`` the instance carries (``.counted``: PASA, SDPA or a comparison twin), whose
+``attend`` counts each call, casts it and runs the backend or its documented fallback.  The binding is
+per instance, in the body's globals, not a context variable set around the call, so that
+``torch.compile(fullgraph=True)`` traces a routed model in one graph (dynamo cannot trace
+``ContextVar.set``).  The fallbacks:
 
-- ``"attention mask"``: SDPA with the mask (HunyuanVideo's and LTX-Video's text padding masks);
+- ``"attention mask"``: SDPA with the mask (a mask other than a key-padding one, or any mask under
+  ``torch.compile``, where the key-padding test cannot read the mask's values: HunyuanVideo's and
+  LTX-Video's text padding masks);
 - ``"single key"``: the key's value;
 - ``"causal"`` and ``"dropout"``: SDPA with them (no video transformer asks for either at inference);
 - ``"attention kwargs"``: the model's own dispatcher with them.
@@ -28,7 +33,6 @@ keeps the stock ``__call__``'s signature (diffusers filters a processor's keywor
 """
 from __future__ import annotations
 
-import contextvars
 import functools
 import inspect
 import types
@@ -42,9 +46,6 @@ from .processors import CountedAttnProcessor
 
 __all__ = ["RoutedAttnProcessor", "routable_reason", "routed"]
 
-_ACTIVE: contextvars.ContextVar[RoutedAttnProcessor] = contextvars.ContextVar("pasa_routed_processor")
-"""The routed processor whose stock body is running (what :func:`_dispatch` hands the call to)."""
-
 _ROUTED_NAMES = ("dispatch_attention_fn", "F")
 
 
@@ -55,16 +56,17 @@ class RoutedAttnProcessor:
     Attributes:
         counted: the ``CountedAttnProcessor`` that computes (and counts) every attention call.
         stock: the processor this one replaced (``install.restore`` puts it back).
+        body: the stock ``__call__`` with its attention names bound to ``counted`` (:func:`_bound_body`).
     """
 
     counted: CountedAttnProcessor
     stock: Any
+    body: types.FunctionType
 
 
-def _attend_bnhd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
-                 dropout_p: float, is_causal: bool, scale: float | None) -> torch.Tensor:
+def _attend_bnhd(counted: CountedAttnProcessor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attn_mask: torch.Tensor | None, dropout_p: float, is_causal: bool, scale: float | None) -> torch.Tensor:
     """One attention call of a routed body on ``(B, N, H, D)`` tensors, in the input dtype."""
-    counted = _ACTIVE.get().counted
     special = "causal" if is_causal else "dropout" if dropout_p > 0.0 else None
     if special is not None:
         counted.count_call(special)
@@ -75,43 +77,40 @@ def _attend_bnhd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at
     return counted.attend(query, key, value, scale, attn_mask).to(query.dtype)
 
 
-def _dispatch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
-              dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
-              attention_kwargs: dict[str, Any] | None = None, *, backend: Any = None,
-              parallel_config: Any = None) -> torch.Tensor:
-    """``diffusers.models.attention_dispatch.dispatch_attention_fn`` as a routed body sees it."""
+def _dispatch(counted: CountedAttnProcessor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
+              scale: float | None = None, enable_gqa: bool = False, attention_kwargs: dict[str, Any] | None = None,
+              *, backend: Any = None, parallel_config: Any = None) -> torch.Tensor:
+    """``diffusers.models.attention_dispatch.dispatch_attention_fn`` as a routed body sees it (``counted`` bound)."""
     if attention_kwargs:
         from diffusers.models.attention_dispatch import dispatch_attention_fn
 
-        _ACTIVE.get().counted.count_call("context parallel" if parallel_config is not None else "attention kwargs")
+        counted.count_call("context parallel" if parallel_config is not None else "attention kwargs")
         return dispatch_attention_fn(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                                      scale=scale, enable_gqa=enable_gqa, attention_kwargs=attention_kwargs,
                                      backend=backend, parallel_config=parallel_config)
     if parallel.context_parallel_config(parallel_config) is not None:
-        return parallel.attend(_ACTIVE.get().counted, query, key, value, attn_mask, dropout_p, is_causal, scale,
+        return parallel.attend(counted, query, key, value, attn_mask, dropout_p, is_causal, scale,
                                enable_gqa, backend=backend, parallel_config=parallel_config)
-    return _attend_bnhd(query, key, value, attn_mask, dropout_p, is_causal, scale)
+    return _attend_bnhd(counted, query, key, value, attn_mask, dropout_p, is_causal, scale)
 
 
-def _scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                                  attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+def _scaled_dot_product_attention(counted: CountedAttnProcessor, query: torch.Tensor, key: torch.Tensor,
+                                  value: torch.Tensor, attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
                                   is_causal: bool = False, scale: float | None = None,
                                   enable_gqa: bool = False) -> torch.Tensor:
-    """``F.scaled_dot_product_attention`` (``(B, H, N, D)`` tensors) as a routed body sees it."""
-    out = _attend_bnhd(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask, dropout_p,
-                       is_causal, scale)
+    """``F.scaled_dot_product_attention`` (``(B, H, N, D)`` tensors) as a routed body sees it (``counted`` bound)."""
+    out = _attend_bnhd(counted, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask,
+                       dropout_p, is_causal, scale)
     return out.transpose(1, 2)
 
 
-class _Functional(types.ModuleType):
-    """``torch.nn.functional`` with ``scaled_dot_product_attention`` routed; every other name is torch's."""
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch_functional, name)
-
-
-_FUNCTIONAL = _Functional("torch.nn.functional")
-_FUNCTIONAL.scaled_dot_product_attention = _scaled_dot_product_attention
+def _functional(counted: CountedAttnProcessor) -> types.ModuleType:
+    """A copy of ``torch.nn.functional`` whose ``scaled_dot_product_attention`` is routed to ``counted``."""
+    module = types.ModuleType(torch_functional.__name__)
+    module.__dict__.update(vars(torch_functional))
+    module.scaled_dot_product_attention = functools.partial(_scaled_dot_product_attention, counted)
+    return module
 
 
 def routable_reason(processor: Any) -> str | None:
@@ -131,21 +130,25 @@ def routable_reason(processor: Any) -> str | None:
     return None
 
 
-@functools.cache
-def _routed_class(stock_class: type) -> type:
-    """The routed subclass of ``stock_class``: its ``__call__`` with the attention names rebound."""
+def _bound_body(stock_class: type, counted: CountedAttnProcessor) -> types.FunctionType:
+    """``stock_class.__call__`` (its code, defaults and closure) with ``dispatch_attention_fn`` and ``F`` in its
+    globals bound to ``counted``."""
     stock_call = stock_class.__call__
-    scope = {**stock_call.__globals__, "dispatch_attention_fn": _dispatch, "F": _FUNCTIONAL}
+    scope = {**stock_call.__globals__, "dispatch_attention_fn": functools.partial(_dispatch, counted),
+             "F": _functional(counted)}
     body = types.FunctionType(stock_call.__code__, scope, stock_call.__name__, stock_call.__defaults__,
                               stock_call.__closure__)
     body.__kwdefaults__ = stock_call.__kwdefaults__
+    return body
+
+
+@functools.cache
+def _routed_class(stock_class: type) -> type:
+    """The routed subclass of ``stock_class``: its ``__call__`` runs the instance's bound stock body."""
+    stock_call = stock_class.__call__
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        token = _ACTIVE.set(self)
-        try:
-            return body(self, *args, **kwargs)
-        finally:
-            _ACTIVE.reset(token)
+        return self.body(self, *args, **kwargs)
 
     __call__.__signature__ = inspect.signature(stock_call)
     __call__.__doc__ = f"``{stock_class.__name__}.__call__`` with its attention calls sent to ``self.counted``."
@@ -165,4 +168,5 @@ def routed(stock: Any, counted: CountedAttnProcessor) -> RoutedAttnProcessor:
     processor.__dict__.update(vars(stock))
     processor.counted = counted
     processor.stock = stock
+    processor.body = _bound_body(type(stock), counted)
     return processor

@@ -287,3 +287,24 @@ def test_full_size_inputs_refuse_a_size_or_frame_count_the_pipeline_does_not_tak
     with pytest.raises(ValueError, match=r"^ltx-video: frames=120 is not 8k \+ 1"):
         full_size_inputs("ltx-video", model, frames=120)
     assert full_size_inputs("ltx-video", model, frames=81)["num_frames"] == 11
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("backend,options", [("sdpa", {}), ("pasa", {"precision": "fp64"})], ids=["sdpa", "pasa"])
+def test_compiled_transformer_traces_once_and_matches_eager(family, backend, options, gen):
+    """``torch.compile(fullgraph=True)`` of a routed transformer: one graph (the routed bodies hold no
+    per-call Python state that dynamo cannot trace), no recompile on new inputs, eager's output (masked calls
+    run SDPA with their mask when compiled: ``processors.mask_reason``)."""
+    from torch._dynamo.testing import CompileCounter
+
+    model = tiny_transformer(family)
+    I.apply(model, backend, **options)
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    try:
+        for _ in range(2):
+            inputs = example_inputs(family, model, gen)
+            torch.testing.assert_close(_forward(compiled, inputs), _forward(model, inputs))
+    finally:
+        torch._dynamo.reset()
+    assert counter.frame_count == 1
