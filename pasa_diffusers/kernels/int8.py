@@ -83,13 +83,16 @@ def _rne(x):
 def _fwht(x, ROWS: tl.constexpr, DP: tl.constexpr, LOG2_DP: tl.constexpr):
     """``x H^T`` for a (ROWS, DP) fp32 tile: the Walsh-Hadamard transform of each row, unnormalised, by
     ``reference_int8.fwht``'s butterflies (stage ``h = 1, 2, ..., DP/2`` maps channels ``d``, ``d + h``
-    with bit ``h`` of ``d`` clear to ``(a + b, a - b)``)."""
+    with bit ``h`` of ``d`` clear to ``(a + b, a - b)``).  Each channel takes its partner ``p`` by ``tl.flip``
+    and becomes ``p + x`` (``a + b``) or ``p + (-1) x`` (``a - b``): the product by -1 is exact, and so the
+    FMA the compiler may contract it into rounds the same sum once.  One exchange per element in the tile's
+    own layout (a shuffle where bit ``h`` lies across lanes, nothing where it lies in a thread);
+    ``split``/``join`` had the compiler move the tile through other layouts, 2.7x this kernel's time
+    (H200, (50, 20, 576, 64) fp16)."""
     for s in tl.static_range(LOG2_DP):
         y = tl.reshape(x, (ROWS, DP // (2 << s), 2, 1 << s))
-        y = tl.permute(y, (0, 1, 3, 2))
-        a, b = tl.split(y)
-        y = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))
-        x = tl.reshape(y, (ROWS, DP))
+        sign = tl.where(tl.arange(0, 2) == 1, -1.0, 1.0)[None, None, :, None]
+        x = tl.reshape(tl.flip(y, 2) + sign * y, (ROWS, DP))
     return x
 
 
@@ -263,6 +266,12 @@ def _quantize_keys(k_ptr, v_ptr, qbar_ptr, v_inv_ptr, kc_ptr, ks_ptr, sig_ptr, a
     mean = (tl.sum(k32.to(tl.float64), axis=0) / n_b).to(tl.float32)
     c = round_to(mean, k_blk.dtype, INTERPRET_BF16).to(tl.float32)
     kc = tl.where(mask, k32 - c[None, :], 0.0)
+    # A before the transform: kc need not outlive it (unless SPLIT), ~70 fewer registers at DP 128
+    h_q0 = pid_bh * KV_GROUP  # (batch, first query head of the group) flattened: batch * H_Q + head
+    for g in range(0, KV_GROUP):
+        qbar = tl.load(qbar_ptr + (h_q0 + g).to(tl.int64) * DP + offs_c)
+        a = tl.sum((kc * qbar[None, :]).to(tl.float64), axis=1).to(tl.float32)
+        tl.store(a_ptr + off_z * stride_az + (off_h * KV_GROUP + g) * stride_ah + offs_r, a, mask=r_valid)
     w = _fwht(kc, BLOCK_R, DP, LOG2_DP)
     if SPLIT:
         hi, lo = _split(kc, k_blk.dtype, INTERPRET_BF16)
@@ -280,11 +289,6 @@ def _quantize_keys(k_ptr, v_ptr, qbar_ptr, v_inv_ptr, kc_ptr, ks_ptr, sig_ptr, a
     s2, w2 = _row_stats(scale, w)
     tl.store(kstat_ptr + task.to(tl.int64) * 2, s2 / n_b)
     tl.store(kstat_ptr + task.to(tl.int64) * 2 + 1, w2 / n_b)
-    h_q0 = pid_bh * KV_GROUP  # (batch, first query head of the group) flattened: batch * H_Q + head
-    for g in range(0, KV_GROUP):
-        qbar = tl.load(qbar_ptr + (h_q0 + g).to(tl.int64) * DP + offs_c)
-        a = tl.sum((kc * qbar[None, :]).to(tl.float64), axis=1).to(tl.float32)
-        tl.store(a_ptr + off_z * stride_az + (off_h * KV_GROUP + g) * stride_ah + offs_r, a, mask=r_valid)
     if PV_FP8:
         v = tl.load(v_ptr + off_z * stride_vz + off_h * stride_vh + offs_r[:, None] * stride_vn + offs_c[None, :],
                     mask=mask, other=0.0).to(tl.float32)
@@ -660,8 +664,10 @@ class Prepared(NamedTuple):
 
 
 def _prepass_warps(dp: int) -> int:
-    """Warps of the pre-pass programs: 8 up to DP = 128 (sm_90, triton 3.6: no spills at DP 64, ~100 bytes at
-    128, where 4 warps spill 3.4 KB and 16 still spill; ``bench.compile_int8``), 16 above."""
+    """Warps of the pre-pass programs: 8 up to DP = 128, 16 above.  sm_90, triton 3.6: the quantize kernel
+    takes 126 registers at DP 64 (two programs per SM), 186 at 128, no spills (4 warps spill at 128;
+    ``bench.compile_int8``); 16 warps took 593 against 340 us at (50, 20, 576, 64) fp16 and 333 against
+    291 us at (2, 12, 8192, 128) bf16 on the H200."""
     return 8 if dp <= 128 else 16
 
 
