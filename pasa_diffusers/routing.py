@@ -33,6 +33,7 @@ keeps the stock ``__call__``'s signature (diffusers filters a processor's keywor
 """
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import types
@@ -62,6 +63,17 @@ class RoutedAttnProcessor:
     counted: CountedAttnProcessor
     stock: Any
     body: types.FunctionType
+
+    def __deepcopy__(self, memo: dict) -> RoutedAttnProcessor:
+        """A copy of the state whose body is bound to the copy of ``counted`` (``copy.deepcopy`` keeps a
+        function as it is, which would leave the copy's calls counted by the original)."""
+        twin = type(self).__new__(type(self))
+        memo[id(self)] = twin
+        for name, value in vars(self).items():
+            if name != "body":
+                setattr(twin, name, copy.deepcopy(value, memo))
+        twin.body = _bound_body(type(twin.stock), twin.counted)
+        return twin
 
 
 def _attend_bnhd(counted: CountedAttnProcessor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

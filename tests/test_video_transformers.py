@@ -96,6 +96,20 @@ def test_routed_processor_keeps_the_stock_signature_and_state():
     assert I.attention_processors(model)[key] is stock
 
 
+def test_a_deep_copy_of_a_routed_model_counts_its_own_calls(gen):
+    """``copy.deepcopy`` of a routed model: the copy's bodies are bound to the copy's counters, not the original's."""
+    import copy
+
+    model = tiny_transformer("wan")
+    I.apply(model, "sdpa")
+    inputs = example_inputs("wan", model, gen)
+    twin = copy.deepcopy(model)
+    _forward(twin, inputs)
+    assert I.fallback_summary(twin)["calls"] > 0
+    assert I.fallback_summary(model)["calls"] == 0
+    torch.testing.assert_close(_forward(model, inputs), _forward(twin, inputs))
+
+
 def test_a_processor_without_an_attention_call_to_route_is_refused():
     class Opaque:
         def __call__(self, attn, hidden_states, **kwargs):
