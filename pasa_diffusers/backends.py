@@ -37,7 +37,8 @@ _ALL = (
             Variant("exact", "hybrid")),
     Backend("pasa-half", "PASAAttnProcessor", "the exact shift, fp16 scores and accumulator",
             Variant("exact", "half"), {"precision": "half", "shift": "exact"}),
-    Backend("pasa-int8", "PASAAttnProcessor", "the exact shift in 8 bits: INT8 q k^T on centred, rotated codes, 16-bit P V",
+    Backend("pasa-int8", "PASAAttnProcessor", "the exact shift in 8 bits: INT8 q k^T on centred, rotated codes, "
+            "16-bit P V; one key block in 16 bits",
             Variant("exact", "int8"), {"precision": "int8", "shift": "exact"}),
     Backend("pasa-paper", "PASAAttnProcessor", "the paper's fully-FP16 PASA",
             Variant("pasa", "half"), {"precision": "half", "shift": "pasa"}),

@@ -32,6 +32,7 @@ a logging call breaks the graph), so a compiled model's counters show its eager 
 """
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
@@ -273,8 +274,8 @@ class CountedAttnProcessor:
         self.fallbacks[fallback] = self.fallbacks.get(fallback, 0) + 1
         if (type(self).__name__, fallback) not in _WARNED:
             _WARNED.add((type(self).__name__, fallback))
-            logger.warning("%s: %s in %s; computing it without the backend (counted in .fallbacks, logged once "
-                           "per process)", type(self).__name__, fallback, self.name or "an attention module")
+            logger.warning("%s: %s in %s; computing it by its documented fallback (counted in .fallbacks, logged "
+                           "once per process)", type(self).__name__, fallback, self.name or "an attention module")
 
     def attend(
         self,
@@ -293,6 +294,19 @@ class CountedAttnProcessor:
         self.count_call(reason)
         if reason is None:
             return self.attention(query, key, value, scale, attention_mask)
+        return self.fallback(reason, query, key, value, scale, attention_mask)
+
+    def fallback(
+        self,
+        reason: str,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float | None,
+        attention_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The documented computation of a call ``fallback_reason`` named ``reason``: V itself for a single
+        key, SDPA (with the mask) otherwise."""
         if reason == "single key":
             # softmax over one key is exactly 1: every query row gets that key's value
             return value.expand(-1, query.shape[1], -1, -1)
@@ -305,7 +319,8 @@ class PASAAttnProcessor(CountedAttnProcessor):
 
     Args:
         precision: ``"hybrid"`` (fp16/bf16 GEMMs, fp32 softmax state), ``"half"`` (fp16 scores and
-            accumulator) or ``"fp64"`` (the exact reference math; slow, for tests).
+            accumulator), ``"int8"`` (INT8 ``q k^T`` on centred codes) or ``"fp64"`` (the exact reference
+            math; slow, for tests).
         shift: ``"exact"`` for the exact shift (K's block mean removed exactly, the removed ``q . kbar``
             carried in fp32), ``"pasa"`` (or ``True``) for the paper's PASA, ``"none"`` (or ``False``) for
             plain FlashAttention in the same precision.
@@ -314,7 +329,11 @@ class PASAAttnProcessor(CountedAttnProcessor):
 
     Falls back (counted, logged once per reason and process) for an attention mask other than a key-padding
     mask (``"attention mask"``; key-padding masks, ``key_padding``, run the op on each batch element's kept
-    keys) and a single key (``"single key"``) only.  ``install.apply`` checks every module's head dim and dtype
+    keys), a single key (``"single key"``) and, with ``precision="int8"``, keys that form one block of at
+    most ``rules.SHIFT_BLOCK`` (``"one key block"``: temporal attention, cross-attention to a short text),
+    which run the op's default, the exact shift in hybrid precision: at one block a call is bound by memory,
+    not by the tensor cores, so 8-bit codes buy no speed there, only their error (docs/NUMERICS.md, "Where
+    8 bits pay").  ``install.apply`` checks every module's head dim and dtype
     against the op's rules before installing; a call the op cannot take raises the op's ``ValueError``
     with the module's name.
 
@@ -351,10 +370,28 @@ class PASAAttnProcessor(CountedAttnProcessor):
     ) -> str | None:
         # the mask comes first: the single-key shortcut below ignores it
         if attention_mask is not None:
-            return mask_reason(key, attention_mask)
-        if key.shape[1] == 1:
+            reason = mask_reason(key, attention_mask)
+            if reason is not None:
+                return reason
+        elif key.shape[1] == 1:
             return "single key"
+        if self.precision == "int8" and key.shape[1] <= rules.SHIFT_BLOCK:
+            return "one key block"
         return None
+
+    def fallback(
+        self,
+        reason: str,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float | None,
+        attention_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        if reason == "one key block":
+            return self._attend_kept(functools.partial(self._op, precision="hybrid"), query, key, value, scale,
+                                     attention_mask)
+        return super().fallback(reason, query, key, value, scale, attention_mask)
 
     def attention(
         self,
@@ -364,15 +401,20 @@ class PASAAttnProcessor(CountedAttnProcessor):
         scale: float | None,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        return self._attend_kept(self._op, query, key, value, scale, attention_mask)
+
+    def _attend_kept(self, op: Callable[..., torch.Tensor], query: torch.Tensor, key: torch.Tensor,
+                     value: torch.Tensor, scale: float | None, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """``attend_kept_keys(op, ...)``, the op's ``ValueError`` raised with this processor and its module."""
         try:  # no mask or a key-padding one: fallback_reason let no other through
-            return attend_kept_keys(self._op, query, key, value, scale, attention_mask)
+            return attend_kept_keys(op, query, key, value, scale, attention_mask)
         except ValueError as error:
             raise ValueError(f"{type(self).__name__}(precision={self.precision!r}) in "
                              f"{self.name or 'an attention module'}: {error} (pass dtype= to cast q, k, v)") from error
 
-
-    def _op(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None) -> torch.Tensor:
-        return pasa_attention(query, key, value, scale=scale, precision=self.variant.precision,
+    def _op(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None,
+            precision: str | None = None) -> torch.Tensor:
+        return pasa_attention(query, key, value, scale=scale, precision=precision or self.variant.precision,
                               shift=self.variant.shift, beta=self.beta, layout="bnhd")
 
 

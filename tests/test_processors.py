@@ -252,6 +252,19 @@ def fp16_attention(dim: int, heads: int, g: torch.Generator, **kwargs) -> Attent
         return attn.half().eval().requires_grad_(False)
 
 
+def test_int8_processor_runs_one_key_block_in_the_default_precision(gen):
+    """``precision="int8"``: a call whose keys are one block (temporal attention) is the counted "one key block"
+    fallback, the default's 16-bit op bit for bit; from two blocks on the 8-bit op runs (no fallback)."""
+    attn = fp16_attention(64, 1, gen)
+    for tokens, fallbacks in ((64, {"one key block": 1}), (200, {})):
+        x = torch.randn(2, tokens, 64, generator=gen).half()
+        int8_processor, hybrid = P.PASAAttnProcessor(precision="int8"), P.PASAAttnProcessor()
+        out = int8_processor(attn, x)
+        assert int8_processor.fallbacks == fallbacks and int8_processor.calls == 1
+        assert torch.equal(out, hybrid(attn, x)) == bool(fallbacks)
+        assert torch.isfinite(out).all()
+
+
 @pytest.mark.parametrize("head_dim", [16, 32, 64])
 @pytest.mark.parametrize(
     "make", [P.PASAAttnProcessor, P.NaiveHalfAttnProcessor, lambda: P.PASAAttnProcessor("half", True),
