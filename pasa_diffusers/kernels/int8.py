@@ -83,16 +83,20 @@ def _rne(x):
 def _fwht(x, ROWS: tl.constexpr, DP: tl.constexpr, LOG2_DP: tl.constexpr):
     """``x H^T`` for a (ROWS, DP) fp32 tile: the Walsh-Hadamard transform of each row, unnormalised, by
     ``reference_int8.fwht``'s butterflies (stage ``h = 1, 2, ..., DP/2`` maps channels ``d``, ``d + h``
-    with bit ``h`` of ``d`` clear to ``(a + b, a - b)``).  Each channel takes its partner ``p`` by ``tl.flip``
-    and becomes ``p + x`` (``a + b``) or ``p + (-1) x`` (``a - b``): the product by -1 is exact, and so the
-    FMA the compiler may contract it into rounds the same sum once.  One exchange per element in the tile's
-    own layout (a shuffle where bit ``h`` lies across lanes, nothing where it lies in a thread);
-    ``split``/``join`` had the compiler move the tile through other layouts, 2.7x this kernel's time
-    (H200, (50, 20, 576, 64) fp16)."""
+    with bit ``h`` of ``d`` clear to ``(a + b, a - b)``).  Each channel takes its partner ``p`` (the pair's
+    int32 bit patterns summed, wrapping, minus its own: exactly the partner's bits) and becomes ``p + x``
+    (``a + b``) or ``p + (-1) x`` (``a - b``): the product by -1 is exact, and so the FMA the compiler may
+    contract it into rounds the same sum once.  One exchange per element in the tile's own layout (a
+    shuffle where bit ``h`` lies across lanes, nothing where it lies in a thread); ``split``/``join`` had
+    the compiler move the tile through other layouts, 2.7x this kernel's time (H200, (50, 20, 576, 64)
+    fp16).  On sm_90 the SASS is ``tl.flip``'s instruction for instruction; the interpreter runs the sum
+    5x faster than ``tl.flip``'s xor reduction."""
     for s in tl.static_range(LOG2_DP):
         y = tl.reshape(x, (ROWS, DP // (2 << s), 2, 1 << s))
         sign = tl.where(tl.arange(0, 2) == 1, -1.0, 1.0)[None, None, :, None]
-        x = tl.reshape(tl.flip(y, 2) + sign * y, (ROWS, DP))
+        bits = y.to(tl.int32, bitcast=True)
+        partner = (tl.sum(bits, axis=2, keep_dims=True) - bits).to(tl.float32, bitcast=True)
+        x = tl.reshape(partner + sign * y, (ROWS, DP))
     return x
 
 
