@@ -16,11 +16,13 @@ their attention calls sent to the same ``attend``):
 
 Every processor takes ``dtype``: attention then works on q, k, v cast to it (e.g. fp16 in an fp32 model).
 
-No silent fallbacks.  The PASA processors run the op on every call except two documented cases, which
-they compute exactly another way, count under their reason in ``fallbacks`` and log once: an
-attention mask that is not a key-padding mask (``"attention mask"``: SDPA with the mask; the op takes
-none, and a key-padding mask runs the op on each batch element's kept keys) and a single key
-(``"single key"``: the softmax is exactly 1, the output that key's value; SVD's cross-attentions).  A
+No silent fallbacks.  The PASA processors run the op on every call except the documented cases, which
+they compute another way, count under their reason in ``fallbacks`` and log once: an attention mask
+that is not a key-padding mask (``"attention mask"``: SDPA with the mask; the op takes none, and a
+key-padding mask runs the op on each batch element's kept keys; under ``torch.compile`` every mask), a
+single key (``"single key"``: the softmax is exactly 1, the output that key's value; SVD's
+cross-attentions) and, for ``precision="int8"``, keys of one block (``"one key block"``: the op's
+default precision, where 8 bits buy no speed).  A
 call the op cannot take (a head dim outside ``[rules.MIN_HEAD_DIM, rules.MAX_HEAD_DIM]``, an input
 dtype the precision does not take) raises ``ValueError`` naming the module; ``install.apply`` checks
 both before installing and casts q, k, v to a dtype the backend takes.  The op is forward-only: a
