@@ -523,9 +523,10 @@ def model_runs(model: torch.nn.Module, backends: Sequence[str], compiled: Sequen
     """A whole model per attention backend: each of ``backends`` installed on ``model`` (``install.apply``),
     ``call(model)`` timed eager and, for the backends in ``compiled`` (all when it is empty; none when it
     is ``None``), ``torch.compile``d (``fullgraph=True``); the model restored after each.  Per run: the
-    backend, the mode, ms, the first run's time over this one's, whether the output is finite, its
-    relative RMS difference to the first run's output, the peak GPU memory of one call above what was
-    allocated before it (MiB, ``None`` on a CPU) and the fallback calls."""
+    backend, the mode, the first call's wall time (s: with the compile in the compiled mode), ms, the first
+    run's time over this one's, whether the output is finite, its relative RMS difference to the first
+    run's output, the peak GPU memory of one call above what was allocated before it (MiB, ``None`` on a
+    CPU) and the fallback calls."""
     from pasa_diffusers import install
 
     rows: list[dict[str, Any]] = []
@@ -539,16 +540,19 @@ def model_runs(model: torch.nn.Module, backends: Sequence[str], compiled: Sequen
             def run(runner: torch.nn.Module = runner) -> torch.Tensor:
                 return call(runner)
             with torch.no_grad():
+                start = time.perf_counter()
                 out = run().float()
+                synchronize()
+                first_s = time.perf_counter() - start
                 ms = timer(run)
                 peak = peak_mib(run)
             baseline = baseline or (ms, out)
             diff = (out - baseline[1]).pow(2).mean().sqrt() / baseline[1].pow(2).mean().sqrt()
             summary = install.fallback_summary(model)
-            rows.append({"backend": backend, "mode": mode, "ms": ms, "vs_first": baseline[0] / ms,
-                         "finite": bool(torch.isfinite(out).all()), "rel_rms_diff": diff.item(), "peak_mib": peak,
-                         "fallback_calls": summary["fallback_calls"], "fallbacks": summary["fallbacks"]})
-            log(f"{backend} {mode}: {ms:.1f} ms")
+            rows.append({"backend": backend, "mode": mode, "first_call_s": first_s, "ms": ms,
+                         "vs_first": baseline[0] / ms, "finite": bool(torch.isfinite(out).all()),
+                         "rel_rms_diff": diff.item(), "peak_mib": peak, "fallback_calls": summary["fallback_calls"], "fallbacks": summary["fallbacks"]})
+            log(f"{backend} {mode}: {ms:.1f} ms (first call {first_s:.1f} s)")
         install.restore(model)
         torch._dynamo.reset()
     return rows

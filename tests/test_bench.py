@@ -102,6 +102,6 @@ def test_dit_runs_a_tiny_transformer_per_backend(tmp_path):
     assert dit.main(["--model", "tiny-wan", "--backends", "sdpa", "fp32", "--iters", "1", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "dit.json").read_text())["rows"]
     assert [r["backend"] for r in rows] == ["sdpa", "fp32"]
-    assert all(r["finite"] and r["ms"] > 0 and r["fallback_calls"] == 0 for r in rows)
+    assert all(r["finite"] and r["ms"] > 0 and r["first_call_s"] > 0 and r["fallback_calls"] == 0 for r in rows)
     assert rows[1]["rel_rms_diff"] == 0.0  # SDPA on fp32 copies in an fp32 model: the same arithmetic
     assert (tmp_path / "dit.md").read_text().startswith("# bench.dit: one forward of tiny-wan")
