@@ -551,7 +551,8 @@ def model_runs(model: torch.nn.Module, backends: Sequence[str], compiled: Sequen
             summary = install.fallback_summary(model)
             rows.append({"backend": backend, "mode": mode, "first_call_s": first_s, "ms": ms,
                          "vs_first": baseline[0] / ms, "finite": bool(torch.isfinite(out).all()),
-                         "rel_rms_diff": diff.item(), "peak_mib": peak, "fallback_calls": summary["fallback_calls"], "fallbacks": summary["fallbacks"]})
+                         "rel_rms_diff": diff.item(), "peak_mib": peak, "fallback_calls": summary["fallback_calls"],
+                         "fallbacks": summary["fallbacks"]})
             log(f"{backend} {mode}: {ms:.1f} ms (first call {first_s:.1f} s)")
         install.restore(model)
         torch._dynamo.reset()

@@ -84,8 +84,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         records.markdown_table(
             ["frames", "backend", "mode", "first call s", "step ms", f"vs {first}", "finite",
              f"rel. RMS diff to {first}", "fallback calls"],
-            [[r["frames"], r["backend"], r["mode"], f"{r['first_call_s']:.1f}", f"{r['ms']:.1f}", f"{r['vs_first']:.3f}",
-              r["finite"], f"{r['rel_rms_diff']:.2e}", r["fallback_calls"]] for r in rows], align="rllrrrlrr") + "\n"
+            [[r["frames"], r["backend"], r["mode"], f"{r['first_call_s']:.1f}", f"{r['ms']:.1f}",
+              f"{r['vs_first']:.3f}", r["finite"], f"{r['rel_rms_diff']:.2e}", r["fallback_calls"]] for r in rows],
+            align="rllrrrlrr") + "\n"
     harness.write_report(args.out, NAME, text, {"bench": NAME, "command": cmd, "environment": env,
                                                 "timer": asdict(timer), "rows": rows})
     print(text)

@@ -77,7 +77,8 @@ class RoutedAttnProcessor:
 
 
 def _attend_bnhd(counted: CountedAttnProcessor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 attn_mask: torch.Tensor | None, dropout_p: float, is_causal: bool, scale: float | None) -> torch.Tensor:
+                 attn_mask: torch.Tensor | None, dropout_p: float, is_causal: bool,
+                 scale: float | None) -> torch.Tensor:
     """One attention call of a routed body on ``(B, N, H, D)`` tensors, in the input dtype."""
     special = "causal" if is_causal else "dropout" if dropout_p > 0.0 else None
     if special is not None:
