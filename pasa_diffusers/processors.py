@@ -34,7 +34,6 @@ a logging call breaks the graph), so a compiled model's counters show its eager 
 """
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable
 
@@ -391,8 +390,7 @@ class PASAAttnProcessor(CountedAttnProcessor):
         attention_mask: torch.Tensor | None,
     ) -> torch.Tensor:
         if reason == "one key block":
-            return self._attend_kept(functools.partial(self._op, precision="hybrid"), query, key, value, scale,
-                                     attention_mask)
+            return self.attention(query, key, value, scale, attention_mask, precision="hybrid")
         return super().fallback(reason, query, key, value, scale, attention_mask)
 
     def attention(
@@ -402,22 +400,21 @@ class PASAAttnProcessor(CountedAttnProcessor):
         value: torch.Tensor,
         scale: float | None,
         attention_mask: torch.Tensor | None = None,
+        precision: str | None = None,
     ) -> torch.Tensor:
-        return self._attend_kept(self._op, query, key, value, scale, attention_mask)
+        """``pasa_attention`` in ``precision`` (default: this processor's; the one-key-block fallback passes the
+        op's default) on each batch element's kept keys; the op's ``ValueError`` names this processor and module."""
+        precision = precision or self.precision
 
-    def _attend_kept(self, op: Callable[..., torch.Tensor], query: torch.Tensor, key: torch.Tensor,
-                     value: torch.Tensor, scale: float | None, attention_mask: torch.Tensor | None) -> torch.Tensor:
-        """``attend_kept_keys(op, ...)``, the op's ``ValueError`` raised with this processor and its module."""
+        def op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: float | None) -> torch.Tensor:
+            return pasa_attention(q, k, v, scale=s, precision=precision, shift=self.shift, beta=self.beta,
+                                  layout="bnhd")
+
         try:  # no mask or a key-padding one: fallback_reason let no other through
             return attend_kept_keys(op, query, key, value, scale, attention_mask)
         except ValueError as error:
-            raise ValueError(f"{type(self).__name__}(precision={self.precision!r}) in "
+            raise ValueError(f"{type(self).__name__}(precision={precision!r}) in "
                              f"{self.name or 'an attention module'}: {error} (pass dtype= to cast q, k, v)") from error
-
-    def _op(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None,
-            precision: str | None = None) -> torch.Tensor:
-        return pasa_attention(query, key, value, scale=scale, precision=precision or self.variant.precision,
-                              shift=self.variant.shift, beta=self.beta, layout="bnhd")
 
 
 class NaiveHalfAttnProcessor(PASAAttnProcessor):
