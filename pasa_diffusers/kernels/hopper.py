@@ -170,19 +170,31 @@ def _round_p(p, p_dtype: gl.constexpr):
 
 
 @gluon_jit
+def _widen_p(p):
+    """``p`` (fp16 or bf16) as fp32, exactly, for ``l``'s sum.  A bf16 pair is widened straight from its
+    packed register (``shl`` and ``and``: two instructions per pair), where Triton 3.6 unpacks each value
+    first (two ``PRMT`` per pair more, on the softmax's path)."""
+    if p.dtype == gl.bfloat16:
+        return gl.inline_asm_elementwise("shl.b32 $0, $2, 16;\n\tand.b32 $1, $2, 0xffff0000;", "=r,=r,r", [p],
+                                         dtype=gl.float32, is_pure=True, pack=2)
+    return p.to(gl.float32)
+
+
+@gluon_jit
 def _softmax_step(s, r_j, m_i, l_i, start_n, N_K, qk_scale, p_dtype: gl.constexpr, MASK_N: gl.constexpr):
     """One tile's online softmax (the module docstring's lines for ``m_s`` .. ``l_i``):
     ``(p, alpha, m_new, l_new)`` with ``p`` rounded to ``p_dtype`` (the inputs' fp16 or bf16: the A
     operand of ``P V``), ``s`` (64, BLOCK_N) fp32 unscaled, ``r_j``, ``m_i``, ``l_i`` (64,)."""
     if MASK_N:
-        cols = start_n + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
-        s = gl.where((cols < N_K)[None, :], s, float("-inf"))
+        if start_n + s.shape[1] > N_K:  # the last tile only: a branch per tile, not a select per score
+            cols = start_n + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s.type.layout))
+            s = gl.where((cols < N_K)[None, :], s, float("-inf"))
     m_s = gl.max(s, axis=1) * qk_scale
     m_blk = m_s + r_j
     m_new = gl.maximum(m_i, m_blk)
     p = _round_p(gl.exp2(gl.fma(s, qk_scale, -(m_s - (m_blk - m_new))[:, None])), p_dtype)
     alpha = gl.exp2(m_i - m_new)
-    l_new = alpha * l_i + gl.sum(p.to(gl.float32), axis=1)
+    l_new = alpha * l_i + gl.sum(_widen_p(p), axis=1)
     return p, alpha, m_new, l_new
 
 

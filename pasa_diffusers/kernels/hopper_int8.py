@@ -58,7 +58,7 @@ import triton.language as tl
 
 from .. import rules
 from .hopper import (CENTRE_ROWS, PRODUCER_WARPS, ROWS_PER_CONSUMER, SHARED_MEMORY_BYTES, _GLUON_IMPORT_ERROR,
-                     _descriptor_layout_problem, _registers, _release, _round_p, _row_shift, gluon_jit,
+                     _descriptor_layout_problem, _registers, _release, _round_p, _row_shift, _widen_p, gluon_jit,
                      unavailable_reason)
 
 if _GLUON_IMPORT_ERROR is None:
@@ -178,14 +178,15 @@ def _softmax_step(z, r, m_i, l_i, start_n, N_K, p_dtype: gl.constexpr, MASK_N: g
     """One tile's online softmax from its logits ``z`` (log2 units, fp32) and ``r``: ``(p, alpha, m_new,
     l_new)``, ``p`` rounded to ``p_dtype``."""
     if MASK_N:
-        cols = start_n + gl.arange(0, z.shape[1], layout=gl.SliceLayout(0, z.type.layout))
-        z = gl.where((cols < N_K)[None, :], z, float("-inf"))
+        if start_n + z.shape[1] > N_K:  # the last tile only (hopper._softmax_step)
+            cols = start_n + gl.arange(0, z.shape[1], layout=gl.SliceLayout(0, z.type.layout))
+            z = gl.where((cols < N_K)[None, :], z, float("-inf"))
     m_s = gl.max(z, axis=1)
     m_blk = m_s + r
     m_new = gl.maximum(m_i, m_blk)
     p = _round_p(gl.exp2(z - (m_s - (m_blk - m_new))[:, None]), p_dtype)
     alpha = gl.exp2(m_i - m_new)
-    l_new = alpha * l_i + gl.sum(p.to(gl.float32), axis=1)
+    l_new = alpha * l_i + gl.sum(_widen_p(p), axis=1)
     return p, alpha, m_new, l_new
 
 
