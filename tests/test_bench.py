@@ -105,3 +105,15 @@ def test_dit_runs_a_tiny_transformer_per_backend(tmp_path):
     assert all(r["finite"] and r["ms"] > 0 and r["first_call_s"] > 0 and r["fallback_calls"] == 0 for r in rows)
     assert rows[1]["rel_rms_diff"] == 0.0  # SDPA on fp32 copies in an fp32 model: the same arithmetic
     assert (tmp_path / "dit.md").read_text().startswith("# bench.dit: one forward of tiny-wan")
+
+
+def test_hopper_checks_big_shapes_on_fewer_heads():
+    """bench.hopper's check draws keep the float64 golden of their checked batch entries within GOLDEN_BYTES
+    (the DiTs' full shapes would need 192-226 GiB), and keep small shapes whole."""
+    from bench import hopper
+
+    for shape in [(2, 12, 32760, 128), (1, 24, 45000, 128), (2, 48, 17776, 64), (1, 40, 32760, 128)]:
+        b, h, n, d = hopper.check_shape(shape)
+        assert (b, n, d) == (shape[0], shape[2], shape[3]) and 1 <= h < shape[1]
+        assert h == 1 or min(b, 2) * h * n * n * 8 <= hopper.GOLDEN_BYTES
+    assert hopper.check_shape((50, 5, 9216, 64)) == (50, 5, 9216, 64)
