@@ -2,7 +2,7 @@
 # One device call: the Gluon kernels of this tree against the ones saved in ab_old/ (same machine, same run):
 # bench.attention at the video DiTs' shapes in bf16, cuDNN and the peers beside them.
 #   mkdir ab_old && for f in hopper hopper_int8; do git show REV:pasa_diffusers/kernels/$f.py > ab_old/$f.py; done
-#   OUT=$OUT bash scripts/gpu_ab_kernels.sh      (carry .whl; ab_old/ untracked, so that the device gets it; delete it after)
+#   OUT=$OUT bash scripts/gpu_ab_kernels.sh   (carry .whl; ab_old/ stays untracked so the device gets it; delete it after)
 set -u
 . scripts/device_env.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
