@@ -259,6 +259,9 @@ INPUT_SHAPES = {"spatial-ragged,gqa": (2, 8, 4, 1000, 64), "temporal-25": (2048,
 WIDE_SHAPES = {"d128,gqa,ragged": (2, 8, 4, 1000, 128), "d96,ragged": (1, 6, 6, 777, 96),
                "d112,ragged": (1, 4, 4, 600, 112)}
 """The Gluon kernel's 128 tile: head dim 128 (Wan, HunyuanVideo, Mochi) and the padded 96 and 112."""
+LONG_SHAPES = {"d64,long-ragged,gqa": (1, 4, 2, 2100, 64), "d128,long-ragged,gqa": (1, 4, 2, 2100, 128)}
+"""Both tiles above ``hopper.SHORT_KEYS`` keys (their long-key configs) with a key count that is not a
+multiple of the key tile (the mask on the last tile)."""
 INPUT_VARIANTS = {"default": ("exact", "hybrid"), "exact-half": ("exact", "half"), "paper-hybrid": ("pasa", "hybrid"),
                   "paper-half": ("pasa", "half"), "fa-hybrid": ("flash", "hybrid"), "naive-half": ("flash", "half")}
 DEFAULT_VS_SDPA = 1.5
@@ -274,7 +277,7 @@ def input_class_cells():
     def cell(shape_name, case, dtype=torch.float16):
         if (shape_name, case, dtype) not in cache:
             cache.clear()
-            shape = {**INPUT_SHAPES, **WIDE_SHAPES}[shape_name]
+            shape = {**INPUT_SHAPES, **WIDE_SHAPES, **LONG_SHAPES}[shape_name]
             q, k, v = _cuda(*numerics.input_classes(shape, seed=5, dtype=dtype)[case])
             gold = golden_attention(q, k, v)
             sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1])
@@ -413,9 +416,10 @@ def test_default_kernels_on_input_classes(input_class_cells, case, kernel):
         assert torch.equal(run("auto"), out)
 
 
-GLUON_CELLS = [(shape, dtype) for shape in ("spatial-ragged,gqa", *WIDE_SHAPES) for dtype in ("float16", "bfloat16")
-               if not (shape == "spatial-ragged,gqa" and dtype == "float16")]
-"""bf16 at head dim 64 and both dtypes on the 128 tile (fp16 at head dim 64 is the test above)."""
+GLUON_CELLS = [(shape, dtype) for shape in ("spatial-ragged,gqa", *WIDE_SHAPES, *LONG_SHAPES)
+               for dtype in ("float16", "bfloat16") if not (shape == "spatial-ragged,gqa" and dtype == "float16")]
+"""bf16 at head dim 64, both dtypes on the 128 tile and at long ragged keys on both tiles (fp16 at head dim 64
+and 1000 keys is the test above)."""
 
 
 @pytest.mark.filterwarnings("ignore")
