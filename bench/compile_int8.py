@@ -17,7 +17,8 @@ the INT8 q k^T and f32.e4m3.e4m3 or f32.f16.f16 for P V; mma.sync if Triton fell
 count (HGMMA 16-bit, IGMMA INT8, QGMMA FP8), spills (ptxas -v spill bytes, st.local/ld.local in the
 PTX, STL/LDL in the SASS), registers per thread (cuobjdump -res-usage), shared memory, threads, and for the
 pre-pass the IEEE divisions (div.rn.f32) and whether an FMA swallowed the rounding trick's addition
-(there must be none: the spec rounds the quotient first).
+(there must be none: the spec rounds the quotient first); for the attention kernels their key loop in the SASS
+(bench.compile_sm90.key_loop).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
-from .compile_sm90 import add_compiler_arguments, answer_child, compile_all, run_child, spilled
+from .compile_sm90 import add_compiler_arguments, answer_child, compile_all, loop_text, run_child, spilled
 
 NAME = "compile_int8"
 ROOT = Path(__file__).resolve().parents[1]
@@ -186,19 +187,21 @@ def _what(row: dict) -> str:
 
 
 COLUMNS = ["kernel", "D", "dtype", "wgmma PTX by type (SASS)", "mma.sync", "spills st/ld, local PTX/SASS",
-           "regs/thread", "threads", "smem B", "div.rn / approx, rne adds / fused", "compile s"]
+           "regs/thread", "threads", "smem B", "div.rn / approx, rne adds / fused",
+           "key loop: SASS instructions, top ops", "compile s"]
 
 
 def table_row(row: dict) -> list:
     head = [_what(row), row["d"], row["dtype"]]
     if not row["ok"]:
-        return head + [f"FAILED: {row['error']}"] + [""] * 6 + [row["seconds"]]
+        return head + [f"FAILED: {row['error']}"] + [""] * 7 + [row["seconds"]]
     wg = ", ".join(f"{k} {v}" for k, v in row["wgmma"].items()) or "none"
     sass = ", ".join(f"{kind.upper()} {row[kind]}" for kind in ("hgmma", "igmma", "qgmma") if row[kind]) or "none"
     spill = f"{row['spill_st']}/{row['spill_ld']} B" if row["spill_st"] is not None else "?"
     return head + [f"{wg} ({sass})", row["mma_sync"], f"{spill}, {row['ptx_local']}/{row['sass_local']}",
                    row["regs"], row["threads"], row["smem"],
-                   f"{row['div_rn']} / {row['div_approx']}, {row['rne_adds']} / {row['rne_fused']}", row["seconds"]]
+                   f"{row['div_rn']} / {row['div_approx']}, {row['rne_adds']} / {row['rne_fused']}", loop_text(row),
+                   row["seconds"]]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

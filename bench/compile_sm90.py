@@ -16,7 +16,8 @@ worker partitions and the setmaxnreg values in the PTX); wgmma.mma_async in the 
 TMA copies (cp.async.bulk.tensor; UTMALDG / UTMASTG); mbarrier instructions by kind; spills (ptxas's
 spill stores/loads, st.local / ld.local in the PTX, STL / LDL in the SASS); registers per thread and
 stack (cuobjdump -res-usage); threads (32 x all warps, producer included); shared memory bytes; MUFU.EX2
-count; compile seconds.
+count; the consumer's key loop in the SASS (its instruction count and most frequent opcodes: key_loop, where
+a select per score on every tile showed up, journal 62); compile seconds.
 """
 from __future__ import annotations
 
@@ -118,6 +119,36 @@ def ptxas_report(ptx: str) -> dict:
             "spill_ld": _first_int(r"(\d+) bytes spill loads", log)}
 
 
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.+?)\s*;")
+_PV_MMA = re.compile(r"[HQI]GMMA\S*\s+R\d+,\s*R\d+")
+"""A warpgroup MMA whose A operand is registers: the ``P V`` of an attention loop (``p`` stays in registers)."""
+
+
+def key_loop(sass: str, top: int = 8) -> dict:
+    """The attention's key loop in ``cuobjdump -sass`` text: the smallest loop (a backward branch's range) that
+    holds a ``P V`` MMA (:data:`_PV_MMA`) and an ``MUFU.EX2`` (the softmax), as ``{"loop_sass": its
+    instruction count, "loop_ops": its ``top`` opcodes with their counts}``; ``None`` values where there is
+    none.  Code under a branch inside the loop (a last tile's mask, a flagged tile's GEMMs) counts as if every
+    tile ran it: compare histograms between versions, not the count with the instructions a tile runs."""
+    ins = [(int(m.group(1), 16), m.group(2)) for m in map(_SASS_LINE.search, sass.splitlines()) if m]
+    best = None
+    for addr, text in ins:
+        branch = re.search(r"\bBRA\s+(?:`\(.*?\)\s*)?0x([0-9a-f]+)", text)
+        if not branch or int(branch.group(1), 16) >= addr:
+            continue
+        body = [t for a, t in ins if int(branch.group(1), 16) <= a <= addr]
+        if any(_PV_MMA.search(t) for t in body) and any("MUFU.EX2" in t for t in body):
+            best = body if best is None or len(body) < len(best) else best
+    if best is None:
+        return {"loop_sass": None, "loop_ops": None}
+    ops: dict[str, int] = {}
+    for text in best:
+        op = re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
+        ops[op] = ops.get(op, 0) + 1
+    ranked = sorted(ops.items(), key=lambda kv: -kv[1])[:top]
+    return {"loop_sass": len(best), "loop_ops": ", ".join(f"{op} {n}" for op, n in ranked)}
+
+
 def cubin_report(cubin: bytes) -> dict:
     """``cuobjdump -res-usage`` (registers, stack) and ``-sass`` instruction counts of the cubin (warpgroup
     MMAs by kind: HGMMA 16-bit, IGMMA INT8, QGMMA FP8)."""
@@ -131,7 +162,7 @@ def cubin_report(cubin: bytes) -> dict:
             "hgmma": len(re.findall(r"\bHGMMA\b", sass)), "igmma": len(re.findall(r"\bIGMMA\b", sass)),
             "qgmma": len(re.findall(r"\bQGMMA\b", sass)), "utmaldg": len(re.findall(r"UTMALDG", sass)),
             "utmastg": len(re.findall(r"UTMASTG", sass)), "mufu_ex2": len(re.findall(r"MUFU\.EX2", sass)),
-            "sass_local": len(re.findall(r"\b(?:STL|LDL)\b", sass))}
+            "sass_local": len(re.findall(r"\b(?:STL|LDL)\b", sass)), **key_loop(sass)}
 
 
 def kernel_report(kern) -> dict:
@@ -227,7 +258,7 @@ def table_row(row: dict) -> list:
     head = [f"BLOCK_N {block_n}, {stages} stages, {'overlap' if overlap else 'serial'}, {consumers} consumers",
             f"Nk={row['shape'][3]}, D={row['shape'][4]}, {row['dtype']}"]
     if not row["ok"]:
-        return head + [f"FAILED: {row['error']}"] + [""] * 8 + [row["seconds"]]
+        return head + [f"FAILED: {row['error']}"] + [""] * 9 + [row["seconds"]]
     ws = (f"yes, workers {row['partitions']} warps, setmaxnreg {'/'.join(map(str, row['setmaxnreg']))}"
           if row["ws"] else "no")
     spill = f"{row['spill_st']}/{row['spill_ld']} B" if row["spill_st"] is not None else "?"
@@ -235,11 +266,17 @@ def table_row(row: dict) -> list:
                    ", ".join(f"{k} {v}" for k, v in row["mbar"].items()),
                    f"{spill}, local PTX/SASS {row['ptx_local']}/{row['sass_local']}, stack {row['stack']}",
                    f"{row['regs']} (maxnreg {row['maxnreg']})", row["threads"], row["smem"], row["mufu_ex2"],
-                   row["seconds"]]
+                   loop_text(row), row["seconds"]]
+
+
+def loop_text(row: dict) -> str:
+    """The key loop's cell: its SASS instruction count and top opcodes (:func:`key_loop`), or ``-``."""
+    return f"{row['loop_sass']}: {row['loop_ops']}" if row.get("loop_sass") else "-"
 
 
 COLUMNS = ["config", "shape", "warp-specialised", "wgmma PTX (HGMMA SASS)", "TMA PTX (SASS)",
-           "mbarrier PTX ops", "spills st/ld", "regs/thread", "threads", "smem B", "MUFU.EX2", "compile s"]
+           "mbarrier PTX ops", "spills st/ld", "regs/thread", "threads", "smem B", "MUFU.EX2",
+           "key loop: SASS instructions, top ops", "compile s"]
 
 
 def answer_child(argv: list[str], compile_one, probe) -> bool:
