@@ -29,7 +29,8 @@ Batch 2 is classifier-free guidance.  Per backend (names of ``pasa_diffusers.bac
 by ``install.apply``: the model's own processors, attention routed): the first forward's wall time (with
 the compile in a compiled row), the forward's time (the timer's median
 over ``--iters`` forwards after one warm-up and three estimating ones), the first backend's time over it
-(> 1: faster), the peak GPU memory of the forward, whether the output is finite, its relative RMS difference
+(> 1: faster), the attention's share of an eager forward (``harness.attention_share``: the time inside the
+attention calls, by CUDA events around each), the peak GPU memory of the forward, whether the output is finite, its relative RMS difference
 to the first backend's, and the fallback calls.  ``--compile`` adds ``torch.compile``d forwards of the named
 backends (or all).  The peers (FA3, SageAttention, SDPA's single backends) take no mask: HunyuanVideo's joint
 attention and LTX-Video's cross-attention carry a text mask, so there they fall back to SDPA (counted).
@@ -126,12 +127,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     first = args.backends[0]
     text = harness.header(f"bench.dit: one forward of {args.model} per attention backend", env, cmd) + "\n" + \
         records.markdown_table(
-            ["resolution", "video tokens", "backend", "mode", "first call s", "forward ms", f"vs {first}", "peak MiB",
-             "finite", f"rel. RMS diff to {first}", "fallback calls"],
+            ["resolution", "video tokens", "backend", "mode", "first call s", "forward ms", f"vs {first}",
+             "attention share", "peak MiB", "finite", f"rel. RMS diff to {first}", "fallback calls"],
             [[r["resolution"], "-" if r["video_tokens"] is None else f"{r['video_tokens']:,}", r["backend"],
               r["mode"], f"{r['first_call_s']:.1f}", f"{r['ms']:.1f}", f"{r['vs_first']:.3f}",
-              "-" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}", r["finite"], f"{r['rel_rms_diff']:.2e}",
-              r["fallback_calls"]] for r in rows], align="lrllrrrrlrr") + "\n"
+              harness.share_text(r["attention_share"]), "-" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}",
+              r["finite"], f"{r['rel_rms_diff']:.2e}", r["fallback_calls"]] for r in rows],
+            align="lrllrrrrrlrr") + "\n"
     harness.write_report(args.out, NAME, text, {"bench": NAME, "command": cmd, "environment": env,
                                                 "timer": asdict(timer), "rows": rows})
     print(text)

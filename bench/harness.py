@@ -518,6 +518,61 @@ class Timer:
         return statistics.median(times)
 
 
+def attention_share(model: torch.nn.Module, run: Callable[[], Any]) -> float | None:
+    """The share of one eager ``run()``'s time that ``model``'s attention calls take: every installed
+    processor's ``attend`` (the one entry of each call, fallbacks included, whatever the backend) between
+    CUDA events recorded around it, over the events around the whole run (``time.perf_counter`` on a CPU).
+    On the GPU a call's span runs from the GPU reaching its first launch to its last kernel's end: the
+    attention kernels, and any wait for the host inside the call.  ``None`` where no processor is installed."""
+    from pasa_diffusers import install
+    from pasa_diffusers.attention_modules import attention_processors
+
+    found = (install.counted_processor(p) for p in attention_processors(model).values())
+    processors = list({id(p): p for p in found if p is not None}.values())
+    if not processors:
+        return None
+    on_gpu = torch.cuda.is_available()
+
+    def mark() -> Any:
+        if not on_gpu:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def elapsed_ms(begin: Any, end: Any) -> float:
+        return begin.elapsed_time(end) if on_gpu else (end - begin) * 1e3
+
+    spans: list[tuple[Any, Any]] = []
+
+    def timed(attend: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def attend_timed(*args: Any, **kwargs: Any) -> torch.Tensor:
+            begin = mark()
+            out = attend(*args, **kwargs)
+            spans.append((begin, mark()))
+            return out
+        return attend_timed
+
+    for processor in processors:
+        processor.attend = timed(processor.attend)
+    try:
+        with torch.no_grad():
+            synchronize()
+            begin = mark()
+            run()
+            end = mark()
+            synchronize()
+    finally:
+        for processor in processors:
+            del processor.attend
+    return sum(elapsed_ms(a, b) for a, b in spans) / elapsed_ms(begin, end)
+
+
+def share_text(share: float | None) -> str:
+    """A table cell of :func:`attention_share`: ``"58 %"``, or ``"-"`` (compiled, or nothing installed)."""
+    return "-" if share is None else f"{100 * share:.0f} %"
+
+
 def model_runs(model: torch.nn.Module, backends: Sequence[str], compiled: Sequence[str] | None,
                call: Callable[[torch.nn.Module], torch.Tensor], timer: Timer) -> list[dict[str, Any]]:
     """A whole model per attention backend: each of ``backends`` installed on ``model`` (``install.apply``),
@@ -526,7 +581,8 @@ def model_runs(model: torch.nn.Module, backends: Sequence[str], compiled: Sequen
     backend, the mode, the first call's wall time (s: with the compile in the compiled mode), ms, the first
     run's time over this one's, whether the output is finite, its relative RMS difference to the first
     run's output, the peak GPU memory of one call above what was allocated before it (MiB, ``None`` on a
-    CPU) and the fallback calls."""
+    CPU), the attention's share of an eager call (:func:`attention_share`, one more call; ``None`` compiled)
+    and the fallback calls."""
     from pasa_diffusers import install
 
     rows: list[dict[str, Any]] = []
@@ -546,13 +602,14 @@ def model_runs(model: torch.nn.Module, backends: Sequence[str], compiled: Sequen
                 first_s = time.perf_counter() - start
                 ms = timer(run)
                 peak = peak_mib(run)
+            share = attention_share(model, run) if mode == "eager" else None
             baseline = baseline or (ms, out)
             diff = (out - baseline[1]).pow(2).mean().sqrt() / baseline[1].pow(2).mean().sqrt()
             summary = install.fallback_summary(model)
             rows.append({"backend": backend, "mode": mode, "first_call_s": first_s, "ms": ms,
                          "vs_first": baseline[0] / ms, "finite": bool(torch.isfinite(out).all()),
-                         "rel_rms_diff": diff.item(), "peak_mib": peak, "fallback_calls": summary["fallback_calls"],
-                         "fallbacks": summary["fallbacks"]})
+                         "rel_rms_diff": diff.item(), "peak_mib": peak, "attention_share": share,
+                         "fallback_calls": summary["fallback_calls"], "fallbacks": summary["fallbacks"]})
             log(f"{backend} {mode}: {ms:.1f} ms (first call {first_s:.1f} s)")
         install.restore(model)
         torch._dynamo.reset()

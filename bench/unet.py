@@ -9,7 +9,8 @@ the GPU, 72x128 latents (576x1024 video), classifier-free guidance (batch 2), F 
 (names of pasa_diffusers.backends.BACKENDS, installed by install.apply): the first step's wall time
 (with the compile in a compiled row), the step time (the timer's
 median over --iters steps after three warm-up steps), the first backend's time over it (> 1: faster),
-whether the output is finite, its relative RMS difference to the first backend's output, and how many
+the attention's share of an eager step (harness.attention_share: the time inside the attention calls, by
+CUDA events around each), whether the output is finite, its relative RMS difference to the first backend's output, and how many
 attention calls the processors sent to a fallback.  --compile adds torch.compile'd steps
 (fullgraph=True: a graph break is an error) of every backend, or of the named ones (compiling the
 full UNet takes minutes per backend).
@@ -57,6 +58,17 @@ def step_rows(unet: torch.nn.Module, frames: int, args, timer: harness.Timer) ->
     return [{"frames": frames, **row} for row in rows]
 
 
+def table(rows: Sequence[dict], first: str) -> str:
+    """The report's table: one line per (frames, backend, mode) row of :func:`step_rows`."""
+    return records.markdown_table(
+        ["frames", "backend", "mode", "first call s", "step ms", f"vs {first}", "attention share", "finite",
+         f"rel. RMS diff to {first}", "fallback calls"],
+        [[r["frames"], r["backend"], r["mode"], f"{r['first_call_s']:.1f}", f"{r['ms']:.1f}", f"{r['vs_first']:.3f}",
+          harness.share_text(r["attention_share"]), r["finite"], f"{r['rel_rms_diff']:.2e}", r["fallback_calls"]]
+         for r in rows],
+        align="rllrrrrlrr")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = harness.parser(NAME, __doc__)
     p.add_argument("--frames", type=int, nargs="+", default=list(harness.FRAMES), metavar="F",
@@ -79,14 +91,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     timer = harness.Timer(warmup_ms=0.0, rep_ms=0.0, min_runs=args.iters, flush_l2=False)
     unet = make_unet()
     rows = [r for frames in harness.progress(args.frames, NAME) for r in step_rows(unet, frames, args, timer)]
-    first = args.backends[0]
     text = harness.header("bench.unet: one step of the full-size SVD UNet per attention backend", env, cmd) + "\n" + \
-        records.markdown_table(
-            ["frames", "backend", "mode", "first call s", "step ms", f"vs {first}", "finite",
-             f"rel. RMS diff to {first}", "fallback calls"],
-            [[r["frames"], r["backend"], r["mode"], f"{r['first_call_s']:.1f}", f"{r['ms']:.1f}",
-              f"{r['vs_first']:.3f}", r["finite"], f"{r['rel_rms_diff']:.2e}", r["fallback_calls"]] for r in rows],
-            align="rllrrrlrr") + "\n"
+        table(rows, args.backends[0]) + "\n"
     harness.write_report(args.out, NAME, text, {"bench": NAME, "command": cmd, "environment": env,
                                                 "timer": asdict(timer), "rows": rows})
     print(text)

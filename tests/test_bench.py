@@ -104,7 +104,44 @@ def test_dit_runs_a_tiny_transformer_per_backend(tmp_path):
     assert [r["backend"] for r in rows] == ["sdpa", "fp32"]
     assert all(r["finite"] and r["ms"] > 0 and r["first_call_s"] > 0 and r["fallback_calls"] == 0 for r in rows)
     assert rows[1]["rel_rms_diff"] == 0.0  # SDPA on fp32 copies in an fp32 model: the same arithmetic
-    assert (tmp_path / "dit.md").read_text().startswith("# bench.dit: one forward of tiny-wan")
+    assert all(0.0 < r["attention_share"] < 1.0 for r in rows)
+    text = (tmp_path / "dit.md").read_text()
+    assert text.startswith("# bench.dit: one forward of tiny-wan") and "attention share" in text
+
+
+def test_attention_share_is_the_time_inside_the_attention_calls(monkeypatch):
+    """harness.attention_share on a tiny Wan whose attention calls each take 20 ms more, in a run that also
+    sleeps 100 ms outside them: at least the calls' 20 ms each, at most what the 100 ms leave; the processors
+    are as they were after it."""
+    import time
+
+    from bench import dit
+    from pasa_diffusers import install
+    from pasa_diffusers.processors import SDPAAttnProcessor
+
+    model = dit.make_model("tiny-wan")
+    inputs = dit.make_inputs("tiny-wan", model, "")
+    install.apply(model, "sdpa")
+    stock = SDPAAttnProcessor.attention
+
+    def slow(self, *args, **kwargs):
+        time.sleep(0.02)
+        return stock(self, *args, **kwargs)
+
+    monkeypatch.setattr(SDPAAttnProcessor, "attention", slow)
+    calls = install.fallback_summary(model)["calls"]
+
+    def run():
+        time.sleep(0.1)
+        return model(**inputs)
+
+    t0 = time.perf_counter()
+    share = harness.attention_share(model, run)
+    wall_ms = (time.perf_counter() - t0) * 1e3
+    calls = install.fallback_summary(model)["calls"] - calls
+    assert calls > 0 and 20.0 * calls / wall_ms <= share <= 1.0 - 100.0 / wall_ms
+    processors = {install.counted_processor(p) for p in install.attention_processors(model).values()}
+    assert all("attend" not in vars(p) for p in processors)
 
 
 def test_hopper_checks_big_shapes_on_fewer_heads():
@@ -138,3 +175,16 @@ def test_key_loop_finds_the_innermost_attention_loop():
     ])
     assert key_loop(sass) == {"loop_sass": 5, "loop_ops": "HGMMA 2, MUFU 1, FSEL 1, BRA 1"}
     assert key_loop("\n".join(sass.splitlines()[:3])) == {"loop_sass": None, "loop_ops": None}
+
+
+def test_unet_table_has_a_line_per_row():
+    """bench.unet's report table (the bench itself needs the full-size UNet on a GPU): a line per row, the
+    attention share as a percentage, ``-`` for a compiled row."""
+    from bench import unet
+
+    row = {"frames": 14, "backend": "pasa", "mode": "eager", "first_call_s": 1.6, "ms": 344.43, "vs_first": 1.068,
+           "attention_share": 0.284, "finite": True, "rel_rms_diff": 1.64e-3, "fallback_calls": 320}
+    text = unet.table([row, {**row, "mode": "compile", "attention_share": None}], "sdpa")
+    lines = text.splitlines()
+    assert len(lines) == 4 and "vs sdpa" in lines[0] and "attention share" in lines[0]
+    assert "| 344.4 |" in lines[2] and "| 28 % |" in lines[2] and "| - |" in lines[3]
