@@ -27,18 +27,22 @@ LTX-Video 0.9 (2B), Mochi 1 preview from their released configs, random weights,
 
 Batch 2 is classifier-free guidance.  Per backend (names of ``pasa_diffusers.backends.BACKENDS``, installed
 by ``install.apply``: the model's own processors, attention routed): the first forward's wall time (with
-the compile in a compiled row), the forward's time (the timer's median
-over ``--iters`` forwards after one warm-up and three estimating ones), the first backend's time over it
-(> 1: faster), the attention's share of an eager forward (``harness.attention_share``: the time inside the
-attention calls, by CUDA events around each), the peak GPU memory of the forward, whether the output is finite, its relative RMS difference
-to the first backend's, and the fallback calls.  ``--compile`` adds ``torch.compile``d forwards of the named
-backends (or all).  The peers (FA3, SageAttention, SDPA's single backends) take no mask: HunyuanVideo's joint
-attention and LTX-Video's cross-attention carry a text mask, so there they fall back to SDPA (counted).
+the compile in a compiled row), the forward's time (the timer's median over ``--iters`` forwards after one
+warm-up and three estimating ones), the first backend's time over it (> 1: faster), the attention's share of
+an eager forward (``harness.attention_share``: the time inside the attention calls, by CUDA events around
+each), the peak GPU memory of the forward, whether the output is finite, its relative RMS difference to the
+first backend's, and the fallback calls.  ``--compile`` adds ``torch.compile``d forwards of the named backends
+(or all): each repeated block compiled with ``fullgraph=True`` (regional compilation, what diffusers'
+``compile_repeated_blocks`` does and recommends for these models: one block's graph, compiled once, where the
+whole Wan 2.1 1.3B as one graph had not finished compiling after 150 s on the H200, journal 60), or the whole
+transformer with ``--whole-graph``.  The peers (FA3, SageAttention, SDPA's single backends) take no mask:
+HunyuanVideo's joint attention and LTX-Video's cross-attention carry a text mask, so there they fall back to
+SDPA (counted).
 
 One H200, SDPA, estimated from Wan 2.1 1.3B's measured 1239 / 4950 ms at 32,760 / 75,600 tokens (a linear
 term scaled by parameters and batch, a quadratic one by layers x attention width and batch; it gives
 CogVideoX-5B 1.73 s against 1.58 s measured): HunyuanVideo 720p ~27 s a forward, 540p ~11 s; Mochi 19
-frames ~0.9 s, 163 frames ~9 s; LTX-Video ~0.2 s.  A backend's row takes ``--iters`` + 5 forwards.
+frames ~0.9 s, 163 frames ~9 s; LTX-Video ~0.2 s.  A backend's row takes ``--iters`` + 6 forwards.
 """
 from __future__ import annotations
 
@@ -78,10 +82,25 @@ def make_inputs(name: str, model: torch.nn.Module, resolution: str) -> dict:
     return full_size_inputs(name, model, resolution)
 
 
+def repeated_blocks(model: torch.nn.Module) -> list[str]:
+    """The block classes regional compilation compiles: the model's ``_repeated_blocks`` (diffusers' list for
+    ``compile_repeated_blocks``) or, where diffusers leaves it empty (CogVideoX, Mochi), the classes of its
+    ``transformer_blocks``."""
+    named = list(getattr(model, "_repeated_blocks", None) or ())
+    blocks = getattr(model, "transformer_blocks", None) or ()
+    found = named or sorted({type(block).__name__ for block in blocks})
+    if not found:
+        raise ValueError(f"bench.dit: {type(model).__name__} names no repeated blocks (_repeated_blocks) and has no "
+                         "transformer_blocks: use --whole-graph")
+    return found
+
+
 def forward_rows(model: torch.nn.Module, name: str, resolution: str, args, timer: harness.Timer) -> list[dict]:
     """Every backend (and compiled mode) at one resolution; the first backend is the baseline."""
     inputs = make_inputs(name, model, resolution)
-    rows = harness.model_runs(model, args.backends, args.compile, lambda runner: runner(**inputs)[0], timer)
+    regions = None if args.whole_graph or args.compile is None else repeated_blocks(model)
+    rows = harness.model_runs(model, args.backends, args.compile, lambda runner: runner(**inputs)[0], timer,
+                              regions=regions)
     tokens = None if name.startswith("tiny-") else video_tokens(name, resolution)
     return [{"model": name, "resolution": resolution, "video_tokens": tokens, **row} for row in rows]
 
@@ -97,9 +116,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--backends", nargs="+", default=["sdpa", "pasa"], choices=list(BACKENDS), metavar="BACKEND",
                    help=f"attention backends, the first is the baseline; of {', '.join(BACKENDS)} (default: sdpa pasa)")
     p.add_argument("--compile", nargs="*", default=None, metavar="BACKEND",
-                   help="also time torch.compile'd forwards: of every backend, or of the named ones")
+                   help="also time torch.compile'd forwards: of every backend, or of the named ones; each "
+                        "transformer block compiled (regional compilation, as diffusers' compile_repeated_blocks)")
+    p.add_argument("--whole-graph", action="store_true",
+                   help="with --compile: compile the whole transformer as one graph instead of its blocks")
     p.add_argument("--iters", type=int, default=5, help="timed forwards per backend (default: 5)")
     args = p.parse_args(argv)
+    if args.whole_graph and args.compile is None:
+        p.error("--whole-graph: says how --compile compiles; give --compile too")
     unknown = sorted(set(args.compile or ()) - set(args.backends))
     if unknown:
         p.error(f"--compile {' '.join(unknown)}: not among --backends {' '.join(args.backends)}")

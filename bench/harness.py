@@ -573,11 +573,38 @@ def share_text(share: float | None) -> str:
     return "-" if share is None else f"{100 * share:.0f} %"
 
 
+def compile_regions(model: torch.nn.Module, classes: Sequence[str], **options: Any) -> Callable[[], None]:
+    """Regional compilation: every submodule of ``model`` whose class is named in ``classes`` (the outermost
+    ones) replaced in its parent by ``torch.compile(submodule, fullgraph=True, **options)``, which shares its
+    parameters; returns the function that puts the originals back.  diffusers' ``compile_repeated_blocks``
+    compiles the same blocks in place, which a bench could not undo between its rows."""
+    swapped: list[tuple[torch.nn.Module, str, torch.nn.Module]] = []
+
+    def walk(parent: torch.nn.Module) -> None:
+        for name, child in list(parent.named_children()):
+            if type(child).__name__ in classes:
+                setattr(parent, name, torch.compile(child, fullgraph=True, **options))
+                swapped.append((parent, name, child))
+            else:
+                walk(child)
+
+    walk(model)
+    if not swapped:
+        raise ValueError(f"compile_regions: {type(model).__name__} has no submodule of the classes {sorted(classes)}")
+
+    def undo() -> None:
+        for parent, name, child in swapped:
+            setattr(parent, name, child)
+    return undo
+
+
 def model_runs(model: torch.nn.Module, backends: Sequence[str], compiled: Sequence[str] | None,
-               call: Callable[[torch.nn.Module], torch.Tensor], timer: Timer) -> list[dict[str, Any]]:
+               call: Callable[[torch.nn.Module], torch.Tensor], timer: Timer,
+               regions: Sequence[str] | None = None) -> list[dict[str, Any]]:
     """A whole model per attention backend: each of ``backends`` installed on ``model`` (``install.apply``),
     ``call(model)`` timed eager and, for the backends in ``compiled`` (all when it is empty; none when it
-    is ``None``), ``torch.compile``d (``fullgraph=True``); the model restored after each.  Per run: the
+    is ``None``), ``torch.compile``d (``fullgraph=True``): the whole model, or with ``regions`` each block of
+    those classes (:func:`compile_regions`, mode ``"compile, regional"``); the model restored after each.  Per run: the
     backend, the mode, the first call's wall time (s: with the compile in the compiled mode), ms, the first
     run's time over this one's, whether the output is finite, its relative RMS difference to the first
     run's output, the peak GPU memory of one call above what was allocated before it (MiB, ``None`` on a
@@ -589,10 +616,12 @@ def model_runs(model: torch.nn.Module, backends: Sequence[str], compiled: Sequen
     baseline: tuple[float, torch.Tensor] | None = None
     for backend in backends:
         install.apply(model, backend)
-        modes = [("eager", model)]
+        modes = ["eager"]
         if compiled is not None and (not compiled or backend in compiled):
-            modes.append(("compile", torch.compile(model, fullgraph=True)))
-        for mode, runner in modes:
+            modes.append("compile, regional" if regions else "compile")
+        for mode in modes:
+            undo = compile_regions(model, regions) if mode == "compile, regional" else None
+            runner = torch.compile(model, fullgraph=True) if mode == "compile" else model
             def run(runner: torch.nn.Module = runner) -> torch.Tensor:
                 return call(runner)
             with torch.no_grad():
@@ -602,6 +631,8 @@ def model_runs(model: torch.nn.Module, backends: Sequence[str], compiled: Sequen
                 first_s = time.perf_counter() - start
                 ms = timer(run)
                 peak = peak_mib(run)
+            if undo is not None:
+                undo()
             share = attention_share(model, run) if mode == "eager" else None
             baseline = baseline or (ms, out)
             diff = (out - baseline[1]).pow(2).mean().sqrt() / baseline[1].pow(2).mean().sqrt()

@@ -188,3 +188,31 @@ def test_unet_table_has_a_line_per_row():
     lines = text.splitlines()
     assert len(lines) == 4 and "vs sdpa" in lines[0] and "attention share" in lines[0]
     assert "| 344.4 |" in lines[2] and "| 28 % |" in lines[2] and "| - |" in lines[3]
+
+
+def test_dit_compiles_each_block_and_puts_the_originals_back(tmp_path, monkeypatch):
+    """``bench.dit --compile`` on a tiny Wan: each backend's compiled row is regional (every
+    ``WanTransformerBlock`` compiled with ``fullgraph=True``; dynamo's eager backend here, inductor would
+    compile C++ on this CPU) and gives eager's output; ``compile_regions`` swaps the blocks and its undo puts
+    the same modules back."""
+    import functools
+
+    from bench import dit
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    assert dit.main(["--model", "tiny-wan", "--backends", "sdpa", "fp32", "--compile", "--iters", "1",
+                     "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "dit.json").read_text())["rows"]
+    assert [(r["backend"], r["mode"]) for r in rows] == [("sdpa", "eager"), ("sdpa", "compile, regional"),
+                                                         ("fp32", "eager"), ("fp32", "compile, regional")]
+    assert all(r["finite"] and r["rel_rms_diff"] < 1e-5 for r in rows)
+    assert [r["attention_share"] is None for r in rows] == [False, True, False, True]
+
+    model = dit.make_model("tiny-wan")
+    blocks = list(model.blocks)
+    undo = harness.compile_regions(model, dit.repeated_blocks(model))
+    assert all(type(b).__name__ == "OptimizedModule" for b in model.blocks)
+    undo()
+    assert all(a is b for a, b in zip(model.blocks, blocks, strict=True))
+    with pytest.raises(ValueError, match="no submodule of the classes"):
+        harness.compile_regions(model, ["NoSuchBlock"])
