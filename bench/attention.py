@@ -19,7 +19,8 @@ diffusers holds them.  --methods takes names and groups, comma-separated (defaul
             shape, through dispatch.forward (kernels:<variant> for one variant)
 
 Columns: ms (the timer's median), TFLOP/s = 4 B Hq Nq Nk D / t, GB/s = fp16 bytes of q, k, v read and
-o written once / t, vs best SDPA = the fastest SDPA backend's time / this time (> 1: faster), and the
+o written once / t, vs best SDPA = the fastest SDPA backend's time / this time (> 1: faster), peak MiB = the
+GPU memory one call allocates (its output and workspace: the centred copy of K for the default), and the
 kernel the dispatcher's plan chose for our rows, or the error.  The first table has one line per
 shape: each method's ms and its ratio.
 """
@@ -57,9 +58,9 @@ def table(rows: Sequence[harness.Row]) -> str:
     """Every row: ms, TFLOP/s, GB/s, ratio, kernel or error."""
     f = harness.fmt
     return records.markdown_table(
-        ["shape", "(B, Hq/Hk, N, D)", "method", "ms", "TFLOP/s", "GB/s", "vs best SDPA", "kernel / note"],
-        [[r.shape, r.bhnd, r.method, f(r.ms, ".3f"), f(r.tflops), f(r.gbps), f(r.vs_best_sdpa, ".2f"), r.status()]
-         for r in rows], align="lllrrrrl")
+        ["shape", "(B, Hq/Hk, N, D)", "method", "ms", "TFLOP/s", "GB/s", "vs best SDPA", "peak MiB", "kernel / note"],
+        [[r.shape, r.bhnd, r.method, f(r.ms, ".3f"), f(r.tflops), f(r.gbps), f(r.vs_best_sdpa, ".2f"),
+          f(r.peak_mib, ".0f"), r.status()] for r in rows], align="lllrrrrrl")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -676,7 +676,9 @@ def free_memory() -> None:
 @dataclass
 class Row:
     """One method at one shape: its time (the median over rounds, with their range), rates, the ratio
-    to the best SDPA backend at that shape (> 1: faster), whether its output was finite, or the error."""
+    to the best SDPA backend at that shape (> 1: faster), the peak GPU memory of one call above what was
+    allocated before it (MiB: its output and workspace; ``None`` on a CPU), whether its output was finite,
+    or the error."""
 
     shape: str
     group: str
@@ -690,6 +692,7 @@ class Row:
     tflops: float | None = None
     gbps: float | None = None
     vs_best_sdpa: float | None = None
+    peak_mib: float | None = None
     finite: bool | None = None
     error: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -712,7 +715,8 @@ def measure(shape: Shape, methods: Iterable[Method], q: torch.Tensor, k: torch.T
     """Each method's :class:`Row` at ``shape`` on ``q, k, v``.
 
     Every method is set up and called once first (compilation, autotuning; its output checked for
-    finiteness and by ``check``, whose dict goes to ``Row.extra``); then ``rounds`` rounds each time
+    finiteness and by ``check``, whose dict goes to ``Row.extra``) and once more for its peak memory
+    (:func:`peak_mib`); then ``rounds`` rounds each time
     every method once with ``timer``, so slow drift of the device affects all alike.  A method that
     raises is a row with its error, not the end of the run.
     """
@@ -730,6 +734,7 @@ def measure(shape: Shape, methods: Iterable[Method], q: torch.Tensor, k: torch.T
             out = call()
             synchronize()
             row.finite = bool(torch.isfinite(out).all().item())
+            row.peak_mib = peak_mib(call)
             if check is not None:
                 row.extra.update(check(out))
             ready.append((row, call))
