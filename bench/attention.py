@@ -22,10 +22,11 @@ Columns: ms (the timer's median), TFLOP/s = 4 B Hq Nq Nk D / t, GB/s = fp16 byte
 o written once / t, vs best SDPA = the fastest SDPA backend's time / this time (> 1: faster), peak MiB = the
 GPU memory one call allocates (its output and workspace: the centred copy of K for the default), and the
 kernel the dispatcher's plan chose for our rows, or the error.  The first table has one line per
-shape: each method's ms and its ratio.
+shape: each method's ms and its ratio; attention.png draws the ratios (plot).
 """
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -63,6 +64,45 @@ def table(rows: Sequence[harness.Row]) -> str:
           f(r.peak_mib, ".0f"), r.status()] for r in rows], align="lllrrrrrl")
 
 
+def plot(rows: Sequence[dict], path: str | os.PathLike) -> None:
+    """``path`` (PNG): each method's speed relative to the fastest SDPA backend, one line of dots per shape
+    (log scale, 1 = SDPA's best; our methods drawn larger), from the report's JSON rows (``rows_payload``),
+    so that an earlier run's ``attention.json`` can be drawn again: ``plot(json.load(f)["rows"], path)``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib import ticker
+
+    timed = [r for r in rows if r.get("vs_best_sdpa")]
+    if not timed:
+        raise ValueError("bench.attention.plot: no row has a time relative to SDPA's best")
+    shapes = list(dict.fromkeys(f"{r['shape']} {r['bhnd']}" for r in timed))
+    methods = list(dict.fromkeys((r["method"], r["kind"]) for r in timed))
+    fig, ax = plt.subplots(figsize=(9, 0.5 * len(shapes) + 1.8))
+    for index, (method, kind) in enumerate(methods):
+        points = [(r["vs_best_sdpa"], shapes.index(f"{r['shape']} {r['bhnd']}"))
+                  for r in timed if r["method"] == method]
+        ax.scatter(*zip(*points), marker="osD^v<>PX*h"[index % 11], s=70 if kind == "ours" else 30,
+                   label=method, zorder=3 if kind == "ours" else 2, alpha=0.9)
+    ax.axvline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    ax.set_xscale("log")
+    ratios = [r["vs_best_sdpa"] for r in timed]
+    ticks = [t for t in (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
+             if min(ratios) / 1.2 <= t <= max(ratios) * 1.2]
+    ax.xaxis.set_major_locator(ticker.FixedLocator(ticks))
+    ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda x, _: f"{x:g}x"))
+    ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+    ax.set_yticks(range(len(shapes)), shapes, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("speed relative to the fastest SDPA backend on the same inputs (> 1: faster)")
+    ax.grid(axis="x", which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = harness.parser(NAME, __doc__)
     harness.add_shape_arguments(p, default="all")
@@ -92,11 +132,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         harness.free_memory()
 
     not_run = "".join(f"- {name} not run: {reason}\n" for name, reason in missing.items())
+    payload = harness.rows_payload(rows)
+    figure = ""
+    if any(r["vs_best_sdpa"] for r in payload):
+        try:
+            os.makedirs(args.out, exist_ok=True)
+            plot(payload, os.path.join(args.out, f"{NAME}.png"))
+            figure = f"![speed per method and shape]({NAME}.png)\n\n"
+        except ImportError as e:  # the tables are the result; the figure needs matplotlib
+            figure = f"(no figure: {e})\n\n"
+            harness.log(f"no figure: {e}")
     text = (harness.header("bench.attention: forward attention time per method", env, cmd) + "\n"
-            + pivot(rows) + "\n\n" + (not_run + "\n" if not_run else "") + table(rows) + "\n")
+            + pivot(rows) + "\n\n" + figure + (not_run + "\n" if not_run else "") + table(rows) + "\n")
     harness.write_report(args.out, NAME, text, {
         "bench": NAME, "command": cmd, "environment": env, "timer": asdict(timer),
-        "shapes": [asdict(s) for s in shapes], "not_run": missing, "rows": harness.rows_payload(rows)})
+        "shapes": [asdict(s) for s in shapes], "not_run": missing, "rows": payload})
     print(text)
     return 0
 

@@ -93,6 +93,8 @@ def test_attention_tiny(tmp_path, monkeypatch):
         assert f"| {shape} |" in md
         assert all(r["peak_mib"] is None for r in rows.values())  # a CPU has no GPU memory to measure
     assert "exact-hybrid" in md and "| peak MiB |" in md
+    assert "![speed per method and shape](attention.png)" in md
+    assert (tmp_path / "attention.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_dit_runs_a_tiny_transformer_per_backend(tmp_path):
