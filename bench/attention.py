@@ -135,13 +135,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     payload = harness.rows_payload(rows)
     figure = ""
     if any(r["vs_best_sdpa"] for r in payload):
-        try:
-            os.makedirs(args.out, exist_ok=True)
-            plot(payload, os.path.join(args.out, f"{NAME}.png"))
-            figure = f"![speed per method and shape]({NAME}.png)\n\n"
-        except ImportError as e:  # the tables are the result; the figure needs matplotlib
-            figure = f"(no figure: {e})\n\n"
-            harness.log(f"no figure: {e}")
+        os.makedirs(args.out, exist_ok=True)
+        plot(payload, os.path.join(args.out, f"{NAME}.png"))
+        figure = f"![speed per method and shape]({NAME}.png)\n\n"
     text = (harness.header("bench.attention: forward attention time per method", env, cmd) + "\n"
             + pivot(rows) + "\n\n" + figure + (not_run + "\n" if not_run else "") + table(rows) + "\n")
     harness.write_report(args.out, NAME, text, {
