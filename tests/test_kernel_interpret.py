@@ -393,3 +393,50 @@ def test_dispatch_refuses_unknown_options(gen):
         dispatch.forward(q, k, v, out, scale=0.2, variant=Variant("none", "half"), beta=0.9, prepass=True)
     with pytest.raises(ValueError, match="block_n is the shift block"):
         dispatch.forward(q, k, v, out, scale=0.2, variant=Variant("none", "half"), beta=0.9, block_n=64)
+
+
+@pytest.mark.parametrize("shape", [(3, 4, 2, 130, 257, 64), (4, 1, 1, 130, 130, 32), (1, 6, 6, 70, 300, 80)],
+                         ids=["gqa,head-ranges", "batch-ranges", "head-ranges,d80"])
+@pytest.mark.parametrize("kind,precision", [("exact", "hybrid"), ("exact", "half"), ("pasa", "hybrid")],
+                         ids=["exact-hybrid", "exact-half", "pasa-hybrid"])
+def test_key_ranges_one_after_the_other_give_the_whole_calls_bits(monkeypatch, kind, precision, shape, gen):
+    """A call whose pre-pass copy of the keys would exceed ``KEY_COPY_SHARE`` of the output runs in ranges of
+    batch and kv head: every head is attended as in one launch, so the output and the LSE keep their bits
+    (through (B, N, H, D) views too)."""
+    q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in _biased_inputs(shape, gen, bias=20.0))
+    options = {"kernel": "portable", "prepass": True}
+    variant = Variant(kind, precision)
+    assert len(dispatch.key_chunks(k, q)) > 1
+
+    def run():
+        out, lse = torch.full_like(q, float("nan")), torch.full(q.shape[:3], float("nan"))
+        dispatch.forward(q, k, v, out, scale=0.125, variant=variant, beta=DEFAULT_BETA, lse=lse, **options)
+        return out, lse
+
+    ranged_out, ranged_lse = run()
+    monkeypatch.setattr(dispatch, "KEY_COPY_SHARE", 1e9)
+    assert dispatch.key_chunks(k, q) == [((0, shape[0]), (0, shape[2]))]
+    whole_out, whole_lse = run()
+    assert torch.isfinite(whole_out).all() and torch.isfinite(whole_lse).all()
+    assert torch.equal(ranged_out, whole_out) and torch.equal(ranged_lse, whole_lse)
+
+
+@pytest.mark.parametrize("shape,keys", [((2, 12, 32760, 128), 32760), ((50, 20, 576, 64), 576),
+                                        ((2, 48, 17776, 64), 17776), ((2, 24, 4096, 128), 512),
+                                        ((3, 7, 100, 64), 100), ((1, 1, 4096, 64), 4096)],
+                         ids=["wan", "svd-576", "cogvideox", "cross-attention", "odd-heads", "one-head"])
+def test_key_ranges_cover_every_head_once_within_the_share(shape, keys):
+    """The ranges of :func:`key_chunks` cover each (batch, kv head) exactly once, each range's copy of the
+    keys within ``KEY_COPY_SHARE`` of the output (unless it is one head), in as few ranges as a range kind
+    allows."""
+    batch, heads, queries, dim = shape
+    out = torch.empty(shape, dtype=torch.bfloat16, device="meta")
+    k = torch.empty((batch, heads, keys, dim), dtype=torch.bfloat16, device="meta")
+    ranges = dispatch.key_chunks(k, out)
+    covered = [(b, h) for (b0, b1), (h0, h1) in ranges for b in range(b0, b1) for h in range(h0, h1)]
+    assert sorted(covered) == [(b, h) for b in range(batch) for h in range(heads)]
+    per_head = keys * dim * k.element_size()
+    budget = dispatch.KEY_COPY_SHARE * out.numel() * out.element_size()
+    for (b0, b1), (h0, h1) in ranges:
+        assert (b1 - b0) * (h1 - h0) == 1 or (b1 - b0) * (h1 - h0) * per_head <= budget
+    assert len(ranges) == 1 or batch * heads * per_head > budget

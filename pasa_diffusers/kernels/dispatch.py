@@ -14,6 +14,10 @@ and the key pre-passes (``prepass.py``): ``"centre"`` (the exact shift: each blo
 per head, for the portable kernel on keys of several blocks and for the Gluon kernel) and ``"shift"``
 (PASA: the shifted keys once per head, for the portable kernel where several query blocks reuse them).
 
+A call whose pre-pass would copy more than a quarter of the output's bytes (:data:`KEY_COPY_SHARE`) runs in
+ranges of batch and kv head, one after the other (:func:`key_chunks`): a call's peak memory stays within 1.25x
+of cuDNN's.
+
 ``kernel="auto"`` takes the first of packed, gluon, portable that can run the call.  A kernel named
 explicitly runs the call or raises ``ValueError`` saying why it cannot; so does ``prepass=True`` /
 ``False``, which forces the pre-pass on or off.
@@ -23,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import triton
 
 from .. import rules
 from ..beta import shift_constants
@@ -32,13 +37,19 @@ from .common import INTERPRET
 from .prepass import centre_keys, shift_keys
 from .tuning import pow2_tile
 
-__all__ = ["KERNELS", "Plan", "plan", "forward"]
+__all__ = ["KERNELS", "KEY_COPY_SHARE", "Plan", "plan", "forward", "key_chunks"]
 
 KERNELS = ("auto", "portable", "packed", "gluon", "int8")
 """What ``kernel=`` takes: ``"auto"`` or one kernel by name."""
 
 _ORDER = ("packed", "gluon", "portable")
 """``kernel="auto"``'s preference: the specialised kernels first."""
+
+KEY_COPY_SHARE = 0.25
+"""The key pre-pass's copy of the keys takes at most this share of the output's bytes: a call whose copy
+would be larger runs its (batch, kv head) ranges one after the other (:func:`key_chunks`), each range's keys
+prepared and attended before the next's, so that a call allocates at most 1.25x what cuDNN does (its output
+and log-sum-exp) plus the centres (1/64 of the keys)."""
 
 PASA_PREPASS_ROWS = 128
 """PASA shifts its keys by the pre-pass when a head has more query rows than this (several query blocks
@@ -206,20 +217,57 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
         return int8.forward(q, k, v, out, scale=scale, config=config, lse=lse)
     if chosen.kernel == "packed":
         return packed.forward(q, k, v, out, scale=scale, precision=precision, config=config, lse=lse)
-    keys, centres = k, None
     constants = portable.NO_SHIFT
     if shift == "pasa":
         constants = shift_constants(float(beta), k.shape[2], chosen.block_n, q.dtype, float(scale))
+    group = q.shape[1] // k.shape[1]
+    whole = [((0, k.shape[0]), (0, k.shape[1]))]
+    for (b0, b1), (h0, h1) in key_chunks(k, out) if chosen.prepass else whole:
+        hq = slice(h0 * group, h1 * group)
+        _attend(q[b0:b1, hq], k[b0:b1, h0:h1], v[b0:b1, h0:h1], out[b0:b1, hq],
+                None if lse is None else lse[b0:b1, hq], chosen, scale=scale, shift=shift, precision=precision,
+                constants=constants, config=config)
+    return out
+
+
+def key_chunks(k: torch.Tensor, out: torch.Tensor) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """The ``((b0, b1), (h0, h1))`` ranges of batch and kv head that a call with a key pre-pass runs one
+    after the other, so that the pre-pass's copy of the keys of one range takes at most
+    :data:`KEY_COPY_SHARE` of ``out``'s bytes (one range of whole batches, or one of heads within a batch
+    element, at least one head).  Ranges of one kind have equal sizes but the last."""
+    batch, h_k = k.shape[:2]
+    heads = batch * h_k
+    fit = max(1, int(KEY_COPY_SHARE * out.numel() * out.element_size() * heads // (k.numel() * k.element_size())))
+    if fit >= heads:
+        return [((0, batch), (0, h_k))]
+    if fit >= h_k:
+        step = _even_step(batch, fit // h_k)
+        return [((b, min(b + step, batch)), (0, h_k)) for b in range(0, batch, step)]
+    step = _even_step(h_k, fit)
+    return [((b, b + 1), (h, min(h + step, h_k))) for b in range(batch) for h in range(0, h_k, step)]
+
+
+def _even_step(total: int, most: int) -> int:
+    """The size of each of the fewest near-equal ranges of at most ``most`` that cover ``total``."""
+    ranges = triton.cdiv(total, most)
+    return triton.cdiv(total, ranges)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
+            chosen: Plan, *, scale: float, shift: str, precision: str, constants: tuple, config: dict | None) -> None:
+    """``chosen``'s pre-pass (if any) and its kernel on one range of batch and heads."""
+    keys, centres = k, None
     if chosen.prepass == "centre":
         keys, centres = centre_keys(k, block_n=chosen.block_n, exact=precision == "hybrid")
     elif chosen.prepass == "shift":
         keys = shift_keys(k, block_n=chosen.block_n, a_full=constants[0], c_full=constants[1], a_tail=constants[2],
                           c_tail=constants[3])
     if chosen.kernel == "gluon":
-        return hopper.forward(q, keys, v, centres, out, scale=scale, config=config, lse=lse)
-    return portable.forward(q, keys, v, out, scale=scale, shift=shift, precision=precision, block_n=chosen.block_n,
-                            one_block=chosen.one_block, keys_prepared=chosen.prepass is not None, centres=centres,
-                            shift_constants=constants, config=config, lse=lse)
+        hopper.forward(q, keys, v, centres, out, scale=scale, config=config, lse=lse)
+    else:
+        portable.forward(q, keys, v, out, scale=scale, shift=shift, precision=precision, block_n=chosen.block_n,
+                         one_block=chosen.one_block, keys_prepared=chosen.prepass is not None, centres=centres,
+                         shift_constants=constants, config=config, lse=lse)
 
 
 def _check_lse(q: torch.Tensor, lse: torch.Tensor) -> None:
