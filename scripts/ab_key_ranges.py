@@ -1,10 +1,13 @@
 """A/B of the key ranges: the default run in ranges of (batch, kv head) against one whole launch.
 
 ``kernels.dispatch`` runs a call whose key pre-pass would copy more than ``KEY_COPY_SHARE`` of the output
-in ranges, one after the other (its peak memory within 1.25x of cuDNN's).  This script times, at the
+in ranges, one after the other (its peak memory within 1.25x of cuDNN's), where its work fills ranges of
+``MIN_RANGE_FLOP``.  This script times, at the
 issue's DiT (bf16) and SVD (fp16) shapes, cuDNN, the default as it runs, and the default in one launch
 (``KEY_COPY_SHARE`` lifted for the call), each with its peak memory of one call, and checks that both runs
-of the default give the same bits.
+of the default give the same bits.  For the two runs of the default it also times one CUDA-graph replay of
+the call (GPU time alone) and the host's time to issue one call while the GPU is busy: where the host's
+time exceeds the graph's, the call is bound by the host, not the GPU.
 
     python scripts/ab_key_ranges.py --out DIR     # DIR/key_ranges.md and key_ranges.json
 """
@@ -13,11 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from collections.abc import Sequence
 
 import torch
 
 from bench import harness
+from bench.overhead import graph_replay
 from pasa_diffusers.kernels import dispatch
 from pasa_diffusers.variants import Variant
 
@@ -43,6 +48,18 @@ def whole_launch() -> harness.Method:
     return harness.Method("exact-hybrid one launch", "ours", build)
 
 
+def host_us(call: harness.Call, calls: int = 20) -> float:
+    """Microseconds of host time to issue one ``call``, measured while the GPU sleeps (nothing waits on it)."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return 1e6 * elapsed / calls
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="folder for key_ranges.md and key_ranges.json")
@@ -57,16 +74,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     for dtype, shapes in ((torch.bfloat16, harness.DIT), (torch.float16, SVD_SHAPES)):
         for shape in shapes:
             q, k, v = harness.make_inputs(shape, gen, dtype=dtype)
-            outs = [m.build(q, k, v).call() for m in methods[1:]]
+            calls = [m.build(q, k, v).call for m in methods[1:]]
+            outs = [call() for call in calls]
             same[shape.label] = bool(torch.equal(outs[0], outs[1]))
             ranges = len(dispatch.key_chunks(k, q))
+            profile = {m.name: (timer(graph_replay(call)), host_us(call)) for m, call in zip(methods[1:], calls)}
             for row in harness.measure(shape, methods, q, k, v, timer=timer, rounds=args.rounds):
                 row.extra["ranges"] = ranges if row.kind == "ours" and "one launch" not in row.note else 1
+                row.extra["graph_ms"], row.extra["host_us"] = profile.get(row.method, (None, None))
                 rows.append(row)
-            del q, k, v, outs
+            del q, k, v, outs, calls
             harness.free_memory()
-    lines = ["| shape | (B, H, N, D) | dtype | ranges | method | ms | vs cuDNN | peak MiB | peak vs cuDNN |",
-             "| --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: |"]
+    lines = ["| shape | (B, H, N, D) | dtype | ranges | method | ms | vs cuDNN | graph ms | host us | peak MiB "
+             "| peak vs cuDNN |",
+             "| --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for shape_label in dict.fromkeys(r.shape for r in rows):
         group = [r for r in rows if r.shape == shape_label]
         cudnn = group[0]
@@ -76,8 +97,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             ratio = f"{cudnn.ms / r.ms:.3f}" if r.ms and cudnn.ms else ""
             peak = f"{r.peak_mib:.0f}" if r.peak_mib is not None else ""
             peak_ratio = f"{r.peak_mib / cudnn.peak_mib:.2f}" if r.peak_mib and cudnn.peak_mib else ""
+            graph = f"{r.extra['graph_ms']:.3f}" if r.extra.get("graph_ms") else ""
+            host = f"{r.extra['host_us']:.0f}" if r.extra.get("host_us") else ""
             lines.append(f"| {r.shape} | {r.bhnd} | {dtype} | {r.extra.get('ranges', 1)} | {r.method} | {ms} | "
-                         f"{ratio} | {peak} | {peak_ratio} |")
+                         f"{ratio} | {graph} | {host} | {peak} | {peak_ratio} |")
     lines.append("")
     lines.append("Same bits, ranges and one launch: " + ", ".join(f"{k}: {v}" for k, v in same.items()))
     report = "\n".join(lines)

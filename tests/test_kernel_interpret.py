@@ -406,6 +406,7 @@ def test_key_ranges_one_after_the_other_give_the_whole_calls_bits(monkeypatch, k
     q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in _biased_inputs(shape, gen, bias=20.0))
     options = {"kernel": "portable", "prepass": True}
     variant = Variant(kind, precision)
+    monkeypatch.setattr(dispatch, "MIN_RANGE_FLOP", 1.0)
     assert len(dispatch.key_chunks(k, q)) > 1
 
     def run():
@@ -421,14 +422,18 @@ def test_key_ranges_one_after_the_other_give_the_whole_calls_bits(monkeypatch, k
     assert torch.equal(ranged_out, whole_out) and torch.equal(ranged_lse, whole_lse)
 
 
-@pytest.mark.parametrize("shape,keys", [((2, 12, 32760, 128), 32760), ((50, 20, 576, 64), 576),
-                                        ((2, 48, 17776, 64), 17776), ((2, 24, 4096, 128), 512),
-                                        ((3, 7, 100, 64), 100), ((1, 1, 4096, 64), 4096)],
-                         ids=["wan", "svd-576", "cogvideox", "cross-attention", "odd-heads", "one-head"])
+@pytest.mark.parametrize("shape,keys", [((2, 12, 32760, 128), 32760), ((1, 40, 32760, 128), 32760),
+                                        ((2, 48, 17776, 64), 17776), ((50, 5, 9216, 64), 9216),
+                                        ((50, 20, 576, 64), 576), ((50, 10, 2304, 64), 2304),
+                                        ((2, 24, 4096, 128), 512), ((3, 7, 100, 64), 100), ((1, 1, 4096, 64), 4096),
+                                        ((3, 5, 40000, 128), 40000), ((1, 3, 75600, 128), 75600)],
+                         ids=["wan", "wan-14b", "cogvideox", "svd-9216", "svd-576", "svd-2304", "cross-attention",
+                              "odd-heads", "one-head", "odd-long", "three-heads-long"])
 def test_key_ranges_cover_every_head_once_within_the_share(shape, keys):
-    """The ranges of :func:`key_chunks` cover each (batch, kv head) exactly once, each range's copy of the
-    keys within ``KEY_COPY_SHARE`` of the output (unless it is one head), in as few ranges as a range kind
-    allows."""
+    """The ranges of :func:`key_chunks` cover each (batch, kv head) exactly once; where the call's work fills
+    its ranges (twice :data:`MIN_RANGE_FLOP` per range the copy needs), each range's copy of the keys is within
+    ``KEY_COPY_SHARE`` of the output (unless it is one head); a call of less than twice that work runs in one
+    range, and no range of a ranged call holds less than half of it."""
     batch, heads, queries, dim = shape
     out = torch.empty(shape, dtype=torch.bfloat16, device="meta")
     k = torch.empty((batch, heads, keys, dim), dtype=torch.bfloat16, device="meta")
@@ -436,7 +441,15 @@ def test_key_ranges_cover_every_head_once_within_the_share(shape, keys):
     covered = [(b, h) for (b0, b1), (h0, h1) in ranges for b in range(b0, b1) for h in range(h0, h1)]
     assert sorted(covered) == [(b, h) for b in range(batch) for h in range(heads)]
     per_head = keys * dim * k.element_size()
+    work_per_head = 4.0 * queries * keys * dim
     budget = dispatch.KEY_COPY_SHARE * out.numel() * out.element_size()
-    for (b0, b1), (h0, h1) in ranges:
-        assert (b1 - b0) * (h1 - h0) == 1 or (b1 - b0) * (h1 - h0) * per_head <= budget
+    needed = math.ceil(batch * heads * per_head / budget)
+    if batch * heads * work_per_head >= 2 * dispatch.MIN_RANGE_FLOP * needed:
+        for (b0, b1), (h0, h1) in ranges:
+            assert (b1 - b0) * (h1 - h0) == 1 or (b1 - b0) * (h1 - h0) * per_head <= budget
+    if batch * heads * work_per_head < 2 * dispatch.MIN_RANGE_FLOP:
+        assert len(ranges) == 1
+    if len(ranges) > 1:
+        assert min((b1 - b0) * (h1 - h0) for (b0, b1), (h0, h1) in ranges) * work_per_head >= \
+            dispatch.MIN_RANGE_FLOP / 2
     assert len(ranges) == 1 or batch * heads * per_head > budget

@@ -14,9 +14,10 @@ and the key pre-passes (``prepass.py``): ``"centre"`` (the exact shift: each blo
 per head, for the portable kernel on keys of several blocks and for the Gluon kernel) and ``"shift"``
 (PASA: the shifted keys once per head, for the portable kernel where several query blocks reuse them).
 
-A call whose pre-pass would copy more than a quarter of the output's bytes (:data:`KEY_COPY_SHARE`) runs in
-ranges of batch and kv head, one after the other (:func:`key_chunks`): a call's peak memory stays within 1.25x
-of cuDNN's.
+A call whose pre-pass would copy more than a fifth of the output's bytes (:data:`KEY_COPY_SHARE`) runs in
+ranges of batch and kv head, one after the other (:func:`key_chunks`), so that its peak memory stays within
+1.25x of cuDNN's, as long as each range keeps the GPU busy for much longer than the host takes to issue it
+(:data:`MIN_RANGE_FLOP`); shorter calls run in one launch and allocate the whole copy.
 
 ``kernel="auto"`` takes the first of packed, gluon, portable that can run the call.  A kernel named
 explicitly runs the call or raises ``ValueError`` saying why it cannot; so does ``prepass=True`` /
@@ -37,7 +38,7 @@ from .common import INTERPRET
 from .prepass import centre_keys, shift_keys
 from .tuning import pow2_tile
 
-__all__ = ["KERNELS", "KEY_COPY_SHARE", "Plan", "plan", "forward", "key_chunks"]
+__all__ = ["KERNELS", "KEY_COPY_SHARE", "MIN_RANGE_FLOP", "Plan", "plan", "forward", "key_chunks"]
 
 KERNELS = ("auto", "portable", "packed", "gluon", "int8")
 """What ``kernel=`` takes: ``"auto"`` or one kernel by name."""
@@ -45,11 +46,18 @@ KERNELS = ("auto", "portable", "packed", "gluon", "int8")
 _ORDER = ("packed", "gluon", "portable")
 """``kernel="auto"``'s preference: the specialised kernels first."""
 
-KEY_COPY_SHARE = 0.25
+KEY_COPY_SHARE = 0.2
 """The key pre-pass's copy of the keys takes at most this share of the output's bytes: a call whose copy
 would be larger runs its (batch, kv head) ranges one after the other (:func:`key_chunks`), each range's keys
-prepared and attended before the next's, so that a call allocates at most 1.25x what cuDNN does (its output
-and log-sum-exp) plus the centres (1/64 of the keys)."""
+prepared and attended before the next's.  With the range's centres (1/64 of its keys in fp32, and again in
+the inputs' dtype) such a call allocates at most 1.25x what cuDNN does (its output and log-sum-exp)."""
+
+MIN_RANGE_FLOP = 5e11
+"""The least attention work (``4 Nq Nk D`` per query head) of one range: about 1 ms of the H200 at cuDNN's
+rate, against the 0.25-0.35 ms the host takes to issue a range (its pre-pass, five TMA descriptors and two
+launches; ``scripts/ab_key_ranges.py``).  A call runs in no more ranges than its work fills at this size:
+shorter ranges would leave the GPU waiting on the host (SVD's 576-token spatial attention in five ranges
+took 3.9x as long as in one launch)."""
 
 PASA_PREPASS_ROWS = 128
 """PASA shifts its keys by the pre-pass when a head has more query rows than this (several query blocks
@@ -232,18 +240,23 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
 
 def key_chunks(k: torch.Tensor, out: torch.Tensor) -> list[tuple[tuple[int, int], tuple[int, int]]]:
     """The ``((b0, b1), (h0, h1))`` ranges of batch and kv head that a call with a key pre-pass runs one
-    after the other, so that the pre-pass's copy of the keys of one range takes at most
-    :data:`KEY_COPY_SHARE` of ``out``'s bytes (one range of whole batches, or one of heads within a batch
-    element, at least one head).  Ranges of one kind have equal sizes but the last."""
+    after the other: the fewest that keep the pre-pass's copy of one range's keys within
+    :data:`KEY_COPY_SHARE` of ``out``'s bytes, but no more than the call's work fills at
+    :data:`MIN_RANGE_FLOP` each (one range of whole batches, or one of heads within a batch element, at
+    least one head; ranges of one kind have equal sizes but the last, and ranges of heads are counted per
+    batch element, which can add a range to each)."""
     batch, h_k = k.shape[:2]
     heads = batch * h_k
     fit = max(1, int(KEY_COPY_SHARE * out.numel() * out.element_size() * heads // (k.numel() * k.element_size())))
-    if fit >= heads:
+    work = 4.0 * out.shape[2] * k.shape[2] * k.shape[3] * out.shape[1] * batch
+    ranges = max(1, min(triton.cdiv(heads, fit), int(work // MIN_RANGE_FLOP)))
+    if ranges == 1:
         return [((0, batch), (0, h_k))]
-    if fit >= h_k:
-        step = _even_step(batch, fit // h_k)
+    most = triton.cdiv(heads, ranges)
+    if most >= h_k:
+        step = _even_step(batch, most // h_k)
         return [((b, min(b + step, batch)), (0, h_k)) for b in range(0, batch, step)]
-    step = _even_step(h_k, fit)
+    step = _even_step(h_k, most)
     return [((b, b + 1), (h, min(h + step, h_k))) for b in range(batch) for h in range(0, h_k, step)]
 
 
