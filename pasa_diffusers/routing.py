@@ -145,10 +145,15 @@ def routable_reason(processor: Any) -> str | None:
 
 def _bound_body(stock_class: type, counted: CountedAttnProcessor) -> types.FunctionType:
     """``stock_class.__call__`` (its code, defaults and closure) with ``dispatch_attention_fn`` and ``F`` in its
-    globals bound to ``counted``."""
+    globals bound to ``counted``.
+
+    The globals are a copy of the stock module's without its ``__name__``: dynamo (torch 2.11) takes globals
+    that name a module for that module's own and guards the stock module's ``dispatch_attention_fn``, which
+    fails; unnamed, they are guarded as the dict they are."""
     stock_call = stock_class.__call__
     scope = {**stock_call.__globals__, "dispatch_attention_fn": functools.partial(_dispatch, counted),
              "F": _functional(counted)}
+    del scope["__name__"]
     body = types.FunctionType(stock_call.__code__, scope, stock_call.__name__, stock_call.__defaults__,
                               stock_call.__closure__)
     body.__kwdefaults__ = stock_call.__kwdefaults__
