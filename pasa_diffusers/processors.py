@@ -35,7 +35,9 @@ a logging call breaks the graph), so a compiled model's counters show its eager 
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -115,16 +117,52 @@ def key_padding(attention_mask: torch.Tensor, batch: int, n_keys: int) -> torch.
     return keep if keep.any(dim=-1).all() else None
 
 
+class KeptKeys(NamedTuple):
+    """What a key-padding mask keeps, read once: ``all_kept`` (every key of every batch element), and per
+    batch element the positions of its kept keys (a long tensor on the mask's device)."""
+
+    all_kept: bool
+    positions: list[torch.Tensor]
+
+
+_KEPT: dict[int, tuple[weakref.ref, tuple, KeptKeys | None]] = {}
+"""``id(mask)`` -> (a weak reference to the mask, its version / batch / keys, :func:`kept_keys`' answer)."""
+
+
+def kept_keys(attention_mask: torch.Tensor, batch: int, n_keys: int) -> KeptKeys | None:
+    """:func:`key_padding`'s answer for ``attention_mask`` as :class:`KeptKeys` (``None``: not a key-padding
+    mask), computed once per mask tensor and version: the video transformers pass one mask to every layer,
+    and reading its values waits for the GPU, so a forward waits once, not at every layer's call (an inference
+    tensor, which has no version counter, is read at every call)."""
+    if attention_mask.is_inference():
+        return _read_kept_keys(attention_mask, batch, n_keys)
+    key, signature = id(attention_mask), (attention_mask._version, batch, n_keys)
+    entry = _KEPT.get(key)
+    if entry is not None and entry[0]() is attention_mask and entry[1] == signature:
+        return entry[2]
+    kept = _read_kept_keys(attention_mask, batch, n_keys)
+    _KEPT[key] = (weakref.ref(attention_mask, lambda _, key=key: _KEPT.pop(key, None)), signature, kept)
+    return kept
+
+
+def _read_kept_keys(attention_mask: torch.Tensor, batch: int, n_keys: int) -> KeptKeys | None:
+    keep = key_padding(attention_mask, batch, n_keys)
+    if keep is None:
+        return None
+    return KeptKeys(bool(keep.all()), [row.nonzero().flatten() for row in keep])
+
+
 def attend_kept_keys(op: Callable[..., torch.Tensor], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      scale: float | None, attention_mask: torch.Tensor | None) -> torch.Tensor:
     """``op(query, key, value, scale)`` on ``(B, N, H, D)`` tensors under no mask or a key-padding mask
     (``key_padding`` accepts it): each batch element attends to its kept keys, exactly what the mask
     computes, in one call where every key is kept."""
-    keep = None if attention_mask is None else key_padding(attention_mask, key.shape[0], key.shape[1])
-    if keep is None or keep.all():
+    kept = None if attention_mask is None else kept_keys(attention_mask, key.shape[0], key.shape[1])
+    if kept is None or kept.all_kept:
         return op(query, key, value, scale)
-    return torch.cat([op(query[b:b + 1], key[b:b + 1, keep[b]], value[b:b + 1, keep[b]], scale)
-                      for b in range(query.shape[0])])
+    return torch.cat([op(query[b:b + 1], key[b:b + 1].index_select(1, positions),
+                         value[b:b + 1].index_select(1, positions), scale)
+                      for b, positions in enumerate(kept.positions)])
 
 
 def mask_reason(key: torch.Tensor, attention_mask: torch.Tensor | None) -> str | None:
@@ -133,7 +171,7 @@ def mask_reason(key: torch.Tensor, attention_mask: torch.Tensor | None) -> str |
     compiled graph cannot branch on."""
     if attention_mask is None:
         return None
-    if torch.compiler.is_compiling() or key_padding(attention_mask, key.shape[0], key.shape[1]) is None:
+    if torch.compiler.is_compiling() or kept_keys(attention_mask, key.shape[0], key.shape[1]) is None:
         return "attention mask"
     return None
 

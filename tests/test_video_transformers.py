@@ -158,6 +158,36 @@ def test_key_padding_mask_runs_the_op_on_the_kept_keys(mask_kind, gen):
     assert processor.fallbacks == {}
 
 
+def test_a_key_padding_mask_is_read_once_per_version(monkeypatch, gen):
+    """Every layer gets the same mask: its kept keys are read (a wait for the GPU) at the first call only, read
+    again after an in-place change (its version), and at every call for an inference tensor; each answer is
+    the mask's own."""
+    reads = []
+    read = P._read_kept_keys
+    monkeypatch.setattr(P, "_read_kept_keys", lambda *args: reads.append(args[0]) or read(*args))
+    q, k, v = _bnhd(gen, 2, 40, 2, 32), _bnhd(gen, 2, 30, 2, 32), _bnhd(gen, 2, 30, 2, 32)
+    keep = torch.ones(2, 1, 1, 30, dtype=torch.bool)
+    keep[0, ..., 20:] = False
+    processor = P.PASAAttnProcessor(precision="fp64")
+
+    def masked_sdpa(mask):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q.double().transpose(1, 2), k.double().transpose(1, 2), v.double().transpose(1, 2),
+            attn_mask=mask).transpose(1, 2)
+
+    first = [processor.attend(q, k, v, None, keep) for _ in range(3)]
+    assert len(reads) == 1 and all(torch.equal(out, first[0]) for out in first)
+    assert _rel(first[0], masked_sdpa(keep)) < 1e-12
+    keep[1, ..., :5] = False
+    changed = processor.attend(q, k, v, None, keep)
+    assert len(reads) == 2 and _rel(changed, masked_sdpa(keep)) < 1e-12
+    with torch.inference_mode():
+        frozen = keep.clone()
+        outs = [processor.attend(q, k, v, None, frozen) for _ in range(2)]
+    assert len(reads) >= 4 and all(_rel(out, masked_sdpa(keep)) < 1e-12 for out in outs)
+    assert processor.fallbacks == {}
+
+
 @pytest.mark.parametrize("mask", [
     torch.randn(2, 1, 1, 30),                                       # a bias, not a padding
     torch.ones(2, 1, 40, 30, dtype=torch.bool).tril(),              # per query
