@@ -100,26 +100,37 @@ def key_padding(attention_mask: torch.Tensor, batch: int, n_keys: int) -> torch.
     """The kept keys ``(B, Nk)`` bool of a mask that only removes keys, the same for every head and query
     (a key-padding mask: boolean, or additive with entries 0 and ``<= REMOVED_BIAS`` or ``-inf``), in
     SDPA's ``(B, H or 1, Nq or 1, Nk)`` layout; ``None`` for any other mask, or where a row keeps no key."""
+    found = _key_padding_counts(attention_mask, batch, n_keys)
+    return None if found is None else found[0]
+
+
+def _key_padding_counts(attention_mask: torch.Tensor, batch: int, n_keys: int) -> tuple[torch.Tensor, list[int]] | None:
+    """:func:`key_padding`'s kept keys and how many each batch element keeps, read from the GPU in one
+    transfer (the checks and the counts together: the one wait for the GPU)."""
     if attention_mask.dim() != 4 or attention_mask.shape[0] != batch or attention_mask.shape[-1] != n_keys:
         return None
     if attention_mask.shape[2] != 1:
         return None
+    checks = []
     if attention_mask.dtype == torch.bool:
         keep = attention_mask
     else:
         keep = attention_mask == 0
-        if not (keep | (attention_mask <= REMOVED_BIAS)).all():
-            return None
+        checks.append((keep | (attention_mask <= REMOVED_BIAS)).all())
     keep = keep[:, :, 0, :]
-    if keep.shape[1] > 1 and not (keep == keep[:, :1]).all():
-        return None
+    checks.append((keep == keep[:, :1]).all())
     keep = keep[:, 0]
-    return keep if keep.any(dim=-1).all() else None
+    answer = torch.cat([torch.stack(checks).long(), keep.sum(dim=-1)]).tolist()
+    passed, counts = answer[:len(checks)], answer[len(checks):]
+    if not all(passed) or min(counts) == 0:
+        return None
+    return keep, counts
 
 
 class KeptKeys(NamedTuple):
     """What a key-padding mask keeps, read once: ``all_kept`` (every key of every batch element), and per
-    batch element the positions of its kept keys (a long tensor on the mask's device)."""
+    batch element the positions of its kept keys in order (a long tensor on the mask's device; none where
+    every key is kept)."""
 
     all_kept: bool
     positions: list[torch.Tensor]
@@ -146,10 +157,16 @@ def kept_keys(attention_mask: torch.Tensor, batch: int, n_keys: int) -> KeptKeys
 
 
 def _read_kept_keys(attention_mask: torch.Tensor, batch: int, n_keys: int) -> KeptKeys | None:
-    keep = key_padding(attention_mask, batch, n_keys)
-    if keep is None:
+    """:class:`KeptKeys` of a key-padding mask (``None`` for another mask), with one wait for the GPU: the
+    kept positions are the first ``count`` of a stable sort that puts kept keys first."""
+    found = _key_padding_counts(attention_mask, batch, n_keys)
+    if found is None:
         return None
-    return KeptKeys(bool(keep.all()), [row.nonzero().flatten() for row in keep])
+    keep, counts = found
+    if min(counts) == n_keys:
+        return KeptKeys(True, [])
+    order = torch.argsort((~keep).to(torch.uint8), dim=-1, stable=True)
+    return KeptKeys(False, [order[b, :count] for b, count in enumerate(counts)])
 
 
 def attend_kept_keys(op: Callable[..., torch.Tensor], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
