@@ -71,6 +71,19 @@ def _ulp(dtype):
     return 2.0 ** -(10 if dtype == torch.float16 else 7)
 
 
+def _lse_tolerance(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """How far two fp32 kernels' log-sum-exps of one row may differ: ``1e-5 (1 + |lse|)``, plus each score's
+    fp32 dot-product error, which is bounded by the sum of its products' magnitudes, ``scale sum_d |q_d k_d|``,
+    times one ulp per tensor-core k-step of 16 (their accumulation truncates: docs/BENCHMARKS.md), for each of
+    the two kernels; the log-sum-exp moves by at most its largest score's error.  ``(B, Hq, Nq)``."""
+    group = q.shape[1] // k.shape[1]
+    keys = k.double().repeat_interleave(group, dim=1)
+    logits = scale * q.double() @ keys.transpose(-1, -2)
+    magnitude = scale * q.double().abs() @ keys.abs().transpose(-1, -2)
+    steps = math.ceil(q.shape[-1] / 16)
+    return 1e-5 * (1 + torch.logsumexp(logits, -1).abs()) + 2 * steps * 2.0 ** -23 * magnitude.amax(-1)
+
+
 def _seed(gen: torch.Generator) -> int:
     return int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
 
@@ -541,7 +554,7 @@ def _gluon_or_skip():
 def test_gpu_gluon_kernel_matches_the_spec(case, config, gen):
     """The Gluon Hopper kernel (``hopper_int8.py``) on the pre-pass's codes: within one ``g`` ulp of the spec at
     its key tile, with and without the 16-bit blocks (the fallback cases have flagged blocks among 8-bit
-    ones), and its log-sum-exp within 1e-5 of the portable kernel's."""
+    ones), and its log-sum-exp within the fp32 scores' rounding of the portable kernel's (``_lse_tolerance``)."""
     _gluon_or_skip()
     if case.startswith("jump"):
         q, k, v = _mixed_blocks_case("jump misaligned", 128, torch.float16, gen)
@@ -562,7 +575,9 @@ def test_gpu_gluon_kernel_matches_the_spec(case, config, gen):
         lse_portable = torch.empty_like(lse)
         int8.forward(qc, kc, vc, torch.empty_like(qc), scale=scale, fallback=fallback, kernel="portable",
                      config=GPU_CONFIG, lse=lse_portable)
-        torch.testing.assert_close(lse, lse_portable, rtol=1e-5, atol=1e-5)
+        assert torch.isfinite(lse).all()
+        excess = ((lse - lse_portable).abs().cpu() - _lse_tolerance(q, k, scale)).max().item()
+        assert excess <= 0, (fallback, excess)
 
 
 @pytest.mark.gpu

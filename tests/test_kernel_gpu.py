@@ -70,6 +70,7 @@ RAGGED_SHAPES = {
     "one-query-row": (3, 4, 4, 1, 1407, 128),
     "nk<block,d16": (2, 3, 1, 300, 50, 16),
     "d256": (1, 2, 2, 200, 300, 256),
+    "cross,one-key-block": (2, 8, 4, 1500, 100, 64),
 }
 
 _RATIOS: list[tuple[str, str, float, float]] = []

@@ -437,9 +437,11 @@ def _configs(entries, with_block_n: bool) -> list[triton.Config]:
 
 
 # (BLOCK_M, [BLOCK_N,] num_warps, num_stages) per pool: "long" query sequences, "short" ones (at most
-# 32 rows), "fallback" for head dim 256, whose tiles fit shared memory only single-stage.
+# 32 rows), "fallback" for head dim 256, whose tiles fit shared memory only single-stage.  The single-stage
+# long configs are for keys of one block (cross-attention to a short text: one key tile per program), where
+# the buffers of a deeper pipeline would only limit how many programs share an SM.
 _SHIFT_CONFIGS = {
-    "long": _configs([(128, 8, 3), (128, 8, 2), (64, 4, 3)], False),
+    "long": _configs([(128, 8, 3), (128, 8, 2), (64, 4, 3), (128, 8, 1), (64, 4, 1)], False),
     "short": _configs([(32, 1, 2), (16, 1, 2), (32, 2, 2), (64, 4, 2)], False),
     "fallback": _configs([(64, 4, 1), (64, 8, 1)], False),
 }
