@@ -4,6 +4,7 @@
     python -m bench.attention --shapes svd --frames 25 --out DIR  # SVD-XT at 25 frames only
     python -m bench.attention --methods sdpa,exact-hybrid,kernels:exact-hybrid --out DIR
     python -m bench.attention --shapes dit --dtype bfloat16 --out DIR   # the video transformers, as they run
+    python -m bench.attention --shapes dit-calls --dtype bfloat16 --out DIR   # their other calls (text, short models)
     TRITON_INTERPRET=1 python -m bench.attention --shapes tiny --out DIR   # a CPU, under the interpreter
 
 Every method gets the same inputs, fp16 or --dtype bfloat16: (B, N, H, D) contiguous tensors viewed as (B, H, N, D), as

@@ -46,7 +46,7 @@ from pasa_diffusers.variants import Variant
 if TYPE_CHECKING:
     from pasa_diffusers.kernels.dispatch import Plan
 
-__all__ = ["Shape", "svd_spatial", "svd_temporal", "DIT", "PAPER", "TINY", "SHAPE_SETS", "FRAMES", "shapes",
+__all__ = ["Shape", "svd_spatial", "svd_temporal", "DIT", "DIT_CALLS", "PAPER", "TINY", "SHAPE_SETS", "FRAMES", "shapes",
            "make_inputs", "Call", "Method", "Prepared", "Skip", "SDPA_BACKENDS", "sdpa_method", "peer_methods",
            "VARIANTS", "op_method", "KERNELS", "kernel_methods", "config_methods", "METHOD_GROUPS", "parse_methods",
            "select_methods", "runs_ours", "Timer", "synchronize", "free_memory", "Row", "error_text", "measure",
@@ -115,6 +115,14 @@ DIT = [_square("dit", "Wan 2.1 1.3B 480p", 2, 12, 32760, 128),
        _square("dit", "CogVideoX-5B", 2, 48, 17776, 64)]
 """The video DiTs' self-attention (one latent video each)."""
 
+DIT_CALLS = [_square("dit-calls", "LTX-Video self", 2, 32, 7392, 64),
+             Shape("dit-calls", "LTX-Video cross", 2, 32, 32, 7392, 128, 64),
+             _square("dit-calls", "Mochi 1 joint, one sample", 1, 24, 6616, 128),
+             Shape("dit-calls", "Wan 2.1 1.3B 480p cross", 2, 12, 12, 32760, 512, 128)]
+"""The video DiTs' other attention calls: the short-sequence models' self- and joint attention (LTX-Video,
+Mochi 1 at 19 frames: its processor attends one sample at a time) and the cross-attention to the text
+(LTX-Video's 128 tokens, one key block; Wan's 512)."""
+
 PAPER = _square("paper", "Qwen2-7B 1407", 1, 28, 1407, 128, hk=4)
 """The paper's random benchmark: 28 query heads sharing 4 key/value heads."""
 
@@ -124,7 +132,7 @@ TINY = [_square("tiny", "spatial", 2, 2, 200, 64),
 """Small problems for a CPU under Triton's interpreter: two key blocks, packed short sequences,
 grouped heads."""
 
-SHAPE_SETS = ("svd", "svd-spatial", "svd-temporal", "dit", "paper", "tiny", "all")
+SHAPE_SETS = ("svd", "svd-spatial", "svd-temporal", "dit", "dit-calls", "paper", "tiny", "all")
 """What ``--shapes`` takes; ``all`` is every set but ``tiny``."""
 
 FRAMES = (14, 25)
@@ -143,6 +151,8 @@ def shapes(which: str, frames: Sequence[int] = FRAMES) -> list[Shape]:
         found += [s for f in frames for s in svd_temporal(f)]
     if which in ("dit", "all"):
         found += DIT
+    if which in ("dit-calls", "all"):
+        found += DIT_CALLS
     if which in ("paper", "all"):
         found.append(PAPER)
     return found
