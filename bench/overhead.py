@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import asdict
 
@@ -30,6 +31,20 @@ from . import harness
 NAME = "overhead"
 MAX_TOKENS = 2304
 """The longest sequences timed here (SVD's second-level spatial attention); above it the kernel dominates."""
+
+
+def host_us(fn: harness.Call, calls: int = 20) -> float:
+    """Microseconds of host time per call of ``fn``: ``calls`` calls issued while the GPU sleeps (nothing
+    waits on it), after one call and a synchronize."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(3_000_000_000)
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return 1e6 * elapsed / calls
 
 
 def graph_replay(fn: harness.Call) -> harness.Call:

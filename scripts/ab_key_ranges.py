@@ -16,13 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from collections.abc import Sequence
 
 import torch
 
 from bench import harness
-from bench.overhead import graph_replay
+from bench.overhead import graph_replay, host_us
 from pasa_diffusers.kernels import dispatch
 from pasa_diffusers.variants import Variant
 
@@ -46,18 +45,6 @@ def whole_launch() -> harness.Method:
         return harness.Prepared(call, prepared.note + ", one launch", prepared.details)
 
     return harness.Method("exact-hybrid one launch", "ours", build)
-
-
-def host_us(call: harness.Call, calls: int = 20) -> float:
-    """Microseconds of host time to issue one ``call``, measured while the GPU sleeps (nothing waits on it)."""
-    torch.cuda.synchronize()
-    torch.cuda._sleep(1_000_000_000)
-    start = time.perf_counter()
-    for _ in range(calls):
-        call()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return 1e6 * elapsed / calls
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -12,11 +12,10 @@ right after the model itself waits for the GPU.
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Callable
 
 import torch
 
+from bench.overhead import host_us
 from pasa_diffusers.beta import DEFAULT_BETA
 from pasa_diffusers.kernels import dispatch, hopper, precompiled
 from pasa_diffusers.kernels.prepass import centre_keys
@@ -24,19 +23,6 @@ from pasa_diffusers.ops import pasa_attention
 from pasa_diffusers.variants import DEFAULT
 
 SHAPES = (((50, 20, 576, 64), torch.float16), ((1, 24, 6616, 128), torch.bfloat16))
-
-
-def host_us(fn: Callable[[], object], calls: int = 200) -> float:
-    """Microseconds of host time per call of ``fn``, issued while the GPU sleeps."""
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(3_000_000_000)
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return 1e6 * elapsed / calls
 
 
 def main() -> int:
@@ -64,7 +50,7 @@ def main() -> int:
         }
         print(shape, dtype, plan.describe()[:60])
         for name, fn in parts.items():
-            print(f"  {name:20s} {host_us(fn):8.1f} us")
+            print(f"  {name:20s} {host_us(fn, calls=200):8.1f} us")
     return 0
 
 
