@@ -142,9 +142,10 @@ _KEPT: dict[int, tuple[weakref.ref, tuple, KeptKeys | None]] = {}
 
 def kept_keys(attention_mask: torch.Tensor, batch: int, n_keys: int) -> KeptKeys | None:
     """:func:`key_padding`'s answer for ``attention_mask`` as :class:`KeptKeys` (``None``: not a key-padding
-    mask), computed once per mask tensor and version: the video transformers pass one mask to every layer,
-    and reading its values waits for the GPU, so a forward waits once, not at every layer's call (an inference
-    tensor, which has no version counter, is read at every call)."""
+    mask), computed once per mask tensor and version: reading a mask's values waits for the GPU, and a call
+    asks twice (``mask_reason``, then ``attend_kept_keys``); HunyuanVideo passes one mask tensor to all its
+    blocks, so its forward waits once (LTX-Video builds a new mask in every layer: one wait per layer).  An
+    inference tensor, which has no version counter, is read at every ask."""
     if attention_mask.is_inference():
         return _read_kept_keys(attention_mask, batch, n_keys)
     key, signature = id(attention_mask), (attention_mask._version, batch, n_keys)
