@@ -348,11 +348,12 @@ def conditioning_notice(pipe: Any) -> str | None:
             f"prompt's, then the negative prompt's{pooled}){masks}; no tokenizer or text encoder is loaded")
 
 
-def load_condition_image(args: argparse.Namespace) -> Any:
-    """The ``--image`` at ``--width`` x ``--height`` (a PIL image)."""
+def load_condition_image(args: argparse.Namespace, settings: dict[str, int]) -> Any:
+    """The ``--image`` at the generation's width x height (a PIL image): ``settings`` from
+    ``generation_settings``, where a size flag not given has taken the model's default."""
     from pasa_diffusers.pipelines.svd import load_image
 
-    return load_image(args.image, (args.width, args.height))
+    return load_image(args.image, (settings["width"], settings["height"]))
 
 
 def model_dtype(device: str, name: str | None) -> Any:

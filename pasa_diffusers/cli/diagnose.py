@@ -21,7 +21,7 @@ def run(args: argparse.Namespace) -> int:
 
     pipe = load_model(args, video=True)
     settings = generation_settings(args, pipe)
-    image = None if is_video_pipeline(pipe) else load_condition_image(args)
+    image = None if is_video_pipeline(pipe) else load_condition_image(args, settings)
     notice = conditioning_notice(pipe)
     if notice:
         print(notice)

@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
         summary = install.apply(pipe, args.attention)
     except ValueError as exc:  # the backend cannot run this model's attention (e.g. its head dims)
         raise UsageError(f"--attention {args.attention}: {exc}") from exc
-    image = None if is_video_pipeline(pipe) else load_condition_image(args)
+    image = None if is_video_pipeline(pipe) else load_condition_image(args, settings)
     notice = conditioning_notice(pipe)
     if notice:
         print(notice)
