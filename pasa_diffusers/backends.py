@@ -22,7 +22,8 @@ class Backend:
     """One attention backend: ``processor`` is a class name of ``pasa_diffusers.processors``, built with
     ``options`` (the constructor arguments the name fixes; ``"pasa"`` fixes none, so ``apply``'s options
     may change its defaults); ``variant`` is the op's as the name runs it, or ``None``; ``requires`` the
-    optional ``(module, package)`` a peer imports."""
+    optional ``(module, package)`` a peer imports; ``cuda_only``: the backend has no CPU implementation
+    (torch's SDPA cuDNN and memory-efficient kernels, FlashAttention-3, SageAttention)."""
 
     name: str
     processor: str
@@ -30,6 +31,7 @@ class Backend:
     variant: Variant | None = None
     options: dict[str, Any] = field(default_factory=dict)
     requires: tuple[str, str] | None = None
+    cuda_only: bool = False
 
 
 _ALL = (
@@ -50,14 +52,16 @@ _ALL = (
     Backend("bf16", "BF16AttnProcessor", "SDPA on bf16 copies of q, k, v"),
     Backend("fp32", "FP32AttnProcessor", "SDPA on fp32 copies of q, k, v: the reference of the comparisons"),
     Backend("fa3", "PeerAttnProcessor", "FlashAttention-3 on bf16 copies (the fa3-fwd wheel; Hopper GPUs)",
-            options={"peer": "fa3"}, requires=("fa3_fwd_interface", "fa3-fwd")),
+            options={"peer": "fa3"}, requires=("fa3_fwd_interface", "fa3-fwd"), cuda_only=True),
     Backend("fa3-fp8", "PeerAttnProcessor", "FlashAttention-3 on float8 e4m3 copies, scaled per (batch, kv head)",
-            options={"peer": "fa3-fp8"}, requires=("fa3_fwd_interface", "fa3-fwd")),
+            options={"peer": "fa3-fp8"}, requires=("fa3_fwd_interface", "fa3-fwd"), cuda_only=True),
     Backend("sage", "PeerAttnProcessor", "SageAttention: INT8 q k^T with smooth-K, fp16 P V (CUDA)",
-            options={"peer": "sage"}, requires=("sageattention", "sageattention")),
-    Backend("cudnn", "PeerAttnProcessor", "SDPA's cuDNN backend only", options={"peer": "cudnn"}),
+            options={"peer": "sage"}, requires=("sageattention", "sageattention"), cuda_only=True),
+    Backend("cudnn", "PeerAttnProcessor", "SDPA's cuDNN backend only (CUDA)", options={"peer": "cudnn"},
+            cuda_only=True),
     Backend("flash", "PeerAttnProcessor", "SDPA's flash backend only", options={"peer": "flash"}),
-    Backend("efficient", "PeerAttnProcessor", "SDPA's memory-efficient backend only", options={"peer": "efficient"}),
+    Backend("efficient", "PeerAttnProcessor", "SDPA's memory-efficient backend only (CUDA)",
+            options={"peer": "efficient"}, cuda_only=True),
 )
 
 BACKENDS: dict[str, Backend] = {b.name: b for b in _ALL}
@@ -80,14 +84,17 @@ def get(name: str, fn: str) -> Backend:
     return BACKENDS[name]
 
 
-def missing(name: str) -> str | None:
-    """Why backend ``name`` cannot run here (its optional package is not installed), in one line naming the
-    package, or ``None``.  Looks the module up without importing it."""
-    requires = get(name, "missing").requires
-    if requires is None:
-        return None
-    module, package = requires
-    if importlib.util.find_spec(module) is None:
-        return f"backend {name!r} needs the {package} package (module {module}), which is not installed: " \
-               f"pip install {package}"
+def missing(name: str, device: str | None = None) -> str | None:
+    """Why backend ``name`` cannot run here, in one line, or ``None``: its optional package is not installed
+    (named, with the pip command), or ``device`` (``"cpu"``, ``"cuda:1"``; ``None``: not checked) is not a CUDA
+    device and the backend runs on CUDA only.  Looks the module up without importing it."""
+    entry = get(name, "missing")
+    if entry.requires is not None:
+        module, package = entry.requires
+        if importlib.util.find_spec(module) is None:
+            return f"backend {name!r} needs the {package} package (module {module}), which is not installed: " \
+                   f"pip install {package}"
+    if entry.cuda_only and device is not None and not device.startswith("cuda"):
+        return f"backend {name!r} runs on CUDA devices only, not on {device}: pass --device cuda, or choose a " \
+               f"backend with a CPU implementation"
     return None

@@ -74,6 +74,11 @@ PROBES: list[tuple[str, str]] = [
     ("compare --out {tmp}/afile", "--out {tmp}/afile: {tmp}/afile is a file, not a folder"),
     ("compare --fps 0", "argument --fps: must be a finite number > 0, got 0"),
     ("compare --lpips-weights /nonexistent.pth", "--lpips-weights /nonexistent.pth: no such file"),
+    ("generate --attention cudnn", "--attention cudnn: backend 'cudnn' runs on CUDA devices only, not on cpu: pass "
+                                   "--device cuda, or choose a backend with a CPU implementation"),
+    ("compare --backends pasa,efficient", "--backends pasa,efficient: backend 'efficient' runs on CUDA devices only, "
+                                          "not on cpu: pass --device cuda, or choose a backend with a CPU "
+                                          "implementation"),
     ("save-model {tmp}/new", "the following arguments are required: --model"),
     ("save-model --model tiny {tmp}", "DIR {tmp}: the folder is not empty; pass a new or empty folder"),
     ("save-model --model tiny {tmp}/afile", "DIR {tmp}/afile: {tmp}/afile is a file, not a folder"),

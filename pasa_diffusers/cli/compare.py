@@ -133,7 +133,8 @@ def check_out(path: str) -> None:
 
 def validate(args: argparse.Namespace) -> None:
     """What ``type=`` cannot check, before any heavy import and before anything is written: model, images,
-    LPIPS weights, device, torchrun, output folder (checked, not created)."""
+    LPIPS weights, device, torchrun, backends that cannot run on the device, output folder (checked, not
+    created)."""
     check_model(args.model)
     for image in args.images:
         if not image.startswith("builtin:"):
@@ -143,6 +144,9 @@ def validate(args: argparse.Namespace) -> None:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and ":" in args.device:
         raise UsageError(f"--device {args.device}: under torchrun each rank runs on cuda:LOCAL_RANK; "
                          "pass --device cuda")
+    absent = [reason for name in args.backends if (reason := missing(name, args.device))]
+    if absent:
+        raise UsageError(f"--backends {','.join(args.backends)}: {'; '.join(absent)}")
     check_device(args.device)
     check_out(args.out)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..backends import BACKENDS
+from ..backends import BACKENDS, missing
 from .common import (UsageError, add_generation_args, backend_help, conditioning_notice, generation_settings,
                      load_condition_image, load_model, positive_float, validate_generation_args)
 
@@ -19,7 +19,11 @@ def _finite_note(frames) -> str:
 
 
 def validate(args: argparse.Namespace) -> None:
-    """Check the model, image, output folder and device before anything is loaded."""
+    """Check the backend (its package, and whether it runs on ``--device``), the model, image, output folder
+    and device before anything is loaded."""
+    absent = missing(args.attention, args.device)
+    if absent is not None:
+        raise UsageError(f"--attention {args.attention}: {absent}")
     validate_generation_args(args)
 
 
