@@ -455,7 +455,7 @@ def _merge(acc, l_i, x, alpha, v_base, v8_base, vs, stride_vn, stride_v8d, offs_
     its own fp32 accumulator, V8 read transposed (DP, BLOCK_N).  ``P8 V8`` multiplies the e4m3 values
     widened to fp16 (exact: every e4m3 value is an fp16 one; exact products, fp32 sums): the FP8 design's
     numbers at the 16-bit MMA's rate.  (The FP8 MMA itself, ``tl.dot`` of the e4m3 tiles, gave wrong sums and
-    NaN in this kernel on an H200 with triton 3.6, though it is right in a kernel of one dot: docs/JOURNAL.md
+    NaN in this kernel on an H200 with triton 3.6, though it is right in a kernel of one dot: docs/HISTORY.md
     entry 53.)"""
     if PV_FP8:
         if MASKED:
