@@ -9,6 +9,9 @@ that an overflowing backend is visible in every written file.
 from __future__ import annotations
 
 import math
+import os
+import re
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -36,16 +39,47 @@ def to_uint8(frames: np.ndarray) -> np.ndarray:
 
 
 def write_png_frames(frames: np.ndarray, out_dir: str | Path, prefix: str = "frame") -> list[Path]:
-    """Write each frame as ``<out_dir>/<prefix>_0000.png``, ...; return the paths."""
+    """Write each frame as ``<out_dir>/<prefix>_0000.png``, ...; return the paths.
+
+    ``out_dir`` holds one video: its frames are written into a new folder beside it, which then takes its
+    place whole, so frames of an earlier, longer video never stay behind the new ones.  An ``out_dir`` that
+    holds anything but ``<prefix>_NNNN.png`` frames (another file, a folder) is refused (``ValueError``)
+    before anything is written.
+    """
     pixels = to_uint8(validate_video(frames, "frames"))
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for i, frame in enumerate(pixels):
-        path = out_dir / f"{prefix}_{i:04d}.png"
-        iio.imwrite(path, frame)
-        paths.append(path)
-    return paths
+    check_frame_folder(out_dir, prefix)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        for i, frame in enumerate(pixels):
+            iio.imwrite(tmp / f"{prefix}_{i:04d}.png", frame)
+        if out_dir.is_dir():
+            out_dir.rename(old)
+        tmp.rename(out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+    return [out_dir / f"{prefix}_{i:04d}.png" for i in range(len(pixels))]
+
+
+def check_frame_folder(out_dir: str | Path, prefix: str = "frame") -> None:
+    """Refuse (``ValueError``) an ``out_dir`` that exists as something other than a folder of ``<prefix>_NNNN.png``
+    frames: ``write_png_frames`` would replace it whole."""
+    out_dir = Path(out_dir)
+    if not (out_dir.exists() or out_dir.is_symlink()):
+        return
+    if out_dir.is_symlink() or not out_dir.is_dir():
+        raise ValueError(f"the frame folder {out_dir} exists and is not a folder; remove it or choose another --out")
+    frame = re.compile(rf"{re.escape(prefix)}_\d{{4,}}\.png")
+    other = sorted(entry.name for entry in out_dir.iterdir() if not (frame.fullmatch(entry.name) and entry.is_file()))
+    if other:
+        raise ValueError(f"the frame folder {out_dir} holds {other[0]!r}, which is not a {prefix}_NNNN.png frame; a "
+                         "new video replaces that folder whole only when it holds frames alone: remove it or choose "
+                         "another --out")
 
 
 def write_gif(frames: np.ndarray, path: str | Path, fps: float = 7) -> Path:
@@ -101,8 +135,9 @@ def write_video(
 ) -> dict[str, Path]:
     """Write ``frames`` in each of ``formats``: ``<name>.mp4``, ``<name>.gif``, PNGs in ``<name>/``.
 
-    The frames, ``fps`` and ``formats`` are checked before anything is written, and every path returned
-    exists.  Returns ``{format: path}``; for ``"png"`` the path is the folder of frames.
+    The frames, ``fps``, ``formats`` and the frame folder (``write_png_frames``) are checked before anything is
+    written, and every path returned exists.  Each file replaces an earlier one of the same name whole, and the
+    frame folder is replaced whole: the folder holds one video, never frames of two.  Returns ``{format: path}``; for ``"png"`` the path is the folder of frames.
     """
     unknown = sorted(set(formats) - set(VIDEO_FORMATS))
     if unknown:
@@ -112,6 +147,8 @@ def write_video(
     validate_video(frames, "frames")
     _check_fps(fps)
     out_dir = Path(out_dir)
+    if "png" in formats:
+        check_frame_folder(out_dir / name, "frame")
     written: dict[str, Path] = {}
     if "mp4" in formats:
         written["mp4"] = write_mp4(frames, out_dir / f"{name}.mp4", fps=fps)

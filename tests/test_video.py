@@ -120,6 +120,25 @@ def test_write_video_writes_every_format(tmp_path):
         write_gif(video, tmp_path / "x.gif", fps=0)
 
 
+def test_write_video_replaces_the_frame_folder_of_a_longer_video_whole(tmp_path):
+    write_video(make_video(frames=9), tmp_path, "pasa", formats=("png", "gif"))
+    short = make_video(frames=5, step=3)
+    written = write_video(short, tmp_path, "pasa", formats=("png", "gif"))
+    frames = sorted(written["png"].iterdir())
+    assert [p.name for p in frames] == [f"frame_{i:04d}.png" for i in range(5)]
+    np.testing.assert_array_equal(np.stack([iio.imread(p) for p in frames]), to_uint8(short))
+    assert iio.imread(written["gif"], plugin="pillow", index=None).shape[0] == 5
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pasa", "pasa.gif"]  # no temporary folder left
+
+
+def test_write_video_refuses_a_frame_folder_holding_other_files(tmp_path):
+    (tmp_path / "pasa").mkdir()
+    (tmp_path / "pasa" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"pasa holds 'notes.txt', which is not a frame_NNNN.png frame"):
+        write_video(make_video(frames=2), tmp_path, "pasa")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["notes.txt", "pasa"]  # nothing written
+
+
 def test_side_by_side_layout_and_heatmap():
     ref = make_video(frames=3)
     test = ref.copy()

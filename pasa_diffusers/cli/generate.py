@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from ..backends import BACKENDS, missing
 from .common import (UsageError, add_generation_args, backend_help, conditioning_notice, generation_settings,
@@ -33,6 +34,10 @@ def run(args: argparse.Namespace) -> int:
 
     from .. import install
 
+    try:  # the frame folder of --attention is replaced whole by this video: refuse one holding other files now
+        metrics.video.check_frame_folder(Path(args.out) / args.attention)
+    except ValueError as exc:
+        raise UsageError(f"--out {args.out}: {exc}") from exc
     pipe = load_model(args, video=True)
     settings = generation_settings(args, pipe)
     try:
