@@ -17,7 +17,7 @@ import torch
 
 from bench.overhead import host_us
 from pasa_diffusers.beta import DEFAULT_BETA
-from pasa_diffusers.kernels import dispatch, hopper, precompiled
+from pasa_diffusers.kernels import dispatch, hopper
 from pasa_diffusers.kernels.prepass import centre_keys
 from pasa_diffusers.ops import pasa_attention
 from pasa_diffusers.variants import DEFAULT
@@ -39,7 +39,6 @@ def main() -> int:
             "op (bnhd)": lambda: pasa_attention(*base, layout="bnhd"),
             "dispatch.forward": lambda: dispatch.forward(q, k, v, out, scale=scale, variant=DEFAULT, beta=DEFAULT_BETA),
             "dispatch.plan": lambda: dispatch.plan(q, k, v, out, variant=DEFAULT),
-            "seed_cache": lambda: precompiled.seed_cache(q.device),
             "centre_keys": lambda: centre_keys(k, block_n=plan.block_n, exact=True),
             "kernel_call": lambda: hopper.kernel_call(q, k_c, v, centres, out, scale=scale),
             "descriptor x1": lambda: hopper._descriptor(q, 64, 64 if d == 64 else 128),

@@ -34,7 +34,7 @@ SIDEWAYS = {(f"{KERNELS}.int8", f"{KERNELS}.hopper_int8"), (f"{KERNELS}.hopper_i
 """The kernel files' only sideways imports: the 8-bit path's launcher chooses its attention kernel (the Gluon
 one or its own), and the Gluon int8 kernel reuses ``hopper.py``'s Gluon helpers (editing ``hopper.py`` to move
 them would make the shipped sm_90 bundle stale)."""
-HELPERS = {f"{KERNELS}.{name}" for name in ("common", "tuning", "precompiled")}
+HELPERS = {f"{KERNELS}.{name}" for name in ("common", "tuning")}
 KERNEL_DEPENDENCIES = HELPERS | {"pasa_diffusers.rules", "pasa_diffusers.beta", "pasa_diffusers.variants",
                                  "pasa_diffusers.block_tally"}
 """What a kernel file may import of the project."""
@@ -271,7 +271,7 @@ def test_kernel_imports_go_downward_only():
     bad = [e for e in EDGES if within(e.source, KERNELS) and e.target.startswith("pasa_diffusers")
            and not _kernel_rule(e.source, e.target)]
     assert not bad, _report(bad, "dispatch -> kernel files (portable, packed, hopper, prepass) -> helpers (common, "
-                                 "tuning, precompiled) and rules, beta, variants; never sideways or up")
+                                 "tuning) and rules, beta, variants; never sideways or up")
 
 
 def test_outside_kernels_only_ops_reaches_them_through_dispatch():

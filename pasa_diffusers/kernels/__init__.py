@@ -8,8 +8,7 @@
   head), ``int8.py`` (the exact shift in 8 bits: its pre-pass and portable attention kernel),
   ``hopper_int8.py`` (the 8-bit attention on sm_90 in Gluon, ``hopper.py``'s structure);
 - shared helpers: ``common.py`` (rounding, products, the exact centre, ``INTERPRET``), ``tuning.py``
-  (tile extents, buckets, the autotuner with its shipped tables and on-disk cache), ``precompiled.py``
-  (the compiled kernels shipped per GPU, copied into Triton's cache on the first launch).
+  (tile extents, buckets, the autotuner with its shipped tables and on-disk cache).
 
 Kernel files import only the helpers, ``rules``, ``beta`` and ``variants``; never each other.
 Importing a kernel module imports ``triton``; for CPU tensors set ``TRITON_INTERPRET=1`` before that.

@@ -33,7 +33,7 @@ import triton
 from .. import rules
 from ..beta import shift_constants
 from ..variants import KERNEL_PRECISIONS, Variant
-from . import hopper, int8, packed, portable, precompiled
+from . import hopper, int8, packed, portable
 from .common import INTERPRET
 from .prepass import centre_keys, shift_keys
 from .tuning import pow2_tile
@@ -216,8 +216,6 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
             written out of bounds).
     """
     chosen = plan(q, k, v, out, variant=variant, block_n=block_n, kernel=kernel, prepass=prepass, config=config)
-    if q.is_cuda:
-        precompiled.seed_cache(q.device)
     if lse is not None:
         _check_lse(q, lse)
     shift, precision = variant.shift, variant.precision
