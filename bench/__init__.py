@@ -11,8 +11,8 @@ repository root, each writing ``<name>.md`` and ``<name>.json`` into ``--out``.
 - ``video``: the wall time of one generated video per backend;
 - ``cold_start``: the first calls at SVD's shapes in fresh processes;
 - ``accumulation``: how the tensor cores accumulate, and what that does to attention;
-- ``hopper``: the Gluon Hopper kernel's configs, correctness then time;
-- ``compile_sm90``: the Gluon kernel compiled for sm_90 on a CPU (triton 3.6).
+- ``hopper``: the Gluon Hopper kernel's configs, correctness then time.
 
-``harness`` holds what they share: shapes, methods, the timer, rates, the header and the writer.
+``harness`` holds what they share: shapes, methods, the timer, rates, the header and the writer.  The build
+tools (the tuned table, the sm_90 compile reports) are in ``tools/``.
 """

@@ -792,7 +792,7 @@ def device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def cpu_problem(bench: str) -> str | None:
+def cpu_problem(bench: str, package: str = "bench") -> str | None:
     """Why our kernels cannot run on this CPU (they need Triton's interpreter: ``TRITON_INTERPRET=1`` set
     before the kernels were imported, and at each call so that the op takes the kernel rather than the
     PyTorch reference), or ``None`` (also on a GPU)."""
@@ -802,7 +802,7 @@ def cpu_problem(bench: str) -> str | None:
 
     if INTERPRET and os.environ.get("TRITON_INTERPRET") == "1":
         return None
-    return (f"bench.{bench}: no CUDA GPU, and our kernels run on a CPU only under Triton's interpreter: "
+    return (f"{package}.{bench}: no CUDA GPU, and our kernels run on a CPU only under Triton's interpreter: "
             "set TRITON_INTERPRET=1 (and pick small shapes: --shapes tiny)")
 
 
@@ -850,10 +850,11 @@ def rows_payload(rows: Iterable[Row]) -> list[dict[str, Any]]:
 DEFAULT_OUT = "out/bench"
 
 
-def parser(name: str, doc: str) -> argparse.ArgumentParser:
-    """The parser of ``python -m bench.<name>``: the module's docstring as its help, ``--out``."""
+def parser(name: str, doc: str, package: str = "bench") -> argparse.ArgumentParser:
+    """The parser of ``python -m <package>.<name>`` (``bench``, or ``tools`` for the build tools): the
+    module's docstring as its help, ``--out``."""
     first, _, rest = doc.strip().partition("\n")
-    p = argparse.ArgumentParser(prog=f"python -m bench.{name}", description=first, epilog=rest.strip() or None,
+    p = argparse.ArgumentParser(prog=f"python -m {package}.{name}", description=first, epilog=rest.strip() or None,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
                    help=f"folder for {name}.md and {name}.json (default: {DEFAULT_OUT})")
@@ -890,10 +891,10 @@ def add_method_arguments(p: argparse.ArgumentParser, default: str) -> None:
                    help=f"comma-separated method names and groups {tuple(METHOD_GROUPS)} (default: {default})")
 
 
-def command(name: str, argv: Sequence[str] | None) -> str:
+def command(name: str, argv: Sequence[str] | None, package: str = "bench") -> str:
     """The command line that ran, as it would be typed."""
     args = list(sys.argv[1:] if argv is None else argv)
-    return " ".join([f"python -m bench.{name}", *args])
+    return " ".join([f"python -m {package}.{name}", *args])
 
 
 def progress(items: Iterable, desc: str, total: int | None = None) -> tqdm:

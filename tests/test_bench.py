@@ -16,8 +16,8 @@ import torch
 
 from bench import attention, harness
 
-ENTRY_POINTS = ("attention", "accuracy", "unet", "dit", "overhead", "temporal", "hopper", "compile_sm90", "cold_start",
-                "video", "accumulation", "context_parallel", "tune_table", "int8_accuracy", "compile_int8", "precompile", "int8_fallback")
+ENTRY_POINTS = ("attention", "accuracy", "unet", "dit", "overhead", "temporal", "hopper", "cold_start",
+                "video", "accumulation", "context_parallel", "int8_accuracy", "int8_fallback")
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -157,27 +157,6 @@ def test_hopper_checks_big_shapes_on_fewer_heads():
         assert (b, n, d) == (shape[0], shape[2], shape[3]) and 1 <= h < shape[1]
         assert h == 1 or min(b, 2) * h * n * n * 8 <= hopper.GOLDEN_BYTES
     assert hopper.check_shape((50, 5, 9216, 64)) == (50, 5, 9216, 64)
-
-
-def test_key_loop_finds_the_innermost_attention_loop():
-    """bench.compile_sm90.key_loop: the smallest backward-branch range holding a register-A MMA (P V) and an
-    exp2, with its opcode counts (predicates dropped); a loop without them, or none, is not it."""
-    from bench.compile_sm90 import key_loop
-
-    sass = "\n".join([
-        "        /*0000*/                   MOV R1, c[0x0][0x28] ;",
-        "        /*0010*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ ;",
-        "        /*0020*/                   MUFU.EX2 R5, R5 ;",
-        "        /*0030*/                   FSEL R6, R5, -INF , P1 ;",
-        "        /*0040*/                   HGMMA.64x128x16.F32.BF16 R24, R88, gdesc[UR12].tnspB, R24 ;",
-        "        /*0050*/               @P0 BRA 0x10 ;",
-        "        /*0060*/                   FADD R7, R7, R8 ;",
-        "        /*0070*/              @!P1 BRA 0x0 ;",
-        "        /*0080*/                   MUFU.EX2 R9, R9 ;",
-        "        /*0090*/                   BRA 0x80 ;",
-    ])
-    assert key_loop(sass) == {"loop_sass": 5, "loop_ops": "HGMMA 2, MUFU 1, FSEL 1, BRA 1"}
-    assert key_loop("\n".join(sass.splitlines()[:3])) == {"loop_sass": None, "loop_ops": None}
 
 
 def test_unet_table_has_a_line_per_row():

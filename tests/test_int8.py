@@ -458,7 +458,7 @@ GPU_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 @pytest.mark.parametrize("case", list(KERNEL_CASES), ids=list(KERNEL_CASES))
 def test_gpu_kernels_match_the_spec(case, gen):
     """On a GPU: the pre-pass is the spec's bit for bit (the same operations; the compiler contracts none of
-    the pre-pass's roundings, ``bench.compile_int8``), the attention within one ``g`` ulp of the spec (FMA
+    the pre-pass's roundings, ``tools.compile_int8``), the attention within one ``g`` ulp of the spec (FMA
     contraction, ``ex2.approx``, Hopper's 22-bit FP8 sums: fp32-rounding-sized differences)."""
     shape = KERNEL_CASES[case]
     if shape[7] == 8 and torch.cuda.get_device_capability() < (8, 9):
@@ -535,7 +535,7 @@ def test_gpu_every_config_matches_the_spec(config, gen):
 
 GLUON_CONFIGS = [{"BLOCK_N": 64, "num_stages": 3, "consumers": 3}, {"BLOCK_N": 64, "num_stages": 4, "consumers": 2},
                  {"BLOCK_N": 128, "num_stages": 2, "consumers": 2}, {"BLOCK_N": 64, "num_stages": 2, "consumers": 3}]
-"""The Gluon kernel's configs that compile without spills (``bench.compile_int8``): the tuned ones and others."""
+"""The Gluon kernel's configs that compile without spills (``tools.compile_int8``): the tuned ones and others."""
 
 
 def _gluon_or_skip():
@@ -597,14 +597,13 @@ def test_gpu_auto_takes_the_gluon_kernel_on_hopper(gen):
         int8.forward(q, k, v, torch.empty_like(q), scale=0.125, pv_bits=8, kernel="gluon")
 
 
-@pytest.mark.parametrize("name", ["int8_accuracy", "compile_int8"])
-def test_bench_entry_points_answer_help(name, capsys):
+@pytest.mark.parametrize("module", ["bench.int8_accuracy", "tools.compile_int8"])
+def test_entry_points_answer_help(module, capsys):
     import importlib
 
-    module = importlib.import_module(f"bench.{name}")
     with pytest.raises(SystemExit) as stop:
-        module.main(["--help"])
-    assert stop.value.code == 0 and capsys.readouterr().out.startswith(f"usage: python -m bench.{name}")
+        importlib.import_module(module).main(["--help"])
+    assert stop.value.code == 0 and capsys.readouterr().out.startswith(f"usage: python -m {module}")
 
 
 # ---- the variant through the op, the router and a backend --------------------------------------------------

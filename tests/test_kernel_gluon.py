@@ -1,7 +1,7 @@
 """The Gluon Hopper kernel (``kernels/hopper.py``) on a machine that cannot run it.
 
 Its numbers come from the GPU (``bench.hopper``: every config checked against the golden attention
-before it is timed) and its sm_90 compilation from ``bench.compile_sm90``; here: the module imports
+before it is timed) and its sm_90 compilation from ``tools.compile_sm90``; here: the module imports
 whatever the Triton release, the router says why it cannot take a call, and bad configs are refused by
 name before anything is built.
 """

@@ -1,7 +1,7 @@
 """The Gluon int8 kernel (``kernels/hopper_int8.py``) on a machine that cannot run it.
 
 Its numbers come from the GPU (``tests/test_int8.py``'s gpu tests against the spec, ``bench.int8_fallback``)
-and its sm_90 compilation from ``bench.compile_int8``; here: the 8-bit path says why it attends with the
+and its sm_90 compilation from ``tools.compile_int8``; here: the 8-bit path says why it attends with the
 portable kernel, ``kernel="gluon"`` is refused with that reason, bad configs and pre-pass outputs are
 refused by name before anything is built, and the tuned configs fit the shared memory.
 """

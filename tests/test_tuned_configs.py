@@ -1,5 +1,5 @@
 """The tuned tables (``kernels/tuning.py``) through Triton's interpreter on the tiny shapes: a table written
-by ``bench.tune_table`` is loaded and used (the kernels run its configs with no benchmark, the same bits
+by ``tools.tune_table`` is loaded and used (the kernels run its configs with no benchmark, the same bits
 as the autotuned run that picked them), a key missing from it autotunes, an entry the pool or the prune
 rejects warns once and is ignored, ``PASA_TUNED=0`` turns the tables off; the same mechanism on a toy
 kernel (which Triton 3.6's interpreter runs too: ``-k mechanism``); the GPU names; the package data.
@@ -20,7 +20,8 @@ import torch
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
-from bench import harness, tune_table  # noqa: E402
+from bench import harness  # noqa: E402
+from tools import tune_table  # noqa: E402
 from pasa_diffusers import pasa_attention  # noqa: E402
 from pasa_diffusers.kernels import dispatch, tuning  # noqa: E402,F401  (dispatch: every autotuner)
 from pasa_diffusers.kernels.common import INTERPRET  # noqa: E402
@@ -58,7 +59,7 @@ def _only_key(kernel: str) -> tuple:
 
 @pytest.fixture(scope="module")
 def tuned(tmp_path_factory):
-    """``bench.tune_table`` on the tiny shapes (exact-hybrid) into a folder; then, still with its picks
+    """``tools.tune_table`` on the tiny shapes (exact-hybrid) into a folder; then, still with its picks
     cached, each tiny shape's output of the autotuned kernels.  Returns the folder, the picks
     (kernel -> key -> config) and the outputs."""
     out = tmp_path_factory.mktemp("tune")
@@ -93,7 +94,7 @@ def test_table_is_written_with_every_kernel_picked(tuned):
     out, picks, _ = tuned
     table = tuning.load_table(out / TABLE)
     assert table["gpu"] == tuning.INTERPRETER_TABLE and table["triton"] == triton.__version__
-    assert table["source"]["command"].startswith("python -m bench.tune_table --shapes tiny")
+    assert table["source"]["command"].startswith("python -m tools.tune_table --shapes tiny")
     assert (out / "tune_table.md").is_file() and (out / "tune_table.json").is_file()
     by_kernel = {e["kernel"]: e for e in table["entries"]}
     assert sorted(by_kernel) == sorted(KERNEL_OF.values())
@@ -295,7 +296,7 @@ def test_shipped_tables_are_package_data_and_fit_their_kernels():
 def test_tune_table_help_and_its_cpu_refusals(capsys, monkeypatch):
     with pytest.raises(SystemExit) as stop:
         tune_table.main(["--help"])
-    assert stop.value.code == 0 and capsys.readouterr().out.startswith("usage: python -m bench.tune_table")
+    assert stop.value.code == 0 and capsys.readouterr().out.startswith("usage: python -m tools.tune_table")
     assert tune_table.main(["--shapes", "svd"]) == 2
     assert "only --shapes tiny runs, got --shapes svd" in capsys.readouterr().err
     assert tune_table.main(["--shapes", "tiny", "--methods", "sdpa"]) == 2

@@ -609,7 +609,7 @@ INTERPRET_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 
 
 CONFIG_POOL = ((128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 128, 4, 2))
 """The attention kernel's autotune pool, (BLOCK_M, BLOCK_N, num_warps, num_stages), not timed on a GPU yet
-(the portable path; the fast kernel is to be a Gluon one).  Compiled for sm_90 by ``bench.compile_int8``
+(the portable path; the fast kernel is to be a Gluon one).  Compiled for sm_90 by ``tools.compile_int8``
 (triton 3.6): every config uses INT8 wgmma for ``q k^T`` and 16-bit wgmma for ``P V`` (FP8 ``P V`` too, on
 widened values); the first two do not spill at head dim 64 or 128 in 16 bits (FP8 at 128: up to 124
 bytes), the last two spill at head dim 128 (56-152 bytes in 16 bits).  (128, 64, 4 warps) spilled everywhere and was dropped.
@@ -670,7 +670,7 @@ class Prepared(NamedTuple):
 def _prepass_warps(dp: int) -> int:
     """Warps of the pre-pass programs: 8 up to DP = 128, 16 above.  sm_90, triton 3.6: the quantize kernel
     takes 126 registers at DP 64 (two programs per SM), 186 at 128, no spills (4 warps spill at 128;
-    ``bench.compile_int8``); 16 warps took 593 against 340 us at (50, 20, 576, 64) fp16 and 333 against
+    ``tools.compile_int8``); 16 warps took 593 against 340 us at (50, 20, 576, 64) fp16 and 333 against
     291 us at (2, 12, 8192, 128) bf16 on the H200."""
     return 8 if dp <= 128 else 16
 

@@ -8,7 +8,7 @@ argument order: Triton's own key, :meth:`TableAutotuner.key_of`) met for the fir
 
 1. the shipped table of this GPU: ``tuned/<gpu>.json`` beside this file, ``<gpu>`` the normalised
    ``torch.cuda.get_device_name`` (:func:`table_name`: ``"NVIDIA H200"`` -> ``nvidia-h200``), written by
-   ``python -m bench.tune_table``.  An entry for the key whose config is one the kernel's pool and prune
+   ``python -m tools.tune_table``.  An entry for the key whose config is one the kernel's pool and prune
    allow for this call is put in the autotuner's cache: the kernel runs it without benchmarking, only
    its compilation remains (and no losing config is compiled).  An entry the pool or the prune rejects
    is ignored with a one-time warning, and the key autotunes;
@@ -19,8 +19,8 @@ argument order: Triton's own key, :meth:`TableAutotuner.key_of`) met for the fir
    the key and the configs), else every pruned config compiled and benchmarked.
 
 ``PASA_TUNED`` (read when a key is first met) chooses the tables: unset or ``1``, the shipped ones; ``0``,
-none (for re-tuning, and what ``bench.tune_table`` sets); a ``.json`` path, that table (a folder: its
-``<gpu>.json``), e.g. a table just written by ``bench.tune_table`` before it is committed.
+none (for re-tuning, and what ``tools.tune_table`` sets); a ``.json`` path, that table (a folder: its
+``<gpu>.json``), e.g. a table just written by ``tools.tune_table`` before it is committed.
 
 Under ``TRITON_INTERPRET=1`` the launchers run one fixed config; inside :func:`interpreter_autotuning`
 they autotune (timed by the wall clock), so that a CPU test can write, load and use a table.
@@ -318,7 +318,7 @@ def autotuners() -> dict[str, TableAutotuner]:
 
 
 def forget() -> None:
-    """Forget every autotuner's choices and the loaded tables (tests, ``bench.tune_table``); the one-time
+    """Forget every autotuner's choices and the loaded tables (tests, ``tools.tune_table``); the one-time
     warnings stay given."""
     for tuner in _AUTOTUNERS.values():
         tuner.forget()

@@ -1,11 +1,11 @@
 """What does the Gluon Hopper kernel compile to for sm_90, per config, on a machine without a GPU?
 
-    python -m bench.compile_sm90 --python PYTHON --out DIR     # PYTHON: an interpreter with triton 3.6
-    python -m bench.compile_sm90 --jobs 2 --out DIR            # this interpreter has triton 3.6
+    python -m tools.compile_sm90 --python PYTHON --out DIR     # PYTHON: an interpreter with triton 3.6
+    python -m tools.compile_sm90 --jobs 2 --out DIR            # this interpreter has triton 3.6
 
 Needs, in the interpreter --python names (default: this one), triton 3.6 (the GPU machine's version, whose
 Gluon API kernels/hopper.py is written for) and torch; no GPU.  Each (config, shape) is compiled in its
-own process (PYTHON -m bench.compile_sm90 --one CASE, from the repository root), so that a compiler
+own process (PYTHON -m tools.compile_sm90 --one CASE, from the repository root), so that a compiler
 crash is a row, not the end of the run, exactly as the launch would compile it: hopper.kernel_call
 builds the descriptors and the argument list from meta tensors (diffusers' (B, N, H, D) layout viewed
 as (B, H, N, D)), Triton's own specialisation rules make the signature, and Gluon's source class goes
@@ -33,9 +33,10 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+PACKAGE = "tools"
 NAME = "compile_sm90"
 ROOT = Path(__file__).resolve().parents[1]
-"""The repository root: the children run ``PYTHON -m bench.compile_sm90`` from there."""
+"""The repository root: the children run ``PYTHON -m tools.compile_sm90`` from there."""
 
 CONFIGS = [(block_n, stages, overlap, 3) for overlap in (False, True)
            for block_n, stages in ((128, 2), (128, 3), (64, 2), (64, 3), (64, 4))]
@@ -233,8 +234,8 @@ def _parse_config(text: str) -> tuple[int, int, bool, int]:
     return block_n, stages, bool(overlap), consumers
 
 
-def run_child(python: str, *args: str, module: str = f"bench.{NAME}") -> tuple[dict | None, str]:
-    """``python -m <module> *args`` from the repository root (this file's by default; ``bench.compile_int8``
+def run_child(python: str, *args: str, module: str = f"tools.{NAME}") -> tuple[dict | None, str]:
+    """``python -m <module> *args`` from the repository root (this file's by default; ``tools.compile_int8``
     shares it): its ``ROW`` JSON line (or None) and the last lines of its stderr."""
     res = subprocess.run([python, "-m", module, *args], cwd=ROOT, capture_output=True, text=True,
                          timeout=CHILD_TIMEOUT_S)
@@ -245,7 +246,7 @@ def run_child(python: str, *args: str, module: str = f"bench.{NAME}") -> tuple[d
     return None, f"process died (rc {res.returncode}): {tail}"[:400]
 
 
-def compile_isolated(python: str, case: dict, module: str = f"bench.{NAME}") -> dict:
+def compile_isolated(python: str, case: dict, module: str = f"tools.{NAME}") -> dict:
     """The module's ``compile_one`` of ``case`` in a child process: a compiler that crashes is a failed row."""
     t0 = time.time()
     row, tail = run_child(python, "--one", json.dumps(case), module=module)
@@ -305,13 +306,13 @@ def add_compiler_arguments(p) -> None:
     p.add_argument("--jobs", type=_jobs, default=2, help="compiles in parallel (default: 2)")
 
 
-def compile_all(python: str, cases: list[dict], jobs: int, module: str = f"bench.{NAME}") -> list[dict]:
+def compile_all(python: str, cases: list[dict], jobs: int, module: str = f"tools.{NAME}") -> list[dict]:
     """:func:`compile_isolated` of every case, ``jobs`` at a time, with a progress bar named after ``module``."""
-    from . import harness
+    from bench import harness
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         return list(harness.progress(pool.map(lambda case: compile_isolated(python, case, module), cases),
-                                     module.removeprefix("bench."), total=len(cases)))
+                                     module.removeprefix("tools."), total=len(cases)))
 
 
 def spilled(rows: list[dict]) -> int:
@@ -325,9 +326,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     from pasa_diffusers.metrics import records
 
-    from . import harness
+    from bench import harness
 
-    p = harness.parser(NAME, __doc__)
+    p = harness.parser(NAME, __doc__, PACKAGE)
     add_compiler_arguments(p)
     p.add_argument("--configs", type=_parse_config, nargs="+", metavar="BLOCK_N,STAGES,OVERLAP,CONSUMERS",
                    help="the configs to compile at every shape (default: CONFIGS at head dim 64, WIDE_CONFIGS "
@@ -336,18 +337,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     found, tail = run_child(args.python, "--probe")
     if found is None or found["unavailable"]:
         why = tail if found is None else found["unavailable"]
-        print(f"bench.{NAME}: --python {args.python} cannot compile the Gluon kernel: {why}", file=sys.stderr)
+        print(f"tools.{NAME}: --python {args.python} cannot compile the Gluon kernel: {why}", file=sys.stderr)
         return 2
 
-    cmd, env = harness.command(NAME, argv), harness.environment()
+    cmd, env = harness.command(NAME, argv, PACKAGE), harness.environment()
     env["compiler"] = found
     cases = [{"config": c, "shape": s, "dtype": dtype} for s, dtype, configs in SHAPES for c in args.configs or configs]
     rows = compile_all(args.python, cases, args.jobs)
-    text = harness.header(f"bench.compile_sm90: the Gluon kernel for sm_90 (triton {found['triton']})", env, cmd)
+    text = harness.header(f"tools.compile_sm90: the Gluon kernel for sm_90 (triton {found['triton']})", env, cmd)
     text += "\n" + records.markdown_table(COLUMNS, [table_row(r) for r in rows], align="ll" + "l" * 5 + "rrrrr")
     text += (f"\n\n{sum(r['ok'] for r in rows)} of {len(rows)} compiled; warp-specialised: "
              f"{sum(1 for r in rows if r.get('ws'))}; with spills: {spilled(rows)}\n")
-    harness.write_report(args.out, NAME, text, {"bench": NAME, "command": cmd, "environment": env, "rows": rows})
+    harness.write_report(args.out, NAME, text, {"tool": NAME, "command": cmd, "environment": env, "rows": rows})
     print(text)
     return 0
 

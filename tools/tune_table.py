@@ -1,8 +1,8 @@
 """Which config does each autotuned kernel pick on this GPU: the tuned table to ship for it.
 
-    python -m bench.tune_table --out DIR                                  # SVD fp16 + the video DiTs bf16, our variants
-    python -m bench.tune_table --methods exact-hybrid,kernels:exact-hybrid --out DIR
-    TRITON_INTERPRET=1 python -m bench.tune_table --shapes tiny --methods exact-hybrid --out DIR   # a CPU
+    python -m tools.tune_table --out DIR                                  # SVD fp16 + the video DiTs bf16, our variants
+    python -m tools.tune_table --methods exact-hybrid,kernels:exact-hybrid --out DIR
+    TRITON_INTERPRET=1 python -m tools.tune_table --shapes tiny --methods exact-hybrid --out DIR   # a CPU
 
 Runs each method once per shape with the shipped tables off (PASA_TUNED=0) and Triton's autotuning disk
 cache unread, so every key the autotuned kernels (portable.shift, portable.tiled, packed; the Gluon
@@ -31,8 +31,9 @@ from pathlib import Path
 
 import torch
 
-from . import harness
+from bench import harness
 
+PACKAGE = "tools"
 NAME = "tune_table"
 DEFAULT_METHODS = "ours"
 VIDEO = "video"
@@ -130,7 +131,7 @@ def report_rows(payload: dict) -> list[list[str]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = harness.parser(NAME, __doc__)
+    p = harness.parser(NAME, __doc__, PACKAGE)
     harness.add_shape_arguments(p, default=VIDEO, choices=(VIDEO, *harness.SHAPE_SETS))
     harness.add_method_arguments(p, DEFAULT_METHODS)
     p.add_argument("--dtype", choices=list(harness.INPUT_DTYPES), default="float16",
@@ -139,12 +140,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     theirs = [n for n in args.methods if not harness.runs_ours([n])]
     if theirs:
-        print(f"bench.{NAME}: --methods takes our methods only (ours, kernels:<variant>), got {theirs}",
+        print(f"tools.{NAME}: --methods takes our methods only (ours, kernels:<variant>), got {theirs}",
               file=sys.stderr)
         return 2
-    problem = harness.cpu_problem(NAME)
+    problem = harness.cpu_problem(NAME, PACKAGE)
     if problem is None and not torch.cuda.is_available() and args.shapes != "tiny":
-        problem = f"bench.{NAME}: on a CPU (Triton's interpreter) only --shapes tiny runs, got --shapes {args.shapes}"
+        problem = f"tools.{NAME}: on a CPU (Triton's interpreter) only --shapes tiny runs, got --shapes {args.shapes}"
     if problem:
         print(problem, file=sys.stderr)
         return 2
@@ -152,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from pasa_diffusers.kernels import tuning
     from pasa_diffusers.metrics import records
 
-    cmd, env = harness.command(NAME, argv), harness.environment()
+    cmd, env = harness.command(NAME, argv, PACKAGE), harness.environment()
     gpu = tuning.device_gpu(torch.device(harness.device()))
     pairs = shape_set(args.shapes, args.frames, harness.INPUT_DTYPES[args.dtype])
     with retuning() as tuners:
@@ -165,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     table_path = records.write_json(Path(args.out) / f"{tuning.table_name(gpu)}.json", payload)
     harness.log(f"wrote {table_path}: {len(payload['entries'])} entries")
 
-    text = harness.header(f"bench.{NAME}: the autotuned kernels' picks on {gpu}", env, cmd)
+    text = harness.header(f"tools.{NAME}: the autotuned kernels' picks on {gpu}", env, cmd)
     use = ("a test of the loop under Triton's interpreter, not a table to ship" if gpu == tuning.INTERPRETER_TABLE
            else f"commit it as `pasa_diffusers/kernels/tuned/{table_path.name}`, or try it first with "
                 f"`PASA_TUNED={table_path}`")
@@ -181,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if errors:
         text += "\nCalls that did not run:\n\n" + records.markdown_table(
             ["call", "error"], [[e["call"], e["error"]] for e in errors], align="ll") + "\n"
-    harness.write_report(args.out, NAME, text, {"bench": NAME, "command": cmd, "environment": env,
+    harness.write_report(args.out, NAME, text, {"tool": NAME, "command": cmd, "environment": env,
                                                 "table_path": str(table_path), "table": payload,
                                                 "one_config": single, "errors": errors})
     print(text)

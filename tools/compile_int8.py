@@ -1,16 +1,16 @@
 """What do the 8-bit exact shift's kernels compile to for sm_90, per config, on a machine without a GPU?
 
-    python -m bench.compile_int8 --python PYTHON --out DIR     # PYTHON: an interpreter with triton 3.6
-    python -m bench.compile_int8 --jobs 2 --out DIR            # this interpreter has triton 3.6
+    python -m tools.compile_int8 --python PYTHON --out DIR     # PYTHON: an interpreter with triton 3.6
+    python -m tools.compile_int8 --jobs 2 --out DIR            # this interpreter has triton 3.6
 
 Every kernel of pasa_diffusers/kernels/int8.py is compiled for GPUTarget("cuda", 90, 32), each (kernel,
-config, head dim, P V precision, dtype) in its own process (PYTHON -m bench.compile_int8 --one CASE) so
+config, head dim, P V precision, dtype) in its own process (PYTHON -m tools.compile_int8 --one CASE) so
 that a compiler crash is a row: the attention kernel over its autotune pool (int8.AUTOTUNE configs), and
 the pre-pass (the fused quantize kernel, the column statistics and their reduction, the 16-bit blocks'
 flags), from meta tensors
 in diffusers' (B, N, H, D) layout viewed as (B, H, N, D), through the launchers' own argument builders
 (int8.allocate, int8.quantize_call, int8.flags_call, int8.attention_call) and Triton's specialisation rules
-(bench.compile_sm90.specialization).
+(tools.compile_sm90.specialization).
 
 Per case: the tensor-core instructions in the PTX (wgmma.mma_async by operand types, e.g. s32.s8.s8 for
 the INT8 q k^T and f32.e4m3.e4m3 or f32.f16.f16 for P V; mma.sync if Triton fell back), their SASS
@@ -18,7 +18,7 @@ count (HGMMA 16-bit, IGMMA INT8, QGMMA FP8), spills (ptxas -v spill bytes, st.lo
 PTX, STL/LDL in the SASS), registers per thread (cuobjdump -res-usage), shared memory, threads, and for the
 pre-pass the IEEE divisions (div.rn.f32) and whether an FMA swallowed the rounding trick's addition
 (there must be none: the spec rounds the quotient first); for the attention kernels their key loop in the SASS
-(bench.compile_sm90.key_loop).
+(tools.compile_sm90.key_loop).
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ from pathlib import Path
 
 from .compile_sm90 import add_compiler_arguments, answer_child, compile_all, loop_text, run_child, spilled
 
+PACKAGE = "tools"
 NAME = "compile_int8"
 ROOT = Path(__file__).resolve().parents[1]
 CHILD_TIMEOUT_S = 900
@@ -210,26 +211,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     from pasa_diffusers.metrics import records
 
-    from . import harness
+    from bench import harness
 
-    p = harness.parser(NAME, __doc__)
+    p = harness.parser(NAME, __doc__, PACKAGE)
     add_compiler_arguments(p)
     args = p.parse_args(argv)
-    found, tail = run_child(args.python, "--probe", module=f"bench.{NAME}")
+    found, tail = run_child(args.python, "--probe", module=f"tools.{NAME}")
     if found is None:
-        print(f"bench.{NAME}: --python {args.python} cannot run the compiler: {tail}", file=sys.stderr)
+        print(f"tools.{NAME}: --python {args.python} cannot run the compiler: {tail}", file=sys.stderr)
         return 2
-    cmd, env = harness.command(NAME, argv), harness.environment()
+    cmd, env = harness.command(NAME, argv, PACKAGE), harness.environment()
     env["compiler"] = found
     todo = cases()
-    rows = compile_all(args.python, todo, args.jobs, f"bench.{NAME}")
-    text = harness.header(f"bench.compile_int8: the 8-bit kernels for sm_90 (triton {found['triton']})", env, cmd)
+    rows = compile_all(args.python, todo, args.jobs, f"tools.{NAME}")
+    text = harness.header(f"tools.compile_int8: the 8-bit kernels for sm_90 (triton {found['triton']})", env, cmd)
     text += f"\nmeta inputs (B, H/Hk, N) = ({SHAPE[0]}, {SHAPE[1]}/{KV_HEADS}, {SHAPE[2]}), (B, N, H, D) memory\n\n"
     text += records.markdown_table(COLUMNS, [table_row(r) for r in rows])
     no_int8 = sum(1 for r in rows if r["kernel"] == "attention" and r.get("ok") and "s32.s8.s8" not in r["wgmma"])
     text += (f"\n\n{sum(r['ok'] for r in rows)} of {len(rows)} compiled; with spills: {spilled(rows)}; attention kernels "
              f"without INT8 wgmma: {no_int8}\n")
-    harness.write_report(args.out, NAME, text, {"bench": NAME, "command": cmd, "environment": env, "rows": rows})
+    harness.write_report(args.out, NAME, text, {"tool": NAME, "command": cmd, "environment": env, "rows": rows})
     print(text)
     return 0
 
