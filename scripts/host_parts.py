@@ -17,7 +17,7 @@ import torch
 
 from bench.overhead import host_us
 from pasa_diffusers.beta import DEFAULT_BETA
-from pasa_diffusers.kernels import dispatch, hopper
+from pasa_diffusers.kernels import dispatch, gluon_common, hopper
 from pasa_diffusers.kernels.prepass import centre_keys
 from pasa_diffusers.ops import pasa_attention
 from pasa_diffusers.variants import DEFAULT
@@ -41,7 +41,7 @@ def main() -> int:
             "dispatch.plan": lambda: dispatch.plan(q, k, v, out, variant=DEFAULT),
             "centre_keys": lambda: centre_keys(k, block_n=plan.block_n, exact=True),
             "kernel_call": lambda: hopper.kernel_call(q, k_c, v, centres, out, scale=scale),
-            "descriptor x1": lambda: hopper._descriptor(q, 64, 64 if d == 64 else 128),
+            "descriptor x1": lambda: gluon_common.descriptor(q, 64, 64 if d == 64 else 128),
             "centres.to": lambda: centres.to(q.dtype),
             "gluon launch": lambda: hopper.exact_fwd_gluon_kernel[grid](*args, **meta),
             "torch.empty_like": lambda: torch.empty_like(q),

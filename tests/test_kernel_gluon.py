@@ -12,7 +12,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from pasa_diffusers.kernels import hopper  # noqa: E402
+from pasa_diffusers.kernels import gluon_common, hopper  # noqa: E402
+from pasa_diffusers.kernels.tuning import SMEM_LIMIT  # noqa: E402
 
 
 def _inputs():
@@ -23,7 +24,7 @@ def _inputs():
 def test_unsuitable_reason_names_what_is_missing():
     q, _, v, _, out = _inputs()
     reason = hopper.unsuitable_reason(q, v, out, precision="hybrid", block_n=128)
-    unavailable = hopper.unavailable_reason()
+    unavailable = gluon_common.unavailable_reason()
     assert reason == (unavailable if unavailable is not None else "it runs on CUDA GPUs, got cpu")
 
 
@@ -53,4 +54,4 @@ def test_head_dims_map_to_their_tile_and_tuned_config(head_dim, tile):
     for n_k in (576, 32760):
         cfg = hopper.tuned_config(n_k, head_dim)
         assert cfg["consumers"] == (3 if tile == 64 else 2)
-        assert hopper.shared_bytes(cfg, tile, 2) <= hopper.SHARED_MEMORY_BYTES
+        assert hopper.shared_bytes(cfg, tile, 2) <= SMEM_LIMIT

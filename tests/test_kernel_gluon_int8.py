@@ -14,7 +14,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from pasa_diffusers.kernels import hopper, hopper_int8, int8  # noqa: E402
+from pasa_diffusers.kernels import gluon_common, hopper_int8, int8  # noqa: E402
+from pasa_diffusers.kernels.tuning import SMEM_LIMIT  # noqa: E402
 
 
 def _inputs(d=64, n=200, dtype=torch.float16):
@@ -24,7 +25,7 @@ def _inputs(d=64, n=200, dtype=torch.float16):
 
 def test_unsuitable_reason_names_what_is_missing():
     q, _, v = _inputs()
-    unavailable = hopper.unavailable_reason()
+    unavailable = gluon_common.unavailable_reason()
     expected = unavailable if unavailable is not None else "it runs on CUDA GPUs, got cpu"
     assert hopper_int8.unsuitable_reason(q, v, q, pv_bits=16) == expected
     assert int8.attention_kernel(q, v, q, pv_bits=16) == "portable"
@@ -66,13 +67,13 @@ def test_per_key_vectors_are_padded_rows_for_tma(n_k):
         hopper_int8._row_descriptor(torch.empty(1, 2, 203), 64)
 
 
-@pytest.mark.parametrize("head_dim", hopper_int8.HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", gluon_common.HEAD_DIMS)
 @pytest.mark.parametrize("fallback", [True, False])
 def test_tuned_configs_fit_the_shared_memory(head_dim, fallback):
     dp = 64 if head_dim <= 64 else 128
     cfg = hopper_int8.tuned_config(head_dim)
     assert cfg == hopper_int8.CONFIGS[dp]
-    assert hopper_int8.shared_bytes(cfg, dp, 2, fallback) <= hopper.SHARED_MEMORY_BYTES
+    assert hopper_int8.shared_bytes(cfg, dp, 2, fallback) <= SMEM_LIMIT
 
 
 def test_auto_takes_the_gluon_kernel_from_its_minimum_keys(monkeypatch):

@@ -67,7 +67,7 @@ dim, so any 16-byte-aligned strides serve: diffusers' (B, N, H, D) views too); t
 4-d and ``reshape``d to 2-d for the wgmma.  ``q . c_j`` is a wgmma rather than FMAs: the FMA form
 needs an fp32 copy of q in a blocked layout and a layout conversion (through shared memory, with a
 barrier) of every ``r_j`` into the scores' row layout; the wgmma's rows already sit where the
-scores' do.  ``p`` goes to bf16 through inline ``cvt.rn.bf16x2.f32`` (:func:`_round_p`): Triton's own
+scores' do.  ``p`` goes to bf16 through inline ``cvt.rn.bf16x2.f32`` (``gluon_common.round_p``): Triton's own
 lowering gave one ``F2F`` per value, which made bf16 run at 0.80x of fp16's speed.
 """
 from __future__ import annotations
@@ -77,39 +77,20 @@ import math
 import torch
 import triton
 
-from .. import rules
+from ..rules import SHIFT_BLOCK
+from .common import LN2
+from .gluon_common import (CENTRE_ROWS, HEAD_DIMS, PRODUCER_WARPS, ROWS_PER_CONSUMER, descriptor,
+                           descriptor_layout_problem, fence_async_shared, gl, gluon_jit, head_dim_tile, mbarrier,
+                           operand_problem, registers, release, round_p, row_shift, sm90_problem, tma,
+                           unavailable_reason, warpgroup_mma, warpgroup_mma_wait, widen_p)
+from .tuning import SMEM_LIMIT
 
-try:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                                  warpgroup_mma_wait)
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    _GLUON_IMPORT_ERROR = None
-    gluon_jit = gluon.jit
-except ImportError as exc:  # an older or newer triton without these names: importing still works
-    _GLUON_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
-    gl = fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = TensorDescriptor = None
+__all__ = ["exact_fwd_gluon_kernel", "forward", "kernel_call", "unsuitable_reason", "tuned_config", "DEFAULT_CONFIG",
+           "SHORT_KEYS_CONFIG", "WIDE_CONFIG", "WIDE_SHORT_KEYS_CONFIG", "SHORT_KEYS", "HEAD_DIM", "shared_bytes",
+           "unavailable_reason"]
 
-    def gluon_jit(fn):
-        return fn
-
-__all__ = ["exact_fwd_gluon_kernel", "forward", "kernel_call", "unsuitable_reason", "unavailable_reason",
-           "tuned_config", "DEFAULT_CONFIG", "SHORT_KEYS_CONFIG", "SHORT_KEYS", "GLUON_VERSION"]
-
-GLUON_VERSION = "3.6"
-"""The Triton release whose Gluon API this file is written for (``warp_specialize``'s signature changed in 3.6)."""
-SHIFT_BLOCK = rules.SHIFT_BLOCK
-"""Keys per centre ``c_j``; ``BLOCK_N`` divides it."""
 HEAD_DIM = 64
 """The head dim the config defaults are stated for."""
-ROWS_PER_CONSUMER = 64
-"""Query rows per consumer warpgroup (the M of one wgmma)."""
-CENTRE_ROWS = 16
-"""Centre rows per copy: the N of the (64, 16) wgmma that forms ``r_j`` for 16 consecutive centre blocks."""
-PRODUCER_WARPS = 4
-"""The producer is the default partition: the kernel's ``num_warps``, one warpgroup."""
-REGISTERS_PER_SM = 65536
 
 
 @gluon_jit
@@ -150,37 +131,6 @@ def _producer(descs, q_bufs, q_ready, ring, bars, off_z, off_hq, off_hk, start_m
 
 
 @gluon_jit
-def _row_shift(rc, col, qk_scale, row_layout: gl.constexpr):
-    """``r_j = qk_scale (q . c_j)`` (64,) fp32 in ``row_layout`` from ``rc = q c^T`` (64, 16) fp32, whose
-    column ``col`` is ``q . c_j`` (exact fp16 products; the tensor cores' fp32 sum over the head dim)."""
-    cols = gl.arange(0, rc.shape[1], layout=gl.SliceLayout(0, rc.type.layout))
-    r = gl.sum(gl.where((cols == col)[None, :], rc, 0.0), axis=1) * qk_scale
-    return gl.convert_layout(r, row_layout)
-
-
-@gluon_jit
-def _round_p(p, p_dtype: gl.constexpr):
-    """``p`` (fp32) rounded to nearest in ``p_dtype``.  bf16 goes through ``cvt.rn.bf16x2.f32``, two values
-    per instruction: Triton 3.6 lowers this conversion mostly to one ``F2F.BF16.F32`` per value on sm_90
-    (a quarter-rate pipe that the softmax's ``exp2`` also needs), where fp16 gets the packed form."""
-    if p_dtype == gl.bfloat16:
-        return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [p], dtype=gl.bfloat16,
-                                         is_pure=True, pack=2)
-    return p.to(p_dtype)
-
-
-@gluon_jit
-def _widen_p(p):
-    """``p`` (fp16 or bf16) as fp32, exactly, for ``l``'s sum.  A bf16 pair is widened straight from its
-    packed register (``shl`` and ``and``: two instructions per pair), where Triton 3.6 unpacks each value
-    first (two ``PRMT`` per pair more, on the softmax's path)."""
-    if p.dtype == gl.bfloat16:
-        return gl.inline_asm_elementwise("shl.b32 $0, $2, 16;\n\tand.b32 $1, $2, 0xffff0000;", "=r,=r,r", [p],
-                                         dtype=gl.float32, is_pure=True, pack=2)
-    return p.to(gl.float32)
-
-
-@gluon_jit
 def _softmax_step(s, r_j, m_i, l_i, start_n, N_K, qk_scale, p_dtype: gl.constexpr, MASK_N: gl.constexpr):
     """One tile's online softmax (the module docstring's lines for ``m_s`` .. ``l_i``):
     ``(p, alpha, m_new, l_new)`` with ``p`` rounded to ``p_dtype`` (the inputs' fp16 or bf16: the A
@@ -192,9 +142,9 @@ def _softmax_step(s, r_j, m_i, l_i, start_n, N_K, qk_scale, p_dtype: gl.constexp
     m_s = gl.max(s, axis=1) * qk_scale
     m_blk = m_s + r_j
     m_new = gl.maximum(m_i, m_blk)
-    p = _round_p(gl.exp2(gl.fma(s, qk_scale, -(m_s - (m_blk - m_new))[:, None])), p_dtype)
+    p = round_p(gl.exp2(gl.fma(s, qk_scale, -(m_s - (m_blk - m_new))[:, None])), p_dtype)
     alpha = gl.exp2(m_i - m_new)
-    l_new = alpha * l_i + gl.sum(_widen_p(p), axis=1)
+    l_new = alpha * l_i + gl.sum(widen_p(p), axis=1)
     return p, alpha, m_new, l_new
 
 
@@ -234,18 +184,12 @@ def _issue_pv(p, acc, alpha, ring, v_ready, i):
 
 
 @gluon_jit
-def _release(empty, i):
-    """This consumer is done with stage ``i % NUM_STAGES`` of a ring: one arrival on its ``empty`` barrier."""
-    mbarrier.arrive(empty.index(i % empty.shape[0]))
-
-
-@gluon_jit
 def _tile_softmax(s, rc, m_i, l_i, i, N_K, qk_scale, p_dtype: gl.constexpr, p_layout: gl.constexpr,
                   MASK_N: gl.constexpr, SHIFT_BLOCK_N: gl.constexpr):
     """Tile ``i``'s softmax from its finished ``s`` and ``rc``: ``(p in p_layout, alpha, m_i, l_i)``."""
     row_layout: gl.constexpr = gl.SliceLayout(1, s.type.layout)
     BLOCK_N: gl.constexpr = s.shape[1]
-    r_j = _row_shift(rc, (i * BLOCK_N // SHIFT_BLOCK_N) % rc.shape[1], qk_scale, row_layout)
+    r_j = row_shift(rc, (i * BLOCK_N // SHIFT_BLOCK_N) % rc.shape[1], qk_scale, row_layout)
     p, alpha, m_i, l_i = _softmax_step(s, r_j, m_i, l_i, i * BLOCK_N, N_K, qk_scale, p_dtype, MASK_N)
     return gl.convert_layout(p, p_layout), alpha, m_i, l_i
 
@@ -279,12 +223,12 @@ def _key_loop(q, ring, bars, m_i, l_i, acc, s_zero, rc, N_K, qk_scale, p_layout:
         s, rc = _issue_scores(q, ring, k_ready, i, s_zero, rc, SHIFT_BLOCK_N)
         _pass_turn(turn, WG, PINGPONG)
         s = warpgroup_mma_wait(0, deps=(s, ))
-        _release(k_empty, i)
+        release(k_empty, i)
         p, alpha, m_i, l_i = _tile_softmax(s, rc, m_i, l_i, i, N_K, qk_scale, q.dtype, p_layout, MASK_N,
                                                  SHIFT_BLOCK_N)
         acc = _issue_pv(p, acc, alpha, ring, v_ready, i)
         acc, p = warpgroup_mma_wait(0, deps=(acc, p))
-        _release(v_empty, i)
+        release(v_empty, i)
     return acc, m_i, l_i
 
 
@@ -305,7 +249,7 @@ def _key_loop_overlapped(q, ring, bars, m_i, l_i, acc, s_zero, rc, N_K, qk_scale
     s, rc = _issue_scores(q, ring, k_ready, 0, s_zero, rc, SHIFT_BLOCK_N)
     _pass_turn(turn, WG, PINGPONG)
     s = warpgroup_mma_wait(0, deps=(s, ))
-    _release(k_empty, 0)
+    release(k_empty, 0)
     p, alpha, m_i, l_i = _tile_softmax(s, rc, m_i, l_i, 0, N_K, qk_scale, q.dtype, p_layout, MASK_N,
                                              SHIFT_BLOCK_N)
     for i in range(1, n_tiles):
@@ -314,15 +258,15 @@ def _key_loop_overlapped(q, ring, bars, m_i, l_i, acc, s_zero, rc, N_K, qk_scale
         acc = _issue_pv(p, acc, alpha, ring, v_ready, i - 1)
         _pass_turn(turn, WG, PINGPONG)
         s = warpgroup_mma_wait(1, deps=(s, ))
-        _release(k_empty, i)
+        release(k_empty, i)
         p_prev = p
         p, alpha, m_i, l_i = _tile_softmax(s, rc, m_i, l_i, i, N_K, qk_scale, q.dtype, p_layout, MASK_N,
                                                  SHIFT_BLOCK_N)
         acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
-        _release(v_empty, i - 1)
+        release(v_empty, i - 1)
     acc = _issue_pv(p, acc, alpha, ring, v_ready, n_tiles - 1)
     acc, p = warpgroup_mma_wait(0, deps=(acc, p))
-    _release(v_empty, n_tiles - 1)
+    release(v_empty, n_tiles - 1)
     return acc, m_i, l_i
 
 
@@ -370,7 +314,7 @@ def _consumer(desc_o, q_tile, q_ready, ring, bars, off_z, off_hq, start_row, N_K
                                   SHIFT_BLOCK_N, WG, PINGPONG)
     if STORE_LSE:
         offs_m = start_row + gl.arange(0, rows, layout=row_layout)
-        gl.store(lse_ptr + offs_m, (m_i + gl.log2(l_i)) * 0.6931471805599453, mask=offs_m < N_Q)
+        gl.store(lse_ptr + offs_m, (m_i + gl.log2(l_i)) * LN2, mask=offs_m < N_Q)
 
     inv_l = gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, o_layout))
     q.store((acc * inv_l[:, None]).to(q.dtype))
@@ -469,36 +413,7 @@ spilled 340 B and ran at 0.30x cuDNN)."""
 WIDE_SHORT_KEYS_CONFIG = {"BLOCK_N": 64, "num_stages": 3, "overlap": True, "consumers": 2, "pingpong": False}
 """The config for at most ``SHORT_KEYS`` keys at head dims above 64."""
 SHORT_KEYS = 1024
-HEAD_DIMS = (64, 80, 96, 112, 128)
-"""The head dims it takes: the 64 tile, and the 128 tile for the others (columns past D read as zeros)."""
-SHARED_MEMORY_BYTES = 227 * 1024
-"""What one program may allocate on sm_90."""
-_PRODUCER_REGS = 24
-_GL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
-
-
-def unavailable_reason() -> str | None:
-    """Why this triton cannot run the kernel (no Gluon, or a release other than 3.6), or ``None``."""
-    if _GLUON_IMPORT_ERROR is not None:
-        return f"triton {triton.__version__} has no usable Gluon ({_GLUON_IMPORT_ERROR})"
-    if not triton.__version__.startswith(GLUON_VERSION + "."):
-        return f"written for Gluon in triton {GLUON_VERSION}.x, found triton {triton.__version__}"
-    return None
-
-
-def head_dim_tile(head_dim: int) -> int:
-    """The head-dim tile of a head dim of :data:`HEAD_DIMS`: 64, or 128 above it."""
-    return 64 if head_dim <= 64 else 128
-
-
-def _registers(consumers: int) -> tuple[int, int]:
-    """``(maxnreg, consumer registers)`` for ``consumers`` consumer warpgroups: the launch's per-thread cap
-    so that all warpgroups fit in one SM's register file, and the consumers' share after the producer's
-    ``_PRODUCER_REGS``."""
-    threads = 128 * (1 + consumers)
-    maxnreg = min(255, REGISTERS_PER_SM // threads) // 8 * 8
-    consumer = (maxnreg * threads - 128 * _PRODUCER_REGS) // (128 * consumers) // 8 * 8
-    return maxnreg, min(consumer, 240)
+"""The most keys the short-keys configs serve."""
 
 
 def shared_bytes(cfg: dict, tile: int, element_size: int) -> int:
@@ -507,21 +422,6 @@ def shared_bytes(cfg: dict, tile: int, element_size: int) -> int:
     ring = cfg["num_stages"] * (2 * cfg["BLOCK_N"] + CENTRE_ROWS) * tile
     barriers = 8 * (2 * cfg["consumers"] + 4 * cfg["num_stages"])
     return (q + ring) * element_size + barriers
-
-
-def _descriptor_layout_problem(tensors) -> str | None:
-    """What a TMA descriptor needs of each ``(name, tensor)``: a 16-byte-aligned base and B, H, N strides
-    that are multiples of 16 bytes (the (batch, head) strides enter the base address, so they count too).
-    The first unmet need, naming the tensor, or ``None``."""
-    for name, t in tensors:
-        size = t.element_size()
-        bad = [i for i in range(3) if (t.stride(i) * size) % 16 != 0 and t.shape[i] > 1]
-        if t.data_ptr() % 16 != 0 or bad:
-            return (f"{name} does not suit a TMA descriptor: its base address and its B, H, N strides "
-                    f"must be multiples of 16 bytes, got data_ptr % 16 = {t.data_ptr() % 16}, "
-                    f"{name}.stride()={tuple(t.stride())} ({t.dtype}, head dim {t.shape[-1]}: contiguous "
-                    f"(B, H, N, D) or (B, N, H, D) tensors qualify when D * {size} is a multiple of 16)")
-    return None
 
 
 def unsuitable_reason(q: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, precision: str,
@@ -533,23 +433,17 @@ def unsuitable_reason(q: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, pr
     precision and centre blocks of ``SHIFT_BLOCK`` keys, on an sm_90 GPU with Triton's Gluon 3.6, in
     layouts a TMA descriptor can address.
     """
-    reason = unavailable_reason()
+    reason = sm90_problem(q.device)
     if reason is not None:
         return reason
-    if q.device.type != "cuda":
-        return f"it runs on CUDA GPUs, got {q.device}"
-    major, minor = torch.cuda.get_device_capability(q.device)
-    if major != 9:
-        return f"it needs sm_90 (Hopper), got sm_{major}{minor}"
     if precision != "hybrid":
         return f"it has the hybrid precision only, got precision={precision!r}"
-    if q.dtype not in _GL_DTYPES:
-        return f"it takes float16 and bfloat16, got {q.dtype}"
-    if q.shape[-1] not in HEAD_DIMS:
-        return f"it takes head dims {HEAD_DIMS}, got {q.shape[-1]}"
+    reason = operand_problem(q)
+    if reason is not None:
+        return reason
     if block_n != SHIFT_BLOCK:
         return f"its centre blocks are {SHIFT_BLOCK} keys, got block_n={block_n}"
-    return _descriptor_layout_problem((("q", q), ("v", v), ("out", out)))
+    return descriptor_layout_problem((("q", q), ("v", v), ("out", out)))
 
 
 def tuned_config(n_k: int, head_dim: int = HEAD_DIM) -> dict:
@@ -582,25 +476,17 @@ def _config(config: dict | None, n_k: int, head_dim: int, element_size: int) -> 
         raise ValueError(f"{fn}: config consumers={cfg['consumers']!r} must be 2 or 3 (consumer warpgroups)")
     tile = head_dim_tile(head_dim)
     needed = shared_bytes(cfg, tile, element_size)
-    if needed > SHARED_MEMORY_BYTES:
+    if needed > SMEM_LIMIT:
         raise ValueError(f"{fn}: config {cfg} needs {needed} bytes of shared memory at head dim {head_dim} "
-                         f"(tile {tile}), more than sm_90's {SHARED_MEMORY_BYTES}: fewer stages or consumers")
+                         f"(tile {tile}), more than sm_90's {SMEM_LIMIT}: fewer stages or consumers")
     return cfg
-
-
-def _descriptor(t: torch.Tensor, rows: int, tile: int) -> TensorDescriptor:
-    """A 4-d (B, H, N, D) TMA descriptor of ``t`` with boxes (1, 1, rows, tile), NVMMA-swizzled for the wgmma
-    (columns past D, where ``tile > D``, read as zeros and are not stored)."""
-    block = [1, 1, rows, tile]
-    layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, _GL_DTYPES[t.dtype]))
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
 def kernel_call(q, k_c, v, centres, out, *, scale: float, config: dict | None = None,
                 lse: torch.Tensor | None = None):
     """``(grid, args, meta)`` of the launch ``exact_fwd_gluon_kernel[grid](*args, **meta)``.
 
-    Split from :func:`forward` so that ``bench.compile_sm90`` compiles exactly what :func:`forward`
+    Split from :func:`forward` so that ``tools.compile_sm90`` compiles exactly what :func:`forward`
     launches (from meta tensors, without a GPU).
     """
     batch, h_q, n_q, head_dim = q.shape
@@ -609,11 +495,11 @@ def kernel_call(q, k_c, v, centres, out, *, scale: float, config: dict | None = 
     tile = head_dim_tile(head_dim)
     c_g = centres.to(q.dtype)  # exact: the centres are values of the inputs' dtype
     block_m = ROWS_PER_CONSUMER * cfg["consumers"]
-    maxnreg, consumer_regs = _registers(cfg["consumers"])
+    maxnreg, consumer_regs = registers(cfg["consumers"])
     grid = (triton.cdiv(n_q, block_m) * batch * h_q, )
-    args = (_descriptor(q, ROWS_PER_CONSUMER, tile), _descriptor(k_c, cfg["BLOCK_N"], tile),
-            _descriptor(v, cfg["BLOCK_N"], tile), _descriptor(c_g, CENTRE_ROWS, tile),
-            _descriptor(out, ROWS_PER_CONSUMER, tile), centres if lse is None else lse,
+    args = (descriptor(q, ROWS_PER_CONSUMER, tile), descriptor(k_c, cfg["BLOCK_N"], tile),
+            descriptor(v, cfg["BLOCK_N"], tile), descriptor(c_g, CENTRE_ROWS, tile),
+            descriptor(out, ROWS_PER_CONSUMER, tile), centres if lse is None else lse,
             h_q, h_q // h_k, n_q, n_k, float(scale) * math.log2(math.e))
     meta = dict(HEAD_DIM=tile, BLOCK_N=cfg["BLOCK_N"], NUM_STAGES=cfg["num_stages"],
                 NUM_CONSUMERS=cfg["consumers"], SHIFT_BLOCK_N=SHIFT_BLOCK, MASK_N=n_k % cfg["BLOCK_N"] != 0,

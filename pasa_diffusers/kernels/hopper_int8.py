@@ -50,38 +50,30 @@ with the count of flagged tiles in place of the tile index.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 
-from .. import rules
-from .hopper import (CENTRE_ROWS, PRODUCER_WARPS, ROWS_PER_CONSUMER, SHARED_MEMORY_BYTES, _GLUON_IMPORT_ERROR,
-                     _descriptor_layout_problem, _registers, _release, _round_p, _row_shift, _widen_p, gluon_jit,
-                     unavailable_reason)
+from ..rules import SHIFT_BLOCK
+from .common import LN2
+from .gluon_common import (CENTRE_ROWS, HEAD_DIMS, PRODUCER_WARPS, ROWS_PER_CONSUMER, TensorDescriptor, descriptor,
+                           descriptor_layout_problem, fence_async_shared, gl, gluon_jit, mbarrier, operand_problem,
+                           registers, release, round_p, row_shift, sm90_problem, tma, warpgroup_mma, widen_p)
+from .tuning import SMEM_LIMIT
 
-if _GLUON_IMPORT_ERROR is None:
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-else:
-    gl = fence_async_shared = mbarrier = tma = warpgroup_mma = TensorDescriptor = None
-
-__all__ = ["int8_fwd_gluon_kernel", "forward", "kernel_call", "unsuitable_reason", "tuned_config", "HEAD_DIMS",
+__all__ = ["int8_fwd_gluon_kernel", "forward", "kernel_call", "unsuitable_reason", "tuned_config", "shared_bytes",
            "CONFIGS"]
 
-SHIFT_BLOCK = rules.SHIFT_BLOCK
-HEAD_DIMS = (64, 80, 96, 112, 128)
-"""The head dims it takes: the pre-pass's DP is 64 for 64 and 128 for the others."""
 RNE_MAGIC_BITS = tl.constexpr(0x4B400000)
 """The bits of 1.5 * 2^23: ``bits(1.5 2^23) + I`` read as fp32 is ``1.5 2^23 + I`` for ``|I| < 2^22``."""
 CONFIGS = {64: {"BLOCK_N": 64, "num_stages": 3, "consumers": 3},
            128: {"BLOCK_N": 64, "num_stages": 4, "consumers": 2}}
 """The config per DP: FA3's consumer counts with 64-key tiles, the largest that compile for sm_90 without
-spills (``bench.compile_int8``, triton 3.6: (128 keys, 3 consumers) spills 1.4 KB at DP 64, (128 keys, 2
+spills (``tools.compile_int8``, triton 3.6: (128 keys, 3 consumers) spills 1.4 KB at DP 64, (128 keys, 2
 consumers) 0.5 KB at DP 128; the per-key vectors take registers beside the tiles)."""
-_GL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.int8: "int8"}
 
 
 @gluon_jit
@@ -184,9 +176,9 @@ def _softmax_step(z, r, m_i, l_i, start_n, N_K, p_dtype: gl.constexpr, MASK_N: g
     m_s = gl.max(z, axis=1)
     m_blk = m_s + r
     m_new = gl.maximum(m_i, m_blk)
-    p = _round_p(gl.exp2(z - (m_s - (m_blk - m_new))[:, None]), p_dtype)
+    p = round_p(gl.exp2(z - (m_s - (m_blk - m_new))[:, None]), p_dtype)
     alpha = gl.exp2(m_i - m_new)
-    l_new = alpha * l_i + gl.sum(_widen_p(p), axis=1)
+    l_new = alpha * l_i + gl.sum(widen_p(p), axis=1)
     return p, alpha, m_new, l_new
 
 
@@ -240,7 +232,7 @@ def _consumer(desc_o, q_tile, q8_tile, q_ready, ring, bars, row_vecs, flag_ptr, 
         if i % REFRESH == 0:
             c_blk = c_bufs.index(stage).reshape([C_ROWS, DP])
             rc = warpgroup_mma(q, c_blk.permute((1, 0)), gl.zeros_like(rc), use_acc=False)
-        r = _row_shift(rc, (start_n // SHIFT_BLOCK_N) % C_ROWS, qk_scale, row_layout)
+        r = row_shift(rc, (start_n // SHIFT_BLOCK_N) % C_ROWS, qk_scale, row_layout)
         k8 = k_bufs.index(stage).reshape([BLOCK_N, DP])
         key_vecs = (ks_bufs.index(stage), sig_bufs.index(stage), a_bufs.index(stage))
         # Both sides of a runtime branch are compiled, and without FALLBACK the wide buffers are 16-row
@@ -257,14 +249,14 @@ def _consumer(desc_o, q_tile, q8_tile, q_ready, ring, bars, row_vecs, flag_ptr, 
                 z = _coded_logits(q8, k8, key_vecs, a_i, mu_u, qk_scale, s_layout)
         else:
             z = _coded_logits(q8, k8, key_vecs, a_i, mu_u, qk_scale, s_layout)
-        _release(k_empty, i)
+        release(k_empty, i)
         p, alpha, m_i, l_i = _softmax_step(z, r, m_i, l_i, start_n, N_K, q.dtype, MASK_N)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         mbarrier.wait(v_ready.index(stage), phase)
         acc = warpgroup_mma(gl.convert_layout(p, p_layout), v_bufs.index(stage).reshape([BLOCK_N, DP]), acc)
-        _release(v_empty, i)
+        release(v_empty, i)
     if STORE_LSE:
-        gl.store(lse_ptr + offs_m, (m_i + gl.log2(l_i)) * 0.6931471805599453, mask=offs_m < N_Q)
+        gl.store(lse_ptr + offs_m, (m_i + gl.log2(l_i)) * LN2, mask=offs_m < N_Q)
     inv_l = gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, o_layout))
     q.store((acc * inv_l[:, None]).to(q.dtype))
     fence_async_shared()
@@ -384,22 +376,16 @@ def shared_bytes(cfg: dict, dp: int, element_size: int, fallback: bool) -> int:
 
 def unsuitable_reason(q: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, pv_bits: int) -> str | None:
     """Why this kernel cannot take an 8-bit call, in words, or ``None``: it needs an sm_90 GPU with Gluon 3.6,
-    fp16 or bf16, a head dim of :data:`HEAD_DIMS`, ``P V`` in 16 bits, and TMA-addressable q, v, out."""
-    reason = unavailable_reason()
+    fp16 or bf16, a head dim of ``gluon_common.HEAD_DIMS``, ``P V`` in 16 bits, and TMA-addressable q, v, out."""
+    reason = sm90_problem(q.device)
     if reason is not None:
         return reason
-    if q.device.type != "cuda":
-        return f"it runs on CUDA GPUs, got {q.device}"
-    major, minor = torch.cuda.get_device_capability(q.device)
-    if major != 9:
-        return f"it needs sm_90 (Hopper), got sm_{major}{minor}"
     if pv_bits != 16:
         return f"it computes P V in 16 bits, got pv_bits={pv_bits}"
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return f"it takes float16 and bfloat16, got {q.dtype}"
-    if q.shape[-1] not in HEAD_DIMS:
-        return f"it takes head dims {HEAD_DIMS}, got {q.shape[-1]}"
-    return _descriptor_layout_problem((("q", q), ("v", v), ("out", out)))
+    reason = operand_problem(q)
+    if reason is not None:
+        return reason
+    return descriptor_layout_problem((("q", q), ("v", v), ("out", out)))
 
 
 def _config(config: dict | None, dp: int, element_size: int, fallback: bool) -> dict:
@@ -418,18 +404,10 @@ def _config(config: dict | None, dp: int, element_size: int, fallback: bool) -> 
     if cfg["consumers"] not in (2, 3):
         raise ValueError(f"{fn}: config consumers={cfg['consumers']!r} must be 2 or 3 (consumer warpgroups)")
     needed = shared_bytes(cfg, dp, element_size, fallback)
-    if needed > SHARED_MEMORY_BYTES:
+    if needed > SMEM_LIMIT:
         raise ValueError(f"{fn}: config {cfg} needs {needed} bytes of shared memory at DP {dp}, more than sm_90's "
-                         f"{SHARED_MEMORY_BYTES}: fewer stages or consumers")
+                         f"{SMEM_LIMIT}: fewer stages or consumers")
     return cfg
-
-
-def _descriptor(t: torch.Tensor, rows: int, dp: int) -> TensorDescriptor:
-    """A 4-d (B, H, N, D) TMA descriptor of ``t`` with boxes (1, 1, rows, dp), NVMMA-swizzled for the wgmma
-    (columns past D read as zeros and are not stored)."""
-    block = [1, 1, rows, dp]
-    layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, _GL_DTYPES[t.dtype]))
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
 def _row_descriptor(t: torch.Tensor, block_n: int) -> TensorDescriptor:
@@ -441,8 +419,13 @@ def _row_descriptor(t: torch.Tensor, block_n: int) -> TensorDescriptor:
         raise ValueError(f"hopper_int8: per-key vectors must be rows padded to 16 bytes (int8.allocate), got "
                          f"strides {t.stride()} for shape {tuple(t.shape)}")
     flat = torch.as_strided(t, (batch * heads * t.stride(1),), (1,), t.storage_offset())
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-    return TensorDescriptor(flat, [flat.shape[0]], [1], [block_n], layout)
+    return TensorDescriptor(flat, [flat.shape[0]], [1], [block_n], _row_layout())
+
+
+@functools.lru_cache(maxsize=None)
+def _row_layout():
+    """The unswizzled shared layout of the per-key fp32 rows (built once)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
 
 
 def kernel_call(q: torch.Tensor, prep, out: torch.Tensor, *, scale: float, config: dict | None = None,
@@ -458,17 +441,17 @@ def kernel_call(q: torch.Tensor, prep, out: torch.Tensor, *, scale: float, confi
                          "the 16-bit blocks' hi and lo)")
     cfg = _config(config, dp, q.element_size(), fallback)
     block_n = cfg["BLOCK_N"]
-    maxnreg, consumer_regs = _registers(cfg["consumers"])
+    maxnreg, consumer_regs = registers(cfg["consumers"])
     c_g = prep.centres.to(q.dtype)  # exact: the centres are values of the inputs' dtype
     hi, lo = (prep.k_split[0], prep.k_split[1]) if fallback else (c_g, c_g)
     wide_rows = block_n if fallback else CENTRE_ROWS
     flags = prep.flags if fallback else prep.k_codes
     grid = (triton.cdiv(n_q, ROWS_PER_CONSUMER * cfg["consumers"]) * batch * h_q,)
-    args = (_descriptor(q, ROWS_PER_CONSUMER, dp), _descriptor(prep.q_codes, ROWS_PER_CONSUMER, dp),
-            _descriptor(prep.k_codes, block_n, dp), _descriptor(prep.v, block_n, dp),
-            _descriptor(c_g, CENTRE_ROWS, dp), _descriptor(hi, wide_rows, dp), _descriptor(lo, wide_rows, dp),
+    args = (descriptor(q, ROWS_PER_CONSUMER, dp), descriptor(prep.q_codes, ROWS_PER_CONSUMER, dp),
+            descriptor(prep.k_codes, block_n, dp), descriptor(prep.v, block_n, dp),
+            descriptor(c_g, CENTRE_ROWS, dp), descriptor(hi, wide_rows, dp), descriptor(lo, wide_rows, dp),
             _row_descriptor(prep.k_scale, block_n), _row_descriptor(prep.sigma, block_n),
-            _row_descriptor(prep.a, block_n), _descriptor(out, ROWS_PER_CONSUMER, dp),
+            _row_descriptor(prep.a, block_n), descriptor(out, ROWS_PER_CONSUMER, dp),
             prep.q_scale, prep.mu, flags, prep.q_scale if lse is None else lse,
             h_q, h_q // h_k, n_q, n_k, prep.k_scale.stride(1), float(scale) * math.log2(math.e))
     meta = dict(BLOCK_N=block_n, NUM_STAGES=cfg["num_stages"], NUM_CONSUMERS=cfg["consumers"],
@@ -483,7 +466,7 @@ def forward(q: torch.Tensor, prep, out: torch.Tensor, *, scale: float, config: d
     (with ``split=True`` where the 16-bit blocks are on) and return it.
 
     q: (B, Hq, Nq, D), out: (B, Hq, Nq, D), ``prep.v`` (B, Hk, Nk, D): fp16 or bf16 on an sm_90 GPU, head dim
-    in :data:`HEAD_DIMS`, TMA-addressable (:func:`unsuitable_reason` returned ``None``); config:
+    in ``gluon_common.HEAD_DIMS``, TMA-addressable (:func:`unsuitable_reason` returned ``None``); config:
     ``BLOCK_N`` (64 / 128), ``num_stages``, ``consumers`` (2 / 3), missing keys from :func:`tuned_config`;
     lse: ``None`` or a contiguous fp32 (B, Hq, Nq) tensor for the natural-log log-sum-exp."""
     grid, args, meta = kernel_call(q, prep, out, scale=scale, config=config, lse=lse)

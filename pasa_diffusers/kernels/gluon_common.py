@@ -1,0 +1,164 @@
+"""What both Gluon Hopper kernels (``hopper.py``, ``hopper_int8.py``) share: Gluon's names, the warpgroup
+geometry and register split, the TMA descriptors and the checks of a call they run, and the jitted pieces of
+their softmax and rings (``@gluon_jit``, inlined into their callers).
+
+Gluon is Triton's experimental tile language; this module imports its Hopper names once.  A triton without
+them (older, or newer with another API) still imports: the names are ``None``, :func:`unavailable_reason`
+says why, and the kernels are never launched (the router asks :func:`sm90_problem` first).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    GLUON_IMPORT_ERROR = None
+    gluon_jit = gluon.jit
+except ImportError as exc:  # an older or newer triton without these names: importing still works
+    GLUON_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+    gl = fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = TensorDescriptor = None
+
+    def gluon_jit(fn):
+        return fn
+
+__all__ = ["gl", "gluon_jit", "fence_async_shared", "mbarrier", "tma", "warpgroup_mma", "warpgroup_mma_wait",
+           "TensorDescriptor", "GLUON_IMPORT_ERROR", "GLUON_VERSION", "HEAD_DIMS", "ROWS_PER_CONSUMER", "CENTRE_ROWS",
+           "PRODUCER_WARPS", "REGISTERS_PER_SM", "PRODUCER_REGS", "unavailable_reason", "sm90_problem",
+           "operand_problem", "descriptor_layout_problem", "head_dim_tile", "registers", "descriptor",
+           "row_shift", "round_p", "widen_p", "release"]
+
+GLUON_VERSION = "3.6"
+"""The Triton release whose Gluon API the kernels are written for (``warp_specialize``'s signature changed in 3.6)."""
+HEAD_DIMS = (64, 80, 96, 112, 128)
+"""The head dims the Gluon kernels take: the 64 tile, and the 128 tile for the others (the copy engine reads
+the columns past D as zeros and clips them on the store)."""
+ROWS_PER_CONSUMER = 64
+"""Query rows per consumer warpgroup (the M of one wgmma)."""
+CENTRE_ROWS = 16
+"""Centre rows per copy: the N of the (64, 16) wgmma that forms ``q . c_j`` for 16 consecutive centre blocks."""
+PRODUCER_WARPS = 4
+"""The producer is the default partition: the kernel's ``num_warps``, one warpgroup."""
+REGISTERS_PER_SM = 65536
+PRODUCER_REGS = 24
+"""Registers per thread of the producer warpgroup (TMA copies only)."""
+_GL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.int8: "int8"}
+_OPERAND_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def unavailable_reason() -> str | None:
+    """Why this triton cannot run the Gluon kernels (no Gluon, or a release other than 3.6), or ``None``."""
+    if GLUON_IMPORT_ERROR is not None:
+        return f"triton {triton.__version__} has no usable Gluon ({GLUON_IMPORT_ERROR})"
+    if not triton.__version__.startswith(GLUON_VERSION + "."):
+        return f"written for Gluon in triton {GLUON_VERSION}.x, found triton {triton.__version__}"
+    return None
+
+
+def sm90_problem(device: torch.device) -> str | None:
+    """Why a Gluon kernel cannot run on ``device`` (this triton, not CUDA, not sm_90), or ``None``."""
+    reason = unavailable_reason()
+    if reason is not None:
+        return reason
+    if device.type != "cuda":
+        return f"it runs on CUDA GPUs, got {device}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != 9:
+        return f"it needs sm_90 (Hopper), got sm_{major}{minor}"
+    return None
+
+
+def operand_problem(q: torch.Tensor) -> str | None:
+    """Why a Gluon kernel cannot take queries of ``q``'s dtype and head dim, or ``None``."""
+    if q.dtype not in _OPERAND_DTYPES:
+        return f"it takes float16 and bfloat16, got {q.dtype}"
+    if q.shape[-1] not in HEAD_DIMS:
+        return f"it takes head dims {HEAD_DIMS}, got {q.shape[-1]}"
+    return None
+
+
+def descriptor_layout_problem(tensors) -> str | None:
+    """What a TMA descriptor needs of each ``(name, tensor)``: a 16-byte-aligned base and B, H, N strides
+    that are multiples of 16 bytes (the (batch, head) strides enter the base address, so they count too).
+    The first unmet need, naming the tensor, or ``None``."""
+    for name, t in tensors:
+        size = t.element_size()
+        bad = [i for i in range(3) if (t.stride(i) * size) % 16 != 0 and t.shape[i] > 1]
+        if t.data_ptr() % 16 != 0 or bad:
+            return (f"{name} does not suit a TMA descriptor: its base address and its B, H, N strides "
+                    f"must be multiples of 16 bytes, got data_ptr % 16 = {t.data_ptr() % 16}, "
+                    f"{name}.stride()={tuple(t.stride())} ({t.dtype}, head dim {t.shape[-1]}: contiguous "
+                    f"(B, H, N, D) or (B, N, H, D) tensors qualify when D * {size} is a multiple of 16)")
+    return None
+
+
+def head_dim_tile(head_dim: int) -> int:
+    """The head-dim tile of a head dim of :data:`HEAD_DIMS`: 64, or 128 above it."""
+    return 64 if head_dim <= 64 else 128
+
+
+def registers(consumers: int) -> tuple[int, int]:
+    """``(maxnreg, consumer registers)`` for ``consumers`` consumer warpgroups: the launch's per-thread cap
+    so that all warpgroups fit in one SM's register file, and the consumers' share after the producer's
+    :data:`PRODUCER_REGS`."""
+    threads = 128 * (1 + consumers)
+    maxnreg = min(255, REGISTERS_PER_SM // threads) // 8 * 8
+    consumer = (maxnreg * threads - 128 * PRODUCER_REGS) // (128 * consumers) // 8 * 8
+    return maxnreg, min(consumer, 240)
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_layout(block: tuple[int, ...], dtype_name: str):
+    """The NVMMA-swizzled shared layout of a TMA box ``block`` of ``dtype_name`` (a pure function of its
+    arguments, built once per box)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), getattr(gl, dtype_name))
+
+
+def descriptor(t: torch.Tensor, rows: int, tile: int) -> TensorDescriptor:
+    """A 4-d (B, H, N, D) TMA descriptor of ``t`` with boxes (1, 1, rows, tile), NVMMA-swizzled for the wgmma
+    (columns past D, where ``tile > D``, read as zeros and are not stored)."""
+    block = (1, 1, rows, tile)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), list(block), _shared_layout(block, _GL_DTYPES[t.dtype]))
+
+
+@gluon_jit
+def row_shift(rc, col, qk_scale, row_layout: gl.constexpr):
+    """``r_j = qk_scale (q . c_j)`` (64,) fp32 in ``row_layout`` from ``rc = q c^T`` (64, 16) fp32, whose
+    column ``col`` is ``q . c_j`` (exact fp16 products; the tensor cores' fp32 sum over the head dim)."""
+    cols = gl.arange(0, rc.shape[1], layout=gl.SliceLayout(0, rc.type.layout))
+    r = gl.sum(gl.where((cols == col)[None, :], rc, 0.0), axis=1) * qk_scale
+    return gl.convert_layout(r, row_layout)
+
+
+@gluon_jit
+def round_p(p, p_dtype: gl.constexpr):
+    """``p`` (fp32) rounded to nearest in ``p_dtype``.  bf16 goes through ``cvt.rn.bf16x2.f32``, two values
+    per instruction: Triton 3.6 lowers this conversion mostly to one ``F2F.BF16.F32`` per value on sm_90
+    (a quarter-rate pipe that the softmax's ``exp2`` also needs), where fp16 gets the packed form."""
+    if p_dtype == gl.bfloat16:
+        return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [p], dtype=gl.bfloat16,
+                                         is_pure=True, pack=2)
+    return p.to(p_dtype)
+
+
+@gluon_jit
+def widen_p(p):
+    """``p`` (fp16 or bf16) as fp32, exactly, for ``l``'s sum.  A bf16 pair is widened straight from its
+    packed register (``shl`` and ``and``: two instructions per pair), where Triton 3.6 unpacks each value
+    first (two ``PRMT`` per pair more, on the softmax's path)."""
+    if p.dtype == gl.bfloat16:
+        return gl.inline_asm_elementwise("shl.b32 $0, $2, 16;\n\tand.b32 $1, $2, 0xffff0000;", "=r,=r,r", [p],
+                                         dtype=gl.float32, is_pure=True, pack=2)
+    return p.to(gl.float32)
+
+
+@gluon_jit
+def release(empty, i):
+    """This consumer is done with stage ``i % NUM_STAGES`` of a ring: one arrival on its ``empty`` barrier."""
+    mbarrier.arrive(empty.index(i % empty.shape[0]))
