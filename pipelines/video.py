@@ -221,6 +221,23 @@ def _model_index(model: str, local_files_only: bool) -> dict[str, Any] | None:
         return None
 
 
+_NOT_LOADED = ("tokenizer", "text_encoder")
+"""The components a video pipeline is loaded without (their names start so; HunyuanVideo has two of each)."""
+
+
+def _check_index(model: str, index: Any) -> None:
+    """Refuse a ``model_index.json`` that names no video pipeline of ``VIDEO_PIPELINES``, or components of another
+    family than the pipeline it names (``svd.index_problem``)."""
+    name = index.get("_class_name") if isinstance(index, dict) else None
+    if name not in VIDEO_PIPELINES:
+        raise ModelLoadError(f"load_video: model={model!r}: its model_index.json names the pipeline class {name!r}; "
+                             f"expected {', '.join(VIDEO_PIPELINES)} (load_video), or StableVideoDiffusionPipeline "
+                             "(load_pipeline)")
+    problem = svd.index_problem(index, getattr(diffusers, name), left_out=_NOT_LOADED)
+    if problem is not None:
+        raise ModelLoadError(f"load_video: model={model!r}: {problem}")
+
+
 def _class_name(model: str, local_files_only: bool) -> str | None:
     """The pipeline class a folder or hub id holds (``model_index.json``'s ``_class_name``), or ``None``."""
     index = _model_index(model, local_files_only)
@@ -250,15 +267,30 @@ def load_video(model: str, *, device: str | torch.device = "cpu", dtype: torch.d
         pipe.register_to_config(_name_or_path=model, **{SETTINGS_KEY: dict(TINY_VIDEO_SETTINGS[model])})
         pipe = pipe.to(device)
         return pipe if dtype == torch.float32 else _cast(pipe, dtype)
-    index = _model_index(model, local_files_only) or {}
+    folder = svd._check_local_folder(model, "load_video", left_out=_NOT_LOADED)
+    if folder is not None:
+        svd._check_weights(folder, "save the pipeline again with save_pretrained()", "load_video")
+    index = _model_index(model, local_files_only)
+    if index is not None:
+        _check_index(model, index)
+    index = index or {}
     cls = _pipeline_class(index)
     try:
         kept = _fp32_kept_components(model, index, dtype, local_files_only)
         pipe = cls.from_pretrained(model, dtype=dtype, use_safetensors=True, local_files_only=local_files_only,
                                    **_left_out(cls), **kept)
+    except RuntimeError as exc:
+        mismatch = svd.state_dict_mismatch(exc)
+        if mismatch is None:
+            raise
+        raise ModelLoadError(f"load_video: model={model!r}: a component's config.json and weights disagree "
+                             f"({mismatch}); save the pipeline again with save_pretrained()") from exc
     except (OSError, ValueError) as exc:
         detail = (str(exc).splitlines() or ["no detail"])[0].rstrip(".")
         raise ModelLoadError(f"load_video: cannot load model={model!r}: {detail}") from exc
+    saved = folder or svd._cached_snapshot(model)
+    if saved is not None:
+        svd.check_weights_cover(pipe, saved, "load_video")
     saved = (_model_index(model, local_files_only=True) or {}).get(SETTINGS_KEY)
     if saved:  # a saved built-in model: its small defaults
         pipe.register_to_config(**{SETTINGS_KEY: saved})

@@ -287,12 +287,45 @@ def test_a_missing_component_or_weight_file_is_named(saved, tmp_path):
     folder = tmp_path / "tiny"
     shutil.copytree(saved, folder)
     (folder / "unet" / "diffusion_pytorch_model.safetensors").unlink()
-    with pytest.raises(ModelLoadError, match=r"^load_svd: cannot load model=.*: Error no file named "
-                                             r"diffusion_pytorch_model.safetensors found in directory .*unet; save"):
+    with pytest.raises(ModelLoadError, match=rf"^load_svd: component folder {folder / 'unet'} holds no .safetensors "
+                                             r"weights \(its config.json says it is a model\); save"):
         load_svd(str(folder))
     shutil.rmtree(folder / "unet")
     with pytest.raises(ModelLoadError, match=r"lacks the component folder\(s\) \['unet'\] that its model_index.json"):
         load_svd(str(folder))
+
+
+def test_a_config_its_weights_do_not_cover_is_refused(saved, tmp_path):
+    """A transformer layer more in unet/config.json than its weights hold would run randomly initialised (diffusers
+    only logs "newly initialized", and the run went on): refused, naming the component folder and the tensors."""
+    folder = tmp_path / "tiny"
+    shutil.copytree(saved, folder)
+    config = folder / "unet" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "transformer_layers_per_block": 2}))
+    with pytest.raises(ModelLoadError, match=rf"^load_svd: component folder {folder / 'unet'}: config.json and weights "
+                                             r"disagree: 276 tensor\(s\) its config.json makes are missing from the "
+                                             r"weights \(down_blocks.0.attentions.0.temporal_transformer_blocks.1.attn1"
+                                             r".to_k.weight, .*, ... \(276 in all\)\) and would run randomly "
+                                             r"initialised; save the pipeline again"):
+        load_svd(str(folder))
+
+
+@pytest.mark.parametrize("name", ["FooPipeline", "WanPipeline"])
+def test_a_model_index_naming_another_pipeline_is_refused(saved, tmp_path, name):
+    """An unknown pipeline class, or a video transformer's (SVD's components under WanPipeline): one error."""
+    from pasa_diffusers.pipelines.video import load_pipeline
+
+    folder = tmp_path / "tiny"
+    shutil.copytree(saved, folder)
+    index = folder / "model_index.json"
+    index.write_text(json.dumps({**json.loads(index.read_text()), "_class_name": name}))
+    message = {"FooPipeline": r"^load_svd: model=.*: its model_index.json names the pipeline class 'FooPipeline'; "
+                              r"expected StableVideoDiffusionPipeline \(load_svd\), or WanPipeline, LTXPipeline",
+               "WanPipeline": r"^load_video: model=.*: its component 'vae' is AutoencoderKLTemporalDecoder \(diffusers\),"
+                              r" but WanPipeline takes AutoencoderKLWan there: model_index.json names another "
+                              r"family's pipeline"}[name]
+    with pytest.raises(ModelLoadError, match=message):
+        load_pipeline(str(folder))
 
 
 def test_a_hub_id_neither_cached_nor_downloadable(tmp_path, monkeypatch):

@@ -24,7 +24,7 @@ from diffusers import (AutoencoderKLCogVideoX, AutoencoderKLHunyuanVideo, Autoen
 from diffusers.utils import is_accelerate_available
 
 from pasa_diffusers.cli import common, main
-from pasa_diffusers.pipelines import video
+from pasa_diffusers.pipelines import svd, video
 from pasa_diffusers.pipelines.diagnose import diagnose
 from pasa_diffusers.pipelines.names import TINY_VIDEO_SETTINGS
 from pasa_diffusers.pipelines.video_dits import tiny_cogvideox_vae
@@ -92,6 +92,48 @@ def test_a_saved_tiny_wan_folder_loads_as_a_wan_pipeline(wan, tmp_path):
     assert loaded.text_encoder is None and loaded.tokenizer is None and loaded.transformer_2 is None
     mine, theirs = wan.transformer.state_dict(), loaded.transformer.state_dict()
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+@pytest.fixture(scope="module")
+def saved_wan(wan, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("saved") / "wan"
+    wan.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def _edit(folder, file: str, **changes) -> None:
+    path = folder / file
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("fewer layers", r"component folder {folder}/transformer: config.json and weights disagree: 27 tensor\(s\) in the "
+                     r"weights are not in the model its config.json makes \(blocks.1.attn1.norm_k.weight, .*\(27 in "
+                     r"all\)\); save the pipeline again with save_pretrained\(\), or restore the config.json"),
+    ("wider ffn", r"model='{folder}': a component's config.json and weights disagree \(Error\(s\) in loading state_dict "
+                  r"for WanTransformer3DModel: size mismatch for blocks.0.ffn.net.0.proj.weight: .*\); save"),
+    ("LTXPipeline", r"model='{folder}': its component 'vae' is AutoencoderKLWan \(diffusers\), but LTXPipeline takes "
+                    r"AutoencoderKLLTXVideo there: model_index.json names another family's pipeline"),
+    ("no vae", r"folder model='{folder}' lacks the component folder\(s\) \['vae'\] that its model_index.json lists"),
+    ("no transformer weights", r"component folder {folder}/transformer holds no .safetensors weights \(its "
+                               r"config.json says it is a model\); save the pipeline again"),
+])
+def test_a_saved_wan_that_cannot_be_its_model_is_refused_naming_the_component(saved_wan, tmp_path, damage, message):
+    folder = tmp_path / "wan"
+    shutil.copytree(saved_wan, folder)
+    if damage == "fewer layers":
+        _edit(folder, "transformer/config.json", num_layers=1)
+    elif damage == "wider ffn":
+        _edit(folder, "transformer/config.json", ffn_dim=96)
+    elif damage == "LTXPipeline":
+        _edit(folder, "model_index.json", _class_name="LTXPipeline")
+    elif damage == "no vae":
+        shutil.rmtree(folder / "vae")
+    else:
+        for weights in (folder / "transformer").glob("*.safetensors"):
+            weights.unlink()
+    with pytest.raises(svd.ModelLoadError, match="^load_video: " + message.format(folder=re.escape(str(folder)))):
+        video.load_pipeline(str(folder))
 
 
 def test_a_saved_tiny_wan_loads_in_half_precision_keeping_its_float32_modules(tmp_path):
