@@ -24,12 +24,12 @@ from diffusers import DiffusionPipeline
 from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
 
 from .attention_modules import attention_processors, set_processors
-from . import backends, processors, rules
+from . import backends, compat, processors, rules
 from .processors import CountedAttnProcessor, PASAAttnProcessor
 from .routing import RoutedAttnProcessor, routable_reason, routed
 
 __all__ = ["KINDS", "DENOISERS", "VIDEO_BLOCKS", "cast_dtype", "AllCallsFellBackError", "module_kind", "apply",
-           "restore", "fallback_summary", "counted_processor", "attention_processors", "replacement"]
+           "restore", "fallback_summary", "counted_processor", "attention_processors", "replacement", "denoisers"]
 
 KINDS = ("spatial-self", "spatial-cross", "temporal-self", "temporal-cross", "video-self", "video-cross", "other")
 """Module kinds ``apply`` distinguishes, by processor key (see ``module_kind``)."""
@@ -76,6 +76,14 @@ def _pipeline_models(pipe: DiffusionPipeline, vae: bool) -> list[tuple[str, torc
     """``(prefix, model)`` of a pipeline's denoisers (``DENOISERS`` present) and, with ``vae``, its VAE."""
     names = [name for name in DENOISERS if getattr(pipe, name, None) is not None] + (["vae"] if vae else [])
     return [(f"{name}.", getattr(pipe, name, None)) for name in names]
+
+
+def denoisers(model_or_pipeline: Any) -> list[torch.nn.Module]:
+    """A pipeline's denoisers (those of ``DENOISERS`` it has), or the model itself."""
+    if isinstance(model_or_pipeline, DiffusionPipeline):
+        return [getattr(model_or_pipeline, name) for name in DENOISERS
+                if getattr(model_or_pipeline, name, None) is not None]
+    return [model_or_pipeline]
 
 
 def _components(model_or_pipeline: Any, vae: bool) -> list[tuple[str, torch.nn.Module]]:
@@ -186,16 +194,6 @@ def replacement(stock: Any, counted: CountedAttnProcessor) -> Any:
     return routed(stock, counted)
 
 
-def _carry_parallel_config(installed: Any, new: Any) -> Any:
-    """``new``, given the diffusers parallel config ``installed`` runs with (``model.enable_parallelism`` sets
-    ``_parallel_config`` on the processors present when it runs): without it a processor installed or put
-    back later would attend to its rank's shard of the sequence only."""
-    config = getattr(installed, "_parallel_config", None)
-    if config is not None and hasattr(new, "_parallel_config"):
-        new._parallel_config = config
-    return new
-
-
 def counted_processor(processor: Any) -> CountedAttnProcessor | None:
     """The ``CountedAttnProcessor`` that computes an installed processor's attention (itself, or the one a
     routed processor sends its calls to), or ``None`` for a processor ``apply`` did not install."""
@@ -285,7 +283,7 @@ def apply(
                 _check_head_dim(counted, model.get_submodule(key.removesuffix(".processor")), dtype)
                 model_dtypes.add(_dtype_name(dtype))
                 attention_dtypes.add(_dtype_name(counted.attention_dtype(dtype)))
-                processors[key] = _carry_parallel_config(processors[key], replacement(stock[key], counted))
+                processors[key] = compat.carry_parallel_config(processors[key], replacement(stock[key], counted))
                 installed += 1
             classes[kind].add(_label(processors[key]))
         plans.append((model, processors))
@@ -325,7 +323,7 @@ def restore(model_or_pipeline: Any) -> None:
         raise ValueError(f"restore: no processors saved on {type(model_or_pipeline).__name__}; call apply() first")
     for model, processors in saved:
         installed = attention_processors(model)
-        set_processors(model, {key: _carry_parallel_config(installed.get(key), stock)
+        set_processors(model, {key: compat.carry_parallel_config(installed.get(key), stock)
                                 for key, stock in processors.items()})
         delattr(model, _SAVED_ATTR)
 

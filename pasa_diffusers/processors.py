@@ -19,10 +19,10 @@ Every processor takes ``dtype``: attention then works on q, k, v cast to it (e.g
 No silent fallbacks.  The PASA processors run the op on every call except the documented cases, which
 they compute another way, count under their reason in ``fallbacks`` and log once: an attention mask
 that is not a key-padding mask (``"attention mask"``: SDPA with the mask; the op takes none, and a
-key-padding mask runs the op on each batch element's kept keys; under ``torch.compile`` every mask), a
+key-padding mask (``masks.py``) runs the op on each batch element's kept keys; under ``torch.compile`` every mask), a
 single key (``"single key"``: the softmax is exactly 1, the output that key's value; SVD's
 cross-attentions) and, for ``precision="int8"``, keys of one block (``"one key block"``: the op's
-default precision, where 8 bits buy no speed).  A
+default precision, where 8 bits buy no speed); ``fallbacks.py`` decides every case.  A
 call the op cannot take (a head dim outside ``[rules.MIN_HEAD_DIM, rules.MAX_HEAD_DIM]``, an input
 dtype the precision does not take) raises ``ValueError`` naming the module; ``install.apply`` checks
 both before installing and casts q, k, v to a dtype the backend takes.  The op is forward-only: a
@@ -35,15 +35,13 @@ a logging call breaks the graph), so a compiled model's counters show its eager 
 from __future__ import annotations
 
 import logging
-import weakref
-from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from diffusers.models.attention_processor import Attention
 
-from . import peers, rules
+from . import fallbacks, peers, rules
+from .masks import attend_kept_keys
 from .ops import pasa_attention
 from .variants import Variant
 
@@ -90,118 +88,14 @@ def _sdpa(
     return hidden_states.transpose(1, 2)
 
 
-REMOVED_BIAS = -1.0e4
-"""An additive mask entry at or below this removes its key: ``exp(s - 10000)`` underflows to 0 in fp32
-against any row maximum above -9000, so the key's weight is exactly 0 (LTX-Video's text mask is
-``(1 - mask) * -10000``)."""
-
-
-def key_padding(attention_mask: torch.Tensor, batch: int, n_keys: int) -> torch.Tensor | None:
-    """The kept keys ``(B, Nk)`` bool of a mask that only removes keys, the same for every head and query
-    (a key-padding mask: boolean, or additive with entries 0 and ``<= REMOVED_BIAS`` or ``-inf``), in
-    SDPA's ``(B, H or 1, Nq or 1, Nk)`` layout; ``None`` for any other mask, or where a row keeps no key."""
-    found = _key_padding_counts(attention_mask, batch, n_keys)
-    return None if found is None else found[0]
-
-
-def _key_padding_counts(attention_mask: torch.Tensor, batch: int, n_keys: int) -> tuple[torch.Tensor, list[int]] | None:
-    """:func:`key_padding`'s kept keys and how many each batch element keeps, read from the GPU in one
-    transfer (the checks and the counts together: the one wait for the GPU)."""
-    if attention_mask.dim() != 4 or attention_mask.shape[0] != batch or attention_mask.shape[-1] != n_keys:
-        return None
-    if attention_mask.shape[2] != 1:
-        return None
-    checks = []
-    if attention_mask.dtype == torch.bool:
-        keep = attention_mask
-    else:
-        keep = attention_mask == 0
-        checks.append((keep | (attention_mask <= REMOVED_BIAS)).all())
-    keep = keep[:, :, 0, :]
-    checks.append((keep == keep[:, :1]).all())
-    keep = keep[:, 0]
-    answer = torch.cat([torch.stack(checks).long(), keep.sum(dim=-1)]).tolist()
-    passed, counts = answer[:len(checks)], answer[len(checks):]
-    if not all(passed) or min(counts) == 0:
-        return None
-    return keep, counts
-
-
-class KeptKeys(NamedTuple):
-    """What a key-padding mask keeps, read once: ``all_kept`` (every key of every batch element), and per
-    batch element the positions of its kept keys in order (a long tensor on the mask's device; none where
-    every key is kept)."""
-
-    all_kept: bool
-    positions: list[torch.Tensor]
-
-
-_KEPT: dict[int, tuple[weakref.ref, tuple, KeptKeys | None]] = {}
-"""``id(mask)`` -> (a weak reference to the mask, its version / batch / keys, :func:`kept_keys`' answer)."""
-
-
-def kept_keys(attention_mask: torch.Tensor, batch: int, n_keys: int) -> KeptKeys | None:
-    """:func:`key_padding`'s answer for ``attention_mask`` as :class:`KeptKeys` (``None``: not a key-padding
-    mask), computed once per mask tensor and version: reading a mask's values waits for the GPU, and a call
-    asks twice (``mask_reason``, then ``attend_kept_keys``); HunyuanVideo passes one mask tensor to all its
-    blocks, so its forward waits once (LTX-Video builds a new mask in every layer: one wait per layer).  An
-    inference tensor, which has no version counter, is read at every ask."""
-    if attention_mask.is_inference():
-        return _read_kept_keys(attention_mask, batch, n_keys)
-    key, signature = id(attention_mask), (attention_mask._version, batch, n_keys)
-    entry = _KEPT.get(key)
-    if entry is not None and entry[0]() is attention_mask and entry[1] == signature:
-        return entry[2]
-    kept = _read_kept_keys(attention_mask, batch, n_keys)
-    _KEPT[key] = (weakref.ref(attention_mask, lambda _, key=key: _KEPT.pop(key, None)), signature, kept)
-    return kept
-
-
-def _read_kept_keys(attention_mask: torch.Tensor, batch: int, n_keys: int) -> KeptKeys | None:
-    """:class:`KeptKeys` of a key-padding mask (``None`` for another mask), with one wait for the GPU: the
-    kept positions are the first ``count`` of a stable sort that puts kept keys first."""
-    found = _key_padding_counts(attention_mask, batch, n_keys)
-    if found is None:
-        return None
-    keep, counts = found
-    if min(counts) == n_keys:
-        return KeptKeys(True, [])
-    order = torch.argsort((~keep).to(torch.uint8), dim=-1, stable=True)
-    return KeptKeys(False, [order[b, :count] for b, count in enumerate(counts)])
-
-
-def attend_kept_keys(op: Callable[..., torch.Tensor], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     scale: float | None, attention_mask: torch.Tensor | None) -> torch.Tensor:
-    """``op(query, key, value, scale)`` on ``(B, N, H, D)`` tensors under no mask or a key-padding mask
-    (``key_padding`` accepts it): each batch element attends to its kept keys, exactly what the mask
-    computes, in one call where every key is kept."""
-    kept = None if attention_mask is None else kept_keys(attention_mask, key.shape[0], key.shape[1])
-    if kept is None or kept.all_kept:
-        return op(query, key, value, scale)
-    return torch.cat([op(query[b:b + 1], key[b:b + 1].index_select(1, positions),
-                         value[b:b + 1].index_select(1, positions), scale)
-                      for b, positions in enumerate(kept.positions)])
-
-
-def mask_reason(key: torch.Tensor, attention_mask: torch.Tensor | None) -> str | None:
-    """``"attention mask"`` for a mask ``attend_kept_keys`` cannot take (any but a key-padding one), else ``None``.
-    Under ``torch.compile`` every mask is one: telling a key-padding mask apart reads its values, which a
-    compiled graph cannot branch on."""
-    if attention_mask is None:
-        return None
-    if torch.compiler.is_compiling() or kept_keys(attention_mask, key.shape[0], key.shape[1]) is None:
-        return "attention mask"
-    return None
-
-
 class CountedAttnProcessor:
     r"""
     Base of the processors here: ``AttnProcessor2_0``'s body around an ``attention`` hook, with counters.
 
     Subclasses implement ``attention(query, key, value, scale, attention_mask)`` on ``(batch, tokens,
-    heads, head_dim)`` tensors and may hand a documented case to a fallback by returning its reason
-    from ``fallback_reason``; such a call is computed exactly instead (V itself for a single key, SDPA
-    otherwise) and counted.
+    heads, head_dim)`` tensors and name in ``fallback_cases`` the documented cases they hand to a fallback
+    (``fallbacks.PROCESSOR_REASONS``, decided by ``fallbacks.processor_reason``); such a call is computed
+    exactly instead (V itself for a single key, SDPA otherwise) and counted.
 
     Args:
         dtype: the dtype attention works on: query, key and value are cast to it before the attention
@@ -213,6 +107,8 @@ class CountedAttnProcessor:
         fallbacks: number of fallback calls per reason, in eager mode.
         name: module path, set by ``apply``; used in the fallback warning and in errors.
         backend: the ``backends.BACKENDS`` name it was installed as, set by ``apply`` (``None`` otherwise).
+        fallback_cases: the reasons of ``fallbacks.PROCESSOR_REASONS`` this processor computes by its
+            ``fallback`` (none: SDPA takes every call, masks included).
     """
 
     def __init__(self, dtype: torch.dtype | None = None) -> None:
@@ -223,6 +119,7 @@ class CountedAttnProcessor:
         self.fallbacks: dict[str, int] = {}
         self.name: str | None = None
         self.backend: str | None = None
+        self.fallback_cases: tuple[str, ...] = ()
 
     def attention_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The dtype attention runs in for a model of ``model_dtype``."""
@@ -317,8 +214,9 @@ class CountedAttnProcessor:
     def fallback_reason(
         self, query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None
     ) -> str | None:
-        """The documented case this call is (e.g. ``"single key"``), computed by the fallback, or ``None``."""
-        return None
+        """The documented case this call is (e.g. ``"single key"``), computed by the fallback, or ``None``:
+        ``fallbacks.processor_reason`` of the cases this processor takes (``fallback_cases``)."""
+        return fallbacks.processor_reason(self.fallback_cases, key, attention_mask)
 
     def count_call(self, fallback: str | None = None) -> None:
         """Count one call (eager mode only), under its fallback reason if it has one; each reason is logged
@@ -385,7 +283,7 @@ class PASAAttnProcessor(CountedAttnProcessor):
         dtype: the dtype attention works on (see ``CountedAttnProcessor``).
 
     Falls back (counted, logged once per reason and process) for an attention mask other than a key-padding
-    mask (``"attention mask"``; key-padding masks, ``key_padding``, run the op on each batch element's kept
+    mask (``"attention mask"``; key-padding masks, ``masks.key_padding``, run the op on each batch element's kept
     keys), a single key (``"single key"``) and, with ``precision="int8"``, keys that form one block of at
     most ``rules.SHIFT_BLOCK`` (``"one key block"``: temporal attention, cross-attention to a short text),
     which run the op's default, the exact shift in hybrid precision: at one block a call is bound by memory,
@@ -413,6 +311,7 @@ class PASAAttnProcessor(CountedAttnProcessor):
                              f"inputs, got dtype={dtype}")
         self.variant = Variant(rules.shift_mode(shift), precision)
         self.beta = beta
+        self.fallback_cases = ("attention mask", "single key") + (("one key block",) if precision == "int8" else ())
 
     @property
     def precision(self) -> str:
@@ -421,20 +320,6 @@ class PASAAttnProcessor(CountedAttnProcessor):
     @property
     def shift(self) -> str:
         return self.variant.shift
-
-    def fallback_reason(
-        self, query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None
-    ) -> str | None:
-        # the mask comes first: the single-key shortcut below ignores it
-        if attention_mask is not None:
-            reason = mask_reason(key, attention_mask)
-            if reason is not None:
-                return reason
-        elif key.shape[1] == 1:
-            return "single key"
-        if self.precision == "int8" and key.shape[1] <= rules.SHIFT_BLOCK:
-            return "one key block"
-        return None
 
     def fallback(
         self,
@@ -552,11 +437,7 @@ class PeerAttnProcessor(CountedAttnProcessor):
         if peer not in peers.PEERS:
             raise ValueError(f"{type(self).__name__}: unknown peer={peer!r}; expected one of {tuple(peers.PEERS)}")
         self.peer = peer
-
-    def fallback_reason(
-        self, query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None
-    ) -> str | None:
-        return mask_reason(key, attention_mask)
+        self.fallback_cases = ("attention mask",)
 
     def attention(
         self,

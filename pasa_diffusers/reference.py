@@ -28,9 +28,11 @@ import math
 import torch
 
 from . import rules
-from .variants import Variant
 from .beta import DEFAULT_BETA, shift_entries
 from .beta import gamma as recovery_gamma
+from .reference_int8 import int8_reference
+from .rules import gemm_dtype
+from .variants import Variant
 
 __all__ = [
     "attention",
@@ -69,11 +71,6 @@ def _check_precision(precision: str, allowed: tuple[str, ...], fn: str) -> None:
 def _default_scale(q: torch.Tensor, scale: float | None, fn: str) -> float:
     rules.check_options(fn, precision="fp64", shift="none", scale=scale)
     return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-
-
-def gemm_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a tensor core reads for inputs of ``dtype``: bf16 stays bf16, everything else is fp16."""
-    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float16
 
 
 def _check_call(fn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, precision: str,
@@ -415,8 +412,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
             return pasa_reference(q, k, v, scale, beta=beta, precision="fp64", return_lse=return_lse)
         return golden_attention(q, k, v, scale, return_lse=return_lse)
     if variant.precision == "int8":
-        from .reference_int8 import int8_reference  # it builds on this module's helpers
-
         return int8_reference(q, k, v, scale, tally=True, return_lse=return_lse)
     if variant.shift == "exact":
         return exact_shift_reference(q, k, v, scale, precision=variant.precision, return_lse=return_lse)

@@ -73,7 +73,7 @@ from typing import NamedTuple
 import torch
 
 from . import block_tally, rules
-from .reference import gemm_dtype, validate_qkv
+from .rules import gemm_dtype
 from .variants import INT8_FALLBACK_TAU
 
 __all__ = [
@@ -376,7 +376,7 @@ def attention_from_codes(q: torch.Tensor, qq: QuantizedQueries, kq: QuantizedKey
 
 def _check(fn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, pv_bits: int,
            block_m: int, block_n: int) -> float:
-    validate_qkv(q, k, v, fn)
+    rules.check_qkv(fn, q, k, v, "fp64")  # any float dtype, any head dim: the unrounded precision's rule
     if q.dtype not in rules.SUPPORTED_DTYPES:
         raise ValueError(f"{fn}: dtype {q.dtype} is not supported; expected one of {rules.SUPPORTED_DTYPES}")
     if pv_bits not in PV_BITS:

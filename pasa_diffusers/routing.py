@@ -8,25 +8,20 @@ tensors.  diffusers 0.42 keys its dispatcher's registry by the members of a clos
 (``AttentionBackendName``), so an outside package cannot register a ``pasa`` backend there.  The
 closest equivalent, here: :func:`routed` gives each routed processor a body that is the stock ``__call__``
 itself (the same code object, so the model's own arithmetic runs unchanged) with those two names rebound
-in its globals to this module's :func:`_dispatch` and a copy of ``torch.nn.functional`` whose
+in its globals to this module's :func:`_dispatch_attention_fn` and a copy of ``torch.nn.functional`` whose
 ``scaled_dot_product_attention`` is :func:`_scaled_dot_product_attention`, both bound to the
 ``CountedAttnProcessor`` the instance carries (``.counted``: PASA, SDPA or a comparison twin), whose
-``attend`` counts each call, casts it and runs the backend or its documented fallback.  The binding is
+``attend`` counts each call, casts it and runs the backend or its documented fallback (``fallbacks.py``
+decides which).  The binding is
 per instance, in the body's globals, not a context variable set around the call, so that
 ``torch.compile(fullgraph=True)`` traces a routed model in one graph (dynamo cannot trace
-``ContextVar.set``).  The fallbacks:
-
-- ``"attention mask"``: SDPA with the mask (a mask other than a key-padding one, or any mask under
-  ``torch.compile``, where the key-padding test cannot read the mask's values: HunyuanVideo's and
-  LTX-Video's text padding masks);
-- ``"single key"``: the key's value;
-- ``"causal"`` and ``"dropout"``: SDPA with them (no video transformer asks for either at inference);
-- ``"attention kwargs"``: the model's own dispatcher with them.
+``ContextVar.set``).  The fallbacks (``"attention mask"``, ``"single key"``, ``"causal"``, ``"dropout"``,
+``"attention kwargs"``) and what computes them: ``fallbacks.py``.
 
 A call that carries a context-parallel config (``model.enable_parallelism``: Ulysses, ring or both) goes
-to ``parallel.attend``: diffusers' own Ulysses / ring schedule with the backend as its local op, counted
-as the backend's call; what it cannot run that way is the ``"context parallel"`` fallback, the model's
-own dispatcher with its parallel config (``parallel.py`` says which calls).
+to ``sharded_attention.attend``: diffusers' own Ulysses / ring schedule with the backend as its local op,
+counted as the backend's call; what it cannot run that way is the ``"context parallel"`` fallback, the
+model's own dispatcher with its parallel config.
 
 Every name but ``dispatch_attention_fn`` and ``F`` resolves as in the stock module, and the subclass
 keeps the stock ``__call__``'s signature (diffusers filters a processor's keyword arguments by it).
@@ -42,7 +37,7 @@ from typing import Any
 import torch
 import torch.nn.functional as torch_functional
 
-from . import parallel
+from . import fallbacks, sharded_attention
 from .processors import CountedAttnProcessor
 
 __all__ = ["RoutedAttnProcessor", "routable_reason", "routed"]
@@ -77,35 +72,33 @@ class RoutedAttnProcessor:
 
 
 def _attend_bnhd(counted: CountedAttnProcessor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 attn_mask: torch.Tensor | None, dropout_p: float, is_causal: bool,
-                 scale: float | None) -> torch.Tensor:
-    """One attention call of a routed body on ``(B, N, H, D)`` tensors, in the input dtype."""
-    special = "causal" if is_causal else "dropout" if dropout_p > 0.0 else None
-    if special is not None:
-        counted.count_call(special)
-        out = torch_functional.scaled_dot_product_attention(
-            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=attn_mask,
-            dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=query.shape[2] != key.shape[2])
-        return out.transpose(1, 2)
-    return counted.attend(query, key, value, scale, attn_mask).to(query.dtype)
+                 attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
+                 scale: float | None = None, enable_gqa: bool = False,
+                 attention_kwargs: dict[str, Any] | None = None, *, backend: Any = None,
+                 parallel_config: Any = None) -> torch.Tensor:
+    """One attention call of a routed body on ``(B, N, H, D)`` tensors, in the input dtype: a fallback
+    (``fallbacks.call_reason``), the call on this rank's shards (``sharded_attention``), or ``counted.attend``."""
+    if not attention_kwargs and fallbacks.context_parallel_config(parallel_config) is not None:
+        return sharded_attention.attend(counted, query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                        enable_gqa, backend=backend, parallel_config=parallel_config)
+    reason = fallbacks.call_reason(key, attn_mask, dropout_p, is_causal, attention_kwargs, parallel_config)
+    if reason is None:
+        return counted.attend(query, key, value, scale, attn_mask).to(query.dtype)
+    counted.count_call(reason)
+    if reason in ("causal", "dropout"):
+        return fallbacks.by_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale)
+    return fallbacks.by_dispatcher(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                   attention_kwargs, backend, parallel_config)
 
 
-def _dispatch(counted: CountedAttnProcessor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-              attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
-              scale: float | None = None, enable_gqa: bool = False, attention_kwargs: dict[str, Any] | None = None,
-              *, backend: Any = None, parallel_config: Any = None) -> torch.Tensor:
+def _dispatch_attention_fn(counted: CountedAttnProcessor, query: torch.Tensor, key: torch.Tensor,
+                           value: torch.Tensor, attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                           is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+                           attention_kwargs: dict[str, Any] | None = None, *, backend: Any = None,
+                           parallel_config: Any = None) -> torch.Tensor:
     """``diffusers.models.attention_dispatch.dispatch_attention_fn`` as a routed body sees it (``counted`` bound)."""
-    if attention_kwargs:
-        from diffusers.models.attention_dispatch import dispatch_attention_fn
-
-        counted.count_call("context parallel" if parallel_config is not None else "attention kwargs")
-        return dispatch_attention_fn(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                                     scale=scale, enable_gqa=enable_gqa, attention_kwargs=attention_kwargs,
-                                     backend=backend, parallel_config=parallel_config)
-    if parallel.context_parallel_config(parallel_config) is not None:
-        return parallel.attend(counted, query, key, value, attn_mask, dropout_p, is_causal, scale,
-                               enable_gqa, backend=backend, parallel_config=parallel_config)
-    return _attend_bnhd(counted, query, key, value, attn_mask, dropout_p, is_causal, scale)
+    return _attend_bnhd(counted, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                        attention_kwargs, backend=backend, parallel_config=parallel_config)
 
 
 def _scaled_dot_product_attention(counted: CountedAttnProcessor, query: torch.Tensor, key: torch.Tensor,
@@ -151,7 +144,7 @@ def _bound_body(stock_class: type, counted: CountedAttnProcessor) -> types.Funct
     that name a module for that module's own and guards the stock module's ``dispatch_attention_fn``, which
     fails; unnamed, they are guarded as the dict they are."""
     stock_call = stock_class.__call__
-    scope = {**stock_call.__globals__, "dispatch_attention_fn": functools.partial(_dispatch, counted),
+    scope = {**stock_call.__globals__, "dispatch_attention_fn": functools.partial(_dispatch_attention_fn, counted),
              "F": _functional(counted)}
     del scope["__name__"]
     body = types.FunctionType(stock_call.__code__, scope, stock_call.__name__, stock_call.__defaults__,

@@ -33,6 +33,7 @@ __all__ = [
     "check_qkv",
     "check_kernel_tensors",
     "unsupported_reason",
+    "gemm_dtype",
 ]
 
 LAYOUTS = ("bhnd", "bnhd")
@@ -55,6 +56,12 @@ FP16_MAX = 65504.0
 
 DEFAULT_PRECISION = "hybrid"
 DEFAULT_SHIFT = "exact"
+
+
+def gemm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a tensor core reads for inputs of ``dtype`` (the rounding model's "GEMM dtype" ``g``): bf16
+    stays bf16, everything else is fp16."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float16
 
 
 def _is_real(x: Any) -> bool:

@@ -15,6 +15,7 @@ import inspect
 import pytest
 import torch
 
+from pasa_diffusers import masks
 from pasa_diffusers import install as I
 from pasa_diffusers import processors as P
 from pasa_diffusers import routing
@@ -163,8 +164,8 @@ def test_a_key_padding_mask_is_read_once_per_version(monkeypatch, gen):
     again after an in-place change (its version), and at every call for an inference tensor; each answer is
     the mask's own."""
     reads = []
-    read = P._read_kept_keys
-    monkeypatch.setattr(P, "_read_kept_keys", lambda *args: reads.append(args[0]) or read(*args))
+    read = masks._read_kept_keys
+    monkeypatch.setattr(masks, "_read_kept_keys", lambda *args: reads.append(args[0]) or read(*args))
     q, k, v = _bnhd(gen, 2, 40, 2, 32), _bnhd(gen, 2, 30, 2, 32), _bnhd(gen, 2, 30, 2, 32)
     keep = torch.ones(2, 1, 1, 30, dtype=torch.bool)
     keep[0, ..., 20:] = False
@@ -195,7 +196,7 @@ def test_a_key_padding_mask_is_read_once_per_version(monkeypatch, gen):
 ], ids=["bias", "per-query", "nothing-kept"])
 def test_other_masks_fall_back_to_sdpa(mask, gen):
     q, k = _bnhd(gen, 2, 40, 2, 32), _bnhd(gen, 2, 30, 2, 32)
-    assert P.key_padding(mask, 2, 30) is None
+    assert masks.key_padding(mask, 2, 30) is None
     assert P.PASAAttnProcessor().fallback_reason(q, k, mask) == "attention mask"
 
 
@@ -338,7 +339,7 @@ def test_full_size_inputs_refuse_a_size_or_frame_count_the_pipeline_does_not_tak
 def test_compiled_transformer_traces_once_and_matches_eager(family, backend, options, gen):
     """``torch.compile(fullgraph=True)`` of a routed transformer: one graph (the routed bodies hold no
     per-call Python state that dynamo cannot trace), no recompile on new inputs, eager's output (masked calls
-    run SDPA with their mask when compiled: ``processors.mask_reason``)."""
+    run SDPA with their mask when compiled: ``masks.mask_reason``)."""
     from torch._dynamo.testing import CompileCounter
 
     model = tiny_transformer(family)
