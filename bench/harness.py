@@ -323,7 +323,7 @@ def op_method(variant: Variant) -> Method:
     return Method(variant.name, "ours", build)
 
 
-KERNELS = ("portable", "packed", "gluon", "int8")
+KERNELS = ("portable", "packed", "gluon", "gluon-int8", "portable-int8")
 
 
 def _plan_name(variant: Variant, plan: Plan) -> str:

@@ -4,8 +4,8 @@
     python -m bench.int8_fallback --shapes svd-spatial --dtype float16 --out DIR
     TRITON_INTERPRET=1 python -m bench.int8_fallback --shapes tiny --out DIR   # a CPU, under the interpreter
 
-The 8-bit path (``kernels.int8.forward``: its pre-pass, then the attention on the codes by the Gluon Hopper
-kernel, ``hopper_int8.py``, or the portable one: ``--kernels``) with ``fallback=False`` (every key block
+The 8-bit path (``kernels.dispatch.forward`` of ``precision="int8"``: its pre-pass, then the attention on the
+codes by the Gluon Hopper kernel, ``hopper_int8.py``, or the portable one: ``--kernels``) with ``fallback=False`` (every key block
 from the codes) and ``fallback=True`` (the default: blocks an 8-bit code cannot hold in 16 bits,
 ``reference_int8`` step 4b); the Gluon kernel also under each config of ``--gluon-configs``
 (BLOCK_N,stages,consumers), with ``--prepass`` the pre-pass alone.  Beside them, in the same run: SDPA's
@@ -26,13 +26,17 @@ from collections.abc import Sequence
 import torch
 
 from pasa_diffusers import block_tally
-from pasa_diffusers.kernels import int8, tuning
+from pasa_diffusers.beta import DEFAULT_BETA
+from pasa_diffusers.kernels import dispatch, int8, tuning
+from pasa_diffusers.variants import Variant
 from pasa_diffusers.metrics import records
 
 from . import harness
 
 NAME = "int8_fallback"
 INPUTS = ("benign", "two biases per block")
+KERNELS = {"auto": "auto", "gluon": "gluon-int8", "portable": "portable-int8"}
+"""``--kernels``' names -> the router's (``dispatch.KERNELS``)."""
 
 
 def make_inputs(shape: harness.Shape, kind: str, gen: torch.Generator, dtype: torch.dtype
@@ -55,7 +59,8 @@ def _int8_method(fallback: bool, kernel: str, config: dict | None = None) -> har
         block_tally.reset()
 
         def call():
-            return int8.forward(q, k, v, out, scale=scale, fallback=fallback, kernel=kernel, config=config)
+            return dispatch.forward(q, k, v, out, scale=scale, variant=Variant("exact", "int8"), beta=DEFAULT_BETA,
+                                    fallback=fallback, kernel=KERNELS[kernel], config=config)
         call()
         share = block_tally.counts()["share"] if fallback else 0.0
         return harness.Prepared(call, f"{100 * share:.0f} % of blocks in 16 bits", {"share_16_bit": share})
@@ -82,10 +87,10 @@ def _gluon_config(text: str) -> dict:
 
 def _kernels(text: str) -> list[str]:
     names = [name for name in text.split(",") if name]
-    unknown = [name for name in names if name not in int8.ATTENTION_KERNELS]
+    unknown = [name for name in names if name not in KERNELS]
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"--kernels {text!r}: expected a comma-separated list of "
-                                         f"{int8.ATTENTION_KERNELS}")
+                                         f"{tuple(KERNELS)}")
     return names
 
 
@@ -112,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     harness.add_timer_arguments(p)
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default: 0)")
     p.add_argument("--kernels", type=_kernels, default="gluon,portable",
-                   help="the attention kernels on the codes, of int8.ATTENTION_KERNELS (default: gluon,portable)")
+                   help=f"the attention kernels on the codes, of {tuple(KERNELS)} (default: gluon,portable)")
     p.add_argument("--gluon-configs", type=_gluon_config, nargs="*", default=[], metavar="BLOCK_N,STAGES,CONSUMERS",
                    help="Gluon configs timed too, with the fallback on (default: none)")
     p.add_argument("--prepass", action="store_true", help="also time the pre-pass alone")

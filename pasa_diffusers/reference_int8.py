@@ -74,7 +74,6 @@ import torch
 
 from . import block_tally, rules
 from .rules import gemm_dtype
-from .variants import INT8_FALLBACK_TAU
 
 __all__ = [
     "CENTRE_BLOCK",
@@ -112,7 +111,7 @@ P_SHIFT = 8.0
 """``P8 = e4m3(exp2(x + P_SHIFT))``: ``x <= 0`` puts ``P8`` in [0, 256], inside e4m3's range."""
 PV_BITS = (16, 8)
 """``pv_bits``: ``P V`` in the GEMM dtype (16) or in FP8 e4m3 (8)."""
-FALLBACK_TAU = INT8_FALLBACK_TAU
+FALLBACK_TAU = rules.INT8_FALLBACK_TAU
 """The predicted RMS logit error (natural units) above which a key block is computed in 16 bits."""
 LOG2E = 1.4426950408889634
 

@@ -25,6 +25,7 @@ __all__ = [
     "MIN_HEAD_DIM",
     "MAX_HEAD_DIM",
     "SHIFT_BLOCK",
+    "INT8_FALLBACK_TAU",
     "FP16_MAX",
     "DEFAULT_PRECISION",
     "DEFAULT_SHIFT",
@@ -50,6 +51,9 @@ MIN_HEAD_DIM = 16
 MAX_HEAD_DIM = 256
 SHIFT_BLOCK = 128
 """Keys per shift block (PASA's ``n``, the exact shift's centring block): part of the result, not a tile size."""
+INT8_FALLBACK_TAU = 2e-2
+"""``precision="int8"``: the predicted RMS logit error (natural units) above which a key block is computed in
+16 bits (``reference_int8`` step 4b; the spec and the kernels read it here): part of the result."""
 
 FP16_MAX = 65504.0
 """The largest finite fp16 value: a score above it overflows to inf in fp16."""

@@ -36,9 +36,6 @@ SHIFT_ALIASES = {True: "pasa", False: "none"}
 PRECISIONS = ("hybrid", "half", "int8", "fp64")
 KERNEL_PRECISIONS = ("hybrid", "half", "int8")
 """The precisions the Triton kernels run (``fp64`` is the reference's alone)."""
-INT8_FALLBACK_TAU = 2e-2
-"""``precision="int8"``: the predicted RMS logit error (natural units) above which a key block is computed in
-16 bits (``reference_int8`` step 4b; the spec and the kernels read it here): part of the result."""
 
 _SHIFT_LABELS = {"exact": "exact", "pasa": "PASA", "none": "FA"}
 

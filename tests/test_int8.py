@@ -59,6 +59,7 @@ from bench.int8_accuracy import input_classes
 from pasa_diffusers import numerics
 from pasa_diffusers import reference_int8 as r8
 from pasa_diffusers.reference import exact_shift_reference, golden_attention
+from pasa_diffusers.rules import SHIFT_BLOCK
 
 K = 1.5
 K16 = 2.0
@@ -223,7 +224,6 @@ def test_the_criterion_takes_the_blocks_the_codes_cannot_hold(d, gen):
         qq = r8.quantize_queries(q[:, :, ::8])
         share = r8.fallback_blocks(qq, r8.quantize_keys(k, qq.qbar), d ** -0.5).double().mean().item()
         assert share == (1.0 if name in taken else 0.0), f"{name}: {share:.2f} of the blocks in 16 bits"
-    assert int8.FALLBACK_TAU == r8.FALLBACK_TAU
 
 
 def test_reference_rejects_bad_arguments():
@@ -240,8 +240,19 @@ def test_reference_rejects_bad_arguments():
 
 triton = pytest.importorskip("triton")
 
-from pasa_diffusers.kernels import int8  # noqa: E402
+from pasa_diffusers.beta import DEFAULT_BETA  # noqa: E402
+from pasa_diffusers.kernels import dispatch, int8  # noqa: E402
 from pasa_diffusers.kernels.common import INTERPRET  # noqa: E402
+from pasa_diffusers.variants import Variant  # noqa: E402
+
+INT8 = Variant("exact", "int8")
+
+
+def _int8(q, k, v, out, *, scale, **options):
+    """The 8-bit path as the op runs it (``dispatch.forward``: the quantizing pre-pass, then the kernel the plan
+    names), with the router's options (``kernel``, ``pv_bits``, ``fallback``, ``config``, ``lse``)."""
+    return dispatch.forward(q, k, v, out, scale=scale, variant=INT8, beta=DEFAULT_BETA, **options)
+
 
 interpreted = pytest.mark.skipif(not INTERPRET, reason="kernels built for the GPU; set TRITON_INTERPRET=1 "
                                  "before pytest starts to run them on the CPU")
@@ -303,7 +314,7 @@ def test_prepass_is_the_spec_bit_for_bit(case, gen):
 def _split_keys(k, centres):
     """The spec's ``hi``, ``lo`` of ``k - c_b`` (``attention_from_codes``'s 16-bit blocks), (B, Hk, Nk, D)."""
     g = k.dtype
-    c = centres.repeat_interleave(int8.CENTRE_BLOCK, dim=2)[:, :, :k.shape[2]]
+    c = centres.repeat_interleave(SHIFT_BLOCK, dim=2)[:, :, :k.shape[2]]
     kc = k.float() - c
     hi = kc.to(g)
     return hi, (kc - hi.float()).to(g)
@@ -333,7 +344,7 @@ def test_kernel_matches_the_spec(case, gen):
     q, k, v = _inputs(shape, gen)
     pv_bits = shape[7]
     out = torch.full_like(q, float("nan"))
-    assert int8.forward(q, k, v, out, scale=q.shape[-1] ** -0.5, pv_bits=pv_bits) is out
+    assert _int8(q, k, v, out, scale=q.shape[-1] ** -0.5, pv_bits=pv_bits) is out
     spec = r8.int8_reference(q, k, v, pv_bits=pv_bits, block_n=int8.INTERPRET_CONFIG["BLOCK_N"])
     assert torch.isfinite(out).all()
     diff = numerics.rel_rmse(out, spec)
@@ -361,13 +372,13 @@ def test_kernel_16_bit_blocks(case, gen):
     qq = r8.quantize_queries(q)
     flags = r8.fallback_blocks(qq, r8.quantize_keys(k, qq.qbar), scale)
     block_tally.reset()
-    out = int8.forward(q, k, v, torch.full_like(q, float("nan")), scale=scale)
+    out = _int8(q, k, v, torch.full_like(q, float("nan")), scale=scale)
     assert block_tally.counts() == {"blocks": flags.numel(), "in_16_bits": int(flags.sum()),
                                     "share": flags.double().mean().item()}
     spec = r8.int8_reference(q, k, v, block_n=int8.INTERPRET_CONFIG["BLOCK_N"])
     assert torch.isfinite(out).all() and numerics.rel_rmse(out, spec) <= _ulp(dtype)
     _assert_model_bound(out, q, k, v, 16, name)
-    coded = int8.forward(q, k, v, torch.full_like(q, float("nan")), scale=scale, fallback=False)
+    coded = _int8(q, k, v, torch.full_like(q, float("nan")), scale=scale, fallback=False)
     no_fallback = r8.int8_reference(q, k, v, fallback=False, block_n=int8.INTERPRET_CONFIG["BLOCK_N"])
     assert numerics.rel_rmse(coded, no_fallback) <= _ulp(dtype)
     assert block_tally.counts()["blocks"] == flags.numel()  # the spec used as a spec and fallback=False do not count
@@ -389,7 +400,7 @@ def test_kernel_on_input_classes(name, gen):
     ``2^-24 |r|`` ~ 4e-3: a 0.3 % change of a block's weight.)"""
     q, k, v = _case(name, (1, 2, 1, 256, 64), torch.float16, gen, 32)
     out = torch.full_like(q, float("nan"))
-    int8.forward(q, k, v, out, scale=0.125)
+    _int8(q, k, v, out, scale=0.125)
     _assert_model_bound(out, q, k, v, 16, name)
 
 
@@ -401,10 +412,10 @@ def test_strided_views_and_tiles(gen):
     q, k, v = _inputs(shape, gen)
     q_v, k_v, v_v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
     out_v = torch.full((2, 40, 2, 64), float("nan"), dtype=q.dtype).transpose(1, 2)
-    int8.forward(q_v, k_v, v_v, out_v, scale=0.125)
-    assert not q_v.is_contiguous() and torch.equal(out_v, int8.forward(q, k, v, torch.empty_like(q), scale=0.125))
+    _int8(q_v, k_v, v_v, out_v, scale=0.125)
+    assert not q_v.is_contiguous() and torch.equal(out_v, _int8(q, k, v, torch.empty_like(q), scale=0.125))
     for block_n in (32, 128):
-        out = int8.forward(q, k, v, torch.full_like(q, float("nan")), scale=0.125,
+        out = _int8(q, k, v, torch.full_like(q, float("nan")), scale=0.125,
                            config={"BLOCK_M": 32, "BLOCK_N": block_n})
         assert numerics.rel_rmse(out, r8.int8_reference(q, k, v, block_n=block_n)) <= _ulp(q.dtype)
 
@@ -416,7 +427,7 @@ def test_lse_within_the_worst_case_logit_error(pv_bits, gen):
     q, k, v = _inputs(shape, gen)
     scale = 0.125
     lse = torch.full(q.shape[:3], float("nan"))
-    int8.forward(q, k, v, torch.empty_like(q), scale=scale, pv_bits=pv_bits, lse=lse)
+    _int8(q, k, v, torch.empty_like(q), scale=scale, pv_bits=pv_bits, lse=lse)
     true = torch.logsumexp(scale * q.double() @ k.double().repeat_interleave(2, dim=1).transpose(-1, -2), dim=-1)
     qq = r8.quantize_queries(q)
     kq = r8.quantize_keys(k, qq.qbar)
@@ -436,19 +447,26 @@ def test_lse_within_the_worst_case_logit_error(pv_bits, gen):
 
 
 @interpreted
-def test_forward_checks_its_arguments():
+def test_forward_checks_its_arguments(monkeypatch):
+    """The router refuses the 8-bit options it cannot serve, the launcher a config it cannot run, and the op (the
+    public entry, which checks the tensors once) a head dim without unit stride."""
+    from pasa_diffusers.ops import pasa_attention
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # read per call by the op
     q = torch.randn(1, 2, 8, 64).half()
     out = torch.empty_like(q)
-    with pytest.raises(ValueError, match="pv_bits=4"):
-        int8.forward(q, q, q, out, scale=0.125, pv_bits=4)
+    with pytest.raises(ValueError, match=r"^dispatch.plan: unknown pv_bits=4; expected one of \(16, 8\)"):
+        _int8(q, q, q, out, scale=0.125, pv_bits=4)
+    with pytest.raises(ValueError, match=r"^dispatch.plan: kernel='gluon' has no 8-bit path"):
+        _int8(q, q, q, out, scale=0.125, kernel="gluon")
+    with pytest.raises(ValueError, match=r"^dispatch.plan: pv_bits and fallback are the 8-bit kernels' options"):
+        dispatch.forward(q, q, q, out, scale=0.125, variant=Variant(), beta=DEFAULT_BETA, pv_bits=8)
     with pytest.raises(ValueError, match="unit stride"):
-        int8.forward(q.transpose(-1, -2).contiguous().transpose(-1, -2), q, q, out, scale=0.125)
-    with pytest.raises(ValueError, match="out must be"):
-        int8.forward(q, q, q, out.float(), scale=0.125)
+        pasa_attention(q.transpose(-1, -2).contiguous().transpose(-1, -2), q, q, precision="int8")
     with pytest.raises(ValueError, match="BLOCK_N"):
-        int8.forward(q, q, q, out, scale=0.125, config={"BLOCK_N": 48})
+        _int8(q, q, q, out, scale=0.125, config={"BLOCK_N": 48})
     empty = torch.empty(1, 2, 0, 64).half()
-    assert int8.forward(empty, q, q, torch.empty_like(empty), scale=0.125).shape == empty.shape
+    assert _int8(empty, q, q, torch.empty_like(empty), scale=0.125).shape == empty.shape
 
 
 GPU_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
@@ -475,10 +493,10 @@ def test_gpu_kernels_match_the_spec(case, gen):
                       (prep.a, kq.a), (prep.centres[..., :d], kq.centres)):
         assert torch.equal(got.cpu(), want)
     out = torch.full_like(qc, float("nan"))
-    int8.forward(qc, kc, vc, out, scale=q.shape[-1] ** -0.5, pv_bits=pv_bits, config=GPU_CONFIG)
+    _int8(qc, kc, vc, out, scale=q.shape[-1] ** -0.5, pv_bits=pv_bits, config=GPU_CONFIG)
     spec = r8.int8_reference(q, k, v, pv_bits=pv_bits, block_n=GPU_CONFIG["BLOCK_N"])
     assert torch.isfinite(out).all() and numerics.rel_rmse(out.cpu(), spec) <= _ulp(q.dtype)
-    auto = int8.forward(qc, kc, vc, torch.full_like(qc, float("nan")), scale=q.shape[-1] ** -0.5, pv_bits=pv_bits)
+    auto = _int8(qc, kc, vc, torch.full_like(qc, float("nan")), scale=q.shape[-1] ** -0.5, pv_bits=pv_bits)
     assert numerics.rel_rmse(auto.cpu(), spec) <= 4 * _ulp(q.dtype)  # any tile: another rescaling order
 
 
@@ -500,7 +518,7 @@ def test_gpu_16_bit_blocks(case, gen):
     flags = r8.fallback_blocks(qq, kq, scale)
     assert flags.any() and block_tally.counts()["in_16_bits"] == int(flags.sum())
     for fallback in (True, False):
-        out = int8.forward(qc, kc, vc, torch.full_like(qc, float("nan")), scale=scale, fallback=fallback,
+        out = _int8(qc, kc, vc, torch.full_like(qc, float("nan")), scale=scale, fallback=fallback,
                            config=GPU_CONFIG)
         spec = r8.int8_reference(q, k, v, fallback=fallback, block_n=GPU_CONFIG["BLOCK_N"])
         assert torch.isfinite(out).all() and numerics.rel_rmse(out.cpu(), spec) <= _ulp(dtype), fallback
@@ -527,7 +545,7 @@ def test_gpu_every_config_matches_the_spec(config, gen):
     flags = r8.fallback_blocks(qq, r8.quantize_keys(k, qq.qbar), d ** -0.5)
     assert flags.any() and not flags.all()
     block_m, block_n, warps, stages = config
-    out = int8.forward(*(t.cuda() for t in (q, k, v)), torch.full_like(q, float("nan")).cuda(), scale=d ** -0.5,
+    out = _int8(*(t.cuda() for t in (q, k, v)), torch.full_like(q, float("nan")).cuda(), scale=d ** -0.5,
                        config={"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages})
     spec = r8.int8_reference(q, k, v, block_n=block_n)
     assert torch.isfinite(out).all() and numerics.rel_rmse(out.cpu(), spec) <= _ulp(q.dtype)
@@ -568,12 +586,12 @@ def test_gpu_gluon_kernel_matches_the_spec(case, config, gen):
     for fallback in (True, False):
         out = torch.full_like(qc, float("nan"))
         lse = torch.full(q.shape[:3], float("nan"), device="cuda")
-        int8.forward(qc, kc, vc, out, scale=scale, fallback=fallback, kernel="gluon", config=config, lse=lse)
+        _int8(qc, kc, vc, out, scale=scale, fallback=fallback, kernel="gluon-int8", config=config, lse=lse)
         spec = r8.int8_reference(q, k, v, fallback=fallback, block_n=config["BLOCK_N"])
         diff = numerics.rel_rmse(out.cpu(), spec)
         assert torch.isfinite(out).all() and diff <= _ulp(q.dtype), (fallback, diff)
         lse_portable = torch.empty_like(lse)
-        int8.forward(qc, kc, vc, torch.empty_like(qc), scale=scale, fallback=fallback, kernel="portable",
+        _int8(qc, kc, vc, torch.empty_like(qc), scale=scale, fallback=fallback, kernel="portable-int8",
                      config=GPU_CONFIG, lse=lse_portable)
         assert torch.isfinite(lse).all()
         excess = ((lse - lse_portable).abs().cpu() - _lse_tolerance(q, k, scale)).max().item()
@@ -583,18 +601,23 @@ def test_gpu_gluon_kernel_matches_the_spec(case, config, gen):
 @pytest.mark.gpu
 def test_gpu_auto_takes_the_gluon_kernel_on_hopper(gen):
     """``kernel="auto"``: the Gluon kernel on sm_90 for 16-bit ``P V`` from ``GLUON_MIN_KEYS`` keys (the same output
-    as ``kernel="gluon"``), the portable one for fewer keys, FP8 ``P V`` or a given portable config;
-    ``kernel="gluon"`` where it cannot run says why."""
+    as ``kernel="gluon-int8"``), the portable one for fewer keys, FP8 ``P V`` or a given portable config;
+    ``kernel="gluon-int8"`` where it cannot run says why."""
     _gluon_or_skip()
-    q, k, v = (t.cuda() for t in _inputs((1, 4, 2, 70, int8.GLUON_MIN_KEYS, 64, torch.float16, 16), gen))
-    assert int8.attention_kernel(q, v, q, pv_bits=16) == "gluon"
-    assert int8.attention_kernel(q, v[:, :, 1:], q, pv_bits=16) == "portable"
-    assert int8.attention_kernel(q, v, q, pv_bits=8) == "portable"
-    assert int8.attention_kernel(q, v, q, pv_bits=16, config=GPU_CONFIG) == "portable"
-    auto = int8.forward(q, k, v, torch.empty_like(q), scale=0.125)
-    assert torch.equal(auto, int8.forward(q, k, v, torch.empty_like(q), scale=0.125, kernel="gluon"))
-    with pytest.raises(ValueError, match="kernel='gluon' cannot run this call: it computes P V in 16 bits"):
-        int8.forward(q, k, v, torch.empty_like(q), scale=0.125, pv_bits=8, kernel="gluon")
+    q, k, v = (t.cuda() for t in _inputs((1, 4, 2, 70, dispatch.INT8_GLUON_MIN_KEYS, 64, torch.float16, 16), gen))
+
+    def chosen(n_k=k.shape[2], **options):
+        keys, values = k[:, :, :n_k], v[:, :, :n_k]
+        return dispatch.plan(q, keys, values, q, variant=INT8, **options).kernel
+
+    assert chosen() == "gluon-int8"
+    assert chosen(n_k=k.shape[2] - 1) == "portable-int8"
+    assert chosen(pv_bits=8) == "portable-int8"
+    assert chosen(config=GPU_CONFIG) == "portable-int8"
+    auto = _int8(q, k, v, torch.empty_like(q), scale=0.125)
+    assert torch.equal(auto, _int8(q, k, v, torch.empty_like(q), scale=0.125, kernel="gluon-int8"))
+    with pytest.raises(ValueError, match="kernel='gluon-int8' cannot run this call: it computes P V in 16 bits"):
+        _int8(q, k, v, torch.empty_like(q), scale=0.125, pv_bits=8, kernel="gluon-int8")
 
 
 @pytest.mark.parametrize("module", ["bench.int8_accuracy", "tools.compile_int8"])
@@ -640,19 +663,20 @@ def test_int8_is_the_exact_shifts_only():
         Variant("pasa", "int8")
 
 
-def test_the_router_plans_the_int8_kernel_and_nothing_else():
+def test_the_router_plans_the_int8_kernels_and_nothing_else():
     from pasa_diffusers.kernels import dispatch
     from pasa_diffusers.variants import Variant
 
     q = torch.randn(1, 2, 64, 64).half()
     found = dispatch.plan(q, q, q, q, variant=Variant("exact", "int8"))
-    assert (found.kernel, found.prepass, found.block_n) == ("int8", "quantize", 128)
-    assert set(found.rejected) == {"packed", "gluon", "portable"}
+    assert (found.kernel, found.prepass, found.block_n) == ("portable-int8", "quantize", 128)
+    assert set(found.rejected) == {"packed", "gluon", "portable", "gluon-int8"}
     for kernel in ("portable", "packed", "gluon"):
         with pytest.raises(ValueError, match=f"kernel='{kernel}' has no 8-bit path"):
             dispatch.plan(q, q, q, q, variant=Variant("exact", "int8"), kernel=kernel)
-    with pytest.raises(ValueError, match="kernel='int8' runs precision='int8' only"):
-        dispatch.plan(q, q, q, q, variant=Variant(), kernel="int8")
+    for kernel in ("portable-int8", "gluon-int8"):
+        with pytest.raises(ValueError, match=f"kernel='{kernel}' runs precision='int8' only"):
+            dispatch.plan(q, q, q, q, variant=Variant(), kernel=kernel)
     with pytest.raises(ValueError, match="centres blocks of 128 keys, got block_n=64"):
         dispatch.plan(q, q, q, q, variant=Variant("exact", "int8"), block_n=64)
     with pytest.raises(ValueError, match="prepass=False"):
@@ -661,13 +685,14 @@ def test_the_router_plans_the_int8_kernel_and_nothing_else():
 
 @interpreted
 def test_op_dispatches_to_the_int8_kernel(gen, monkeypatch):
-    """Under the interpreter the op runs ``kernels.int8`` (the same bits as calling it directly)."""
+    """Under the interpreter the op runs the portable 8-bit kernel on the quantizing pre-pass's codes (the same
+    bits as launching them directly)."""
     from pasa_diffusers.ops import pasa_attention
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # read per call by the op
 
     q, k, v = _inputs((1, 4, 2, 40, 200, 64, torch.float16, 16), gen)
-    direct = int8.forward(q, k, v, torch.empty_like(q), scale=0.125)
+    direct = int8.attend(q, int8.prepare(q, k, v, scale=0.125), torch.empty_like(q), scale=0.125)
     assert torch.equal(pasa_attention(q, k, v, precision="int8"), direct)
 
 

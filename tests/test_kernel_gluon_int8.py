@@ -1,9 +1,9 @@
 """The Gluon int8 kernel (``kernels/hopper_int8.py``) on a machine that cannot run it.
 
 Its numbers come from the GPU (``tests/test_int8.py``'s gpu tests against the spec, ``bench.int8_fallback``)
-and its sm_90 compilation from ``tools.compile_int8``; here: the 8-bit path says why it attends with the
-portable kernel, ``kernel="gluon"`` is refused with that reason, bad configs and pre-pass outputs are
-refused by name before anything is built, and the tuned configs fit the shared memory.
+and its sm_90 compilation from ``tools.compile_int8``; here: the router's plan says why the 8-bit path attends
+with the portable kernel, ``kernel="gluon-int8"`` is refused with that reason, bad configs and pre-pass outputs
+are refused by name before anything is built, and the tuned configs fit the shared memory.
 """
 from __future__ import annotations
 
@@ -14,8 +14,12 @@ import torch
 
 pytest.importorskip("triton")
 
-from pasa_diffusers.kernels import gluon_common, hopper_int8, int8  # noqa: E402
+from pasa_diffusers.kernels import dispatch, gluon_common, hopper_int8, int8  # noqa: E402
+from pasa_diffusers.kernels.common import INTERPRET  # noqa: E402
 from pasa_diffusers.kernels.tuning import SMEM_LIMIT  # noqa: E402
+from pasa_diffusers.variants import Variant  # noqa: E402
+
+INT8 = Variant("exact", "int8")
 
 
 def _inputs(d=64, n=200, dtype=torch.float16):
@@ -28,11 +32,13 @@ def test_unsuitable_reason_names_what_is_missing():
     unavailable = gluon_common.unavailable_reason()
     expected = unavailable if unavailable is not None else "it runs on CUDA GPUs, got cpu"
     assert hopper_int8.unsuitable_reason(q, v, q, pv_bits=16) == expected
-    assert int8.attention_kernel(q, v, q, pv_bits=16) == "portable"
-    with pytest.raises(ValueError, match=r"kernel='gluon' cannot run this call: " + re.escape(expected)):
-        int8.forward(q, q, v, torch.empty_like(q), scale=0.125, kernel="gluon")
-    with pytest.raises(ValueError, match=r"unknown kernel='fast'; expected one of \('auto', 'gluon', 'portable'\)"):
-        int8.forward(q, q, v, torch.empty_like(q), scale=0.125, kernel="fast")
+    found = dispatch.plan(q, q, v, q, variant=INT8)
+    why = "Triton's interpreter runs no Gluon" if INTERPRET else expected
+    assert found.kernel == "portable-int8" and found.rejected["gluon-int8"] == why
+    with pytest.raises(ValueError, match=r"kernel='gluon-int8' cannot run this call: " + re.escape(why)):
+        dispatch.plan(q, q, v, q, variant=INT8, kernel="gluon-int8")
+    with pytest.raises(ValueError, match=r"unknown kernel='fast'; expected one of \('auto', 'portable'"):
+        dispatch.plan(q, q, v, q, variant=INT8, kernel="fast")
 
 
 @pytest.mark.parametrize("config,match", [
@@ -76,12 +82,28 @@ def test_tuned_configs_fit_the_shared_memory(head_dim, fallback):
     assert hopper_int8.shared_bytes(cfg, dp, 2, fallback) <= SMEM_LIMIT
 
 
-def test_auto_takes_the_gluon_kernel_from_its_minimum_keys(monkeypatch):
-    """Where the Gluon kernel could run, ``kernel="auto"`` takes it from ``GLUON_MIN_KEYS`` keys, and the
+@pytest.fixture
+def fresh_plans():
+    """The plan cache emptied before and after (a test that changes what a kernel can take)."""
+    dispatch.forget_plans()
+    yield
+    dispatch.forget_plans()
+
+
+def test_auto_takes_the_gluon_kernel_from_its_minimum_keys(monkeypatch, fresh_plans):
+    """Where the Gluon kernel could run, ``kernel="auto"`` takes it from ``INT8_GLUON_MIN_KEYS`` keys, and the
     portable one for fewer keys or a given config (the rule alone; the GPU test runs both kernels)."""
+    monkeypatch.setattr(dispatch, "INTERPRET", False)
     monkeypatch.setattr(hopper_int8, "unsuitable_reason", lambda *args, **kwargs: None)
-    q, _, v = _inputs(n=int8.GLUON_MIN_KEYS)
-    assert int8.attention_kernel(q, v, q, pv_bits=16) == "gluon"
-    assert int8.attention_kernel(q, v[:, :, 1:], q, pv_bits=16) == "portable"
-    assert int8.attention_kernel(q, v, q, pv_bits=16, config={"BLOCK_N": 64}) == "portable"
-    assert int8.attention_kernel(q, v[:, :, 1:], q, pv_bits=16, kernel="gluon") == "gluon"
+    q, _, v = _inputs(n=dispatch.INT8_GLUON_MIN_KEYS)
+
+    def chosen(values, **options):
+        return dispatch.plan(q, values, values, q, variant=INT8, **options)
+
+    assert chosen(v).kernel == "gluon-int8"
+    fewer = chosen(v[:, :, 1:])
+    assert fewer.kernel == "portable-int8"
+    assert fewer.rejected["gluon-int8"] == (f"below {dispatch.INT8_GLUON_MIN_KEYS} keys the portable-int8 kernel is "
+                                            f"the faster one, got {dispatch.INT8_GLUON_MIN_KEYS - 1} keys")
+    assert chosen(v, config={"BLOCK_N": 64}).kernel == "portable-int8"
+    assert chosen(v[:, :, 1:], kernel="gluon-int8").kernel == "gluon-int8"

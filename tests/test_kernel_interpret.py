@@ -299,7 +299,8 @@ def test_packed_refuses_what_it_cannot_take(shape, shift, block_n, match, gen):
     ((1, 2, 2, 30, 30, 64), "exact", "gluon", "kernel='gluon' cannot run this call: all keys form one block"),
     ((1, 2, 2, 300, 300, 64), "pasa", "gluon", "kernel='gluon' is the exact shift's; got shift='pasa'"),
     ((1, 2, 2, 300, 300, 64), "exact", "cudnn",
-     r"unknown kernel='cudnn'; expected one of \('auto', 'portable', 'packed', 'gluon', 'int8'\)"),
+     r"unknown kernel='cudnn'; expected one of \('auto', 'portable', 'packed', 'gluon', 'gluon-int8', "
+     r"'portable-int8'\)"),
 ])
 def test_kernel_choice_refuses_what_it_cannot_run(shape, shift, kernel, match, gen):
     """A kernel named explicitly says why it cannot run a call rather than running another kernel."""
@@ -320,6 +321,51 @@ def test_auto_and_portable_kernels_agree_off_hopper(gen):
                              "gluon": "Triton's interpreter runs no Gluon"}
     assert plan.describe().startswith("portable + centre pre-pass (not packed: it takes")
     assert torch.equal(_kernel(q, k, v, "exact", "hybrid"), _kernel(q, k, v, "exact", "hybrid", kernel="portable"))
+
+
+def _misaligned(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` whose data starts 2 bytes past a 16-byte boundary (same shape and strides)."""
+    flat = torch.empty(t.numel() + 1, dtype=t.dtype)[1:]
+    return flat.view(t.shape).copy_(t)
+
+
+def test_plans_are_kept_per_call_signature(gen):
+    """A repeated call gets the kept plan (the same object: no routing again) whatever its tensors' data; a
+    change of anything the routing reads (the keys' count, a stride, the dtype, the 16-byte alignment of a TMA
+    operand, the variant, the kernel, the pre-pass, the config) is planned on its own, and every kept plan
+    equals a fresh one."""
+    dispatch.forget_plans()
+    q, k, v = _biased_inputs((1, 2, 2, 300, 300, 64), gen)
+    out = torch.empty_like(q)
+    first = dispatch.plan(q, k, v, out, variant=Variant())
+    assert dispatch.plan(q.clone(), k.clone(), v.clone(), torch.empty_like(q), variant=Variant()) is first
+    bnhd = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
+    calls = {
+        "keys": ((q, k[:, :, :200], v[:, :, :200], out), {}),
+        "strides": ((*bnhd, out), {}),
+        "dtype": (tuple(t.bfloat16() for t in (q, k, v, out)), {}),
+        "aligned q": ((_misaligned(q), k, v, out), {}),
+        "aligned v": ((q, k, _misaligned(v), out), {}),
+        "aligned out": ((q, k, v, _misaligned(out)), {}),
+        "variant": ((q, k, v, out), {"variant": Variant("pasa", "hybrid")}),
+        "kernel": ((q, k, v, out), {"kernel": "portable"}),
+        "prepass": ((q, k, v, out), {"prepass": True}),
+        "block_n": ((q, k, v, out), {"block_n": 64}),
+        "config": ((q, k, v, out), {"config": {"BLOCK_M": 64}}),
+        "int8": ((q, k, v, out), {"variant": Variant("exact", "int8")}),
+    }
+    kept = {}
+    for name, (tensors, options) in calls.items():
+        kept[name] = dispatch.plan(*tensors, **{"variant": Variant(), **options})
+        assert kept[name] is not first, name
+        assert dispatch.plan(*tensors, **{"variant": Variant(), **options}) is kept[name], name
+    assert kept["variant"].prepass == "shift"
+    assert kept["int8"].kernel == "portable-int8"
+    dispatch.forget_plans()
+    assert dispatch.plan(q, k, v, out, variant=Variant()) == first
+    for name, (tensors, options) in calls.items():
+        fresh = dispatch.plan(*tensors, **{"variant": Variant(), **options})
+        assert fresh == kept[name] and fresh is not kept[name], name
 
 
 @pytest.mark.parametrize("tile", [16, 32, 64])

@@ -117,8 +117,10 @@ def _launch(case: dict):
     x, heads = (v, KV_HEADS) if amax else (q, h)
     part = scratch.v_part if amax else scratch.q_part
     if case["kernel"] == "colstats":
+        from pasa_diffusers.rules import SHIFT_BLOCK
+
         args = (x, part, *x.stride()[:3], heads, n, part.shape[1])
-        meta = dict(HEAD_DIM=d, DP=dp, BLOCK_R=int8.CENTRE_BLOCK, AMAX=amax)
+        meta = dict(HEAD_DIM=d, DP=dp, BLOCK_R=SHIFT_BLOCK, AMAX=amax)
         return int8.colstats_kernel, args, meta, {"num_warps": 4 if dp <= 64 else 8}
     out = prep.v_scale if amax else prep.qbar
     args = (part, out, scratch.v_inv if amax else out, n, part.shape[1])

@@ -1,27 +1,33 @@
-"""The kernel router: which kernel and which key pre-pass run a call, and why not the others.
+"""The kernel router: which kernel and which pre-pass run a call, and why not the others.
 
 :func:`plan` decides, :func:`forward` plans and runs; ``pasa_diffusers.ops`` calls :func:`forward` with
-inputs it has checked.  The kernels (each in its file, with its launch wrapper and configs):
+inputs it has checked.  The plan is the one place that decides which kernel runs a call and why the others
+do not (its ``rejected`` reasons); a kernel file only says what it cannot take (``unsuitable_reason``).
+The kernels (each in its file, with its launch wrapper and configs):
 
-| kernel     | file          | runs                                                                      |
-| ---------- | ------------- | ------------------------------------------------------------------------- |
-| ``portable`` | ``portable.py`` | every variant, any CUDA GPU and the interpreter: FlashAttention-2's loop |
-| ``packed`` | ``packed.py``   | the exact shift on short one-block sequences (temporal attention): several whole sequences per program, one pass |
-| ``gluon``  | ``hopper.py``   | the exact shift in hybrid on sm_90, fp16/bf16, head dims 64 and 80-128, keys of several blocks (spatial attention): FA3's warp-specialised structure |
-| ``int8``   | ``int8.py``     | the exact shift in 8 bits (``precision="int8"``, and only it): INT8 ``q k^T`` after its own quantizing pre-pass; the attention on the codes by ``hopper_int8.py`` (Gluon) on sm_90, else portable (``int8.attention_kernel``) |
+| kernel            | file             | runs                                                            |
+| ----------------- | ---------------- | --------------------------------------------------------------- |
+| ``portable``      | ``portable.py``  | every 16-bit variant, any CUDA GPU and the interpreter: FlashAttention-2's loop |
+| ``packed``        | ``packed.py``    | the exact shift on short one-block sequences (temporal attention): several whole sequences per program |
+| ``gluon``         | ``hopper.py``    | the exact shift in hybrid on sm_90, fp16/bf16, head dims 64 and 80-128, keys of several blocks: FA3's structure |
+| ``gluon-int8``    | ``hopper_int8.py`` | ``precision="int8"`` on sm_90, ``P V`` in 16 bits: the 8-bit codes in ``hopper.py``'s structure |
+| ``portable-int8`` | ``int8.py``      | ``precision="int8"`` on any CUDA GPU with INT8 ``tl.dot`` and the interpreter |
 
-and the key pre-passes (``prepass.py``): ``"centre"`` (the exact shift: each block's centre removed once
-per head, for the portable kernel on keys of several blocks and for the Gluon kernel) and ``"shift"``
-(PASA: the shifted keys once per head, for the portable kernel where several query blocks reuse them).
+and the pre-passes: ``"centre"`` (``prepass.py``; the exact shift: each block's centre removed once per
+head, for the portable kernel on keys of several blocks and for the Gluon kernel), ``"shift"`` (PASA: the
+shifted keys once per head, for the portable kernel where several query blocks reuse them) and
+``"quantize"`` (``int8.prepare``: q, k, v to the 8-bit codes, which both 8-bit kernels read).
 
-A call whose pre-pass would copy more than a fifth of the output's bytes (:data:`KEY_COPY_SHARE`) runs in
-ranges of batch and kv head, one after the other (:func:`key_chunks`), so that its peak memory stays within
-1.25x of cuDNN's, as long as each range keeps the GPU busy for much longer than the host takes to issue it
-(:data:`MIN_RANGE_FLOP`); shorter calls run in one launch and allocate the whole copy.
+A call whose key pre-pass would copy more than a fifth of the output's bytes (:data:`KEY_COPY_SHARE`) runs
+in ranges of batch and kv head, one after the other (:func:`key_chunks`), so that its peak memory stays
+within 1.25x of cuDNN's, as long as each range keeps the GPU busy for much longer than the host takes to
+issue it (:data:`MIN_RANGE_FLOP`); shorter calls run in one launch and allocate the whole copy.
 
-``kernel="auto"`` takes the first of packed, gluon, portable that can run the call.  A kernel named
-explicitly runs the call or raises ``ValueError`` saying why it cannot; so does ``prepass=True`` /
-``False``, which forces the pre-pass on or off.
+``kernel="auto"`` takes the first of packed, gluon, portable (the 16-bit precisions) or of gluon-int8,
+portable-int8 (``precision="int8"``) that can run the call.  A kernel named explicitly runs the call or
+raises ``ValueError`` saying why it cannot; so does ``prepass=True`` / ``False``, which forces the
+pre-pass on or off.  Plans are kept per call signature (:func:`plan`): a repeated call pays a dictionary
+look-up, not the routing.
 """
 from __future__ import annotations
 
@@ -30,21 +36,30 @@ from dataclasses import dataclass, field
 import torch
 import triton
 
-from .. import rules
+from .. import block_tally
 from ..beta import shift_constants
+from ..rules import SHIFT_BLOCK
 from ..variants import KERNEL_PRECISIONS, Variant
-from . import hopper, int8, packed, portable
+from . import hopper, hopper_int8, int8, packed, portable
 from .common import INTERPRET
 from .prepass import centre_keys, shift_keys
 from .tuning import pow2_tile
 
-__all__ = ["KERNELS", "KEY_COPY_SHARE", "MIN_RANGE_FLOP", "Plan", "plan", "forward", "key_chunks"]
+__all__ = ["KERNELS", "INT8_KERNELS", "KEY_COPY_SHARE", "MIN_RANGE_FLOP", "INT8_GLUON_MIN_KEYS", "Plan", "plan",
+           "forward", "key_chunks", "forget_plans"]
 
-KERNELS = ("auto", "portable", "packed", "gluon", "int8")
+KERNELS = ("auto", "portable", "packed", "gluon", "gluon-int8", "portable-int8")
 """What ``kernel=`` takes: ``"auto"`` or one kernel by name."""
 
 _ORDER = ("packed", "gluon", "portable")
-"""``kernel="auto"``'s preference: the specialised kernels first."""
+"""``kernel="auto"``'s preference for the 16-bit precisions: the specialised kernels first."""
+
+INT8_KERNELS = ("gluon-int8", "portable-int8")
+"""The kernels of ``precision="int8"``, in ``kernel="auto"``'s preference."""
+
+INT8_GLUON_MIN_KEYS = 256
+"""``kernel="auto"`` attends on the 8-bit codes with the portable kernel below this many keys, where it is
+the faster one on the H200 (``bench.int8_fallback``; docs/notes/int8_kernel.md has the numbers)."""
 
 KEY_COPY_SHARE = 0.2
 """The key pre-pass's copy of the keys takes at most this share of the output's bytes: a call whose copy
@@ -64,15 +79,17 @@ PASA_PREPASS_ROWS = 128
 then reuse every shifted tile) or the head dim's tile is above 128 (an fp32 key tile of 128 x 256 does
 not fit the registers)."""
 
+PLAN_CACHE_SIZE = 4096
+"""The most call signatures whose plans are kept (the cache is emptied when full)."""
 
 @dataclass(frozen=True)
 class Plan:
     """How one call runs.
 
     Attributes:
-        kernel: ``"portable"``, ``"packed"`` or ``"gluon"``.
-        prepass: ``"centre"``, ``"shift"``, ``"quantize"`` (the int8 kernel's: q, k, v to its codes) or ``None``
-            (keys read as they are, shifted or centred inside the kernel).
+        kernel: one of :data:`KERNELS` but ``"auto"``.
+        prepass: ``"centre"``, ``"shift"``, ``"quantize"`` (the 8-bit kernels': q, k, v to their codes) or
+            ``None`` (keys read as they are, shifted or centred inside the kernel).
         block_n: the shift block the kernels see (at most the keys' tile: up to ``block_n`` keys form one
             block of ``n_j = Nk`` keys whatever the tile); 0 for plain FlashAttention.
         one_block: all keys in one shift block.
@@ -123,27 +140,64 @@ def _exact_reasons(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     return reasons, centred_first
 
 
-def _int8_plan(fn: str, q: torch.Tensor, k: torch.Tensor, precision: str, block_n: int | None, kernel: str,
-               prepass: bool | None) -> Plan:
-    """The plan of a call to the int8 kernel: ``precision="int8"`` runs it, and nothing else does."""
-    if precision != "int8":
-        raise ValueError(f"{fn}: kernel='int8' runs precision='int8' only, got precision={precision!r}")
-    if kernel not in ("auto", "int8"):
-        raise ValueError(f"{fn}: kernel={kernel!r} has no 8-bit path; precision='int8' runs kernel='int8'")
-    if block_n is not None and int(block_n) != rules.SHIFT_BLOCK:
-        raise ValueError(f"{fn}: precision='int8' centres blocks of {rules.SHIFT_BLOCK} keys, got block_n={block_n}")
+def _int8_reasons(q: torch.Tensor, v: torch.Tensor, out: torch.Tensor, kernel: str, config: dict | None,
+                  pv_bits: int) -> dict[str, str | None]:
+    """Why each 8-bit kernel cannot run a call (``None`` where it can); ``kernel="auto"`` also leaves the Gluon
+    one for a given config (a config names one kernel's tiles) and for fewer than :data:`INT8_GLUON_MIN_KEYS`
+    keys."""
+    if INTERPRET:
+        gluon = "Triton's interpreter runs no Gluon"
+    else:
+        gluon = hopper_int8.unsuitable_reason(q, v, out, pv_bits=pv_bits)
+    if gluon is None and kernel == "auto":
+        if config is not None:
+            gluon = "a config tunes the portable-int8 kernel"
+        elif v.shape[2] < INT8_GLUON_MIN_KEYS:
+            gluon = (f"below {INT8_GLUON_MIN_KEYS} keys the portable-int8 kernel is the faster one, got "
+                     f"{v.shape[2]} keys")
+    return {"gluon-int8": gluon, "portable-int8": None}
+
+
+def _choose(fn: str, reasons: dict[str, str | None], order: tuple[str, ...], kernel: str) -> tuple[str, dict]:
+    """The kernel that runs (``kernel``, or under ``"auto"`` the first of ``order`` without a reason) and each
+    other kernel of ``order`` -> why not; ``ValueError`` when none (or the one asked for) can run the call."""
+    if kernel == "auto":
+        runnable = [name for name in order if reasons[name] is None]
+        if not runnable:
+            raise ValueError(f"{fn}: no kernel can run this call: " +
+                             "; ".join(f"{name}: {reasons[name]}" for name in order))
+        chosen = runnable[0]
+    elif reasons[kernel] is not None:
+        raise ValueError(f"{fn}: kernel={kernel!r} cannot run this call: {reasons[kernel]}")
+    else:
+        chosen = kernel
+    rejected = {name: reasons[name] or (f"the {chosen} kernel comes first" if kernel == "auto"
+                                        else f"kernel={kernel!r} was asked for")
+                for name in order if name != chosen}
+    return chosen, rejected
+
+
+def _int8_plan(fn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, block_n: int | None,
+               kernel: str, prepass: bool | None, config: dict | None, pv_bits: int) -> Plan:
+    """The plan of a ``precision="int8"`` call: one of :data:`INT8_KERNELS` after the quantizing pre-pass."""
+    if kernel in _ORDER:
+        raise ValueError(f"{fn}: kernel={kernel!r} has no 8-bit path; precision='int8' runs one of {INT8_KERNELS}")
+    if pv_bits not in int8.PV_BITS:
+        raise ValueError(f"{fn}: unknown pv_bits={pv_bits!r}; expected one of {int8.PV_BITS}")
+    if block_n is not None and int(block_n) != SHIFT_BLOCK:
+        raise ValueError(f"{fn}: precision='int8' centres blocks of {SHIFT_BLOCK} keys, got block_n={block_n}")
     if prepass is False:
-        raise ValueError(f"{fn}: prepass=False: the int8 kernel reads only its pre-pass's codes")
-    why = "precision='int8' runs the int8 kernel"
-    return Plan("int8", "quantize", rules.SHIFT_BLOCK, k.shape[2] <= rules.SHIFT_BLOCK,
-                {name: why for name in _ORDER})
+        raise ValueError(f"{fn}: prepass=False: the 8-bit kernels read only their pre-pass's codes")
+    chosen, rejected = _choose(fn, _int8_reasons(q, v, out, kernel, config, pv_bits), INT8_KERNELS, kernel)
+    sixteen_bits = "it runs the 16-bit precisions, not precision='int8'"
+    return Plan(chosen, "quantize", SHIFT_BLOCK, k.shape[2] <= SHIFT_BLOCK,
+                {**rejected, **{name: sixteen_bits for name in _ORDER}})
 
 
-def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, variant: Variant,
-         block_n: int | None = None, kernel: str = "auto", prepass: bool | None = None,
-         config: dict | None = None) -> Plan:
-    """The plan of ``forward`` for these arguments (see :func:`forward`); ``ValueError`` naming the argument
-    for a kernel, pre-pass or ``block_n`` that cannot serve the call."""
+def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, variant: Variant,
+          block_n: int | None, kernel: str, prepass: bool | None, config: dict | None, pv_bits: int,
+          fallback: bool) -> Plan:
+    """:func:`plan` without the cache."""
     fn = "dispatch.plan"
     if kernel not in KERNELS:
         raise ValueError(f"{fn}: unknown kernel={kernel!r}; expected one of {KERNELS}")
@@ -152,8 +206,13 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *
     shift, precision = variant.shift, variant.precision
     if precision not in KERNEL_PRECISIONS:
         raise ValueError(f"{fn}: precision={precision!r} has no kernel; expected one of {KERNEL_PRECISIONS}")
-    if precision == "int8" or kernel == "int8":
-        return _int8_plan(fn, q, k, precision, block_n, kernel, prepass)
+    if precision == "int8":
+        return _int8_plan(fn, q, k, v, out, block_n, kernel, prepass, config, pv_bits)
+    if kernel in INT8_KERNELS:
+        raise ValueError(f"{fn}: kernel={kernel!r} runs precision='int8' only, got precision={precision!r}")
+    if pv_bits != 16 or fallback is not True:
+        raise ValueError(f"{fn}: pv_bits and fallback are the 8-bit kernels' options (precision='int8'), got "
+                         f"pv_bits={pv_bits!r}, fallback={fallback!r} with precision={precision!r}")
     if shift != "exact" and kernel in ("packed", "gluon"):
         raise ValueError(f"{fn}: kernel={kernel!r} is the exact shift's; got shift={shift!r}")
     if shift == "none":
@@ -164,7 +223,7 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *
         exact_only = "it runs the exact shift only"
         return Plan("portable", None, 0, False, {"packed": exact_only, "gluon": exact_only})
     n_k = k.shape[2]
-    block_n = min(rules.SHIFT_BLOCK if block_n is None else int(block_n), pow2_tile(n_k))
+    block_n = min(SHIFT_BLOCK if block_n is None else int(block_n), pow2_tile(n_k))
     one_block = n_k <= block_n
     if shift == "pasa":
         if prepass is None:
@@ -173,26 +232,54 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *
         return Plan("portable", "shift" if prepass else None, block_n, one_block,
                     {"packed": exact_only, "gluon": exact_only})
     reasons, centred_first = _exact_reasons(q, k, v, out, precision, block_n, one_block, kernel, prepass, config)
-    if kernel == "auto":
-        runnable = [name for name in _ORDER if reasons[name] is None]
-        if not runnable:
-            raise ValueError(f"{fn}: no kernel can run this call: " +
-                             "; ".join(f"{name}: {reasons[name]}" for name in _ORDER))
-        chosen = runnable[0]
-    elif reasons[kernel] is not None:
-        raise ValueError(f"{fn}: kernel={kernel!r} cannot run this call: {reasons[kernel]}")
-    else:
-        chosen = kernel
-    rejected = {name: reasons[name] or (f"the {chosen} kernel comes first" if kernel == "auto"
-                                        else f"kernel={kernel!r} was asked for")
-                for name in _ORDER if name != chosen}
+    chosen, rejected = _choose(fn, reasons, _ORDER, kernel)
     uses_prepass = chosen == "gluon" or (chosen == "portable" and centred_first)
     return Plan(chosen, "centre" if uses_prepass else None, block_n, one_block, rejected)
 
 
+_PLANS: dict[tuple, Plan] = {}
+
+
+def _signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, options: tuple) -> tuple:
+    """What a plan depends on: the shapes, strides, dtype and device of the tensors, the 16-byte alignment of
+    those a TMA descriptor addresses (q, v, out), and the call's options.  (Under the op's checks k and v
+    share (B, H, N), out has q's shape and every tensor q's dtype and device.)"""
+    return (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), q.dtype, q.device,
+            q.data_ptr() & 15, v.data_ptr() & 15, out.data_ptr() & 15, options)
+
+
+def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, variant: Variant,
+         block_n: int | None = None, kernel: str = "auto", prepass: bool | None = None,
+         config: dict | None = None, pv_bits: int = 16, fallback: bool = True) -> Plan:
+    """The plan of ``forward`` for these arguments (see :func:`forward`); ``ValueError`` naming the argument
+    for a kernel, pre-pass, ``block_n`` or 8-bit option that cannot serve the call.
+
+    Plans are kept per call signature (:func:`_signature`: everything the routing reads), so a repeated call
+    returns the same ``Plan`` object without routing again; :func:`forget_plans` empties the cache (a test
+    that changes what a kernel can take, or the GPU, between calls)."""
+    try:
+        config_key = None if config is None else tuple(sorted(config.items()))
+        key = _signature(q, k, v, out, (variant, block_n, kernel, prepass, config_key, pv_bits, fallback))
+        found = _PLANS.get(key)
+    except TypeError:  # an unhashable option value: planned, not kept
+        return _plan(q, k, v, out, variant, block_n, kernel, prepass, config, pv_bits, fallback)
+    if found is None:
+        found = _plan(q, k, v, out, variant, block_n, kernel, prepass, config, pv_bits, fallback)
+        if len(_PLANS) >= PLAN_CACHE_SIZE:
+            _PLANS.clear()
+        _PLANS[key] = found
+    return found
+
+
+def forget_plans() -> None:
+    """Empty the plan cache: the next call of each signature is routed again."""
+    _PLANS.clear()
+
+
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, scale: float,
             variant: Variant, beta: float, block_n: int | None = None, kernel: str = "auto",
-            prepass: bool | None = None, config: dict | None = None, lse: torch.Tensor | None = None) -> torch.Tensor:
+            prepass: bool | None = None, config: dict | None = None, lse: torch.Tensor | None = None,
+            pv_bits: int = 16, fallback: bool = True) -> torch.Tensor:
     """Write ``softmax(scale q k^T) v`` of ``variant`` into ``out`` (and, given ``lse``, each row's
     log-sum-exp into it) and return ``out``.
 
@@ -200,35 +287,51 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
         q: ``(B, Hq, Nq, D)``; k, v: ``(B, Hk, Nk, D)`` with ``Hq % Hk == 0``; out: ``(B, Hq, Nq, D)``,
             ``q``'s dtype; CUDA tensors (CPU ones under ``TRITON_INTERPRET=1``), any strides with unit
             stride in the head dim.
-        scale: softmax scale; variant: a kernel precision (``"hybrid"``, ``"half"``) and any shift.
+        scale: softmax scale; variant: a kernel precision (``"hybrid"``, ``"half"``, ``"int8"``) and a shift
+            (``"int8"``: the exact shift only).
         beta: PASA's shift strength in (0, 1) (unused by the other shifts).
         block_n: the shift block (default ``rules.SHIFT_BLOCK`` = 128, as the reference); changes the result.
-        kernel: ``"auto"``, ``"portable"``, ``"packed"`` or ``"gluon"`` (module docstring).
+        kernel: ``"auto"`` or one of :data:`KERNELS` (module docstring).
         prepass: ``None`` (auto: the exact shift centres keys of several blocks by the pre-pass, PASA
             shifts them by the pre-pass above ``PASA_PREPASS_ROWS`` query rows), ``True`` or ``False``.
         config: fixed meta-parameters of the chosen kernel instead of autotuning (``portable.forward``,
-            ``packed.forward``, ``hopper.forward``); with ``kernel="auto"`` it keeps the call off the Gluon
-            kernel.
+            ``packed.forward``, ``hopper.forward``, ``int8.attend``, ``hopper_int8.forward``); with
+            ``kernel="auto"`` it keeps the call off the Gluon kernels.
         lse: ``None`` (the default: nothing more is computed or stored), or a contiguous float32
             ``(B, Hq, Nq)`` tensor on ``q``'s device that receives ``logsumexp(scale q k^T)`` per query row
             (natural log, of the true logits whatever the variant: ``reference.py``'s module docstring);
             every kernel stores it from its own softmax state.  Checked here (a wrong buffer would be
             written out of bounds).
+        pv_bits, fallback: ``precision="int8"`` only: ``P V`` in the inputs' dtype (16, the default) or FP8
+            (8; sm_89+, not the Gluon kernel); the key blocks whose codes cannot hold their range computed
+            in 16 bits and counted in ``block_tally`` (``True``, the default) or every block from the codes.
     """
-    chosen = plan(q, k, v, out, variant=variant, block_n=block_n, kernel=kernel, prepass=prepass, config=config)
+    chosen = plan(q, k, v, out, variant=variant, block_n=block_n, kernel=kernel, prepass=prepass, config=config,
+                  pv_bits=pv_bits, fallback=fallback)
     if lse is not None:
         _check_lse(q, lse)
+    if chosen.prepass == "quantize":
+        if out.numel() == 0:
+            return out
+        gluon = chosen.kernel == "gluon-int8"
+        prep = int8.prepare(q, k, v, scale=scale, pv_bits=pv_bits, fallback=fallback, split=gluon and fallback,
+                            tally=block_tally.counter(q.device) if fallback else None)
+        if gluon:
+            return hopper_int8.forward(q, prep, out, scale=scale, config=config, lse=lse)
+        return int8.attend(q, prep, out, scale=scale, config=config, lse=lse)
     shift, precision = variant.shift, variant.precision
-    if chosen.kernel == "int8":
-        return int8.forward(q, k, v, out, scale=scale, config=config, lse=lse)
     if chosen.kernel == "packed":
         return packed.forward(q, k, v, out, scale=scale, precision=precision, config=config, lse=lse)
     constants = portable.NO_SHIFT
     if shift == "pasa":
         constants = shift_constants(float(beta), k.shape[2], chosen.block_n, q.dtype, float(scale))
+    ranges = key_chunks(k, out) if chosen.prepass else ()
+    if len(ranges) <= 1:  # one launch over the whole call: the tensors as they are, no views
+        _attend(q, k, v, out, lse, chosen, scale=scale, shift=shift, precision=precision, constants=constants,
+                config=config)
+        return out
     group = q.shape[1] // k.shape[1]
-    whole = [((0, k.shape[0]), (0, k.shape[1]))]
-    for (b0, b1), (h0, h1) in key_chunks(k, out) if chosen.prepass else whole:
+    for (b0, b1), (h0, h1) in ranges:
         hq = slice(h0 * group, h1 * group)
         _attend(q[b0:b1, hq], k[b0:b1, h0:h1], v[b0:b1, h0:h1], out[b0:b1, hq],
                 None if lse is None else lse[b0:b1, hq], chosen, scale=scale, shift=shift, precision=precision,

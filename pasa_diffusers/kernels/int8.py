@@ -2,7 +2,9 @@
 
 They compute ``reference_int8.int8_reference`` (its module docstring states the math and why each step)
 on any CUDA GPU Triton supports with INT8 ``tl.dot`` (sm_80+; FP8 ``P V`` needs sm_89+), and on CPU
-tensors under ``TRITON_INTERPRET=1``.  Five launches per call (:func:`forward`):
+tensors under ``TRITON_INTERPRET=1``.  Five launches per call: four of the pre-pass (:func:`prepare`), whose
+outputs both 8-bit attention kernels read, and this file's attention kernel (:func:`attend`; the
+``portable-int8`` kernel of ``dispatch.plan``, which chooses between it and ``hopper_int8.py``'s):
 
 1. :func:`colstats_kernel`: per block of ``BLOCK_R`` rows, the column sums of q (fp64) and, for FP8
    ``P V``, the column maxima of ``|v|``;
@@ -13,8 +15,8 @@ tensors under ``TRITON_INTERPRET=1``.  Five launches per call (:func:`forward`):
    rotation, INT8 codes) or 128 keys (centre, rotation, codes, the exact corrections ``sigma``, ``A``;
    V to e4m3 for FP8 ``P V``);
 4. :func:`fallback_flags_kernel`: the query statistics reduced, and per (batch, query head) which key
-   blocks go to 16 bits (``reference_int8`` step 4b), counted into ``block_tally``'s counter (left out
-   with ``fallback=False``);
+   blocks go to 16 bits (``reference_int8`` step 4b), counted into the caller's counter (left out with
+   ``fallback=False``);
 5. :func:`int8_fwd_kernel`, the attention: INT8 ``q k^T`` with int32 sums, the removed logits added in
    fp32 (a flagged block: ``q . (k - c_b)`` by two 16-bit MMAs instead), online softmax in fp32, ``P V``
    in the GEMM dtype or FP8 (``PV_FP8``).
@@ -29,7 +31,9 @@ so it matches the spec to fp32 rounding, not bit for bit.
 
 ``PV_FP8`` multiplies the e4m3 values of ``P`` and ``V`` widened to fp16 (:func:`_merge`).  The
 interpreter's fp32 -> e4m3 conversion drops the carry of a rounding that crosses a power of two, so
-there values are first rounded onto e4m3's grid in fp32 (:func:`_to_e4m3`).  bf16 goes through ``common.round_to`` / ``common.mma`` there as in the other kernels.
+there values are first rounded onto e4m3's grid in fp32 (:func:`_to_e4m3`).  bf16 goes through
+``common.round_to`` / ``common.mma`` there as in the other kernels.  The measurements behind the configs and
+the design choices below are in docs/notes/int8_kernel.md.
 """
 from __future__ import annotations
 
@@ -39,35 +43,20 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import block_tally, rules
-from ..variants import INT8_FALLBACK_TAU
-from . import hopper_int8
-from .common import INTERPRET, LOG2E, binade, mma, round_to, strides3
+from ..rules import INT8_FALLBACK_TAU, SHIFT_BLOCK
+from .common import INTERPRET, LN2, LOG2E, binade, mma, round_to, strides3
 from .tuning import SMEM_LIMIT, autotuned, bucket, interpreter_autotunes, pow2_tile
 
 __all__ = ["colstats_kernel", "colstats_reduce_kernel", "quantize_kernel", "fallback_flags_kernel", "int8_fwd_kernel",
            "Prepared", "Scratch", "allocate", "quantize_call", "flags_call", "prepare", "attention_call", "attend",
-           "forward", "attention_kernel", "INTERPRET_CONFIG", "ATTENTION_KERNELS", "GLUON_MIN_KEYS",
-           "CONFIG_POOL", "CENTRE_BLOCK", "PV_BITS"]
+           "INTERPRET_CONFIG", "CONFIG_POOL", "PV_BITS"]
 
-CENTRE_BLOCK = rules.SHIFT_BLOCK
-"""Keys per centre block, and rows per pre-pass program (``BLOCK_R``)."""
 PV_BITS = (16, 8)
-ATTENTION_KERNELS = ("auto", "gluon", "portable")
-"""What ``forward(..., kernel=)`` takes: the attention on the codes by the Gluon Hopper kernel
-(``hopper_int8.py``), by :func:`int8_fwd_kernel`, or ``"auto"``: the Gluon one where it can run the call and
-has at least ``GLUON_MIN_KEYS`` keys."""
-GLUON_MIN_KEYS = 256
-"""``kernel="auto"`` attends with the portable kernel below this many keys: on the H200 (``bench.int8_fallback``,
-2026-12-02) the Gluon one took 1.03 ms against 0.72 ms at (50, 20, 144, 64) and 1.34 against 1.44 ms at 576
-keys (why at 144 was not profiled; its launch builds eleven TMA descriptors on the host)."""
+"""What ``P V`` takes: the inputs' dtype (16) or FP8 e4m3 (8)."""
 QMAX = tl.constexpr(127.0)
 FP8_MAX = tl.constexpr(448.0)
 P_SHIFT = tl.constexpr(8.0)
-FALLBACK_TAU = INT8_FALLBACK_TAU
-"""The predicted RMS logit error above which a key block goes to 16 bits (``reference_int8`` step 4b)."""
 RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23
-LN2 = tl.constexpr(0.6931471805599453)
 
 
 # ---- helpers ----------------------------------------------------------------------------------------
@@ -87,10 +76,9 @@ def _fwht(x, ROWS: tl.constexpr, DP: tl.constexpr, LOG2_DP: tl.constexpr):
     int32 bit patterns summed, wrapping, minus its own: exactly the partner's bits) and becomes ``p + x``
     (``a + b``) or ``p + (-1) x`` (``a - b``): the product by -1 is exact, and so the FMA the compiler may
     contract it into rounds the same sum once.  One exchange per element in the tile's own layout (a
-    shuffle where bit ``h`` lies across lanes, nothing where it lies in a thread); ``split``/``join`` had
-    the compiler move the tile through other layouts, 2.7x this kernel's time (H200, (50, 20, 576, 64)
-    fp16).  On sm_90 the SASS is ``tl.flip``'s instruction for instruction; the interpreter runs the sum
-    5x faster than ``tl.flip``'s xor reduction."""
+    shuffle where bit ``h`` lies across lanes, nothing where it lies in a thread), where ``split``/``join``
+    move the tile through other layouts; on sm_90 the SASS is ``tl.flip``'s instruction for instruction, and
+    the interpreter runs the sum faster than ``tl.flip``'s xor reduction (docs/notes/int8_kernel.md)."""
     for s in tl.static_range(LOG2_DP):
         y = tl.reshape(x, (ROWS, DP // (2 << s), 2, 1 << s))
         sign = tl.where(tl.arange(0, 2) == 1, -1.0, 1.0)[None, None, :, None]
@@ -343,7 +331,7 @@ def fallback_flags_kernel(qpart_ptr, qstat_ptr, kstat_ptr, flag_ptr, tally_ptr, 
     ``qstat`` (B, Hq, 2)); per key block ``b`` of its key head (``kstat`` (B, Hk, blocks, 2): ``SK2_b``,
     ``W2_b``): ``flag_b = SQ2 W2_b + SK2_b Y2 > 12 t^2``, ``t = (tau DP) / scale`` in fp64 from the fp32
     values of ``TAU`` and ``scale``, stored as int8 into ``flag`` (B, Hq, blocks); the blocks and the flagged
-    ones are added atomically to ``tally`` (int64: ``block_tally``'s counter).  Grid: (B x Hq,)."""
+    ones are added atomically to ``tally`` (int64 ``[blocks, in 16 bits]``, the caller's).  Grid: (B x Hq,)."""
     pid_bh = tl.program_id(0).to(tl.int64)
     sq2 = tl.zeros([], tl.float64)
     y2 = tl.zeros([], tl.float64)
@@ -454,9 +442,7 @@ def _merge(acc, l_i, x, alpha, v_base, v8_base, vs, stride_vn, stride_v8d, offs_
     e4m3(exp2(x + 8))``, ``l_i`` sums ``P8``, ``acc = alpha acc + (P8 V8) vs`` with the tile's ``P8 V8`` in
     its own fp32 accumulator, V8 read transposed (DP, BLOCK_N).  ``P8 V8`` multiplies the e4m3 values
     widened to fp16 (exact: every e4m3 value is an fp16 one; exact products, fp32 sums): the FP8 design's
-    numbers at the 16-bit MMA's rate.  (The FP8 MMA itself, ``tl.dot`` of the e4m3 tiles, gave wrong sums and
-    NaN in this kernel on an H200 with triton 3.6, though it is right in a kernel of one dot: docs/HISTORY.md
-    entry 53.)"""
+    numbers at the 16-bit MMA's rate (why not the FP8 MMA itself: docs/notes/int8_kernel.md)."""
     if PV_FP8:
         if MASKED:
             v8t = tl.load(v8_base + offs_d[:, None] * stride_v8d + offs_n[None, :], mask=n_valid[None, :], other=0.0)
@@ -608,13 +594,9 @@ INTERPRET_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 
 """The interpreter's fixed configuration (a ``config`` given to :func:`attend` overrides it)."""
 
 CONFIG_POOL = ((128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 128, 4, 2))
-"""The attention kernel's autotune pool, (BLOCK_M, BLOCK_N, num_warps, num_stages), not timed on a GPU yet
-(the portable path; the fast kernel is to be a Gluon one).  Compiled for sm_90 by ``tools.compile_int8``
-(triton 3.6): every config uses INT8 wgmma for ``q k^T`` and 16-bit wgmma for ``P V`` (FP8 ``P V`` too, on
-widened values); the first two do not spill at head dim 64 or 128 in 16 bits (FP8 at 128: up to 124
-bytes), the last two spill at head dim 128 (56-152 bytes in 16 bits).  (128, 64, 4 warps) spilled everywhere and was dropped.
-(128, 128, 8, 2): the 16-bit blocks' branch takes shared memory of its own, and at head dim 128 three
-stages of (128, 128) no longer fit with it (267 KB)."""
+"""The attention kernel's autotune pool, (BLOCK_M, BLOCK_N, num_warps, num_stages): configs that compile for
+sm_90 with INT8 wgmma for ``q k^T`` and 16-bit wgmma for ``P V`` (``tools.compile_int8``; their spills, and
+why (128, 128, 8, 2) is there beside (128, 128, 8, 3): docs/notes/int8_kernel.md)."""
 _CONFIGS = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in CONFIG_POOL]
 AUTOTUNE_KEY = ["HEAD_DIM", "NQ_BUCKET", "NK_BUCKET", "PV_FP8", "FALLBACK"]
 """The tuning key: ``FALLBACK`` in it, since the 16-bit branch takes shared memory of its own (at head dim
@@ -668,10 +650,8 @@ class Prepared(NamedTuple):
 
 
 def _prepass_warps(dp: int) -> int:
-    """Warps of the pre-pass programs: 8 up to DP = 128, 16 above.  sm_90, triton 3.6: the quantize kernel
-    takes 126 registers at DP 64 (two programs per SM), 186 at 128, no spills (4 warps spill at 128;
-    ``tools.compile_int8``); 16 warps took 593 against 340 us at (50, 20, 576, 64) fp16 and 333 against
-    291 us at (2, 12, 8192, 128) bf16 on the H200."""
+    """Warps of the pre-pass programs: 8 up to DP = 128, 16 above (the fewest without spills at DP 128, and
+    faster than 16 there: docs/notes/int8_kernel.md)."""
     return 8 if dp <= 128 else 16
 
 
@@ -694,7 +674,7 @@ def allocate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, pv_bits: int 
     h_k, n_k = k.shape[1], k.shape[2]
     dp = max(32, pow2_tile(d))  # reference_int8.rotation_size: an INT8 MMA reduces over 32
     dev, f32 = q.device, torch.float32
-    q_blocks, k_blocks = triton.cdiv(n_q, CENTRE_BLOCK), triton.cdiv(n_k, CENTRE_BLOCK)
+    q_blocks, k_blocks = triton.cdiv(n_q, SHIFT_BLOCK), triton.cdiv(n_k, SHIFT_BLOCK)
     fp8 = pv_bits == 8
 
     def empty(*shape, dtype=f32):
@@ -726,7 +706,7 @@ def quantize_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prep: Prepa
     h_k, n_k = k.shape[1], k.shape[2]
     dp = prep.k_codes.shape[-1]
     fp8 = prep.v_scale is not None
-    q_blocks, k_blocks = triton.cdiv(n_q, CENTRE_BLOCK), triton.cdiv(n_k, CENTRE_BLOCK)
+    q_blocks, k_blocks = triton.cdiv(n_q, SHIFT_BLOCK), triton.cdiv(n_k, SHIFT_BLOCK)
     v8 = prep.v if fp8 else prep.k_codes  # unread in 16 bits
     v_inv = scratch.v_inv if fp8 else prep.qbar
     split = prep.k_split is not None
@@ -737,7 +717,7 @@ def quantize_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prep: Prepa
             *strides3(q), *strides3(k), *strides3(v), *strides3(prep.q_codes), *prep.q_scale.stride()[:2],
             *strides3(prep.k_codes), *prep.k_scale.stride()[:2], *prep.a.stride()[:2], *strides3(prep.centres),
             *strides3(v8), prep.k_split[0].numel() if split else 0, h_q, h_k, n_q, n_k, q_blocks, k_blocks, q_tasks)
-    meta = dict(HEAD_DIM=d, DP=dp, LOG2_DP=dp.bit_length() - 1, BLOCK_R=CENTRE_BLOCK, PV_FP8=fp8, SPLIT=split,
+    meta = dict(HEAD_DIM=d, DP=dp, LOG2_DP=dp.bit_length() - 1, BLOCK_R=SHIFT_BLOCK, PV_FP8=fp8, SPLIT=split,
                 INTERPRET_BF16=INTERPRET and q.dtype == torch.bfloat16, INTERPRET_FP8=INTERPRET,
                 num_warps=_prepass_warps(dp))
     return (q_tasks + batch * h_k * k_blocks,), args, meta
@@ -750,15 +730,17 @@ def flags_call(prep: Prepared, scratch: Scratch, *, scale: float, tally: torch.T
     k_blocks = prep.k_stats.shape[2]
     args = (scratch.q_stat_part, prep.q_stats, prep.k_stats, prep.flags, tally, h_q, h_q // prep.k_codes.shape[1],
             prep.q_scale.shape[2], scratch.q_stat_part.shape[1], k_blocks, float(scale))
-    meta = dict(TAU=FALLBACK_TAU, DP=prep.k_codes.shape[-1], BLOCK=min(1024, triton.next_power_of_2(k_blocks)))
+    meta = dict(TAU=INT8_FALLBACK_TAU, DP=prep.k_codes.shape[-1], BLOCK=min(1024, triton.next_power_of_2(k_blocks)))
     return (batch * h_q,), args, meta
 
 
 def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, pv_bits: int = 16,
-            fallback: bool = True, split: bool = False) -> Prepared:
+            fallback: bool = True, split: bool = False, tally: torch.Tensor | None = None) -> Prepared:
     """The pre-pass (launches 1-4 of the module docstring) for (B, H, N, D) q, k, v with unit stride in D;
-    ``fallback``: which key blocks go to 16 bits at this ``scale`` (launch 4, counted in ``block_tally``);
-    ``split``: also every key's ``hi`` and ``lo`` (``Prepared.k_split``, for the Gluon kernel)."""
+    ``fallback``: which key blocks go to 16 bits at this ``scale`` (launch 4), their count added to ``tally``
+    (an int64 ``[blocks, blocks in 16 bits]`` tensor on q's device: the caller's, ``dispatch.forward`` passes
+    ``block_tally``'s; ``None``: a counter of this call alone); ``split``: also every key's ``hi`` and ``lo``
+    (``Prepared.k_split``, for the Gluon kernel)."""
     batch, h_q, n_q, d = q.shape
     h_k, n_k = k.shape[1], k.shape[2]
     prep, scratch = allocate(q, k, v, pv_bits=pv_bits, fallback=fallback, split=split)
@@ -767,18 +749,20 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, 
     warps = _prepass_warps(dp)
     q_blocks, k_blocks = scratch.q_part.shape[1], prep.centres.shape[2]
     colstats_kernel[(batch * h_q, q_blocks)](q, scratch.q_part, *strides3(q), h_q, n_q, q_blocks, HEAD_DIM=d, DP=dp,
-                                             BLOCK_R=CENTRE_BLOCK, AMAX=False, num_warps=warps)
+                                             BLOCK_R=SHIFT_BLOCK, AMAX=False, num_warps=warps)
     colstats_reduce_kernel[(batch * h_q,)](scratch.q_part, prep.qbar, prep.qbar, n_q, q_blocks, DP=dp, AMAX=False,
                                            G_BF16=bf16, INTERPRET_BF16=INTERPRET and bf16)
     if prep.v_scale is not None:
         colstats_kernel[(batch * h_k, k_blocks)](v, scratch.v_part, *strides3(v), h_k, n_k, k_blocks, HEAD_DIM=d,
-                                                 DP=dp, BLOCK_R=CENTRE_BLOCK, AMAX=True, num_warps=warps)
+                                                 DP=dp, BLOCK_R=SHIFT_BLOCK, AMAX=True, num_warps=warps)
         colstats_reduce_kernel[(batch * h_k,)](scratch.v_part, prep.v_scale, scratch.v_inv, n_k, k_blocks, DP=dp,
                                                AMAX=True, G_BF16=bf16, INTERPRET_BF16=INTERPRET and bf16)
     grid, args, meta = quantize_call(q, k, v, prep, scratch)
     quantize_kernel[grid](*args, **meta)
     if fallback:
-        grid, args, meta = flags_call(prep, scratch, scale=scale, tally=block_tally.counter(q.device))
+        if tally is None:
+            tally = torch.zeros(2, dtype=torch.int64, device=q.device)
+        grid, args, meta = flags_call(prep, scratch, scale=scale, tally=tally)
         fallback_flags_kernel[grid](*args, **meta)
     return prep
 
@@ -799,7 +783,7 @@ def attention_call(q: torch.Tensor, prep: Prepared, out: torch.Tensor, *, scale:
             *strides3(prep.k_codes), *prep.k_scale.stride()[:2], *prep.a.stride()[:2], *strides3(prep.centres),
             *strides3(prep.k), *strides3(v), *strides3(v8), *strides3(out),
             h_q, h_q // h_k, n_q, n_k, bucket(n_q), bucket(n_k), float(scale))
-    meta = dict(HEAD_DIM=d, BLOCK_D=prep.k_codes.shape[-1], CENTRE_BLOCK_=CENTRE_BLOCK, FALLBACK=prep.flags is not None,
+    meta = dict(HEAD_DIM=d, BLOCK_D=prep.k_codes.shape[-1], CENTRE_BLOCK_=SHIFT_BLOCK, FALLBACK=prep.flags is not None,
                 PV_FP8=fp8, INTERPRET_FP8=INTERPRET, STORE_LSE=lse is not None,
                 INTERPRET_BF16=INTERPRET and q.dtype == torch.bfloat16)
     return args, meta
@@ -821,67 +805,10 @@ def attend(q: torch.Tensor, prep: Prepared, out: torch.Tensor, *, scale: float, 
     if config is not None or (INTERPRET and not interpreter_autotunes()):
         fixed = {**INTERPRET_CONFIG, **(config or {})} if INTERPRET else dict(config)
         tile = fixed.get("BLOCK_N")
-        if not (isinstance(tile, int) and 32 <= tile <= CENTRE_BLOCK and CENTRE_BLOCK % tile == 0):
+        if not (isinstance(tile, int) and 32 <= tile <= SHIFT_BLOCK and SHIFT_BLOCK % tile == 0):
             raise ValueError(f"int8.attend: config['BLOCK_N']={tile!r} must be a power of two >= 32 (an 8-bit MMA's "
-                             f"depth) dividing the centre block {CENTRE_BLOCK}")
+                             f"depth) dividing the centre block {SHIFT_BLOCK}")
         int8_fwd_kernel[grid](*args, **meta, **fixed)
     else:
         _fwd_tuned[grid](*args, **meta)
     return out
-
-
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, pv_bits: int) -> None:
-    fn = "int8.forward"
-    rules.check_qkv(fn, q, k, v, "hybrid")
-    if pv_bits not in PV_BITS:
-        raise ValueError(f"{fn}: unknown pv_bits={pv_bits!r}; expected one of {PV_BITS}")
-    for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{fn}: {name} needs unit stride in the head dim, got {name}.stride()={t.stride()}")
-    if tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype or out.device != q.device:
-        raise ValueError(f"{fn}: out must be a {q.dtype} tensor of q's shape {tuple(q.shape)} on {q.device}, got "
-                         f"{out.dtype} {tuple(out.shape)} on {out.device}")
-
-
-def attention_kernel(q: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, pv_bits: int, kernel: str = "auto",
-                     config: dict | None = None) -> str:
-    """Which kernel attends on the codes (``"gluon"`` or ``"portable"``) for ``kernel`` (one of
-    :data:`ATTENTION_KERNELS`); ``"auto"`` takes the Gluon one where ``hopper_int8.unsuitable_reason`` is
-    ``None``, no ``config`` is given (a config names one kernel's tile sizes) and ``v`` holds at least
-    :data:`GLUON_MIN_KEYS` keys.  ``ValueError`` naming the reason where ``kernel="gluon"`` cannot run the call."""
-    if kernel not in ATTENTION_KERNELS:
-        raise ValueError(f"int8.forward: unknown kernel={kernel!r}; expected one of {ATTENTION_KERNELS}")
-    if kernel == "portable":
-        return kernel
-    reason = hopper_int8.unsuitable_reason(q, v, out, pv_bits=pv_bits)
-    if kernel == "gluon":
-        if reason is not None:
-            raise ValueError(f"int8.forward: kernel='gluon' cannot run this call: {reason}")
-        return kernel
-    return "gluon" if reason is None and config is None and v.shape[2] >= GLUON_MIN_KEYS else "portable"
-
-
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, scale: float,
-            pv_bits: int = 16, fallback: bool = True, kernel: str = "auto", config: dict | None = None,
-            lse: torch.Tensor | None = None) -> torch.Tensor:
-    """Write ``softmax(scale q k^T) v`` of the 8-bit exact shift (``reference_int8.int8_reference``) into
-    ``out`` and return it.
-
-    q: (B, Hq, Nq, D); k, v: (B, Hk, Nk, D), ``Hq % Hk == 0``, ``Nk >= 1``; out: (B, Hq, Nq, D); fp16 or
-    bf16, CUDA (CPU under ``TRITON_INTERPRET=1``), any strides with unit stride in D; head dims 16-256
-    (padded to a power of two >= 32).  ``pv_bits``: ``P V`` in the inputs' dtype (16, the default: within the
-    1e-2 bound) or FP8 e4m3 (8; sm_89+).  ``fallback``: the key blocks whose codes cannot hold their range
-    in 16 bits (the default; counted in ``block_tally``), or every block from the codes.  ``kernel``: which
-    kernel attends on the codes (:func:`attention_kernel`).  ``config``: the chosen kernel's
-    (:func:`attend`, ``hopper_int8.forward``); ``lse``: :func:`attend`."""
-    _check(q, k, v, out, pv_bits)
-    chosen = attention_kernel(q, v, out, pv_bits=pv_bits, kernel=kernel, config=config)
-    if out.numel() == 0:
-        return out
-    if k.shape[2] == 0:
-        raise ValueError(f"int8.forward: k and v hold no keys (k.shape={tuple(k.shape)})")
-    gluon = chosen == "gluon"
-    prep = prepare(q, k, v, scale=scale, pv_bits=pv_bits, fallback=fallback, split=gluon and fallback)
-    if gluon:
-        return hopper_int8.forward(q, prep, out, scale=scale, config=config, lse=lse)
-    return attend(q, prep, out, scale=scale, config=config, lse=lse)
