@@ -12,7 +12,11 @@ the host overhead per call of the op at shapes whose GPU time is negligible.
 
 The kernel paths are named the same in both runs; how a path is asked for depends on the copy's API:
 ``kernels.dispatch.forward(kernel=, prepass=)`` where it exists, else the older
-``kernels.pasa_fwd.pasa_forward(kernel=, shift_k=)``.
+``kernels.pasa_fwd.pasa_forward(kernel=, shift_k=)``.  The 8-bit paths (``precision="int8"``: the portable and
+the Gluon kernel, ``P V`` in 16 and 8 bits, with and without the 16-bit blocks) are asked of
+``dispatch.forward(kernel="portable-int8" | "gluon-int8", pv_bits=, fallback=)`` where the router names them
+(``dispatch.INT8_KERNELS``), else of ``kernels.int8.forward(kernel="portable" | "gluon", pv_bits=, fallback=)``;
+each on plain inputs and on keys whose bias jumps inside every 128-key block (every block then in 16 bits).
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ SHAPES = {  # (B, Hq, Hk, Nq, Nk, D)
     "temporal-25": (512, 5, 5, 25, 25, 64),
 }
 VARIANTS = [("exact", "hybrid"), ("exact", "half"), ("pasa", "half"), ("pasa", "hybrid"), ("none", "half"),
-            ("none", "hybrid")]
+            ("none", "hybrid"), ("exact", "int8")]
 ALIAS = {"exact": "exact", "pasa": True, "none": False}
 PATHS = {  # name: (new API options, old API options)
     "auto": ({}, {}),
@@ -43,15 +47,31 @@ PATHS = {  # name: (new API options, old API options)
     "packed": ({"kernel": "packed"}, {"shift_k": "packed"}),
     "gluon": ({"kernel": "gluon"}, {"kernel": "gluon"}),
 }
-FIXED = {"portable": {"BLOCK_M": 64, "num_warps": 4, "num_stages": 2}, "packed": {"SEQS": 1, "num_warps": 1}}
+INT8_PATHS = {  # name: (new API options of dispatch.forward, old API options of kernels.int8.forward)
+    "portable-int8": ({"kernel": "portable-int8"}, {"kernel": "portable"}),
+    "portable-int8-pv8": ({"kernel": "portable-int8", "pv_bits": 8}, {"kernel": "portable", "pv_bits": 8}),
+    "portable-int8-codes-only": ({"kernel": "portable-int8", "fallback": False},
+                                 {"kernel": "portable", "fallback": False}),
+    "gluon-int8": ({"kernel": "gluon-int8"}, {"kernel": "gluon"}),
+    "gluon-int8-codes-only": ({"kernel": "gluon-int8", "fallback": False}, {"kernel": "gluon", "fallback": False}),
+}
+FIXED = {"portable": {"BLOCK_M": 64, "num_warps": 4, "num_stages": 2}, "packed": {"SEQS": 1, "num_warps": 1},
+         "portable-int8": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}}
 
 
-def _inputs(shape, dtype, seed):
+def _inputs(shape, dtype, seed, jumps=False):
+    """(B, N, H, D) q, k, v; ``jumps``: the keys' per-channel bias jumps by +-(20..40) half a block off every
+    128-key block (no 8-bit code holds such a block: the 8-bit paths compute it in 16 bits)."""
     b, hq, hk, nq, nk, d = shape
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(b, nq, hq, d, device="cuda", generator=gen) + 3.0
     k = torch.randn(b, nk, hk, d, device="cuda", generator=gen) + 3.0
     v = torch.randn(b, nk, hk, d, device="cuda", generator=gen)
+    if jumps:
+        blocks = nk // 128 + 2
+        sign = torch.where(torch.rand(b, blocks, hk, d, device="cuda", generator=gen) < 0.5, -1.0, 1.0)
+        bias = sign * (20.0 + 20.0 * torch.rand(b, blocks, hk, d, device="cuda", generator=gen))
+        k = k + bias[:, (torch.arange(nk, device="cuda") + 64) // 128]
     return tuple(t.to(dtype) for t in (q, k, v))
 
 
@@ -61,10 +81,17 @@ def _runner():
         dispatch = importlib.import_module("pasa_diffusers.kernels.dispatch")
         from pasa_diffusers.variants import Variant
 
+        routes_int8 = hasattr(dispatch, "INT8_KERNELS")
+
         def run(q, k, v, shift, precision, path, config):
             out = torch.full_like(q, float("nan"))
-            return dispatch.forward(q, k, v, out, scale=1.0 / math.sqrt(q.shape[-1]), variant=Variant(shift, precision),
-                                    beta=DEFAULT_BETA, config=config, **PATHS[path][0])
+            scale = 1.0 / math.sqrt(q.shape[-1])
+            if path in INT8_PATHS and not routes_int8:
+                int8 = importlib.import_module("pasa_diffusers.kernels.int8")
+                return int8.forward(q, k, v, out, scale=scale, config=config, **INT8_PATHS[path][1])
+            options = INT8_PATHS[path][0] if path in INT8_PATHS else PATHS[path][0]
+            return dispatch.forward(q, k, v, out, scale=scale, variant=Variant(shift, precision), beta=DEFAULT_BETA,
+                                    config=config, **options)
     except ImportError:
         from pasa_diffusers.kernels.pasa_fwd import pasa_forward
 
@@ -76,11 +103,14 @@ def _runner():
 
 
 def _cases():
-    """(name, shape, dtype, shift, precision, path, config): the calls both runs make, each kernel path with
-    a fixed config (autotuning may pick differently in two processes; the op cases below autotune)."""
+    """(name, shape, dtype, shift, precision, path, config, jumps): the calls both runs make, each kernel path
+    with a fixed config (autotuning may pick differently in two processes; the op cases below autotune)."""
     for shape_name, shape in SHAPES.items():
         short = shape[3] <= 64 and shape[4] <= 64
         for shift, precision in VARIANTS:
+            if precision == "int8":
+                yield from _int8_cases(shape_name, shape)
+                continue
             for dtype in (torch.float16, torch.bfloat16) if precision == "hybrid" else (torch.float16,):
                 paths = ["auto"]
                 if shift == "exact":
@@ -93,7 +123,19 @@ def _cases():
                     uses_packed = path == "packed" or (path == "auto" and short and shift == "exact")
                     config = None if path == "gluon" else FIXED["packed" if uses_packed else "portable"]
                     name = f"{shape_name}/{shift}-{precision}/{str(dtype)[6:]}/{path}"
-                    yield name, shape, dtype, shift, precision, path, config
+                    yield name, shape, dtype, shift, precision, path, config, False
+
+
+def _int8_cases(shape_name, shape):
+    """The 8-bit paths: ``auto`` (with the portable kernel's fixed config it takes the portable kernel), each
+    kernel of :data:`INT8_PATHS` (the Gluon one with its tuned config), fp16 and bf16, plain keys and keys
+    whose blocks all go to 16 bits."""
+    for dtype in (torch.float16, torch.bfloat16):
+        for jumps in (False, True):
+            for path in ("auto", *INT8_PATHS):
+                config = None if path.startswith("gluon") else FIXED["portable-int8"]
+                name = f"{shape_name}/exact-int8/{str(dtype)[6:]}/{'jumps/' if jumps else ''}{path}"
+                yield name, shape, dtype, "exact", "int8", path, config, jumps
 
 
 def _op_cases():
@@ -131,8 +173,8 @@ def save(path: str) -> None:
 
     run = _runner()
     outputs, errors = {}, {}
-    for i, (name, shape, dtype, shift, precision, kpath, config) in enumerate(_cases()):
-        q, k, v = (t.transpose(1, 2) for t in _inputs(shape, dtype, i % 7))
+    for i, (name, shape, dtype, shift, precision, kpath, config, jumps) in enumerate(_cases()):
+        q, k, v = (t.transpose(1, 2) for t in _inputs(shape, dtype, i % 7, jumps))
         try:
             outputs[name] = run(q, k, v, shift, precision, kpath, config).cpu()
         except Exception as exc:  # a path one copy cannot take: recorded, compared as such
