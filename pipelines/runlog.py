@@ -15,7 +15,8 @@ Rules:
 - A record is appended as one line, flushed and fsynced before the next video starts, so a killed run
   loses at most the video in progress.  A last line cut short by a kill (no final newline) is ignored
   when read and cut off before the next append: its result is computed again.
-- Any other damaged line (not a JSON record with every field of ``RECORD_FIELDS``, or a record of
+- Any other damaged line (not a JSON record with every field of ``RECORD_FIELDS``, each of its type and in its
+  range (``record_problem``: a ``null`` PSNR or a negative count is refused, not averaged), or a record of
   another run) stops the run before it writes anything (``DamagedLogError``, naming the file and the
   line): nothing in the folder is guessed at or silently dropped.
 - Resuming is running the same command again: the records already in ``samples.jsonl`` or in a shard
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import math
 import os
 import socket
 from collections.abc import Collection, Sequence
@@ -45,7 +47,7 @@ from typing import Any, TextIO
 from pasa_diffusers.metrics.records import dumps, write_atomic, write_json
 
 __all__ = ["MANIFEST", "SAMPLES", "SHARDS", "VIDEOS", "LOCK", "KIND", "RECORD_FIELDS", "MixedRunError",
-           "DamagedLogError", "FolderInUseError", "Key", "record_key", "read_log", "check_folder", "check_manifest",
+           "DamagedLogError", "FolderInUseError", "Key", "record_key", "record_problem", "read_log", "check_folder", "check_manifest",
            "prepare_folder", "done_records", "log_path", "LogWriter", "merge_logs", "FolderLock"]
 
 MANIFEST = "run.json"
@@ -103,7 +105,90 @@ def _parse(line: bytes) -> tuple[dict[str, Any] | None, str]:
     if not (isinstance(record["image"], str) and isinstance(record["backend"], str)
             and type(record["seed"]) is int):
         return None, "image, backend and seed must be two strings and an integer"
+    problem = record_problem(record)
+    if problem is not None:
+        return None, problem
     return record, ""
+
+
+def _is_count(value: Any, top: int | None = None) -> bool:
+    return type(value) is int and value >= 0 and (top is None or value <= top)
+
+
+def _is_number(value: Any, lo: float = -math.inf, hi: float = math.inf) -> bool:
+    return type(value) in (int, float) and math.isfinite(value) and lo <= value <= hi
+
+
+def _score_problem(name: str, value: Any, *, infinite: bool, lo: float = 0.0, hi: float = math.inf) -> str | None:
+    """Why ``value`` is not a score of ``name``: null, a finite number in ``[lo, hi]``, or (``infinite``) "inf"."""
+    if value is None or (infinite and value == "inf") or _is_number(value, lo, hi):
+        return None
+    accepted = f"a number in [{lo:g}, {hi:g}]" if math.isfinite(hi) else f"a number >= {lo:g}"
+    infinity = ', "inf"' if infinite else ""
+    return f"{name} is {_show(value)}; expected {accepted}{infinity} or null"
+
+
+def _per_frame_problem(record: dict[str, Any], name: str, frames: int, **accepted: Any) -> str | None:
+    values = record[f"{name}_per_frame"]
+    if not isinstance(values, list) or len(values) != frames:
+        return f"{name}_per_frame is {_show(values)}; expected a list of {frames} values (frames)"
+    for i, value in enumerate(values):
+        problem = _score_problem(f"{name}_per_frame[{i}]", value, **accepted)
+        if problem is not None:
+            return problem
+    mean = record[name]
+    scored = [v for v in values if v is not None]
+    if (mean is None) != (not scored):
+        return (f"{name} is {_show(mean)}, but {len(scored)} of {frames} frames have a value in {name}_per_frame: "
+                f"{name} is null exactly when no frame has one")
+    return None
+
+
+def _fallbacks_problem(fallbacks: Any) -> str | None:
+    if not (isinstance(fallbacks, dict) and _is_count(fallbacks.get("calls"))
+            and _is_count(fallbacks.get("fallback_calls"), fallbacks.get("calls"))):
+        return f"fallbacks is {_show(fallbacks)}; expected calls and fallback_calls, counts with fallback_calls <= calls"
+    reasons = fallbacks.get("reasons")
+    if not (isinstance(reasons, dict) and all(_is_count(n) for n in reasons.values())):
+        return f"fallbacks.reasons is {_show(reasons)}; expected counts of calls by reason"
+    blocks = fallbacks.get("int8_blocks", {"blocks": 0, "in_16_bits": 0})
+    if not (isinstance(blocks, dict) and _is_count(blocks.get("blocks"))
+            and _is_count(blocks.get("in_16_bits"), blocks.get("blocks"))):
+        return f"fallbacks.int8_blocks is {_show(blocks)}; expected blocks and in_16_bits, counts with in_16_bits <= blocks"
+    return None
+
+
+def record_problem(record: dict[str, Any]) -> str | None:
+    """Why a record holding every field of ``RECORD_FIELDS`` is not one ``pasa compare`` writes, naming the field,
+    or ``None``: each value of its type and in its range (scores in the JSON convention of ``records``: a number,
+    ``"inf"`` where a score can be infinite, ``null`` for none), and the counts consistent with ``frames`` (a
+    ``null`` PSNR drops the sample from every mean; ``-3`` non-finite frames reaches the verdict)."""
+    frames = record["frames"]
+    if not (_is_count(frames) and frames >= 1):
+        return f"frames is {_show(frames)}; expected an integer >= 1"
+    for name in ("nonfinite_frames", "identical_frames"):
+        if not _is_count(record[name], frames):
+            return f"{name} is {_show(record[name])}; expected an integer in [0, {frames}] (frames)"
+    first = record["first_nonfinite"]
+    if (first is None) != (record["nonfinite_frames"] == 0) or not (first is None or _is_count(first, frames - 1)):
+        return (f"first_nonfinite is {_show(first)}; expected null with no non-finite frame, else a frame index in "
+                f"[0, {frames - 1}] ({record['nonfinite_frames']} non-finite)")
+    if not _is_count(record["seed"]) or not _is_count(record["rank"]):
+        return "seed and rank must be integers >= 0"
+    if not isinstance(record["sample"], str):
+        return f"sample is {_show(record['sample'])}; expected a string"
+    problem = (_per_frame_problem(record, "psnr", frames, infinite=True)
+               or _score_problem("psnr", record["psnr"], infinite=True)
+               or _per_frame_problem(record, "ssim", frames, infinite=False, lo=-1.0, hi=1.0)
+               or _score_problem("ssim", record["ssim"], infinite=False, lo=-1.0, hi=1.0)
+               or _score_problem("lpips", record["lpips"], infinite=False)
+               or _score_problem("temporal_psnr", record["temporal_psnr"], infinite=True)
+               or _score_problem("flicker", record["flicker"], infinite=True))
+    if problem is not None:
+        return problem
+    if not _is_number(record["seconds"], 0.0):
+        return f"seconds is {_show(record['seconds'])}; expected a finite number >= 0"
+    return _fallbacks_problem(record["fallbacks"])
 
 
 def read_log(path: str | os.PathLike) -> list[dict[str, Any]]:

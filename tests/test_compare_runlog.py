@@ -20,8 +20,51 @@ RUN = {"model": "tiny", "seeds": [0, 1], "num_frames": 2}
 
 
 def rec(image: str, seed: int, backend: str, value: float = 1.0) -> dict:
-    """A record of the logs' format: every field of ``runlog.RECORD_FIELDS``."""
-    return {**dict.fromkeys(runlog.RECORD_FIELDS), "image": image, "seed": seed, "backend": backend, "psnr": value}
+    """A record of the logs' format: every field of ``runlog.RECORD_FIELDS``, each of its type and range."""
+    return {"image": image, "seed": seed, "sample": f"{image}_s{seed}", "backend": backend, "psnr": value, "ssim": 0.5,
+            "lpips": None, "temporal_psnr": 30.0, "flicker": 1.0, "frames": 2, "nonfinite_frames": 0,
+            "first_nonfinite": None, "identical_frames": 0, "psnr_per_frame": [value, value],
+            "ssim_per_frame": [0.5, 0.5], "seconds": 1.5, "rank": 0,
+            "fallbacks": {"calls": 4, "fallback_calls": 1, "reasons": {"single key": 1},
+                          "int8_blocks": {"blocks": 0, "in_16_bits": 0}}}
+
+
+@pytest.mark.parametrize("change, why", [
+    ({"psnr": None}, r"psnr is null, but 2 of 2 frames have a value in psnr_per_frame: psnr is null exactly when no "
+                     r"frame has one"),
+    ({"nonfinite_frames": -3}, r"nonfinite_frames is -3; expected an integer in \[0, 2\] \(frames\)"),
+    ({"nonfinite_frames": 3}, r"nonfinite_frames is 3; expected an integer in \[0, 2\] \(frames\)"),
+    ({"nonfinite_frames": 1}, r"first_nonfinite is null; expected null with no non-finite frame, else a frame index in \[0, 1\] "
+                              r"\(1 non-finite\)"),
+    ({"nonfinite_frames": True, "first_nonfinite": 0}, r"nonfinite_frames is true; expected an integer"),
+    ({"psnr": "12"}, r'psnr is "12"; expected a number >= 0, "inf" or null'),
+    ({"psnr": -4.0}, r'psnr is -4.0; expected a number >= 0, "inf" or null'),
+    ({"ssim": 1.5}, r"ssim is 1.5; expected a number in \[-1, 1\] or null"),
+    ({"ssim_per_frame": [0.5]}, r"ssim_per_frame is \[0.5\]; expected a list of 2 values \(frames\)"),
+    ({"lpips": "inf"}, r'lpips is "inf"; expected a number >= 0 or null'),
+    ({"frames": 0}, r"frames is 0; expected an integer >= 1"),
+    ({"seconds": "inf"}, r'seconds is "inf"; expected a finite number >= 0'),
+    ({"fallbacks": {"calls": 1, "fallback_calls": 2, "reasons": {}}}, r"fallbacks is .*fallback_calls <= calls"),
+])
+def test_a_record_of_the_wrong_type_or_range_is_refused_naming_file_line_and_field(tmp_path, change, why):
+    """Read back, a record whose values are not what pasa compare writes stops the run (was: a null PSNR dropped
+    the sample from the means, -3 non-finite frames reached the verdict)."""
+    good = rec("builtin:rocket", 0, "pasa", 31.5)
+    assert runlog.record_problem(good) is None
+    path = tmp_path / runlog.SAMPLES
+    path.write_text(json.dumps(good) + "\n" + json.dumps({**good, "seed": 1, **change}) + "\n")
+    with pytest.raises(runlog.DamagedLogError, match=rf"^{path}, line 2: damaged \({why}.*\); delete that line"):
+        runlog.read_log(path)
+
+
+def test_the_records_of_a_video_that_is_not_finite_are_valid():
+    """null scores where no frame could be scored, "inf" where every frame is identical: records compare writes."""
+    broken = {**rec("builtin:rocket", 0, "naive-half"), "psnr": None, "ssim": None, "temporal_psnr": None,
+              "flicker": None, "psnr_per_frame": [None, None], "ssim_per_frame": [None, None], "nonfinite_frames": 2,
+              "first_nonfinite": 0}
+    identical = {**rec("builtin:rocket", 0, "fp32"), "psnr": "inf", "psnr_per_frame": ["inf", "inf"],
+                 "identical_frames": 2, "temporal_psnr": "inf"}
+    assert runlog.record_problem(broken) is None and runlog.record_problem(identical) is None
 
 
 def test_seed_list():
