@@ -6,7 +6,9 @@ Triton release moves one of them, this file is the one to change (and pyproject.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -73,3 +75,225 @@ def device_count_at_least_one() -> Iterator[None]:
         yield
     finally:
         accelerator.device_count = count
+
+
+# ---------------------------------------------------------------------------------------------------- Triton
+
+TRITON_VERSIONS = ("3.6.0", "3.8.0")
+"""The Triton releases the functions below were read from: 3.6.0, the GPU machine's (where the kernels run), and
+3.8.0, the CPU machine's and CI's (where they run in Triton's interpreter): ``triton/runtime/autotuner.py``,
+``triton/compiler/compiler.py``, ``triton/knobs.py``, ``triton/runtime/jit.py`` and
+``triton/experimental/gluon/_runtime.py``."""
+
+
+def _autotuner_base() -> type:
+    from triton.runtime.autotuner import Autotuner
+
+    return Autotuner
+
+
+class HookedAutotuner(_autotuner_base()):
+    """Triton's ``Autotuner`` with the private steps it takes on a key's first launch turned into hooks that a
+    subclass overrides, and its private state read through properties.
+
+    Triton's autotuner (3.6 and 3.8) keys each launch by the key arguments' values, then the dtype of each tensor
+    argument (:meth:`tuning_key`); on a key missing from its in-memory cache (:attr:`choices`) it reads its disk
+    cache (``cache_results``), else prunes the pool (``prune_configs``: then :meth:`choose`) and times each config
+    left (``_bench``: :meth:`should_time`, :meth:`timed`).  A launch of a known key calls none of the hooks but
+    :meth:`before_launch` and :meth:`after_launch`."""
+
+    def __init__(self, kernel: Any, configs: list, key: list[str], prune: Callable[..., list], *,
+                 do_bench: Callable[..., Any] | None = None, cache_results: bool = True) -> None:
+        super().__init__(kernel, kernel.arg_names, configs, key, None, None,
+                         prune_configs_by={"early_config_prune": prune}, do_bench=do_bench,
+                         cache_results=cache_results)
+
+    @property
+    def key_names(self) -> list[str]:
+        """The arguments the choice is keyed by (``Autotuner.keys``)."""
+        return list(self.keys)
+
+    @property
+    def param_names(self) -> list[str]:
+        """The kernel's arguments, in order (``Autotuner.arg_names``)."""
+        return list(self.arg_names)
+
+    @property
+    def pool(self) -> list:
+        """Every config (``Autotuner.configs``), before any prune."""
+        return list(self.configs)
+
+    @property
+    def choices(self) -> dict:
+        """Tuning key -> the config chosen for it in this process (``Autotuner.cache``)."""
+        return self.cache
+
+    def forget_choices(self) -> None:
+        """Empty the in-memory cache: the next launch of each key chooses again."""
+        self.cache.clear()
+
+    @property
+    def disk_cache(self) -> bool:
+        """Whether choices are read from and written to Triton's cache directory (``cache_results``)."""
+        return self.cache_results
+
+    @disk_cache.setter
+    def disk_cache(self, on: bool) -> None:
+        self.cache_results = on
+
+    def tuning_key(self, args: tuple, kwargs: dict) -> tuple:
+        """The key ``Autotuner.run`` caches a launch's choice under: the key arguments' values, then ``str(dtype)``
+        of each argument that has one, in argument order (the kernel's arguments among ``kwargs`` after the
+        positional ones, as its ``{**nargs, **kwargs}``)."""
+        named = dict(zip(self.arg_names, args))
+        params = set(self.arg_names)
+        named.update((k, v) for k, v in kwargs.items() if k in params)
+        return tuple([named[k] for k in self.keys if k in named]
+                     + [str(v.dtype) for v in named.values() if hasattr(v, "dtype")])
+
+    def launch_args(self) -> dict:
+        """The current launch's kernel arguments by name (``Autotuner.nargs``), inside :meth:`choose`."""
+        return dict(self.nargs)
+
+    # ---- the hooks -----------------------------------------------------------------------------------
+
+    def before_launch(self) -> None:
+        """Called before every launch."""
+
+    def after_launch(self) -> None:
+        """Called after every launch."""
+
+    def choose(self, pruned: list, kwargs: dict) -> list:
+        """The configs to time for a key met for the first time, given the pool's prune ``pruned`` (default:
+        all of them).  One config left is run without timing on Triton 3.8; 3.6 times it unless
+        :meth:`should_time` says no."""
+        return pruned
+
+    def should_time(self, config: Any) -> bool:
+        """Whether to time ``config`` (default yes); a config not timed reads 0 ms."""
+        return True
+
+    def timed(self, config: Any, ms: float) -> None:
+        """Called with each timed config's median time in ms."""
+
+    # ---- Triton's private steps ----------------------------------------------------------------------
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        self.before_launch()
+        result = super().run(*args, **kwargs)
+        self.after_launch()
+        return result
+
+    def prune_configs(self, kwargs: dict) -> list:
+        return self.choose(super().prune_configs(kwargs), kwargs)
+
+    def _bench(self, *args: Any, config: Any, **meta: Any) -> list[float]:
+        if not self.should_time(config):
+            return [0.0, 0.0, 0.0]
+        result = super()._bench(*args, config=config, **meta)
+        self.timed(config, result[0] if isinstance(result, (list, tuple)) else result)
+        return result
+
+
+def kernel_name(kernel: Any) -> str:
+    """The Python name of a jitted kernel, through any wrappers (``Autotuner``, ``Heuristics``: ``.fn``)."""
+    while not hasattr(kernel, "__name__"):
+        kernel = kernel.fn
+    return kernel.__name__
+
+
+def cache_dir() -> Path | None:
+    """Triton's cache directory (``knobs.cache.dir``: ``TRITON_CACHE_DIR``, default ``~/.triton/cache``), or
+    ``None`` where ``TRITON_CACHE_MANAGER`` names another cache manager (a remote cache, say)."""
+    from triton import knobs
+
+    if os.environ.get("TRITON_CACHE_MANAGER"):
+        return None
+    return Path(knobs.cache.dir)
+
+
+def cached_kernels(folder: str | os.PathLike) -> int:
+    """How many compiled kernels a Triton cache directory holds: its entries (one folder per compile key) with a
+    group file (``__grp__<kernel>.json``, written last), launchers and autotuner timings not counted."""
+    root = Path(folder)
+    if not root.is_dir():
+        return 0
+    return sum(1 for entry in root.iterdir() if entry.is_dir() and any(
+        p.name.startswith("__grp__") and not p.name.endswith(".autotune.json") for p in entry.iterdir()))
+
+
+CompileEvent = Callable[[str, str, bool], None]
+"""A compile listener: ``(module, kernel, cache_hit)`` after each kernel ``triton.compile`` made (``cache_hit``
+False) or loaded from Triton's cache directory (True); ``module`` is the kernel's Python module."""
+
+
+def add_compile_listener(listener: CompileEvent) -> Callable[[], None]:
+    """Call ``listener`` after each kernel compiled or loaded in this process (``knobs.compilation.listener``: one
+    slot, which the listener before it keeps, called first); returns the function that removes it."""
+    from triton import knobs
+
+    before = knobs.compilation.listener
+
+    def chained(*, src: Any, metadata: Any, metadata_group: Any, times: Any, cache_hit: bool) -> None:
+        if before is not None:
+            before(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
+        fn = getattr(src, "fn", None)
+        listener(getattr(fn, "__module__", "") or "", getattr(src, "name", "") or "", cache_hit)
+
+    knobs.compilation.listener = chained
+
+    def remove() -> None:
+        if knobs.compilation.listener is chained:
+            knobs.compilation.listener = before
+
+    return remove
+
+
+def specialization(fn: Any, args: list, meta: dict) -> tuple[dict, dict, dict]:
+    """Triton's specialisation of the launch arguments ``args`` (and constexprs ``meta``) of the jitted ``fn``:
+    ``(signature, constexprs, attrs)`` as a launch makes it (``native_specialize_impl``: ints equal to 1 become
+    constexprs, pointers and ints divisible by 16 say so)."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    signature, constexprs, attrs = {}, {}, {}
+    values = iter(args)
+    for p in fn.params:
+        if p.is_constexpr:
+            signature[p.name] = "constexpr"
+            constexprs[p.name] = meta[p.name]
+            continue
+        value = next(values)
+        ty, spec = native_specialize_impl(BaseBackend, value, False, not p.do_not_specialize,
+                                          not p.do_not_specialize_on_alignment)
+        if ty == "constexpr":
+            signature[p.name] = "constexpr"
+            constexprs[p.name] = value
+        else:
+            signature[p.name] = ty
+            if spec == "D":
+                attrs[(p.num,)] = [["tt.divisibility", 16]]
+    return signature, constexprs, attrs
+
+
+def compile_for_cuda(fn: Any, signature: dict, constexprs: dict, attrs: dict, options: dict, *, capability: int = 90,
+                     gluon: bool = False) -> Any:
+    """``fn`` (a Triton or, with ``gluon``, a Gluon kernel) compiled for CUDA compute capability ``capability``
+    without a GPU: the compiled kernel, its ``asm`` (``ttgir``, ``ptx``, ``cubin``) and ``metadata``."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if gluon:
+        from triton.experimental.gluon._runtime import GluonASTSource as source_class
+    else:
+        source_class = ASTSource
+    src = source_class(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=options)
+
+
+def cuda_tool(name: str) -> str:
+    """The path of one of the CUDA tools Triton ships beside its ``ptxas`` (``ptxas``, ``cuobjdump``)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    return os.path.join(os.path.dirname(get_ptxas(90).path), name)

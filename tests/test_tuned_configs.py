@@ -53,8 +53,8 @@ def _bench_calls() -> int:
 
 def _only_key(kernel: str) -> tuple:
     tuner = tuning.autotuners()[kernel]
-    assert len(tuner.cache) == 1, tuner.cache
-    return next(iter(tuner.cache))
+    assert len(tuner.choices) == 1, tuner.choices
+    return next(iter(tuner.choices))
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def tuned(tmp_path_factory):
         mp.setenv("TRITON_INTERPRET", "1")
         mp.delenv(tuning.ENV, raising=False)
         assert tune_table.main(["--shapes", "tiny", "--methods", "exact-hybrid", "--out", str(out)]) == 0
-        picks = {name: dict(t.cache) for name, t in tuning.autotuners().items()}
+        picks = {name: dict(t.choices) for name, t in tuning.autotuners().items()}
         before = _bench_calls()
         outputs = {name: _launch(name) for name in SHAPES}
         assert _bench_calls() == before  # the picks were cached: the autotuned run of the picked configs
@@ -115,7 +115,7 @@ def test_table_is_used_without_benchmarking_and_gives_the_same_bits(tuned, monke
         tuner = tuning.autotuners()[kernel]
         key = _only_key(kernel)
         assert tuner.sources[key] == "table"
-        assert tuner.cache[key] == picks[kernel][key]
+        assert tuner.choices[key] == picks[kernel][key]
         assert torch.equal(got, outputs[name]), name
     assert _bench_calls() == 0
 
@@ -161,7 +161,7 @@ def test_the_key_is_the_autotuners_own(tuned):
         mp.setenv(tuning.ENV, "0")
         _launch("gqa")
     tuner = tuning.autotuners()["portable.shift"]
-    assert list(tuner.cache) == [tuner.last_key] and tuner.sources[tuner.last_key] == "benchmarked"
+    assert list(tuner.choices) == [tuner.last_key] and tuner.sources[tuner.last_key] == "benchmarked"
 
 
 @triton.jit
@@ -182,8 +182,8 @@ def _toy_tuner(benchmarks: list) -> tuning.TableAutotuner:
     def prune(configs, named_args, **kwargs):
         return configs[:1] if named_args["n"] <= 16 else configs
 
-    return tuning.TableAutotuner("toy", _double_kernel, _double_kernel.arg_names, configs, ["N_BUCKET"], None, None,
-                                 prune_configs_by={"early_config_prune": prune}, do_bench=do_bench)
+    return tuning.TableAutotuner("toy", _double_kernel, configs, ["N_BUCKET"], prune, do_bench=do_bench,
+                                 cache_results=False)
 
 
 def _toy_launch(tuner: tuning.TableAutotuner, n: int) -> torch.Tensor:
@@ -207,7 +207,7 @@ def test_the_mechanism_on_this_triton_takes_no_benchmark(monkeypatch, tmp_path):
     monkeypatch.setenv(tuning.ENV, str(_write(tmp_path / TABLE, table)))
     _toy_launch(tuner, 100)
     assert tuner.sources[(128, "torch.float32", "torch.float32")] == "table" and not benchmarks
-    assert tuner.cache[(128, "torch.float32", "torch.float32")].kwargs == {"BLOCK": 64}
+    assert tuner.choices[(128, "torch.float32", "torch.float32")].kwargs == {"BLOCK": 64}
     _toy_launch(tuner, 10)
     assert tuner.sources[(16, "torch.float32", "torch.float32")] == "one config" and not benchmarks
     _toy_launch(tuner, 300)
@@ -235,7 +235,7 @@ def test_a_bad_entry_warns_once_and_is_ignored(tuned, monkeypatch, tmp_path, cas
     packed = tuning.autotuners()["packed"]
     key = _only_key("packed")
     assert packed.sources[key] == "benchmarked" and packed.bench_calls == 4
-    assert packed.cache[key] in packed.configs
+    assert packed.choices[key] in packed.pool
     tuning.forget()
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
@@ -288,8 +288,8 @@ def test_shipped_tables_are_package_data_and_fit_their_kernels():
         assert path.stem == tuning.table_name(table["gpu"]), path
         for entry in table["entries"]:
             tuner = tuners[entry["kernel"]]
-            assert sorted(entry["key"]) == sorted(tuner.keys), (path, entry)
-            assert sorted(entry["config"]["kwargs"]) == sorted(tuner.configs[0].kwargs), (path, entry)
+            assert sorted(entry["key"]) == sorted(tuner.key_names), (path, entry)
+            assert sorted(entry["config"]["kwargs"]) == sorted(tuner.pool[0].kwargs), (path, entry)
 
 
 

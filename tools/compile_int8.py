@@ -10,7 +10,7 @@ the pre-pass (the fused quantize kernel, the column statistics and their reducti
 flags), from meta tensors
 in diffusers' (B, N, H, D) layout viewed as (B, H, N, D), through the launchers' own argument builders
 (int8.allocate, int8.quantize_call, int8.flags_call, int8.attention_call) and Triton's specialisation rules
-(tools.compile_sm90.specialization).
+(compat.specialization).
 
 Per case: the tensor-core instructions in the PTX (wgmma.mma_async by operand types, e.g. s32.s8.s8 for
 the INT8 q k^T and f32.e4m3.e4m3 or f32.f16.f16 for P V; mma.sync if Triton fell back), their SASS
@@ -139,22 +139,15 @@ def mma_report(ptx: str) -> dict:
 
 
 def compile_one(case: dict) -> dict:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from pasa_diffusers.compat import compile_for_cuda, specialization
 
-    from .compile_sm90 import cubin_report, ptxas_report, specialization
+    from .compile_sm90 import cubin_report, ptxas_report
 
     row, t0 = dict(case), time.time()
     try:
         fn, args, meta, options = _launch(case)
         signature, constexprs, attrs = specialization(fn, args, meta)
-        if case["kernel"] == "gluon":
-            from triton.experimental.gluon._runtime import GluonASTSource as source_class
-        else:
-            source_class = ASTSource
-        kern = triton.compile(source_class(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options=options)
+        kern = compile_for_cuda(fn, signature, constexprs, attrs, options, gluon=case["kernel"] == "gluon")
         ptx = kern.asm["ptx"]
         row.update(ok=True, smem=kern.metadata.shared, threads=32 * kern.metadata.num_warps,
                    ptx_local=len(re.findall(r"\b(?:st|ld)\.local", ptx)), **mma_report(ptx), **ptxas_report(ptx),

@@ -33,6 +33,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from pasa_diffusers.compat import compile_for_cuda, cuda_tool, specialization
+
 PACKAGE = "tools"
 NAME = "compile_sm90"
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,32 +55,6 @@ CHILD_TIMEOUT_S = 900
 
 # ---- the child's side: one compile, no GPU --------------------------------------------------------
 
-def specialization(fn, args, meta) -> tuple[dict, dict, dict]:
-    """Triton's specialisation of ``args`` for the jitted ``fn``: ``(signature, constexprs, attrs)``, as a
-    launch would make it (ints equal to 1 become constexprs, pointers and ints divisible by 16 say so)."""
-    from triton._C.libtriton import native_specialize_impl
-    from triton.backends.compiler import BaseBackend
-
-    signature, constexprs, attrs = {}, {}, {}
-    values = iter(args)
-    for p in fn.params:
-        if p.is_constexpr:
-            signature[p.name] = "constexpr"
-            constexprs[p.name] = meta[p.name]
-            continue
-        value = next(values)
-        ty, spec = native_specialize_impl(BaseBackend, value, False, not p.do_not_specialize,
-                                          not p.do_not_specialize_on_alignment)
-        if ty == "constexpr":
-            signature[p.name] = "constexpr"
-            constexprs[p.name] = value
-        else:
-            signature[p.name] = ty
-            if spec == "D":
-                attrs[(p.num,)] = [["tt.divisibility", 16]]
-    return signature, constexprs, attrs
-
-
 def meta_inputs(shape: Sequence[int], shift_block: int, dtype: str = "float16"):
     """``(q, k_c, v, out, centres)`` on the meta device for ``shape = (B, H, Nq, Nk, D)`` in ``dtype``: q, v
     and out as diffusers holds them, the pre-pass's contiguous ``k_c`` and its fp32 centres, one per
@@ -95,13 +71,6 @@ def meta_inputs(shape: Sequence[int], shift_block: int, dtype: str = "float16"):
     return bnhd(n_q), torch.empty(b, h, n_k, d, dtype=dt, device="meta"), bnhd(n_k), bnhd(n_q), centres
 
 
-def _tool(name: str) -> str:
-    """The path of one of the CUDA tools Triton ships beside ptxas (``ptxas``, ``cuobjdump``)."""
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    return os.path.join(os.path.dirname(get_ptxas(90).path), name)
-
-
 def _first_int(pattern: str, text: str) -> int | None:
     found = re.findall(pattern, text)
     return int(found[0]) if found else None
@@ -113,7 +82,7 @@ def ptxas_report(ptx: str) -> dict:
         src = os.path.join(tmp, "k.ptx")
         with open(src, "w") as f:
             f.write(ptx)
-        res = subprocess.run([_tool("ptxas"), "-v", "--gpu-name=sm_90a", src, "-o", os.path.join(tmp, "k.cubin")],
+        res = subprocess.run([cuda_tool("ptxas"), "-v", "--gpu-name=sm_90a", src, "-o", os.path.join(tmp, "k.cubin")],
                              capture_output=True, text=True)
     log = res.stdout + res.stderr
     return {"spill_st": _first_int(r"(\d+) bytes spill stores", log),
@@ -157,8 +126,8 @@ def cubin_report(cubin: bytes) -> dict:
         path = os.path.join(tmp, "k.cubin")
         with open(path, "wb") as f:
             f.write(cubin)
-        usage = subprocess.run([_tool("cuobjdump"), "-res-usage", path], capture_output=True, text=True).stdout
-        sass = subprocess.run([_tool("cuobjdump"), "-sass", path], capture_output=True, text=True).stdout
+        usage = subprocess.run([cuda_tool("cuobjdump"), "-res-usage", path], capture_output=True, text=True).stdout
+        sass = subprocess.run([cuda_tool("cuobjdump"), "-sass", path], capture_output=True, text=True).stdout
     return {"regs": _first_int(r"REG:(\d+)", usage), "stack": _first_int(r"STACK:(\d+)", usage),
             "hgmma": len(re.findall(r"\bHGMMA\b", sass)), "igmma": len(re.findall(r"\bIGMMA\b", sass)),
             "qgmma": len(re.findall(r"\bQGMMA\b", sass)), "utmaldg": len(re.findall(r"UTMALDG", sass)),
@@ -188,10 +157,6 @@ def kernel_report(kern) -> dict:
 def compile_one(case: dict) -> dict:
     """Compile one ``{"config": (BLOCK_N, num_stages, overlap, consumers), "shape": (B, H, Nq, Nk, D),
     "dtype": name}`` for sm_90."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     from pasa_diffusers.kernels import hopper
 
     row, t0 = dict(case), time.time()
@@ -203,8 +168,7 @@ def compile_one(case: dict) -> dict:
         _, args, meta = hopper.kernel_call(q, k_c, v, centres, out, scale=q.shape[-1] ** -0.5, config=config)
         options = {name: meta.pop(name) for name in ("num_warps", "maxnreg")}
         signature, constexprs, attrs = specialization(hopper.exact_fwd_gluon_kernel, args, meta)
-        src = GluonASTSource(fn=hopper.exact_fwd_gluon_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-        kern = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+        kern = compile_for_cuda(hopper.exact_fwd_gluon_kernel, signature, constexprs, attrs, options, gluon=True)
         row.update(ok=True, maxnreg=options["maxnreg"], consumer_regs=meta.get("CONSUMER_REGS"), **kernel_report(kern))
     except Exception as e:  # noqa: BLE001 - a compiler failure is a result here
         lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
@@ -345,7 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cases = [{"config": c, "shape": s, "dtype": dtype} for s, dtype, configs in SHAPES for c in args.configs or configs]
     rows = compile_all(args.python, cases, args.jobs)
     text = harness.header(f"tools.compile_sm90: the Gluon kernel for sm_90 (triton {found['triton']})", env, cmd)
-    text += "\n" + records.markdown_table(COLUMNS, [table_row(r) for r in rows], align="ll" + "l" * 5 + "rrrrr")
+    text += "\n" + records.markdown_table(COLUMNS, [table_row(r) for r in rows], align="ll" + "l" * 5 + "rrrr" + "lr")
     text += (f"\n\n{sum(r['ok'] for r in rows)} of {len(rows)} compiled; warp-specialised: "
              f"{sum(1 for r in rows if r.get('ws'))}; with spills: {spilled(rows)}\n")
     harness.write_report(args.out, NAME, text, {"tool": NAME, "command": cmd, "environment": env, "rows": rows})

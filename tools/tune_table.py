@@ -57,17 +57,17 @@ def retuning() -> Iterator[dict]:
     from pasa_diffusers.kernels.common import INTERPRET
 
     tuners = tuning.autotuners()
-    saved_env, saved_cache = os.environ.get(tuning.ENV), {n: t.cache_results for n, t in tuners.items()}
+    saved_env, saved_cache = os.environ.get(tuning.ENV), {n: t.disk_cache for n, t in tuners.items()}
     os.environ[tuning.ENV] = "0"
     tuning.forget()
     for t in tuners.values():
-        t.cache_results = False
+        t.disk_cache = False
     try:
         with tuning.interpreter_autotuning() if INTERPRET else contextlib.nullcontext():
             yield tuners
     finally:
         for n, t in tuners.items():
-            t.cache_results = saved_cache[n]
+            t.disk_cache = saved_cache[n]
         if saved_env is None:
             os.environ.pop(tuning.ENV, None)
         else:

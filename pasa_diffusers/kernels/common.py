@@ -112,6 +112,6 @@ def lse_arg(lse: torch.Tensor | None, device: torch.device) -> torch.Tensor:
     return empty
 
 
-INTERPRET = not isinstance(round_to, triton.runtime.jit.JITFunction)
+INTERPRET = not isinstance(round_to, triton.JITFunction)
 """True when ``TRITON_INTERPRET=1`` was set before triton was imported: every kernel then runs on CPU
 tensors through Triton's numpy interpreter (one fixed small configuration each, no autotuning)."""

@@ -3,8 +3,9 @@ limit, and the autotuner with its shipped tables and on-disk cache.  Each kernel
 config pool and pruning beside its kernel.
 
 How an autotuned launch gets its config (:class:`TableAutotuner`, Triton's ``Autotuner`` with one step
-in front), for a tuning key (the key arguments' values, then the dtype of each tensor argument, in
-argument order: Triton's own key, :meth:`TableAutotuner.key_of`) met for the first time in the process:
+in front, through ``compat.HookedAutotuner``), for a tuning key (the key arguments' values, then the dtype
+of each tensor argument, in argument order: Triton's own key, ``HookedAutotuner.tuning_key``) met for the
+first time in the process:
 
 1. the shipped table of this GPU: ``tuned/<gpu>.json`` beside this file, ``<gpu>`` the normalised
    ``torch.cuda.get_device_name`` (:func:`table_name`: ``"NVIDIA H200"`` -> ``nvidia-h200``), written by
@@ -39,7 +40,8 @@ from typing import Any
 
 import torch
 import triton
-from triton.runtime.autotuner import Autotuner
+
+from ..compat import HookedAutotuner, kernel_name
 
 __all__ = ["SMEM_LIMIT", "TABLE_DIR", "TableAutotuner", "autotuned", "autotuners", "bucket", "config_of",
            "forget", "interpreter_autotuning", "interpreter_autotunes", "load_table", "pow2_tile", "table_name",
@@ -198,22 +200,23 @@ def _wall_clock_bench(kernel_call: Callable[[], Any], quantiles=None) -> list[fl
     return [ms, ms, ms]
 
 
-class TableAutotuner(Autotuner):
-    """Triton's ``Autotuner`` that first takes the shipped table's config for a new key (module
-    docstring): its prune leaves only that config, and the one config left is not timed (Triton 3.6 and
-    3.8; ``tests/test_tuned_configs.py`` checks that the key is Triton's).  Records, per key met: where its config came from (``sources``: ``"table"``, ``"one
-    config"``, ``"benchmarked"``, ``"disk cache"``) and the benchmarked timings (``timings``, ms);
-    ``bench_calls`` counts the configs benchmarked; ``last_key`` is the latest key met for the first time.
-    The table is read where Triton prunes (:meth:`prune_configs`), which it does on a key's first launch
-    only: a launch of a known key costs what Triton's own does."""
+class TableAutotuner(HookedAutotuner):
+    """Triton's autotuner (through ``compat.HookedAutotuner``) that first takes the shipped table's config for a
+    new key (module docstring): its prune leaves only that config, and the one config left is not timed
+    (Triton 3.6 and 3.8; ``tests/test_tuned_configs.py`` checks that the key is Triton's).  Records, per key
+    met: where its config came from (``sources``: ``"table"``, ``"one config"``, ``"benchmarked"``, ``"disk
+    cache"``) and the benchmarked timings (``timings``, ms); ``bench_calls`` counts the configs benchmarked;
+    ``last_key`` is the latest key met for the first time.  The table is read where Triton prunes
+    (:meth:`choose`), which it does on a key's first launch only: a launch of a known key costs what Triton's
+    own does."""
 
-    def __init__(self, name: str, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        missing = [k for k in self.keys if k not in self.arg_names]
+    def __init__(self, name: str, kernel, configs: list[triton.Config], key: list[str], prune: Callable, *,
+                 do_bench: Callable | None = None, cache_results: bool = True):
+        super().__init__(kernel, configs, key, prune, do_bench=do_bench, cache_results=cache_results)
+        missing = [k for k in self.key_names if k not in self.param_names]
         if missing:
             raise ValueError(f"autotuned({name!r}): key {missing} names no argument of the kernel")
         self.name = name
-        self._arg_set = frozenset(self.arg_names)
         self.bench_calls = 0
         self.sources: dict[tuple, str] = {}
         self.timings: dict[tuple, dict[triton.Config, float]] = {}
@@ -223,35 +226,28 @@ class TableAutotuner(Autotuner):
         self._benched = 0
         self._skip_bench = False
 
-    def key_of(self, args: tuple, kwargs: dict) -> tuple:
-        """Triton's tuning key of a launch (``Autotuner.run``): the values of the key arguments, then
-        ``str(dtype)`` of each argument that has one, in argument order."""
-        named = dict(zip(self.arg_names, args))  # then the kernel's arguments among kwargs, as {**nargs, **kwargs}
-        named.update((k, v) for k, v in kwargs.items() if k in self._arg_set)
-        return tuple([named[k] for k in self.keys if k in named]
-                     + [str(v.dtype) for v in named.values() if hasattr(v, "dtype")])
-
     def split_key(self, key: tuple) -> tuple[dict, list[str]]:
         """A tuning key as a table writes it: the key arguments by name, and the dtypes."""
-        return dict(zip(self.keys, key[:len(self.keys)])), list(key[len(self.keys):])
+        names = self.key_names
+        return dict(zip(names, key[:len(names)])), list(key[len(names):])
 
-    def run(self, *args, **kwargs):
+    def before_launch(self) -> None:
         self._new_key, self._skip_bench = None, False
-        result = super().run(*args, **kwargs)
+
+    def after_launch(self) -> None:
         key = self._new_key
         if key is not None and key not in self.sources:
             self.sources[key] = "benchmarked" if self.bench_calls > self._benched else "disk cache"
-        return result
 
-    def prune_configs(self, kwargs: dict) -> list[triton.Config]:
+    def choose(self, pruned: list[triton.Config], kwargs: dict) -> list[triton.Config]:
         """The configs Triton may time for a key met for the first time: Triton calls this only after
         its in-memory cache missed (3.6 and 3.8), so launches of known keys pay nothing here.  The
         table's config for the key (if the pool and the prune allow it for this call), else the pruned
         pool; where one config is left, Triton's timing of it is skipped (3.8 skips it itself)."""
-        pruned = super().prune_configs(kwargs)
-        key = self.key_of(tuple(self.nargs.values()), kwargs)
+        named = self.launch_args()
+        key = self.tuning_key(tuple(named.values()), kwargs)
         self.last_key, self._new_key, self._benched = key, key, self.bench_calls
-        device = next(a.device for a in self.nargs.values() if isinstance(a, torch.Tensor))
+        device = next(a.device for a in named.values() if isinstance(a, torch.Tensor))
         table = active_table(device)
         entry = self._entry(table, key) if table is not None else None
         if entry is not None:
@@ -259,7 +255,7 @@ class TableAutotuner(Autotuner):
             if cfg in pruned:
                 self.sources[key], self._skip_bench = "table", True
                 return [pruned[pruned.index(cfg)]]
-            where = "is not in the kernel's config pool" if cfg not in self.configs else \
+            where = "is not in the kernel's config pool" if cfg not in self.pool else \
                 "is in the pool, but its prune rejects it for this call"
             _warn_once(("entry", table["path"], self.name, key),
                        f"pasa_diffusers: tuned table {table['path']}: the {self.name} entry for key "
@@ -274,30 +270,32 @@ class TableAutotuner(Autotuner):
         path = table["path"]
         if path not in self._index:
             index = {}
+            names = self.key_names
             for entry in table["entries"]:
                 if entry["kernel"] != self.name:
                     continue
-                if sorted(entry["key"]) != sorted(self.keys):
+                if sorted(entry["key"]) != sorted(names):
                     _warn_once(("names", path, self.name), f"pasa_diffusers: tuned table {path}: {self.name} "
-                               f"entries are keyed by {sorted(entry['key'])}, the kernel by {sorted(self.keys)}; "
+                               f"entries are keyed by {sorted(entry['key'])}, the kernel by {sorted(names)}; "
                                "those entries are ignored")
                     continue
-                index[tuple([entry["key"][k] for k in self.keys] + list(entry["dtypes"]))] = entry
+                index[tuple([entry["key"][k] for k in names] + list(entry["dtypes"]))] = entry
             self._index[path] = index
         return self._index[path].get(key)
 
-    def _bench(self, *args, config, **meta):
+    def should_time(self, config: triton.Config) -> bool:
         if self._skip_bench:  # the one config left (Triton 3.6 would time it): nothing to compare
-            return [0.0, 0.0, 0.0]
+            return False
         self.bench_calls += 1
-        result = super()._bench(*args, config=config, **meta)
-        self.timings.setdefault(self.last_key, {})[config] = result[0] if isinstance(result, (list, tuple)) else result
-        return result
+        return True
+
+    def timed(self, config: triton.Config, ms: float) -> None:
+        self.timings.setdefault(self.last_key, {})[config] = ms
 
     def forget(self) -> None:
         """Empty the in-memory cache and the records (the next launch of each key chooses again)."""
         self.bench_calls = 0
-        self.cache.clear()
+        self.forget_choices()
         self.sources.clear()
         self.timings.clear()
         self._index.clear()
@@ -330,17 +328,12 @@ def autotuned(kernel, configs: list[triton.Config], key: list[str], prune: Calla
     """``kernel`` under :class:`TableAutotuner` over ``configs``, chosen per value of the arguments named in
     ``key``, pruned by ``prune(configs, named_args, **kwargs)`` before compiling; results cached on disk.
     ``name`` (default: the kernel's) is its name in the tables, one per autotuner."""
-    base = kernel
-    while not hasattr(base, "__name__"):
-        base = base.fn
-    name = name or base.__name__
+    name = name or kernel_name(kernel)
     if name in _AUTOTUNERS:
         raise ValueError(f"autotuned: name={name!r} is taken; give each autotuner of a kernel its own name")
     from .common import INTERPRET
 
-    tuner = TableAutotuner(name, kernel, kernel.arg_names, configs, key, None, None,
-                           prune_configs_by={"early_config_prune": prune},
-                           do_bench=_wall_clock_bench if INTERPRET else None, cache_results=True)
+    tuner = TableAutotuner(name, kernel, configs, key, prune, do_bench=_wall_clock_bench if INTERPRET else None)
     _AUTOTUNERS[name] = tuner
     return tuner
 
@@ -352,7 +345,7 @@ def table_payload(gpu: str, source: dict, shapes: dict[tuple[str, tuple], list[s
     ``timings_ms`` (every benchmarked config's), ``shapes`` (``shapes[name, key]``: what met the key)."""
     entries = []
     for name, tuner in sorted(_AUTOTUNERS.items()):
-        for key, cfg in tuner.cache.items():
+        for key, cfg in tuner.choices.items():
             if tuner.sources.get(key) != "benchmarked":
                 continue
             named, dtypes = tuner.split_key(key)
