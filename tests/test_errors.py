@@ -273,3 +273,23 @@ def test_a_peer_whose_package_is_missing_is_one_line():
     done, _ = pasa(["compare", "--backends", "pasa,fa3"])
     assert_usage_error(done, "compare", "argument --backends: backend 'fa3' needs the fa3-fwd package (module "
                                         "fa3_fwd_interface), which is not installed: pip install fa3-fwd")
+
+
+@pytest.mark.parametrize("args", [["generate", "--model", "tiny"], ["numerics", "--quick"], ["diagnose"],
+                                  ["save-model", "--model", "tiny", "saved"], ["compare"]],
+                         ids=lambda args: args[0])
+def test_ctrl_c_is_one_line_and_status_130_in_every_command(args, tmp_path):
+    """SIGINT once the arguments have passed (the interpreter warning is printed just before the command's
+    work: the heavy imports, then the run) ends every command with one line and the shell's 130, no
+    traceback (``pasa compare`` interrupted in its loop says how many results are done:
+    ``test_compare_reliability.py``)."""
+    import signal
+
+    env = {**{key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"},
+           "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen([PASA, *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    assert process.stderr.readline().startswith("pasa: warning: TRITON_INTERPRET=1 is set")
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    assert (process.returncode, err, out) == (130, f"pasa {args[0]}: interrupted (Ctrl-C)\n", "")

@@ -5,7 +5,8 @@ One module per subcommand (``numerics``, ``generate``, ``compare``, ``diagnose``
 ``UsageError``, called before ``run``);
 ``common`` holds the arguments they share.  Every argument is checked before torch or diffusers is
 imported.  A user mistake prints one line ``pasa <command>: error: <message>`` to stderr and exits 2;
-a traceback is shown only with ``--debug`` (or ``PASA_DEBUG=1``) or for an internal error.  A command
+a traceback is shown only with ``--debug`` (or ``PASA_DEBUG=1``) or for an internal error.  Ctrl-C
+prints ``pasa <command>: interrupted (Ctrl-C)`` and exits 130 (``compare``: how many results are done).  A command
 whose arguments pass starts with a one-line warning when ``TRITON_INTERPRET`` turns Triton's
 interpreter on (every kernel then runs in numpy on the CPU: for tests, far too slow for a real run).
 """
@@ -83,6 +84,11 @@ def main(argv: list[str] | None = None) -> int:
         if warning is not None:
             print(warning, file=sys.stderr, flush=True)
         return args.func(args)
+    except KeyboardInterrupt:
+        if _debug(argv):
+            raise
+        print(f"{prog}: interrupted (Ctrl-C)", file=sys.stderr)
+        return compare.INTERRUPTED
     except _ArgumentError as exc:
         if _debug(argv):
             raise
