@@ -2,7 +2,7 @@
 
 The result is the dict of ``diagnose`` (the application, ``pipelines/diagnose.py``): ``model``, ``settings``,
 ``layers`` (``aggregate.summarize``), ``overhead`` and, for a video transformer, ``activations``
-(``activations.summarize_activations``); the JSON follows ``metrics.records``' convention.
+(``activations.summarize_activations``); the JSON follows ``files.py``' convention.
 """
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pasa_diffusers.metrics.records import atomic_path, write_json
-
+from ..files import atomic_path, write_json
 from ..rules import FP16_MAX
 from .plots import bias_resonance, heatmap
 
@@ -141,7 +140,7 @@ def activation_table(result: dict[str, Any], *, use_rich: bool | None = None) ->
 
 
 def write_diagnosis(result: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
-    """Write ``diagnosis.json`` (strict JSON: NaN as null, +-inf as "inf"/"-inf", see ``metrics.records``),
+    """Write ``diagnosis.json`` (strict JSON: NaN as null, +-inf as "inf"/"-inf", see ``files.py``),
     ``heatmap.png`` and ``bias_resonance.png`` into ``out_dir``, each atomically; return
     ``{"json", "heatmap", "bias_resonance"}`` paths."""
     out = Path(out_dir)
