@@ -12,7 +12,7 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
 
-from .variants import Variant
+from .variants import DEFAULT, Variant
 
 __all__ = ["Backend", "BACKENDS", "REFERENCE", "COMPARED", "DEFAULT_COMPARED", "get", "missing"]
 
@@ -35,8 +35,7 @@ class Backend:
 
 
 _ALL = (
-    Backend("pasa", "PASAAttnProcessor", "the exact shift, fp32 softmax state (the default)",
-            Variant("exact", "hybrid")),
+    Backend("pasa", "PASAAttnProcessor", "the exact shift, fp32 softmax state (the default)", DEFAULT),
     Backend("pasa-half", "PASAAttnProcessor", "the exact shift, fp16 scores and accumulator",
             Variant("exact", "half"), {"precision": "half", "shift": "exact"}),
     Backend("pasa-int8", "PASAAttnProcessor", "the exact shift in 8 bits: INT8 q k^T on centred, rotated codes, "

@@ -31,7 +31,7 @@ import torch
 
 from . import reference, rules
 from .beta import DEFAULT_BETA
-from .variants import Variant
+from .variants import DEFAULT_PRECISION, DEFAULT_SHIFT, VARIANTS
 
 __all__ = ["pasa_attention"]
 
@@ -79,7 +79,7 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, precis
          layout: str, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The op on checked arguments (``shift`` a name of ``variants.SHIFT_MODES``): the output in ``q``'s
     layout, contiguous, and with ``return_lse`` the (B, Hq, Nq) LSE (else ``None``)."""
-    variant = Variant(shift, precision)
+    variant = VARIANTS[shift, precision]  # checked at the op's entry (_validate): a lookup, not a new check
     out = torch.empty(q.shape, dtype=torch.float64 if precision == "fp64" else q.dtype, device=q.device)
     lse = torch.empty(_lse_shape(q, layout), dtype=_wide(precision), device=q.device) if return_lse else None
     if out.numel() == 0:  # no batch or no queries: nothing to compute, as SDPA
@@ -133,7 +133,7 @@ def _attention_lse_fake(q, k, v, scale, precision, shift, beta, layout):
 
 
 def pasa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, *,
-                   precision: str = rules.DEFAULT_PRECISION, shift: bool | str = rules.DEFAULT_SHIFT,
+                   precision: str = DEFAULT_PRECISION, shift: bool | str = DEFAULT_SHIFT,
                    beta: float | None = None, layout: str = "bhnd",
                    return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention ``softmax(scale q k^T) v`` that cannot overflow in FP16.

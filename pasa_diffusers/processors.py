@@ -43,7 +43,7 @@ from diffusers.models.attention_processor import Attention
 from . import fallbacks, peers, rules
 from .masks import attend_kept_keys
 from .ops import pasa_attention
-from .variants import Variant
+from .variants import DEFAULT_PRECISION, DEFAULT_SHIFT, Variant
 
 __all__ = [
     "CountedAttnProcessor",
@@ -298,8 +298,8 @@ class PASAAttnProcessor(CountedAttnProcessor):
 
     def __init__(
         self,
-        precision: str = "hybrid",
-        shift: bool | str = "exact",
+        precision: str = DEFAULT_PRECISION,
+        shift: bool | str = DEFAULT_SHIFT,
         beta: float | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -331,7 +331,7 @@ class PASAAttnProcessor(CountedAttnProcessor):
         attention_mask: torch.Tensor | None,
     ) -> torch.Tensor:
         if reason == "one key block":
-            return self.attention(query, key, value, scale, attention_mask, precision="hybrid")
+            return self.attention(query, key, value, scale, attention_mask, precision=DEFAULT_PRECISION)
         return super().fallback(reason, query, key, value, scale, attention_mask)
 
     def attention(

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from .variants import KERNEL_PRECISIONS, PRECISIONS, SHIFT_MODES, combination_problem, shift_mode
+from .variants import (DEFAULT_PRECISION, DEFAULT_SHIFT, KERNEL_PRECISIONS, PRECISIONS, SHIFT_MODES, combination_problem,
+                       shift_mode)
 
 __all__ = [
     "PRECISIONS",
@@ -57,10 +58,6 @@ INT8_FALLBACK_TAU = 2e-2
 
 FP16_MAX = 65504.0
 """The largest finite fp16 value: a score above it overflows to inf in fp16."""
-
-DEFAULT_PRECISION = "hybrid"
-DEFAULT_SHIFT = "exact"
-
 
 def gemm_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype a tensor core reads for inputs of ``dtype`` (the rounding model's "GEMM dtype" ``g``): bf16

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["SHIFT_MODES", "SHIFT_ALIASES", "PRECISIONS", "KERNEL_PRECISIONS", "Variant", "DEFAULT", "shift_mode",
-           "combination_problem"]
+__all__ = ["SHIFT_MODES", "SHIFT_ALIASES", "PRECISIONS", "KERNEL_PRECISIONS", "DEFAULT_SHIFT", "DEFAULT_PRECISION",
+           "Variant", "DEFAULT", "VARIANTS", "shift_mode", "combination_problem"]
 
 SHIFT_MODES = ("exact", "pasa", "none")
 SHIFT_ALIASES = {True: "pasa", False: "none"}
@@ -36,6 +36,11 @@ SHIFT_ALIASES = {True: "pasa", False: "none"}
 PRECISIONS = ("hybrid", "half", "int8", "fp64")
 KERNEL_PRECISIONS = ("hybrid", "half", "int8")
 """The precisions the Triton kernels run (``fp64`` is the reference's alone)."""
+
+DEFAULT_SHIFT = "exact"
+DEFAULT_PRECISION = "hybrid"
+"""The op's default variant, named here once: the exact shift in hybrid precision (``DEFAULT``).  The op, the
+processors and the ``"pasa"`` backend default to it."""
 
 _SHIFT_LABELS = {"exact": "exact", "pasa": "PASA", "none": "FA"}
 
@@ -67,8 +72,8 @@ class Variant:
     (``"exact hybrid"``, ``"PASA half"``, ``"FA half"``) the one in plots and reports.
     """
 
-    shift: str = "exact"
-    precision: str = "hybrid"
+    shift: str = DEFAULT_SHIFT
+    precision: str = DEFAULT_PRECISION
 
     def __post_init__(self) -> None:
         if self.shift not in SHIFT_MODES:
@@ -100,5 +105,10 @@ class Variant:
         return cls(shift_mode(shift, fn), precision)
 
 
-DEFAULT = Variant("exact", "hybrid")
+DEFAULT = Variant()
 """The op's default: the exact shift in hybrid precision."""
+
+VARIANTS: dict[tuple[str, str], Variant] = {(shift, precision): Variant(shift, precision) for shift in SHIFT_MODES
+                                            for precision in PRECISIONS if combination_problem(shift, precision) is None}
+"""Every variant by ``(shift, precision)``, each checked once, here: the op looks its call's variant up after
+checking its arguments at its entry, rather than building (and checking) one per call."""
