@@ -40,6 +40,7 @@ from tqdm import tqdm
 
 from pasa_diffusers import peers
 from pasa_diffusers.beta import DEFAULT_BETA
+from pasa_diffusers.env import flag as env_flag
 from pasa_diffusers.metrics import records
 from pasa_diffusers.variants import Variant
 
@@ -800,7 +801,7 @@ def cpu_problem(bench: str, package: str = "bench") -> str | None:
         return None
     from pasa_diffusers.kernels.common import INTERPRET
 
-    if INTERPRET and os.environ.get("TRITON_INTERPRET") == "1":
+    if INTERPRET and env_flag("TRITON_INTERPRET"):
         return None
     return (f"{package}.{bench}: no CUDA GPU, and our kernels run on a CPU only under Triton's interpreter: "
             "set TRITON_INTERPRET=1 (and pick small shapes: --shapes tiny)")
@@ -815,7 +816,7 @@ def environment() -> dict[str, Any]:
         env.update(gpu=props.name, capability=f"sm_{props.major}{props.minor}", sms=props.multi_processor_count,
                    cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version())
     else:
-        env["device"] = "cpu" + (" (Triton interpreter)" if os.environ.get("TRITON_INTERPRET") == "1" else "")
+        env["device"] = "cpu" + (" (Triton interpreter)" if env_flag("TRITON_INTERPRET") else "")
     env["date"] = time.strftime("%Y-%m-%d %H:%M:%S")
     return env
 

@@ -25,11 +25,10 @@ calls (and CUDA graph capture) run the implementation directly.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
-from . import reference, rules
+from . import env, reference, rules
 from .beta import DEFAULT_BETA
 from .variants import DEFAULT_PRECISION, DEFAULT_SHIFT, VARIANTS
 
@@ -37,8 +36,8 @@ __all__ = ["pasa_attention"]
 
 
 def _interpreting() -> bool:
-    """Whether CPU tensors run the kernels (Triton's interpreter), read per call."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    """Whether CPU tensors run the kernels (Triton's interpreter), read per call (``env.flag``: Triton's words)."""
+    return env.flag("TRITON_INTERPRET")
 
 
 def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, precision: str,

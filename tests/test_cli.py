@@ -91,9 +91,10 @@ def test_every_command_has_a_description_and_shows_its_defaults(command):
             assert shown in action.help, f"{command} {action.option_strings[0]}: default {shown!r} not in its help"
 
 
-@pytest.mark.parametrize("value, warns", [("1", True), ("true", True), ("ON", True), ("yes", True), ("0", False),
-                                          ("", False), ("false", False), ("2", False), (None, False)])
+@pytest.mark.parametrize("value, warns", [("1", True), ("true", True), ("ON", True), ("yes", True), ("y", True),
+                                          ("0", False), ("", False), ("false", False), ("no", False), (None, False)])
 def test_interpreter_warning_follows_tritons_reading_of_the_variable(value, warns, monkeypatch):
+    from pasa_diffusers import ops
     from pasa_diffusers.cli import interpreter_warning
 
     if value is None:
@@ -102,8 +103,31 @@ def test_interpreter_warning_follows_tritons_reading_of_the_variable(value, warn
         monkeypatch.setenv("TRITON_INTERPRET", value)
     warning = interpreter_warning()
     assert (warning is not None) == warns
+    assert ops._interpreting() == warns  # the op takes the interpreted kernels exactly when the warning says so
     if warns:
         assert warning.startswith(f"pasa: warning: TRITON_INTERPRET={value} is set: ") and "\n" not in warning
+
+
+def test_env_flags_read_as_triton_reads_its_own(monkeypatch):
+    """``env.flag`` agrees with Triton's ``getenv_bool`` (which decides whether Triton interprets) on every value
+    it takes, in several cases; a value it does not take is refused, where Triton would read it as off."""
+    from pasa_diffusers import env
+
+    libtriton = pytest.importorskip("triton._C.libtriton")
+    if not hasattr(libtriton, "getenv_bool"):
+        pytest.skip("this Triton reads TRITON_INTERPRET in Python (== '1')")
+    for value in [*env.ON, *env.OFF, *(v.upper() for v in env.ON + env.OFF), "True", "Off"]:
+        monkeypatch.setenv("PASA_TEST_FLAG", value)
+        assert env.flag("PASA_TEST_FLAG") == libtriton.getenv_bool("PASA_TEST_FLAG", False), value
+    for value in ["2", "enabled", " 1", "-1"]:
+        monkeypatch.setenv("PASA_TEST_FLAG", value)
+        assert libtriton.getenv_bool("PASA_TEST_FLAG", False) is False
+        with pytest.raises(env.EnvFlagError, match=f"^environment variable PASA_TEST_FLAG={value!r}: expected one "
+                                                     "of 1, true, yes, on, y \\(on\\) or 0, false, no, off, n, '' "
+                                                     "\\(off\\)$"):
+            env.flag("PASA_TEST_FLAG")
+    monkeypatch.delenv("PASA_TEST_FLAG")
+    assert env.flag("PASA_TEST_FLAG") is False and env.flag("PASA_TEST_FLAG", default=True) is True
 
 
 def test_python_dash_m_runs_the_command_line(tmp_path):

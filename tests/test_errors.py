@@ -163,6 +163,20 @@ def test_debug_shows_the_traceback(how):
     assert "Traceback" in done.stderr and "argument --frames: must be an integer >= 2" in done.stderr
 
 
+@pytest.mark.parametrize("value", ["0", "false", "no", "off", ""])
+def test_pasa_debug_off_shows_no_traceback(value):
+    done, _ = pasa(["generate", "--frames", "0"], env={"PASA_DEBUG": value})
+    assert_usage_error(done, "generate", "argument --frames: must be an integer >= 2")
+
+
+@pytest.mark.parametrize("name", ["PASA_DEBUG", "TRITON_INTERPRET"])
+def test_an_environment_flag_of_no_known_value_is_one_line(name):
+    done, seconds = pasa(["generate", "--out", "out"], env={name: "maybe"})
+    assert (done.returncode, done.stdout) == (2, "") and seconds < FAST_S
+    assert done.stderr == (f"pasa: error: environment variable {name}='maybe': expected one of 1, true, yes, on, y "
+                           "(on) or 0, false, no, off, n, '' (off)\n")
+
+
 def test_an_image_notice_comes_before_any_work(tmp):
     """A transparent --image is composited on white, and says so on one line, at the argument checks."""
     done, seconds = pasa(["generate", "--image", f"{tmp}/rgba.png", "--out", f"{tmp}/afile"])
