@@ -47,7 +47,8 @@ from typing import Any, TextIO
 from pasa_diffusers.metrics.records import dumps, write_atomic, write_json
 
 __all__ = ["MANIFEST", "SAMPLES", "SHARDS", "VIDEOS", "LOCK", "KIND", "RECORD_FIELDS", "MixedRunError",
-           "DamagedLogError", "FolderInUseError", "Key", "record_key", "record_problem", "read_log", "check_folder", "check_manifest",
+           "DamagedLogError", "FolderInUseError", "Key", "record_key", "record_problem", "read_log", "check_folder",
+           "check_manifest",
            "prepare_folder", "done_records", "log_path", "LogWriter", "merge_logs", "FolderLock"]
 
 MANIFEST = "run.json"
@@ -119,9 +120,15 @@ def _is_number(value: Any, lo: float = -math.inf, hi: float = math.inf) -> bool:
     return type(value) in (int, float) and math.isfinite(value) and lo <= value <= hi
 
 
+SCORE_SLACK = 1e-5
+"""How far past its range a score may lie: scores are computed from float32 frames (an SSIM of identical frames
+comes out 1 + 2**-23)."""
+
+
 def _score_problem(name: str, value: Any, *, infinite: bool, lo: float = 0.0, hi: float = math.inf) -> str | None:
-    """Why ``value`` is not a score of ``name``: null, a finite number in ``[lo, hi]``, or (``infinite``) "inf"."""
-    if value is None or (infinite and value == "inf") or _is_number(value, lo, hi):
+    """Why ``value`` is not a score of ``name``: null, a finite number in ``[lo, hi]`` (within ``SCORE_SLACK``), or
+    (``infinite``) "inf"."""
+    if value is None or (infinite and value == "inf") or _is_number(value, lo - SCORE_SLACK, hi + SCORE_SLACK):
         return None
     accepted = f"a number in [{lo:g}, {hi:g}]" if math.isfinite(hi) else f"a number >= {lo:g}"
     infinity = ', "inf"' if infinite else ""
@@ -147,14 +154,16 @@ def _per_frame_problem(record: dict[str, Any], name: str, frames: int, **accepte
 def _fallbacks_problem(fallbacks: Any) -> str | None:
     if not (isinstance(fallbacks, dict) and _is_count(fallbacks.get("calls"))
             and _is_count(fallbacks.get("fallback_calls"), fallbacks.get("calls"))):
-        return f"fallbacks is {_show(fallbacks)}; expected calls and fallback_calls, counts with fallback_calls <= calls"
+        return (f"fallbacks is {_show(fallbacks)}; expected calls and fallback_calls, counts with fallback_calls <= "
+                "calls")
     reasons = fallbacks.get("reasons")
     if not (isinstance(reasons, dict) and all(_is_count(n) for n in reasons.values())):
         return f"fallbacks.reasons is {_show(reasons)}; expected counts of calls by reason"
     blocks = fallbacks.get("int8_blocks", {"blocks": 0, "in_16_bits": 0})
     if not (isinstance(blocks, dict) and _is_count(blocks.get("blocks"))
             and _is_count(blocks.get("in_16_bits"), blocks.get("blocks"))):
-        return f"fallbacks.int8_blocks is {_show(blocks)}; expected blocks and in_16_bits, counts with in_16_bits <= blocks"
+        return (f"fallbacks.int8_blocks is {_show(blocks)}; expected blocks and in_16_bits, counts with in_16_bits <= "
+                "blocks")
     return None
 
 
