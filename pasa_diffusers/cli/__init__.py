@@ -17,6 +17,7 @@ import os
 import sys
 from typing import NoReturn
 
+from .. import env
 from . import compare, diagnose, generate, numerics, save_model, warmup
 from .common import UsageError
 
@@ -27,15 +28,16 @@ _NAMES = {command.__name__.rsplit(".", 1)[-1].replace("_", "-"): command for com
 """Command name (``save-model`` for the module ``save_model``) -> its module."""
 
 
-_TRITON_TRUE = ("1", "true", "on", "yes")
-"""Values of ``TRITON_INTERPRET`` (any case) that turn Triton's interpreter on, as Triton 3 reads them."""
+_FLAGS = ("PASA_DEBUG", "TRITON_INTERPRET")
+"""The environment flags ``pasa`` reads (``env.flag``), checked before anything else."""
 
 
 def interpreter_warning() -> str | None:
-    """The warning line for a ``TRITON_INTERPRET`` that turns Triton's interpreter on, else ``None``."""
-    value = os.environ.get("TRITON_INTERPRET")
-    if value is None or value.lower() not in _TRITON_TRUE:
+    """The warning line for a ``TRITON_INTERPRET`` that turns Triton's interpreter on (``env.flag``: Triton 3's
+    reading), else ``None``."""
+    if not env.flag("TRITON_INTERPRET"):
         return None
+    value = os.environ["TRITON_INTERPRET"]
     return (f"pasa: warning: TRITON_INTERPRET={value} is set: the PASA kernels run in Triton's interpreter "
             "(numpy on the CPU, hundreds of times slower; meant for tests); unset it for real runs")
 
@@ -67,13 +69,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _debug(argv: list[str]) -> bool:
-    return "--debug" in argv or os.environ.get("PASA_DEBUG", "") not in ("", "0")
+    return "--debug" in argv or env.flag("PASA_DEBUG")
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``pasa`` with ``argv`` (default ``sys.argv[1:]``); return the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
     prog = "pasa"
+    try:
+        for name in _FLAGS:
+            env.flag(name)
+    except env.EnvFlagError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
     try:
         args = build_parser().parse_args(argv)
         prog = f"pasa {args.command}"
