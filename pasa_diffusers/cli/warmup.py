@@ -25,6 +25,7 @@ import sys
 import time
 from typing import Any, TextIO
 
+from .. import env
 from ..backends import BACKENDS
 from .common import (UsageError, add_generation_args, backend_help, check_image, check_model, device, int_range,
                      model_help)
@@ -80,10 +81,9 @@ def validate(args: argparse.Namespace) -> None:
     if args.shapes and args.dtype == "fp32":
         raise UsageError("--dtype fp32: --shapes runs the kernels on fp16 or bf16 inputs (a model in fp32 has its "
                          "q, k, v cast to fp16: --model with --dtype fp32, or --shapes with --dtype fp16)")
-    interpret = os.environ.get("TRITON_INTERPRET", "")
-    if interpret.lower() in ("1", "true", "on", "yes"):
-        raise UsageError(f"TRITON_INTERPRET={interpret} is set: the kernels would run in Triton's interpreter and "
-                         "nothing would compile; unset it")
+    if env.flag("TRITON_INTERPRET"):
+        raise UsageError(f"TRITON_INTERPRET={os.environ['TRITON_INTERPRET']} is set: the kernels would run in "
+                         "Triton's interpreter and nothing would compile; unset it")
     import torch
 
     index = int(args.device.partition(":")[2] or 0)
