@@ -307,3 +307,19 @@ def test_ctrl_c_is_one_line_and_status_130_in_every_command(args, tmp_path):
     process.send_signal(signal.SIGINT)
     out, err = process.communicate(timeout=120)
     assert (process.returncode, err, out) == (130, f"pasa {args[0]}: interrupted (Ctrl-C)\n", "")
+
+
+def test_a_folder_in_use_is_refused_before_the_heavy_imports(tmp_path):
+    """A second ``pasa compare`` into a folder whose run holds its lock is refused at the argument checks (it was
+    refused only once the model had loaded: 10-45 s of imports); the holder's lock and records are untouched."""
+    from pasa_diffusers.pipelines.runlog import FolderLock
+
+    out = tmp_path / "run"
+    with FolderLock(out) as lock:
+        lock.acquire()
+        holder = (out / ".lock").read_text()
+        done, seconds = pasa(["compare", "--out", str(out)])
+        assert (out / ".lock").read_text() == holder
+    assert_usage_error(done, "compare", f"--out {out}: another pasa compare is running into this folder (pid and host "
+                                        f"{holder.strip()}); wait for it to end, or choose another --out")
+    assert seconds < FAST_S and sorted(p.name for p in out.iterdir()) == [".lock"]

@@ -26,7 +26,7 @@ from .common import (MAX_SEED, SCORED_MIN_SIZE, UsageError, add_generation_args,
                      check_file, check_image, check_model, int_range, load_model, model_dtype, model_help, path_kind,
                      positive_float)
 
-__all__ = ["add_parser", "validate", "check_out", "run", "seed_list", "image_list", "backend_list"]
+__all__ = ["add_parser", "validate", "check_out", "check_not_in_use", "run", "seed_list", "image_list", "backend_list"]
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff")
 """Files of a folder given to ``--images`` that are taken as images (case-insensitive)."""
@@ -131,10 +131,26 @@ def check_out(path: str) -> None:
         raise UsageError(f"--out {path}: cannot write there ({exc.strerror or exc})") from exc
 
 
+def check_not_in_use(path: str) -> None:
+    """Refuse an ``--out`` that another ``pasa compare`` is running into (``runlog.FolderLock``), before the
+    heavy imports: a run in progress always holds ``OUT/.lock``, so a folder without one is left alone (nothing
+    is created).  Under torchrun only rank 0 asks (it takes the lock for its ranks later, and another rank may
+    start after it has)."""
+    from pasa_diffusers.pipelines.runlog import LOCK, FolderInUseError, FolderLock
+
+    if int(os.environ.get("RANK", "0")) != 0 or not (Path(path).expanduser() / LOCK).is_file():
+        return
+    try:
+        with FolderLock(Path(path).expanduser()) as lock:
+            lock.acquire()
+    except FolderInUseError as exc:
+        raise UsageError(str(exc)) from exc
+
+
 def validate(args: argparse.Namespace) -> None:
     """What ``type=`` cannot check, before any heavy import and before anything is written: model, images,
     LPIPS weights, device, torchrun, backends that cannot run on the device, output folder (checked, not
-    created)."""
+    created; refused while another run holds it)."""
     check_model(args.model)
     for image in args.images:
         if not image.startswith("builtin:"):
@@ -149,6 +165,7 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError(f"--backends {','.join(args.backends)}: {'; '.join(absent)}")
     check_device(args.device)
     check_out(args.out)
+    check_not_in_use(args.out)
 
 
 def run(args: argparse.Namespace) -> int:
