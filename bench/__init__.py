@@ -9,7 +9,7 @@ repository root, each writing ``<name>.md`` and ``<name>.json`` into ``--out``.
 - ``unet``: one denoising step of the full-size SVD UNet per attention backend;
 - ``dit``: one forward of a full-size video transformer (Wan 2.1, CogVideoX) per attention backend;
 - ``video``: the wall time of one generated video per backend;
-- ``cold_start``: the first calls at SVD's shapes in fresh processes;
+- ``cold_start``: the first video on a fresh machine, without and with ``pasa warmup`` first;
 - ``accumulation``: how the tensor cores accumulate, and what that does to attention;
 - ``hopper``: the Gluon Hopper kernel's configs, correctness then time.
 

@@ -1,24 +1,23 @@
-"""What do the first attention calls cost in a fresh process, with an empty and with a warm Triton cache?
+"""What does the first video cost on a fresh GPU machine, without and with ``pasa warmup`` first?
 
-    python -m bench.cold_start --out DIR
+    python -m bench.cold_start --out DIR       # SVD-XT (random weights) at 25 frames 576x1024, 25 steps
 
-SVD-XT's shape set (576x1024, F = 14 and 25, CFG batch 2: spatial 9216, 2304, 576 and 144 tokens,
-temporal 14 and 25 frames) through pasa_attention with its defaults, one call per shape, in four fresh
-processes (python -m bench.cold_start --child): the first three share one Triton cache directory, the
-first with it empty and the shipped compiled kernels off (PASA_PRECOMPILED=0: compilation and
-autotuning), the second and third with what the first left there (what every later process on the
-machine pays: compiled kernels and the autotuner's winners read from disk); the fourth starts from
-another empty cache with the shipped kernels on (what a fresh machine of a GPU with a bundle pays).  Per
-process: the time to import torch and the op, to import the kernels (triton, which the first call
-would otherwise pay), the first calls' total and the slowest one (each synchronized), how many keys
-the autotuners met that Triton's disk cache did not hold (TRITON_PRINT_AUTOTUNING's "Triton autotuning
-for function" lines: printed for a key taken from the shipped tuned table too) and how many configs
-they timed ("Autotuning kernel" lines: none for a table's key).
+Each row is one fresh ``python -m pasa_diffusers`` process, timed from its start to its exit (imports, building
+the model, the generation, writing the video), with ``TRITON_CACHE_DIR`` an empty folder where a row says so:
+what a fresh machine pays, since the package ships no compiled kernels and Triton compiles each on its first
+launch into that folder.  In order:
+
+1. ``--baseline``'s first video (default sdpa: no Triton kernel of ours; ``none`` skips it), empty cache;
+2. ``--attention``'s first video (default pasa), empty cache A: compiling and autotuning on the way;
+3. the same video again, cache A: what every later process on the machine pays;
+4. ``pasa warmup`` at the same model and size flags, empty cache B;
+5. ``--attention``'s first video after it, cache B: what the first video costs once warmed up.
+
+Per row: wall seconds, the kernels Triton's cache holds after it (``compat.cached_kernels``) and how many that
+process added, and whether the process said that it compiled (the commands' one-line notice).
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import subprocess
 import sys
@@ -27,98 +26,98 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from . import harness
+
 NAME = "cold_start"
 ROOT = Path(__file__).resolve().parents[1]
-"""The repository root: the children run ``python -m bench.cold_start`` from there."""
-PROCESSES = {"empty cache, no bundle": ("a", "0"), "warm cache": ("a", "0"), "warm cache, again": ("a", "0"),
-             "empty cache, the shipped bundle": ("b", "1")}
-"""Each fresh process: (the cache folder it shares, ``PASA_PRECOMPILED``): the first three compile into one
-cache and reuse it; the last starts from another empty one that the shipped compiled kernels seed
-(``kernels/precompiled.py``)."""
+"""The repository root: the processes run ``python -m pasa_diffusers`` from there."""
+NOTICE = "pasa: compiling attention kernels"
+"""The start of the line a command prints when its first call compiles (``cli/warmup.CompileNotice``)."""
 
 
-def child() -> dict:
-    """In a fresh process: import times, then the first call at each SVD shape (wall seconds, synchronized)."""
-    start = time.perf_counter()
-    import torch
-
-    from pasa_diffusers import pasa_attention
-
-    imported = time.perf_counter() - start
-    torch.zeros(1, device="cuda")
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    import pasa_diffusers.kernels.dispatch  # noqa: F401  (triton and the kernels: the first call's otherwise)
-
-    kernels_imported = time.perf_counter() - start
-    from . import harness
-
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    first_calls = {}
-    for shape in harness.shapes("svd"):
-        q, k, v = (t.transpose(1, 2) for t in harness.make_inputs(shape, gen))
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        pasa_attention(q, k, v, layout="bnhd")
-        torch.cuda.synchronize()
-        first_calls[f"{shape.label} {shape.bhnd}"] = time.perf_counter() - t0
-    from pasa_diffusers.kernels import precompiled
-
-    return {"import_s": imported, "kernel_import_s": kernels_imported, "first_call_s": first_calls,
-            "total_s": sum(first_calls.values()), "seeded": precompiled.seed_cache(torch.device("cuda"))}
+def model_flags(args) -> list[str]:
+    """The flags that fix the model and its attention calls, shared by ``generate`` and ``warmup``."""
+    return ["--model", args.model, "--frames", str(args.frames), "--height", str(args.height), "--width",
+            str(args.width)]
 
 
-def run_processes() -> dict[str, dict]:
-    """:func:`child` in each of :data:`PROCESSES`, in fresh Triton cache directories."""
-    from . import harness
+def processes(args, out: Path) -> list[tuple[str, str, list[str]]]:
+    """The rows: (label, cache folder name, the ``pasa`` arguments)."""
+    video = [*model_flags(args), "--steps", str(args.steps), "--device", "cuda"]
+    rows = []
+    if args.baseline != "none":
+        rows.append((f"{args.baseline}: first video, empty cache", "baseline",
+                     ["generate", *video, "--attention", args.baseline, "--out", str(out / "baseline")]))
+    first = ["generate", *video, "--attention", args.attention, "--out", str(out / "video")]
+    return rows + [
+        (f"{args.attention}: first video, empty cache", "a", first),
+        (f"{args.attention}: the video again, warm cache", "a", first),
+        (f"pasa warmup --attention {args.attention}, empty cache", "b",
+         ["warmup", *model_flags(args), "--attention", args.attention]),
+        (f"{args.attention}: first video after pasa warmup", "b", first),
+    ]
 
-    results = {}
-    with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
-        for label, (cache, seeding) in harness.progress(list(PROCESSES.items()), NAME):
-            env = {**os.environ, "TRITON_CACHE_DIR": {"a": a, "b": b}[cache], "TRITON_PRINT_AUTOTUNING": "1",
-                   "PASA_PRECOMPILED": seeding}
-            run = subprocess.run([sys.executable, "-m", "bench.cold_start", "--child"], cwd=ROOT, env=env,
-                                 capture_output=True, text=True, check=True)
-            results[label] = json.loads(run.stdout.strip().splitlines()[-1])
-            results[label]["autotuning_runs"] = run.stdout.count("Triton autotuning for function")
-            results[label]["configs_timed"] = run.stdout.count("Autotuning kernel ")
+
+def run_processes(args, scratch: Path) -> list[dict]:
+    """Each of :func:`processes` in a fresh process; returns one dict per row."""
+    from pasa_diffusers.compat import cached_kernels
+
+    results = []
+    for label, cache, argv in harness.progress(processes(args, scratch / "videos"), NAME):
+        folder = scratch / f"cache-{cache}"
+        folder.mkdir(exist_ok=True)
+        env = {k: v for k, v in os.environ.items() if k not in ("TRITON_CACHE_MANAGER", "TRITON_INTERPRET")}
+        env["TRITON_CACHE_DIR"] = str(folder)
+        before = cached_kernels(folder)
+        start = time.perf_counter()
+        run = subprocess.run([sys.executable, "-m", "pasa_diffusers", *argv], cwd=ROOT, env=env, capture_output=True,
+                             text=True)
+        seconds = time.perf_counter() - start
+        if run.returncode != 0:
+            raise RuntimeError(f"{label}: pasa {' '.join(argv)} exited {run.returncode}:\n{run.stderr[-4000:]}")
+        after = cached_kernels(folder)
+        results.append({"process": label, "command": "pasa " + " ".join(argv), "cache": cache, "seconds": seconds,
+                        "kernels_cached": after, "kernels_added": after - before, "said_compiling": NOTICE in run.stderr})
+        harness.log(f"{label}: {seconds:.2f} s, {after - before} kernel(s) compiled")
     return results
 
 
-def _seeded_text(seeded: dict) -> str:
-    """What ``precompiled.seed_cache`` did: entries copied into the cache (of the bundle's), or why none."""
-    if "skipped" in seeded:
-        return f"none ({seeded['skipped']})"
-    return f"{seeded['installed']} copied ({seeded['installed'] + seeded['present']} in the bundle)"
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    from . import harness
-
     p = harness.parser(NAME, __doc__)
-    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--model", default="svd-xt-random", help="the model, as pasa generate takes it (default "
+                   "svd-xt-random: SVD-XT's full-size pipeline with random weights, built on the GPU, no download)")
+    p.add_argument("--frames", type=int, default=25, help="frames per video (default 25)")
+    p.add_argument("--height", type=int, default=576, help="frame height (default 576)")
+    p.add_argument("--width", type=int, default=1024, help="frame width (default 1024)")
+    p.add_argument("--steps", type=int, default=25, help="denoising steps of each video (default 25)")
+    p.add_argument("--attention", default="pasa", help="the backend warmed up and timed (default pasa)")
+    p.add_argument("--baseline", default="sdpa", help="the backend of the first row, or none (default sdpa)")
     args = p.parse_args(argv)
-    if args.child:
-        print(json.dumps(child()))
-        return 0
     import torch
 
     from pasa_diffusers.metrics import records
 
     if not torch.cuda.is_available():
-        print(f"bench.{NAME}: needs a CUDA GPU", file=sys.stderr)
+        print(f"bench.{NAME}: needs a CUDA GPU (it times the first video on one)", file=sys.stderr)
         return 2
     cmd, env = harness.command(NAME, argv), harness.environment()
-    results = run_processes()
-    lines = []
-    for label, r in results.items():
-        shape, worst = max(r["first_call_s"].items(), key=lambda kv: kv[1])
-        lines.append([label, f"{r['import_s']:.2f}", f"{r['kernel_import_s']:.2f}", f"{r['total_s']:.3f}",
-                      f"{worst:.3f} s at {shape}", r["autotuning_runs"], r["configs_timed"],
-                      _seeded_text(r["seeded"])])
-    text = harness.header("bench.cold_start: the first calls at SVD's shapes in fresh processes", env, cmd) + "\n" + \
-        records.markdown_table(["process", "import torch + op s", "import kernels s", "first calls, total s",
-                                "slowest first call", "keys tuned", "configs timed", "shipped kernels"], lines) + "\n"
+    with tempfile.TemporaryDirectory() as scratch:
+        results = run_processes(args, Path(scratch))
+    by = {r["process"]: r for r in results}
+    first, warmed = by[f"{args.attention}: first video, empty cache"], by[f"{args.attention}: first video after pasa warmup"]
+    warmup = by[f"pasa warmup --attention {args.attention}, empty cache"]
+    lines = [[r["process"], f"{r['seconds']:.2f}", r["kernels_added"], r["kernels_cached"],
+              "yes" if r["said_compiling"] else "no"] for r in results]
+    text = harness.header(f"bench.cold_start: the first video on a fresh machine, {args.model} at {args.frames} "
+                          f"frames {args.width}x{args.height}, {args.steps} steps", env, cmd) + "\n"
+    text += records.markdown_table(["process", "wall s", "kernels compiled", "kernels in the cache",
+                                    "said it compiles"], lines, align="lrrrl") + "\n"
+    text += (f"\nFirst video: {first['seconds']:.2f} s compiling, {warmed['seconds']:.2f} s after `pasa warmup` "
+             f"({warmup['seconds']:.2f} s, once per machine).\n")
+    if args.baseline != "none":
+        base = by[f"{args.baseline}: first video, empty cache"]
+        text += (f"Against {args.baseline}'s first video ({base['seconds']:.2f} s): {first['seconds'] / base['seconds']:.2f}x "
+                 f"compiling, {warmed['seconds'] / base['seconds']:.2f}x after warmup.\n")
     harness.write_report(args.out, NAME, text, {"bench": NAME, "command": cmd, "environment": env,
                                                 "processes": results})
     print(text)

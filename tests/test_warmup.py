@@ -179,6 +179,26 @@ def test_the_compile_listener_and_cache_count_on_this_triton(tmp_path):
     assert compat.cached_kernels(tmp_path / "nowhere") == 0
 
 
+def test_the_cold_start_bench_runs_commands_that_parse(tmp_path):
+    """``bench.cold_start``'s processes (the first video without and with ``pasa warmup``) are ``pasa`` commands
+    the real parser takes, the warmup with the video's model and size flags, the timed video three times alike."""
+    from bench import cold_start
+
+    from pasa_diffusers.cli import build_parser
+
+    args = argparse.Namespace(model="svd-xt-random", frames=25, height=576, width=1024, steps=25, attention="pasa",
+                              baseline="sdpa")
+    rows = cold_start.processes(args, tmp_path)
+    assert [cache for _, cache, _ in rows] == ["baseline", "a", "a", "b", "b"]
+    parsed = [build_parser().parse_args(argv) for _, _, argv in rows]
+    assert [a.command for a in parsed] == ["generate", "generate", "generate", "warmup", "generate"]
+    assert rows[1][2] == rows[2][2] == rows[4][2] and parsed[0].attention == "sdpa"
+    for a in parsed:
+        assert (a.model, a.frames, a.height, a.width, a.attention in ("pasa", "sdpa")) == ("svd-xt-random", 25, 576,
+                                                                                           1024, True)
+    assert len(cold_start.processes(argparse.Namespace(**{**vars(args), "baseline": "none"}), tmp_path)) == 4
+
+
 # ---- on a GPU -------------------------------------------------------------------------------------------------
 
 def _pasa(argv: list[str], cache: Path) -> subprocess.CompletedProcess:
