@@ -5,7 +5,7 @@ and why.
 video pipeline's transformer) during one real generation (``pasa_diffusers.diagnose.recording`` with a
 ``DiagnosticAttnProcessor`` per layer around ``video.generate_frames``, the pipeline's step callback
 advancing the step clock), summarises the layers (``pasa_diffusers.diagnose.summarize``, with the module
-kinds of ``install.module_kind``: risk and cause as in ``pasa_diffusers/diagnose/rules.py``) and times a
+kinds of ``install.module_kind``: risk and cause as in ``pasa_diffusers/diagnose/verdict.py``) and times a
 plain generation for the overhead.  In a video transformer the model keeps its own processors (QK norms,
 RoPE): each one's attention call is routed to its layer's ``DiagnosticAttnProcessor``
 (``install.replacement``), as ``install.apply`` routes it to a backend, and forward hooks record the largest
@@ -114,7 +114,7 @@ def diagnose(pipe: Any, image: Any, *, num_frames: int, num_inference_steps: int
         ``bias_q``, ``bias_k``, ``amplitude_q``, ``amplitude_k``, ``resonance_cos``,
         ``sign_agreement``, ``mean_norm_q``, ``mean_norm_k``, then
         ``per_step_max_abs_qk``, ``per_step_overflow_count`` (``None`` for steps without a call),
-        ``risk``, ``overflows``, ``cause`` and ``dominant_head`` (``pasa_diffusers/diagnose/rules.py``).
+        ``risk``, ``overflows``, ``cause`` and ``dominant_head`` (``pasa_diffusers/diagnose/verdict.py``).
         ``settings`` holds the generation settings, ``device``, ``dtype``, ``max_elements``, ``beta``,
         ``block_n`` and ``versions`` (``metrics.records.versions``).
         ``overhead`` = ``{"seconds_with", "seconds_without", "ratio"}`` (``None`` values without

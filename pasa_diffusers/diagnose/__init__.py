@@ -7,7 +7,7 @@ One job per module, in the order the data flows:
   processor)`` installs the caller's processor, built around one recorder, on every attention module
   and restores the previous processors;
 - ``aggregate.py``: per layer, the calls summarised (maxima, per-head means, per-step series, names);
-- ``rules.py``: the risk and cause of an aggregated layer;
+- ``verdict.py``: the risk and cause of an aggregated layer;
 - ``activations.py``: outside the scores, the largest |x| of each transformer block's attention output,
   feed-forward, norms and residual stream (forward hooks), against 65504;
 - ``render.py``: the risk table, the activation table and ``write_diagnosis`` (``diagnosis.json`` and, from ``plots.py``, the
@@ -28,7 +28,7 @@ _HOMES = {
     "call_stats": ".stats",
     "StepClock": ".collect", "LayerRecorder": ".collect", "recording": ".collect",
     "aggregate_layer": ".aggregate", "summarize": ".aggregate", "short_path": ".aggregate",
-    "RISK_RULE": ".rules", "CAUSE_RULE": ".rules", "judge": ".rules", "layer_cause": ".rules",
+    "RISK_RULE": ".verdict", "CAUSE_RULE": ".verdict", "judge": ".verdict", "layer_cause": ".verdict",
     "ranked": ".render", "risk_table": ".render", "activation_table": ".render", "write_diagnosis": ".render",
     "ActivationSite": ".activations", "activation_sites": ".activations", "recording_activations": ".activations",
     "summarize_activations": ".activations",
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from .aggregate import aggregate_layer, short_path, summarize
     from .collect import LayerRecorder, StepClock, recording
     from .render import activation_table, ranked, risk_table, write_diagnosis
-    from .rules import CAUSE_RULE, RISK_RULE, judge, layer_cause
+    from .verdict import CAUSE_RULE, RISK_RULE, judge, layer_cause
     from .stats import call_stats
 
 

@@ -1,7 +1,7 @@
 """Per layer: the recorded calls of one processor summarised into one entry, named and placed.
 
 Maxima and ``overflow_count`` are taken over all calls, per-head statistics averaged over calls
-(skipping ``None``), ``per_step_*`` over the calls of each step; ``rules.judge`` then adds the risk and
+(skipping ``None``), ``per_step_*`` over the calls of each step; ``verdict.judge`` then adds the risk and
 the cause.  ``summarize`` does this for every recorder of a run, in the order the layers first ran.  A
 layer's ``kind`` (spatial or temporal, self or cross) is the caller's rule, passed in: the application
 passes ``pasa_diffusers.install.module_kind``, the classification ``apply`` selects modules by.
@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .collect import LayerRecorder
-from .rules import judge
+from .verdict import judge
 
 __all__ = ["aggregate_layer", "summarize", "short_path"]
 

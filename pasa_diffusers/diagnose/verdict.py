@@ -1,4 +1,4 @@
-"""The risk and cause rules that summarise one aggregated layer (``aggregate.aggregate_layer``).
+"""The verdict on one aggregated layer: its risk and cause rules (``aggregate.aggregate_layer``).
 
 - risk = max |q . k| / 65504, the raw product over all calls: a kernel that rounds ``q k^T`` to FP16
   before scaling (naive FP16 attention) overflows where risk > 1; ``overflows`` = any raw score above
@@ -16,8 +16,6 @@
   token (SVD's cross-attention keys) its whole value is its mean: X is then the other side's spread
   against it and is reported as "amplitude".  The cause names the dominant term whatever the size of
   the scores: ``risk`` says whether it matters.
-
-(These are the diagnosis' rules; the op's input rules live in ``pasa_diffusers/rules.py``.)
 """
 from __future__ import annotations
 
