@@ -55,3 +55,36 @@ def test_head_dims_map_to_their_tile_and_tuned_config(head_dim, tile):
         cfg = hopper.tuned_config(n_k, head_dim)
         assert cfg["consumers"] == (3 if tile == 64 else 2)
         assert hopper.shared_bytes(cfg, tile, 2) <= SMEM_LIMIT
+
+
+@pytest.mark.skipif(gluon_common.GLUON_IMPORT_ERROR is not None, reason="this triton has no Gluon")
+def test_descriptors_are_checked_once_per_signature_and_keep_no_tensor():
+    """A TMA descriptor is built and checked by Triton on its signature's first call and kept without its
+    tensor; later calls get the same fields with their own tensor as the base; a change of alignment is a new
+    signature, checked again (Triton's own check refuses a misaligned base)."""
+    import gc
+    import weakref
+
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    gluon_common._DESCRIPTORS.clear()
+    first = torch.randn(2, 3, 40, 64).half()
+    made = gluon_common.descriptor(first, 64, 64)
+    assert made.base is first and len(gluon_common._DESCRIPTORS) == 1
+    alive = weakref.ref(first)
+    del made, first
+    gc.collect()
+    assert alive() is None  # the kept descriptor holds no tensor
+    layout = gluon_common._shared_layout((1, 1, 64, 64), "float16")
+    for _ in range(2):
+        t = torch.randn(2, 3, 40, 64).half()
+        made = gluon_common.descriptor(t, 64, 64)
+        assert made == TensorDescriptor(t, [2, 3, 40, 64], list(t.stride()), [1, 1, 64, 64], layout)
+        assert made.base is t
+    assert len(gluon_common._DESCRIPTORS) == 1
+    view = torch.randn(2, 40, 3, 64).half().transpose(1, 2)
+    assert gluon_common.descriptor(view, 64, 64).strides == list(view.stride())
+    misaligned = torch.empty(2 * 3 * 40 * 64 + 1, dtype=torch.float16)[1:].view(2, 3, 40, 64)
+    with pytest.raises(AssertionError, match="16-byte aligned"):
+        gluon_common.descriptor(misaligned, 64, 64)
+    assert len(gluon_common._DESCRIPTORS) == 2

@@ -41,6 +41,7 @@ import torch
 
 from pasa_diffusers import numerics
 from pasa_diffusers.ops import pasa_attention
+from pasa_diffusers.rules import SHIFT_BLOCK
 from pasa_diffusers.variants import Variant
 from pasa_diffusers.reference import (DEFAULT_BETA, exact_shift_reference, flash_reference, golden_attention,
                                       pasa_reference)
@@ -453,9 +454,13 @@ def test_gluon_dtypes_and_head_dims_on_input_classes(input_class_cells, case, sh
         _check_default_against_peers(label, out, gold, err_sdpa, err_fp32)
     assert torch.equal(run("auto"), run("gluon"))
 
-    k_c, centres = prepass.centre_keys(k, block_n=hopper.SHIFT_BLOCK, exact=True)
+    k_c, centres = prepass.centre_keys(k, block_n=SHIFT_BLOCK, exact=True, centres_dtype=q.dtype)
     lse = torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device=q.device)
     hopper.forward(q, k_c, v, centres, torch.empty_like(q), scale=scale, lse=lse)
+    lse_fp32_centres = torch.full_like(lse, float("nan"))  # the fp32 centres the portable kernel reads, cast there
+    k_c, centres = prepass.centre_keys(k, block_n=SHIFT_BLOCK, exact=True)
+    hopper.forward(q, k_c, v, centres, torch.empty_like(q), scale=scale, lse=lse_fp32_centres)
+    assert torch.equal(lse, lse_fp32_centres)
     group = q.shape[1] // k.shape[1]
     scores = scale * q.double() @ k.double().repeat_interleave(group, 1).transpose(-1, -2)
     golden_lse = torch.logsumexp(scores, dim=-1)

@@ -1,5 +1,6 @@
 """Helpers shared by the kernels: rounding, the tensor-core product, the exact centre of a key tile
-(``@triton.jit``, inlined into their callers), the launchers' stride helper and ``INTERPRET`` (host side).
+(``@triton.jit``, inlined into their callers), the launchers' grid and stride helpers and ``INTERPRET`` (host
+side).
 
 Importing this module imports ``triton``; for CPU tensors set ``TRITON_INTERPRET=1`` before that.
 """
@@ -9,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["LOG2E", "LN2", "INTERPRET", "round_to", "mma", "binade", "centre_tile", "strides3", "lse_arg"]
+__all__ = ["LOG2E", "LN2", "INTERPRET", "round_to", "mma", "binade", "centre_tile", "cdiv", "strides3", "lse_arg"]
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -89,6 +90,12 @@ def centre_tile(k32, key_valid, n_j, G_ULP, g_ty: tl.constexpr, EXACT_CENTRE: tl
     else:
         c = round_to(mean, g_ty, INTERPRET_BF16).to(tl.float32)
     return c
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for the host's grids and block counts (``triton.cdiv`` is the same number through
+    Triton's constexpr-function wrapper: 3-4 us a call on the host)."""
+    return -(-a // b)
 
 
 def strides3(t: torch.Tensor) -> tuple[int, int, int]:

@@ -34,14 +34,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import triton
 
 from .. import block_tally
 from ..beta import shift_constants
 from ..rules import SHIFT_BLOCK
 from ..variants import KERNEL_PRECISIONS, Variant
 from . import hopper, hopper_int8, int8, packed, portable
-from .common import INTERPRET
+from .common import INTERPRET, cdiv
 from .prepass import centre_keys, shift_keys
 from .tuning import pow2_tile
 
@@ -64,8 +63,9 @@ the faster one on the H200 (``bench.int8_fallback``; docs/notes/int8_kernel.md h
 KEY_COPY_SHARE = 0.2
 """The key pre-pass's copy of the keys takes at most this share of the output's bytes: a call whose copy
 would be larger runs its (batch, kv head) ranges one after the other (:func:`key_chunks`), each range's keys
-prepared and attended before the next's.  With the range's centres (1/64 of its keys in fp32, and again in
-the inputs' dtype) such a call allocates at most 1.25x what cuDNN does (its output and log-sum-exp)."""
+prepared and attended before the next's.  With the range's centres (1/64 of its keys, in fp32 for the portable
+kernel or in the inputs' dtype for the Gluon one) such a call allocates at most 1.25x what cuDNN does (its
+output and log-sum-exp)."""
 
 MIN_RANGE_FLOP = 5e11
 """The least attention work (``4 Nq Nk D`` per query head) of one range: about 1 ms of the H200 at cuDNN's
@@ -272,8 +272,9 @@ def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *
 
 
 def forget_plans() -> None:
-    """Empty the plan cache: the next call of each signature is routed again."""
+    """Empty the plan cache (and the kept key ranges): the next call of each signature is routed again."""
     _PLANS.clear()
+    _RANGES.clear()
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, scale: float,
@@ -325,7 +326,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
     constants = portable.NO_SHIFT
     if shift == "pasa":
         constants = shift_constants(float(beta), k.shape[2], chosen.block_n, q.dtype, float(scale))
-    ranges = key_chunks(k, out) if chosen.prepass else ()
+    ranges = _key_ranges(k, out) if chosen.prepass else ()
     if len(ranges) <= 1:  # one launch over the whole call: the tensors as they are, no views
         _attend(q, k, v, out, lse, chosen, scale=scale, shift=shift, precision=precision, constants=constants,
                 config=config)
@@ -350,10 +351,10 @@ def key_chunks(k: torch.Tensor, out: torch.Tensor) -> list[tuple[tuple[int, int]
     heads = batch * h_k
     fit = max(1, int(KEY_COPY_SHARE * out.numel() * out.element_size() * heads // (k.numel() * k.element_size())))
     work = 4.0 * out.shape[2] * k.shape[2] * k.shape[3] * out.shape[1] * batch
-    ranges = max(1, min(triton.cdiv(heads, fit), int(work // MIN_RANGE_FLOP)))
+    ranges = max(1, min(cdiv(heads, fit), int(work // MIN_RANGE_FLOP)))
     if ranges == 1:
         return [((0, batch), (0, h_k))]
-    most = triton.cdiv(heads, ranges)
+    most = cdiv(heads, ranges)
     if most >= h_k:
         step = _even_step(batch, most // h_k)
         return [((b, min(b + step, batch)), (0, h_k)) for b in range(0, batch, step)]
@@ -361,10 +362,25 @@ def key_chunks(k: torch.Tensor, out: torch.Tensor) -> list[tuple[tuple[int, int]
     return [((b, b + 1), (h, min(h + step, h_k))) for b in range(batch) for h in range(0, h_k, step)]
 
 
+_RANGES: dict[tuple, list] = {}
+
+
+def _key_ranges(k: torch.Tensor, out: torch.Tensor) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """:func:`key_chunks`, kept per what it reads (the shapes and dtypes of ``k`` and ``out``, and the two
+    module constants it is ruled by, which a test or a script may change)."""
+    key = (k.shape, k.dtype, out.shape, out.dtype, KEY_COPY_SHARE, MIN_RANGE_FLOP)
+    found = _RANGES.get(key)
+    if found is None:
+        if len(_RANGES) >= PLAN_CACHE_SIZE:
+            _RANGES.clear()
+        found = _RANGES[key] = key_chunks(k, out)
+    return found
+
+
 def _even_step(total: int, most: int) -> int:
     """The size of each of the fewest near-equal ranges of at most ``most`` that cover ``total``."""
-    ranges = triton.cdiv(total, most)
-    return triton.cdiv(total, ranges)
+    ranges = cdiv(total, most)
+    return cdiv(total, ranges)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
@@ -372,7 +388,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
     """``chosen``'s pre-pass (if any) and its kernel on one range of batch and heads."""
     keys, centres = k, None
     if chosen.prepass == "centre":
-        keys, centres = centre_keys(k, block_n=chosen.block_n, exact=precision == "hybrid")
+        keys, centres = centre_keys(k, block_n=chosen.block_n, exact=precision == "hybrid",
+                                    centres_dtype=k.dtype if chosen.kernel == "gluon" else torch.float32)
     elif chosen.prepass == "shift":
         keys = shift_keys(k, block_n=chosen.block_n, a_full=constants[0], c_full=constants[1], a_tail=constants[2],
                           c_tail=constants[3])

@@ -75,10 +75,9 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
 
 from ..rules import SHIFT_BLOCK
-from .common import LN2
+from .common import LN2, cdiv, lse_arg
 from .gluon_common import (CENTRE_ROWS, HEAD_DIMS, PRODUCER_WARPS, ROWS_PER_CONSUMER, descriptor,
                            descriptor_layout_problem, fence_async_shared, gl, gluon_jit, head_dim_tile, mbarrier,
                            operand_problem, registers, release, round_p, row_shift, sm90_problem, tma,
@@ -455,6 +454,22 @@ def tuned_config(n_k: int, head_dim: int = HEAD_DIM) -> dict:
     return dict(WIDE_SHORT_KEYS_CONFIG if short else WIDE_CONFIG)
 
 
+_CONFIGS: dict[tuple, dict] = {}
+
+
+def _checked_config(config: dict | None, n_k: int, head_dim: int, element_size: int) -> dict:
+    """:func:`_config`, kept per (config, short keys or not, head dim, element size): the same dict for every call
+    of a signature (read, never changed, by :func:`kernel_call`)."""
+    try:
+        key = (None if config is None else tuple(sorted(config.items())), n_k <= SHORT_KEYS, head_dim, element_size)
+        found = _CONFIGS.get(key)
+    except TypeError:  # an unhashable config value: checked, not kept
+        return _config(config, n_k, head_dim, element_size)
+    if found is None:
+        found = _CONFIGS[key] = _config(config, n_k, head_dim, element_size)
+    return found
+
+
 def _config(config: dict | None, n_k: int, head_dim: int, element_size: int) -> dict:
     """:func:`tuned_config` updated by ``config``; ``ValueError`` for unknown keys or values."""
     fn = "hopper.forward"
@@ -491,15 +506,15 @@ def kernel_call(q, k_c, v, centres, out, *, scale: float, config: dict | None = 
     """
     batch, h_q, n_q, head_dim = q.shape
     h_k, n_k = k_c.shape[1], k_c.shape[2]
-    cfg = _config(config, n_k, head_dim, q.element_size())
+    cfg = _checked_config(config, n_k, head_dim, q.element_size())
     tile = head_dim_tile(head_dim)
-    c_g = centres.to(q.dtype)  # exact: the centres are values of the inputs' dtype
+    c_g = centres if centres.dtype == q.dtype else centres.to(q.dtype)  # exact: values of the inputs' dtype
     block_m = ROWS_PER_CONSUMER * cfg["consumers"]
     maxnreg, consumer_regs = registers(cfg["consumers"])
-    grid = (triton.cdiv(n_q, block_m) * batch * h_q, )
+    grid = (cdiv(n_q, block_m) * batch * h_q, )
     args = (descriptor(q, ROWS_PER_CONSUMER, tile), descriptor(k_c, cfg["BLOCK_N"], tile),
             descriptor(v, cfg["BLOCK_N"], tile), descriptor(c_g, CENTRE_ROWS, tile),
-            descriptor(out, ROWS_PER_CONSUMER, tile), centres if lse is None else lse,
+            descriptor(out, ROWS_PER_CONSUMER, tile), lse_arg(lse, q.device),
             h_q, h_q // h_k, n_q, n_k, float(scale) * math.log2(math.e))
     meta = dict(HEAD_DIM=tile, BLOCK_N=cfg["BLOCK_N"], NUM_STAGES=cfg["num_stages"],
                 NUM_CONSUMERS=cfg["consumers"], SHIFT_BLOCK_N=SHIFT_BLOCK, MASK_N=n_k % cfg["BLOCK_N"] != 0,
@@ -517,7 +532,8 @@ def forward(q: torch.Tensor, k_c: torch.Tensor, v: torch.Tensor, centres: torch.
             float16 or bfloat16 CUDA tensors (one dtype) on an sm_90 GPU, ``D`` in :data:`HEAD_DIMS`,
             unit stride in D, B/H/N strides multiples of 16 bytes on a 16-byte-aligned base (contiguous
             (B, H, N, D), or diffusers' (B, N, H, D) transposed).
-        centres: ``(B, Hk, ceil(Nk / 128), D)`` fp32, the exact centres (``prepass.centre_keys``).
+        centres: ``(B, Hk, ceil(Nk / 128), D)``, the exact centres (``prepass.centre_keys``), in q's dtype (as
+            ``dispatch`` asks the pre-pass for them: no cast here) or fp32 (cast here; exact either way).
         scale: softmax scale.
         config: ``BLOCK_N`` (64 / 128), ``num_stages`` (K/V ring depth), ``overlap`` (softmax of tile
             ``i`` under ``P V`` of tile ``i - 1``, FA3's intra-warpgroup pipelining), ``consumers`` (2 or

@@ -54,14 +54,14 @@ import functools
 import math
 
 import torch
-import triton
 import triton.language as tl
 
 from ..rules import SHIFT_BLOCK
-from .common import LN2
+from .common import LN2, cdiv
 from .gluon_common import (CENTRE_ROWS, HEAD_DIMS, PRODUCER_WARPS, ROWS_PER_CONSUMER, TensorDescriptor, descriptor,
-                           descriptor_layout_problem, fence_async_shared, gl, gluon_jit, mbarrier, operand_problem,
-                           registers, release, round_p, row_shift, sm90_problem, tma, warpgroup_mma, widen_p)
+                           descriptor_layout_problem, fence_async_shared, gl, gluon_jit, kept_descriptor, mbarrier,
+                           operand_problem, registers, release, round_p, row_shift, sm90_problem, tma, warpgroup_mma,
+                           widen_p)
 from .tuning import SMEM_LIMIT
 
 __all__ = ["int8_fwd_gluon_kernel", "forward", "kernel_call", "unsuitable_reason", "tuned_config", "shared_bytes",
@@ -388,6 +388,22 @@ def unsuitable_reason(q: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, pv
     return descriptor_layout_problem((("q", q), ("v", v), ("out", out)))
 
 
+_CONFIGS: dict[tuple, dict] = {}
+
+
+def _checked_config(config: dict | None, dp: int, element_size: int, fallback: bool) -> dict:
+    """:func:`_config`, kept per (config, DP, element size, fallback): the same dict for every call of a
+    signature (read, never changed, by :func:`kernel_call`)."""
+    try:
+        key = (None if config is None else tuple(sorted(config.items())), dp, element_size, fallback)
+        found = _CONFIGS.get(key)
+    except TypeError:  # an unhashable config value: checked, not kept
+        return _config(config, dp, element_size, fallback)
+    if found is None:
+        found = _CONFIGS[key] = _config(config, dp, element_size, fallback)
+    return found
+
+
 def _config(config: dict | None, dp: int, element_size: int, fallback: bool) -> dict:
     """:func:`tuned_config` updated by ``config``; ``ValueError`` for unknown keys or values."""
     fn = "hopper_int8.forward"
@@ -419,7 +435,7 @@ def _row_descriptor(t: torch.Tensor, block_n: int) -> TensorDescriptor:
         raise ValueError(f"hopper_int8: per-key vectors must be rows padded to 16 bytes (int8.allocate), got "
                          f"strides {t.stride()} for shape {tuple(t.shape)}")
     flat = torch.as_strided(t, (batch * heads * t.stride(1),), (1,), t.storage_offset())
-    return TensorDescriptor(flat, [flat.shape[0]], [1], [block_n], _row_layout())
+    return kept_descriptor(flat, (block_n,), _row_layout())
 
 
 @functools.lru_cache(maxsize=None)
@@ -439,14 +455,14 @@ def kernel_call(q: torch.Tensor, prep, out: torch.Tensor, *, scale: float, confi
     if fallback and prep.k_split is None:
         raise ValueError("hopper_int8.forward: prep has flags but no k_split (int8.prepare(..., split=True) writes "
                          "the 16-bit blocks' hi and lo)")
-    cfg = _config(config, dp, q.element_size(), fallback)
+    cfg = _checked_config(config, dp, q.element_size(), fallback)
     block_n = cfg["BLOCK_N"]
     maxnreg, consumer_regs = registers(cfg["consumers"])
     c_g = prep.centres.to(q.dtype)  # exact: the centres are values of the inputs' dtype
     hi, lo = (prep.k_split[0], prep.k_split[1]) if fallback else (c_g, c_g)
     wide_rows = block_n if fallback else CENTRE_ROWS
     flags = prep.flags if fallback else prep.k_codes
-    grid = (triton.cdiv(n_q, ROWS_PER_CONSUMER * cfg["consumers"]) * batch * h_q,)
+    grid = (cdiv(n_q, ROWS_PER_CONSUMER * cfg["consumers"]) * batch * h_q,)
     args = (descriptor(q, ROWS_PER_CONSUMER, dp), descriptor(prep.q_codes, ROWS_PER_CONSUMER, dp),
             descriptor(prep.k_codes, block_n, dp), descriptor(prep.v, block_n, dp),
             descriptor(c_g, CENTRE_ROWS, dp), descriptor(hi, wide_rows, dp), descriptor(lo, wide_rows, dp),

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from ..rules import INT8_FALLBACK_TAU, SHIFT_BLOCK
-from .common import INTERPRET, LN2, LOG2E, binade, mma, round_to, strides3
+from .common import INTERPRET, LN2, LOG2E, binade, cdiv, mma, round_to, strides3
 from .tuning import SMEM_LIMIT, autotuned, bucket, interpreter_autotunes, pow2_tile
 
 __all__ = ["colstats_kernel", "colstats_reduce_kernel", "quantize_kernel", "fallback_flags_kernel", "int8_fwd_kernel",
@@ -674,7 +674,7 @@ def allocate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, pv_bits: int 
     h_k, n_k = k.shape[1], k.shape[2]
     dp = max(32, pow2_tile(d))  # reference_int8.rotation_size: an INT8 MMA reduces over 32
     dev, f32 = q.device, torch.float32
-    q_blocks, k_blocks = triton.cdiv(n_q, SHIFT_BLOCK), triton.cdiv(n_k, SHIFT_BLOCK)
+    q_blocks, k_blocks = cdiv(n_q, SHIFT_BLOCK), cdiv(n_k, SHIFT_BLOCK)
     fp8 = pv_bits == 8
 
     def empty(*shape, dtype=f32):
@@ -706,7 +706,7 @@ def quantize_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prep: Prepa
     h_k, n_k = k.shape[1], k.shape[2]
     dp = prep.k_codes.shape[-1]
     fp8 = prep.v_scale is not None
-    q_blocks, k_blocks = triton.cdiv(n_q, SHIFT_BLOCK), triton.cdiv(n_k, SHIFT_BLOCK)
+    q_blocks, k_blocks = cdiv(n_q, SHIFT_BLOCK), cdiv(n_k, SHIFT_BLOCK)
     v8 = prep.v if fp8 else prep.k_codes  # unread in 16 bits
     v_inv = scratch.v_inv if fp8 else prep.qbar
     split = prep.k_split is not None
@@ -800,7 +800,7 @@ def attend(q: torch.Tensor, prep: Prepared, out: torch.Tensor, *, scale: float, 
     args, meta = attention_call(q, prep, out, scale=scale, lse=lse)
 
     def grid(meta_):
-        return (triton.cdiv(n_q, meta_["BLOCK_M"]) * batch * h_q,)
+        return (cdiv(n_q, meta_["BLOCK_M"]) * batch * h_q,)
 
     if config is not None or (INTERPRET and not interpreter_autotunes()):
         fixed = {**INTERPRET_CONFIG, **(config or {})} if INTERPRET else dict(config)

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, LN2, LOG2E, centre_tile, lse_arg, mma, round_to, strides3
+from .common import INTERPRET, LN2, LOG2E, cdiv, centre_tile, lse_arg, mma, round_to, strides3
 from .tuning import autotuned, bucket, interpreter_autotunes, pow2_tile
 
 __all__ = ["packed_fwd_kernel", "forward", "MAX_TOKENS", "packs"]
@@ -188,7 +188,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
                 PRECISION=precision, STORE_LSE=lse is not None, INTERPRET_BF16=INTERPRET and q.dtype == torch.bfloat16)
 
     def grid(meta_):
-        return (triton.cdiv(n_seq, meta_["SEQS"]),)
+        return (cdiv(n_seq, meta_["SEQS"]),)
 
     if config is not None or (INTERPRET and not interpreter_autotunes()):
         fixed = {"CENTRE_IN_G": False, **(INTERPRET_CONFIG if INTERPRET else {}), **(config or {})}

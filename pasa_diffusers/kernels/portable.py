@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, LN2, LOG2E, centre_tile, lse_arg, mma, round_to, strides3
+from .common import INTERPRET, LN2, LOG2E, cdiv, centre_tile, lse_arg, mma, round_to, strides3
 from .tuning import SMEM_LIMIT, autotuned, bucket, interpreter_autotunes, pow2_tile
 
 __all__ = ["pasa_fwd_kernel", "forward", "INTERPRET_CONFIG", "NO_SHIFT"]
@@ -548,7 +548,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
             torch.finfo(q.dtype).eps)
 
     def grid(meta_):
-        return (triton.cdiv(n_q, meta_["BLOCK_M"]) * batch * h_q,)
+        return (cdiv(n_q, meta_["BLOCK_M"]) * batch * h_q,)
 
     if config is not None or (INTERPRET and not interpreter_autotunes()):
         fixed = {**INTERPRET_CONFIG, **(config or {})} if INTERPRET else dict(config)

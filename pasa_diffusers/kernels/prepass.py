@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, centre_tile, round_to, strides3
+from .common import INTERPRET, cdiv, centre_tile, round_to, strides3
 from .tuning import pow2_tile
 
 __all__ = ["centre_k_kernel", "shift_k_kernel", "centre_keys", "shift_keys"]
@@ -38,8 +38,8 @@ def centre_k_kernel(
     load as zero and are excluded from every reduction); ``c_j`` (BLOCK_D,) fp32 from
     ``common.centre_tile``: the rounded block mean (``EXACT_CENTRE=False``: "half") or the exact centre
     (``EXACT_CENTRE=True``: "hybrid"), with which every ``k - c_j`` is exact in ``g``.
-    Writes ``k_c`` (``g``) into the (B, Hk, Nk, D) buffer and ``c_j`` (fp32, ``g`` values) into the
-    (B, Hk, key blocks, D) buffer.  Grid: (B x Hk, key blocks).
+    Writes ``k_c`` (``g``) into the (B, Hk, Nk, D) buffer and ``c_j`` (``g`` values) into the (B, Hk, key
+    blocks, D) buffer, fp32 or ``g`` (the store converts exactly).  Grid: (B x Hk, key blocks).
     """
     pid_bh = tl.program_id(0)
     blk = tl.program_id(1)
@@ -108,16 +108,18 @@ def _warps(block_d: int) -> int:
     return 4 if block_d <= 64 else 8
 
 
-def centre_keys(k: torch.Tensor, *, block_n: int, exact: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def centre_keys(k: torch.Tensor, *, block_n: int, exact: bool,
+                centres_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """``(k_c, centres)`` of ``k`` (B, Hk, Nk, D), any strides with unit stride in D, for key blocks of
     ``block_n``: ``k_c`` contiguous (B, Hk, Nk, D) in ``k.dtype``, ``centres`` (B, Hk, ceil(Nk / block_n), D)
-    fp32 (values of ``k.dtype``): the exact centres (``exact``, the hybrid precision) or the rounded block
-    means (half)."""
+    in ``centres_dtype`` (fp32, what the portable kernel reads, or ``k.dtype``, what the Gluon kernel's copy
+    engine reads: the centres are values of ``k.dtype``, so either holds them exactly): the exact centres
+    (``exact``, the hybrid precision) or the rounded block means (half)."""
     batch, h_k, n_k, head_dim = k.shape
     block_d = pow2_tile(head_dim)
-    n_blocks = triton.cdiv(n_k, block_n)
+    n_blocks = cdiv(n_k, block_n)
     k_c = torch.empty((batch, h_k, n_k, head_dim), dtype=k.dtype, device=k.device)
-    centres = torch.empty((batch, h_k, n_blocks, head_dim), dtype=torch.float32, device=k.device)
+    centres = torch.empty((batch, h_k, n_blocks, head_dim), dtype=centres_dtype, device=k.device)
     centre_k_kernel[(batch * h_k, n_blocks)](
         k, k_c, centres, *strides3(k), *strides3(k_c), *strides3(centres), h_k, n_k,
         torch.finfo(k.dtype).eps, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
@@ -132,7 +134,7 @@ def shift_keys(k: torch.Tensor, *, block_n: int, a_full: float, c_full: float, a
     batch, h_k, n_k, head_dim = k.shape
     block_d = pow2_tile(head_dim)
     k_shift = torch.empty((batch, h_k, n_k, head_dim), dtype=k.dtype, device=k.device)
-    shift_k_kernel[(batch * h_k, triton.cdiv(n_k, block_n))](
+    shift_k_kernel[(batch * h_k, cdiv(n_k, block_n))](
         k, k_shift, *strides3(k), *strides3(k_shift), h_k, n_k, a_full, c_full, a_tail, c_tail,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, INTERPRET_BF16=INTERPRET and k.dtype == torch.bfloat16,
         num_warps=_warps(block_d))
