@@ -23,7 +23,7 @@ import torch
 
 from pasa_diffusers import compat
 from pasa_diffusers.cli import main
-from pasa_diffusers.cli.warmup import CompileNotice, fewest_steps, parse_shape, warm_shapes
+from pasa_diffusers.cli.warmup import CompileNotice, fewest_steps, parse_shape, warm_model, warm_shapes
 
 ROOT = Path(__file__).resolve().parents[1]
 PASA = shutil.which("pasa") or str(Path(sys.executable).with_name("pasa"))
@@ -128,6 +128,29 @@ def test_a_model_runs_the_fewest_steps_its_pipeline_takes(model, steps):
     generate = generation_settings(build_parser().parse_args(["generate", "--model", model]), pipe)
     sizes = ("num_frames", "height", "width")
     assert {k: settings[k] for k in sizes} == {k: generate[k] for k in sizes}  # pasa generate's defaults
+
+
+def test_a_model_runs_one_short_generation_through_the_backend(monkeypatch):
+    """``warm_model`` on the tiny SVD (on the CPU: the op's PyTorch reference, nothing to compile): loaded, the
+    backend installed, one step at pasa generate's size, its attention calls through the backend's processors."""
+    from pasa_diffusers import install
+    from pasa_diffusers.cli import build_parser
+
+    installed = []
+
+    def apply(pipe, backend, *rest, **options):
+        installed.append(pipe)
+        return real_apply(pipe, backend, *rest, **options)
+
+    real_apply = install.apply
+    monkeypatch.setattr(install, "apply", apply)
+    args = build_parser().parse_args(["warmup", "--model", "tiny", "--attention", "pasa-half", "--device", "cpu"])
+    bar = _Bar()
+    assert warm_model(args, bar) == "tiny at 4 frames 64x64 (1 step(s))"
+    assert bar.done == 2 and bar.said == ["warmup tiny: loading", "warmup tiny: 1 step(s)"]
+    summary = install.fallback_summary(installed[0])
+    assert summary["backends"] == ["pasa-half"] and summary["calls"] > summary["fallback_calls"], summary
+    assert set(summary["fallbacks"]) <= {"single key"}, summary  # SVD's cross-attention to its one image token
 
 
 def test_the_notice_is_one_line_at_the_first_kernel_of_ours_compiled():

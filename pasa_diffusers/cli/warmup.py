@@ -31,7 +31,7 @@ from .common import (UsageError, add_generation_args, backend_help, check_image,
                      model_help)
 
 __all__ = ["ANNOUNCED", "OUR_BACKENDS", "CompileNotice", "add_parser", "announce_compiling", "parse_shape", "run",
-           "validate", "fewest_steps", "warm_shapes"]
+           "validate", "fewest_steps", "warm_model", "warm_shapes"]
 
 OUR_BACKENDS = tuple(name for name, backend in BACKENDS.items() if backend.variant is not None)
 """The backends whose attention runs ``pasa_attention``: the ones with kernels to compile."""
@@ -188,8 +188,9 @@ def fewest_steps(args: argparse.Namespace, pipe: Any) -> dict[str, int]:
     return generation_settings(args, pipe)
 
 
-def _warm_model(args: argparse.Namespace, bar: Any) -> str:
-    """One short generation of ``--model`` through ``--attention``; returns what ran, in words."""
+def warm_model(args: argparse.Namespace, bar: Any) -> str:
+    """One generation of ``--model`` through ``--attention`` at the fewest steps (:func:`fewest_steps`), nothing
+    written; ``bar`` advances after loading and after the generation.  Returns what ran, in words."""
     import torch
 
     from pasa_diffusers.pipelines.video import generate_frames, is_video_pipeline
@@ -208,7 +209,8 @@ def _warm_model(args: argparse.Namespace, bar: Any) -> str:
     image = None if is_video_pipeline(pipe) else load_condition_image(args, settings)
     bar.set_description(f"warmup {args.model}: {settings['num_inference_steps']} step(s)")
     generate_frames(pipe, image, **{**settings, "progress": False})
-    torch.cuda.synchronize(args.device)
+    if torch.device(args.device).type == "cuda":
+        torch.cuda.synchronize(args.device)
     bar.update(1)
     return (f"{args.model} at {settings['num_frames']} frames {settings['width']}x{settings['height']} "
             f"({settings['num_inference_steps']} step(s))")
@@ -233,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
                 warm_shapes(args.shapes, args.attention, args.dtype, args.device, bar)
                 ran.append(f"{len(args.shapes)} shape(s) in {args.dtype or 'fp16'}")
             if args.model is not None:
-                ran.append(_warm_model(args, bar))
+                ran.append(warm_model(args, bar))
     finally:
         remove()
     where = compat.cache_dir()
