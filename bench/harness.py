@@ -228,47 +228,27 @@ def sdpa_method(backend: str) -> Method:
     return Method(f"sdpa-{backend}", "sdpa", build)
 
 
-def _first(result: Any) -> torch.Tensor:
-    """The output of a call that returns it alone or first in a tuple (``out, lse``)."""
-    return result[0] if isinstance(result, (tuple, list)) else result
-
-
 def _fa3_method(fp8: bool) -> Method:
-    """FlashAttention-3 (``fa3_fwd_interface.flash_attn_func``, (B, N, H, D) inputs) on bf16 copies, or on
-    float8 e4m3 copies scaled per kv head with their descales; the conversion is set-up, not timed."""
+    """FlashAttention-3 (``peers.prepare``: ``fa3_fwd_interface.flash_attn_func`` on (B, N, H, D) views) on
+    bf16 copies, or on float8 e4m3 copies scaled per kv head with their descales; the conversion is set-up,
+    not timed."""
     def build(q, k, v):
-        from fa3_fwd_interface import flash_attn_func
-
-        h_k = k.shape[1]
-        bnhd = [t.transpose(1, 2) for t in (q, k, v)]
-        if fp8:
-            (q8, qd), (k8, kd), (v8, vd) = (peers.fp8_per_kv_head(t, h_k) for t in bnhd)
-
-            def call():
-                return _first(flash_attn_func(q8, k8, v8, q_descale=qd, k_descale=kd, v_descale=vd)).transpose(1, 2)
-            return Prepared(call, "e4m3, descale per (B, Hk)")
-        qb, kb, vb = (t.to(torch.bfloat16) for t in bnhd)
+        run = peers.prepare("fa3-fp8" if fp8 else "fa3", q, k, v, layout="bhnd")
 
         def call():
-            return _first(flash_attn_func(qb, kb, vb)).transpose(1, 2)
-        return Prepared(call)
+            return run().transpose(1, 2)
+        return Prepared(call, "e4m3, descale per (B, Hk)") if fp8 else Prepared(call)
 
     return Method("fa3-fp8" if fp8 else "fa3-bf16", "peer", build)
 
 
 def _sage_method() -> Method:
-    """SageAttention (INT8 q k^T with smooth-K, fp16 P V).  It subtracts K's mean from ``k`` in place, so
-    it gets its own clone (made once in the set-up)."""
+    """SageAttention (``peers.prepare``: INT8 q k^T with smooth-K, fp16 P V).  It subtracts K's mean from
+    ``k`` in place, so it gets its own clone (made once in the set-up)."""
     def build(q, k, v):
-        from sageattention import sageattn
-
         if q.shape[1] != k.shape[1]:
             raise Skip("sageattn takes equal query and key/value head counts")
-        k_own = k.clone()
-
-        def call():
-            return sageattn(q, k_own, v, tensor_layout="HND", is_causal=False)
-        return Prepared(call)
+        return Prepared(peers.prepare("sage", q, k, v, layout="bhnd"))
 
     return Method("sageattn", "peer", build)
 

@@ -10,7 +10,9 @@
   (``torch.nn.attention.sdpa_kernel``).
 
 Each function returns ``(B, Nq, H, D)`` in the input dtype.  The optional packages are imported on the
-first call; ``backends.missing`` says (torch-free) which one is absent.
+first call; ``backends.missing`` says (torch-free) which one is absent.  :func:`prepare` is the one wrapper of
+FA3 and SageAttention: the processors (``PEERS``) and ``bench/`` (which times the kernel alone, its input
+conversion done before) call them through it.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["FP8_MAX", "PEERS", "fp8_per_kv_head"]
+__all__ = ["FP8_MAX", "PEERS", "fp8_per_kv_head", "prepare"]
 
 FP8_MAX = 448.0
 """The largest float8 e4m3 value."""
@@ -33,30 +35,50 @@ def fp8_per_kv_head(t: torch.Tensor, h_k: int) -> tuple[torch.Tensor, torch.Tens
     return (t.float() / per_head).to(torch.float8_e4m3fn), descale.contiguous()
 
 
-def _first(result) -> torch.Tensor:
+def _first(result: torch.Tensor | tuple | list) -> torch.Tensor:
     """The output of a call that returns it alone or first in a tuple (``out, lse``)."""
     return result[0] if isinstance(result, (tuple, list)) else result
 
 
-def _fa3(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None) -> torch.Tensor:
-    from fa3_fwd_interface import flash_attn_func
-
-    q, k, v = (t.to(torch.bfloat16) for t in (query, key, value))
-    return _first(flash_attn_func(q, k, v, softmax_scale=scale)).to(query.dtype)
+def _bnhd(tensors: tuple[torch.Tensor, ...], layout: str) -> tuple[torch.Tensor, ...]:
+    return tensors if layout == "bnhd" else tuple(t.transpose(1, 2) for t in tensors)
 
 
-def _fa3_fp8(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None) -> torch.Tensor:
-    from fa3_fwd_interface import flash_attn_func
+def prepare(peer: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None = None, *,
+            layout: str = "bnhd") -> Callable[[], torch.Tensor]:
+    """The call of FlashAttention-3 (``"fa3"``, ``"fa3-fp8"``) or SageAttention (``"sage"``) on these tensors,
+    their conversion done here, once: the returned function runs the peer's kernel alone (what ``bench/``
+    times; :data:`PEERS` calls it at once).
 
-    (q8, qd), (k8, kd), (v8, vd) = (fp8_per_kv_head(t, key.shape[2]) for t in (query, key, value))
-    out = flash_attn_func(q8, k8, v8, softmax_scale=scale, q_descale=qd, k_descale=kd, v_descale=vd)
-    return _first(out).to(query.dtype)
+    ``layout``: ``"bnhd"`` (``(B, N, H, D)``) or ``"bhnd"``.  The call returns FA3's output ``(B, Nq, H, D)`` in
+    its dtype (bf16, or bf16 from fp8), SageAttention's in ``layout`` and the input dtype.
+    """
+    if layout not in ("bnhd", "bhnd"):
+        raise ValueError(f"peers.prepare: unknown layout={layout!r}; expected 'bnhd' or 'bhnd'")
+    if peer in ("fa3", "fa3-fp8"):
+        from fa3_fwd_interface import flash_attn_func
+
+        q, k, v = _bnhd((query, key, value), layout)
+        if peer == "fa3-fp8":
+            (q8, qd), (k8, kd), (v8, vd) = (fp8_per_kv_head(t, k.shape[2]) for t in (q, k, v))
+            return lambda: _first(flash_attn_func(q8, k8, v8, softmax_scale=scale, q_descale=qd, k_descale=kd,
+                                                  v_descale=vd))
+        qb, kb, vb = (t.to(torch.bfloat16) for t in (q, k, v))
+        return lambda: _first(flash_attn_func(qb, kb, vb, softmax_scale=scale))
+    if peer == "sage":
+        from sageattention import sageattn
+
+        own_key = key.clone()  # sageattn subtracts K's mean from it in place
+        tensor_layout = "NHD" if layout == "bnhd" else "HND"
+        return lambda: sageattn(query, own_key, value, tensor_layout=tensor_layout, is_causal=False, sm_scale=scale)
+    raise ValueError(f"peers.prepare: unknown peer={peer!r}; expected one of ('fa3', 'fa3-fp8', 'sage')")
 
 
-def _sage(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None) -> torch.Tensor:
-    from sageattention import sageattn
+def _prepared_peer(name: str) -> Callable[..., torch.Tensor]:
+    def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None) -> torch.Tensor:
+        return prepare(name, query, key, value, scale)().to(query.dtype)
 
-    return sageattn(query, key.clone(), value, tensor_layout="NHD", is_causal=False, sm_scale=scale)
+    return attend
 
 
 def _sdpa_backend(name: str) -> Callable[..., torch.Tensor]:
@@ -75,7 +97,7 @@ def _sdpa_backend(name: str) -> Callable[..., torch.Tensor]:
 
 
 PEERS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float | None], torch.Tensor]] = {
-    "fa3": _fa3, "fa3-fp8": _fa3_fp8, "sage": _sage,
+    "fa3": _prepared_peer("fa3"), "fa3-fp8": _prepared_peer("fa3-fp8"), "sage": _prepared_peer("sage"),
     "cudnn": _sdpa_backend("cudnn"), "flash": _sdpa_backend("flash"), "efficient": _sdpa_backend("efficient"),
 }
 """Peer name -> ``attend(query, key, value, scale)`` on ``(B, N, H, D)`` tensors."""

@@ -537,3 +537,53 @@ def test_models_without_attention_are_rejected(pipe):
         I.apply(vae)
     with pytest.raises(ValueError, match="nothing selected"):
         I.apply(pipe, spatial=False, temporal=False)
+
+
+def _fake_peer_modules(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    """Stand-ins for ``fa3_fwd_interface`` and ``sageattention`` that record each call (the packages need a
+    CUDA GPU): FA3 returns ``(q, lse)``, SageAttention subtracts K's mean in place as the real one does."""
+    import sys
+    import types
+
+    calls: list[dict] = []
+
+    def flash_attn_func(q, k, v, **kwargs):
+        calls.append({"peer": "fa3", "q": q, "k": k, "v": v, **kwargs})
+        return (q.float() + 1).to(torch.bfloat16), None
+
+    def sageattn(q, k, v, **kwargs):
+        calls.append({"peer": "sage", "q": q, "k": k, "v": v, **kwargs})
+        k.sub_(k.mean(dim=1 if kwargs["tensor_layout"] == "NHD" else 2, keepdim=True))
+        return q * 2
+
+    monkeypatch.setitem(sys.modules, "fa3_fwd_interface", types.SimpleNamespace(flash_attn_func=flash_attn_func))
+    monkeypatch.setitem(sys.modules, "sageattention", types.SimpleNamespace(sageattn=sageattn))
+    return calls
+
+
+def test_the_peers_are_wrapped_once_for_the_processors_and_the_bench(monkeypatch):
+    """``peers.PEERS`` (the processors) and ``peers.prepare`` (``bench/``) hand FA3 and SageAttention the same
+    converted tensors and scale; the converted copies and SageAttention's own key are made once, up front."""
+    from pasa_diffusers import peers
+
+    calls = _fake_peer_modules(monkeypatch)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 5, 4, 16, generator=gen, dtype=torch.float16) for _ in range(3))  # (B, N, H, D)
+    key_before = k.clone()
+    out = peers.PEERS["fa3"](q, k, v, 0.25)
+    assert out.dtype == torch.float16 and torch.equal(out, (q.bfloat16() + 1).half())
+    assert calls[-1]["q"].dtype == torch.bfloat16 and calls[-1]["softmax_scale"] == 0.25
+    peers.PEERS["fa3-fp8"](q, k, v, None)
+    assert calls[-1]["q"].dtype == torch.float8_e4m3fn and calls[-1]["k_descale"].shape == (2, 4)
+    assert torch.equal(peers.PEERS["sage"](q, k, v, 0.5), q * 2)
+    assert calls[-1]["tensor_layout"] == "NHD" and calls[-1]["sm_scale"] == 0.5 and calls[-1]["k"] is not k
+    assert torch.equal(k, key_before), "SageAttention centres its own copy of K, not the caller's"
+    run = peers.prepare("fa3", q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), layout="bhnd")
+    made = len(calls)
+    assert torch.equal(run(), q.bfloat16() + 1) and torch.equal(run(), q.bfloat16() + 1)
+    assert len(calls) == made + 2 and calls[-1]["q"] is calls[-2]["q"], "the bf16 copies are made once"
+    run = peers.prepare("sage", q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), layout="bhnd")
+    run()
+    assert calls[-1]["tensor_layout"] == "HND" and calls[-1]["sm_scale"] is None
+    with pytest.raises(ValueError, match=r"^peers.prepare: unknown peer='cudnn'"):
+        peers.prepare("cudnn", q, k, v)
