@@ -12,7 +12,6 @@ import argparse
 import io
 import os
 import re
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -26,7 +25,6 @@ from pasa_diffusers.cli import main
 from pasa_diffusers.cli.warmup import CompileNotice, fewest_steps, parse_shape, warm_model, warm_shapes
 
 ROOT = Path(__file__).resolve().parents[1]
-PASA = shutil.which("pasa") or str(Path(sys.executable).with_name("pasa"))
 NOTICE = "pasa: compiling attention kernels for this GPU"
 
 
@@ -227,7 +225,8 @@ def test_the_cold_start_bench_runs_commands_that_parse(tmp_path):
 def _pasa(argv: list[str], cache: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_CACHE_MANAGER")}
     env["TRITON_CACHE_DIR"] = str(cache)
-    run = subprocess.run([PASA, *argv], env=env, capture_output=True, text=True, timeout=900)
+    run = subprocess.run([sys.executable, "-m", "pasa_diffusers", *argv], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     return run
 
