@@ -45,6 +45,11 @@ class LPIPSUnavailableError(RuntimeError):
     """Raised when LPIPS is requested but the AlexNet ImageNet weights are absent."""
 
 
+class LPIPSWeightsError(ValueError):
+    """The LPIPS weights file is not the torchvision AlexNet ImageNet weights (not a torch checkpoint, another
+    state dict, other shapes); the message names the file and says why."""
+
+
 def validate_frame(frame: Any, name: str) -> np.ndarray:
     """Check that ``frame`` is a non-empty floating ``(H, W, 3)`` array with finite values in [0, 1]; return it."""
     return _validate(frame, name, rank=3, layout="(H, W, 3)")
@@ -212,7 +217,7 @@ def lpips_status(weights_path: str | Path | None = None) -> tuple[bool, str]:
 def _alexnet_features(state: Any, source: str) -> dict[str, torch.Tensor]:
     """Map a torchvision AlexNet state dict onto the key names of ``lpips``' AlexNet trunk."""
     if not isinstance(state, dict):
-        raise ValueError(f"{source}: expected a torchvision AlexNet state dict, got {type(state).__name__}")
+        raise LPIPSWeightsError(f"{source}: expected a torchvision AlexNet state dict, got {type(state).__name__}")
     mapping = {
         f"features.{conv}.{kind}": f"slice{piece}.{conv}.{kind}"
         for conv, piece in _ALEX_SLICES.items()
@@ -220,7 +225,7 @@ def _alexnet_features(state: Any, source: str) -> dict[str, torch.Tensor]:
     }
     missing = sorted(key for key in mapping if key not in state)
     if missing:
-        raise ValueError(f"{source}: not a torchvision AlexNet state dict; missing keys {missing}")
+        raise LPIPSWeightsError(f"{source}: not a torchvision AlexNet state dict; missing keys {missing}")
     return {target: state[key] for key, target in mapping.items()}
 
 
@@ -230,7 +235,11 @@ def _build_lpips(weights_path: Path | None) -> torch.nn.Module:
 
     features = None
     if weights_path is not None:
-        state = torch.load(weights_path, map_location="cpu", weights_only=True)
+        try:
+            state = torch.load(weights_path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # bytes that are no checkpoint raise many types (torch advises weights_only=False)
+            raise LPIPSWeightsError(f"{weights_path}: not a torch checkpoint (torch.load: {type(exc).__name__}); pass "
+                                    f"the torchvision AlexNet ImageNet weights ({ALEXNET_WEIGHTS_FILE})") from exc
         features = _alexnet_features(state, str(weights_path))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*(pretrained|weight enum).*", category=UserWarning)
@@ -239,7 +248,7 @@ def _build_lpips(weights_path: Path | None) -> torch.nn.Module:
         expected = model.net.state_dict()
         for key, value in features.items():
             if tuple(value.shape) != tuple(expected[key].shape):
-                raise ValueError(
+                raise LPIPSWeightsError(
                     f"{weights_path}: {key} has shape {tuple(value.shape)}, "
                     f"expected {tuple(expected[key].shape)}"
                 )

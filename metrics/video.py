@@ -8,7 +8,6 @@ that an overflowing backend is visible in every written file.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import shutil
@@ -20,7 +19,9 @@ import imageio.v3 as iio
 import numpy as np
 from matplotlib import colormaps
 
+from .limits import fps_problem
 from .quality import validate_video
+from .records import atomic_path, write_atomic
 
 MAGENTA = np.array([1.0, 0.0, 1.0])
 SEPARATOR_PX = 2
@@ -83,13 +84,13 @@ def check_frame_folder(out_dir: str | Path, prefix: str = "frame") -> None:
 
 
 def write_gif(frames: np.ndarray, path: str | Path, fps: float = 7) -> Path:
-    """Write an endlessly looping GIF (Pillow plugin) at ``fps`` frames per second."""
+    """Write an endlessly looping GIF (Pillow plugin) at ``fps`` frames per second (at least ``limits.MIN_GIF_FPS``):
+    encoded in memory, written to a temporary name beside ``path``, then renamed onto it."""
     pixels = to_uint8(validate_video(frames, "frames"))
     _check_fps(fps)
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    iio.imwrite(path, pixels, plugin="pillow", extension=".gif", duration=1000.0 / fps, loop=0)
-    return path
+    data = iio.imwrite("<bytes>", pixels, plugin="pillow", extension=".gif", duration=1000.0 / fps, loop=0)
+    return write_atomic(path, data)  # a failed write (a full disk) leaves no truncated GIF, and an earlier one whole
 
 
 def pad_even(pixels: np.ndarray) -> np.ndarray:
@@ -101,7 +102,8 @@ def pad_even(pixels: np.ndarray) -> np.ndarray:
 
 
 def write_mp4(frames: np.ndarray, path: str | Path, fps: float = 7) -> Path:
-    """Write an H.264 (libx264, yuv420p) mp4 via imageio-ffmpeg; odd sizes are padded to even."""
+    """Write an H.264 (libx264, yuv420p) mp4 via imageio-ffmpeg; odd sizes are padded to even.  Written to a temporary
+    name beside ``path`` (same suffix), then renamed onto it."""
     pixels = pad_even(to_uint8(validate_video(frames, "frames")))
     _check_fps(fps)
     try:
@@ -109,7 +111,12 @@ def write_mp4(frames: np.ndarray, path: str | Path, fps: float = 7) -> Path:
     except ImportError as exc:
         raise RuntimeError("writing mp4 needs the imageio-ffmpeg package: pip install imageio-ffmpeg") from exc
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:  # as write_gif: never a truncated file
+        _write_h264(pixels, tmp, fps)
+    return path
+
+
+def _write_h264(pixels: np.ndarray, path: Path, fps: float) -> None:
     writer = iio2.get_writer(
         path,
         format="FFMPEG",
@@ -123,7 +130,6 @@ def write_mp4(frames: np.ndarray, path: str | Path, fps: float = 7) -> Path:
     with writer:
         for frame in pixels:
             writer.append_data(frame)
-    return path
 
 
 def write_video(
@@ -136,8 +142,9 @@ def write_video(
     """Write ``frames`` in each of ``formats``: ``<name>.mp4``, ``<name>.gif``, PNGs in ``<name>/``.
 
     The frames, ``fps``, ``formats`` and the frame folder (``write_png_frames``) are checked before anything is
-    written, and every path returned exists.  Each file replaces an earlier one of the same name whole, and the
-    frame folder is replaced whole: the folder holds one video, never frames of two.  Returns ``{format: path}``; for ``"png"`` the path is the folder of frames.
+    written, and every path returned exists. Each file replaces an earlier one of the same name whole, and the frame
+    folder is replaced whole: the folder holds one video, never frames of two. Returns ``{format: path}``; for
+    ``"png"`` the path is the folder of frames.
     """
     unknown = sorted(set(formats) - set(VIDEO_FORMATS))
     if unknown:
@@ -188,5 +195,6 @@ def side_by_side(ref: np.ndarray, test: np.ndarray, *, gain: float = 10.0) -> np
 
 
 def _check_fps(fps: float) -> None:
-    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not (math.isfinite(fps) and fps > 0):
-        raise ValueError(f"fps must be a finite number > 0, got {fps!r}")
+    problem = fps_problem(fps)
+    if problem is not None:
+        raise ValueError(f"fps {problem}")

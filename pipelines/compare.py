@@ -31,6 +31,7 @@ scored frame is identical to the reference, ``null`` when no frame could be scor
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
@@ -55,7 +56,7 @@ from .resonant import PLANTED_LAYERS
 from .samples import Sample, image_identity, make_samples, prompt_spec
 from .svd import load_image
 
-__all__ = ["VideoRun", "CompareConfig", "Conditioning", "MODEL_NOTES", "RunInterrupted", "SettingError",
+__all__ = ["VideoRun", "CompareConfig", "Conditioning", "MODEL_NOTES", "RunInterrupted", "SettingError", "WriteError",
            "check_backends", "conditioning", "compare_sample", "sample_record", "run_comparison", "evaluate"]
 
 _NOISE = ("built in code to run on a CPU in seconds: its videos look like noise by design, and what counts is "
@@ -245,10 +246,15 @@ def _default_dtype(device: str) -> torch.dtype:
 
 
 def _lpips(weights: str | None, device: str) -> tuple[metrics.LPIPSScorer | None, str]:
+    """The LPIPS scorer and its label, or ``None`` and why; weights that are not AlexNet's are a ``SettingError``
+    naming ``--lpips-weights``."""
     available, reason = metrics.lpips_status(weights)
     if not available:
         return None, reason
-    scorer = metrics.LPIPSScorer(weights, device=device)
+    try:
+        scorer = metrics.LPIPSScorer(weights, device=device)
+    except metrics.LPIPSWeightsError as exc:
+        raise SettingError(f"--lpips-weights {weights}: {str(exc).removeprefix(f'{weights}: ')}") from exc
     return scorer, scorer.label
 
 
@@ -434,8 +440,8 @@ def _run_shard(pipe: Any, config: CompareConfig, cond: Conditioning, work: list[
                 scores = metrics.score_video(reference.frames, run.frames, lpips_scorer=scorer,
                                              lpips_reason=lpips_note)
                 record = sample_record(sample, run, scores, rank=dist.rank)
+                log.append(record)  # first: a GIF that cannot be written never loses the result
                 pushed = worst.offer(record, positions[sample.key], reference.frames, run.frames)
-                log.append(record)
                 for path in pushed:
                     path.unlink(missing_ok=True)
                 bar.update()
@@ -456,6 +462,23 @@ def _finish(out: Path, config: CompareConfig, order: list[runlog.Key], meta: dic
         if gif not in keep:
             gif.unlink()
     return report
+
+
+class WriteError(RuntimeError):
+    """A file of the run folder could not be written (a full disk, a quota, a folder made read-only): every record
+    already in the folder stays, and the same command resumes once the cause is fixed."""
+
+
+@contextlib.contextmanager
+def _writing(out: Path, order: list[runlog.Key]) -> Iterator[None]:
+    """Turn an ``OSError`` of the block (which writes into ``out``) into a one-line ``WriteError``."""
+    try:
+        yield
+    except OSError as exc:
+        where = f" {exc.filename}" if exc.filename else ""
+        raise WriteError(f"--out {out}: cannot write{where} ({exc.strerror or exc}), with {_count_done(out, order)} "
+                         f"of {records.count(len(order), 'result')} on disk: free space (or fix the folder) and rerun "
+                         "the same command to resume") from exc
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -545,7 +568,10 @@ def evaluate(config: CompareConfig, out: str | Path, *, dist: Dist | None = None
 
     Raises:
         RunInterrupted: on Ctrl-C (a ``KeyboardInterrupt``), saying how many results are on disk.
-        SettingError: sizes a video transformer's pipeline would round, or that it needs given.
+        SettingError: sizes a video transformer's pipeline would round, or that it needs given; LPIPS weights that
+            are not AlexNet's.
+        WriteError: a file of ``out`` could not be written (a full disk): the records on disk stay, each written
+            before its GIF, and the same call resumes.
     """
     dist = dist or Dist()
     out = Path(out)
@@ -579,14 +605,17 @@ def _evaluate(config: CompareConfig, cond: Conditioning, samples: list[Sample], 
     pipe = _load(config, cond, dist, dtype, load_pipeline) if work else None
     _lock(lock, dist, create=True)
     if dist.is_main:
-        runlog.prepare_folder(out, run, command)
+        with _writing(out, order):
+            runlog.prepare_folder(out, run, command)
     dist.barrier()  # the folder is written, and every rank has read what is done, before anyone appends
     runlog.check_manifest(out, run)  # every rank's run is rank 0's (same versions, GPU, threads)
     if work:
         positions = {sample.key: i for i, sample in enumerate(samples)}
-        _run_shard(pipe, config, cond, work, positions, out, dist, scorer, lpips_note, progress,
-                   initial=len(done) if dist.world_size == 1 else 0)
+        with _writing(out, order):
+            _run_shard(pipe, config, cond, work, positions, out, dist, scorer, lpips_note, progress,
+                       initial=len(done) if dist.world_size == 1 else 0)
     dist.barrier()
     if not dist.is_main:
         return None
-    return _finish(out, config, order, _meta(config, cond, run, dist, dtype, lpips_note, command))
+    with _writing(out, order):
+        return _finish(out, config, order, _meta(config, cond, run, dist, dtype, lpips_note, command))

@@ -155,8 +155,8 @@ def _check_local_folder(model: str, who: str = "load_svd", left_out: tuple[str, 
             raise ModelLoadError(f"{who}: {index} is not valid JSON ({exc}); save the pipeline again") from exc
         if not isinstance(components, dict):
             raise ModelLoadError(f"{who}: {index} holds no JSON object; save the pipeline again")
-        listed = [name for name, entry in components.items()
-                  if not name.startswith(("_", *left_out)) and isinstance(entry, list) and entry and entry[0] is not None]
+        listed = [name for name, entry in components.items() if not name.startswith(("_", *left_out))
+                  and isinstance(entry, list) and entry and entry[0] is not None]
         missing = sorted(name for name in listed if not (path / name).is_dir())
         if missing:
             raise ModelLoadError(f"{who}: folder model={model!r} lacks the component folder(s) {missing} that its "

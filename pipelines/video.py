@@ -382,10 +382,11 @@ def setting_problem(pipe: DiffusionPipeline, *, num_frames: int, height: int, wi
     compressing time ``t``x (Wan and HunyuanVideo 4x, LTX-Video 8x, Mochi 6x); CogVideoX ``8k + 1``, its VAE (4x)
     decoding latent frames in pairs after the first, so that an even number of them decodes to the wrong number of
     frames.  Sizes: multiples of the VAE's spatial factor times the patch size (Wan, CogVideoX, HunyuanVideo and
-    Mochi 8 x 2 = 16, LTX-Video 32 x 1 = 32).  Steps: at least 2 where the scheduler stretches its sigmas to a
-    terminal value (LTX-Video's ``shift_terminal``: one step's stretch divides 0 by 0, and every frame comes out
-    NaN), and for Mochi, whose linear-quadratic sigma schedule divides by its linear steps, half the steps rounded
-    down (one step: ``ZeroDivisionError``)."""
+    Mochi 8 x 2 = 16, LTX-Video 32 x 1 = 32), and for Wan no more positions along an axis than its rotary table
+    holds (``_rotary_problem``: ``tiny-wan`` at most 125 frames and 512 pixels a side). Steps: at least 2 where the
+    scheduler stretches its sigmas to a terminal value (LTX-Video's ``shift_terminal``: one step's stretch divides 0
+    by 0, and every frame comes out NaN), and for Mochi, whose linear-quadratic sigma schedule divides by its linear
+    steps, half the steps rounded down (one step: ``ZeroDivisionError``)."""
     name = type(pipe).__name__
     temporal, spatial = _compression(pipe)
     multiple = spatial * _patch(pipe)[1]
@@ -400,6 +401,9 @@ def setting_problem(pipe: DiffusionPipeline, *, num_frames: int, height: int, wi
         if value % multiple:
             return setting, (f"{name} takes multiples of {multiple} (VAE {spatial}x, patch {multiple // spatial}), "
                              f"got {value}")
+    problem = _rotary_problem(pipe, num_frames=num_frames, height=height, width=width)
+    if problem is not None:
+        return problem
     if num_inference_steps is None or num_inference_steps >= 2:
         return None
     terminal = pipe.scheduler.config.get("shift_terminal")
@@ -409,6 +413,29 @@ def setting_problem(pipe: DiffusionPipeline, *, num_frames: int, height: int, wi
     if _family(pipe) == "mochi":
         return "num_inference_steps", (f"{name} takes at least 2 steps (its linear-quadratic sigma schedule divides by "
                                        f"its linear steps, half the steps rounded down), got {num_inference_steps}")
+    return None
+
+
+def _rotary_problem(pipe: DiffusionPipeline, *, num_frames: int, height: int, width: int) -> tuple[str, str] | None:
+    """``(argument, why)`` where the video has more positions along an axis than a Wan transformer's rotary table
+    holds (``rope_max_seq_len`` rows: 1024 in the released models, 32 in ``tiny-wan``; the table is sliced, not
+    grown, and its reshape fails mid-run), else ``None``.  The other families compute their rotary embeddings for
+    the video's own grid (LTX-Video, HunyuanVideo, Mochi) or have none (CogVideoX's are sinusoidal, made for the
+    video's size)."""
+    if _family(pipe) != "wan":
+        return None
+    rows = pipe.transformer.config.rope_max_seq_len
+    temporal, spatial = _compression(pipe)
+    patch_t, patch = _patch(pipe)
+    frames, h, w = _latent_size(pipe, num_frames, height, width)
+    largest = {"num_frames": (rows * patch_t - 1) * temporal + 1, "height": rows * patch * spatial,
+               "width": rows * patch * spatial}
+    for setting, value, positions in (("num_frames", num_frames, frames // patch_t), ("height", height, h // patch),
+                                      ("width", width, w // patch)):
+        if positions > rows:
+            return setting, (f"{type(pipe).__name__}'s rotary table holds {rows} positions per axis (its transformer's "
+                             f"rope_max_seq_len), and {value} makes {positions}: at most {largest[setting]}, got "
+                             f"{value}")
     return None
 
 

@@ -7,6 +7,7 @@ import contextlib
 import io
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -178,3 +179,24 @@ def test_cuda_without_a_gpu_creates_no_folder(tmp_path):
     line = one_error_line(pasa([*TINY, "--device", "cuda", "--out", str(out)]))
     assert line.startswith("pasa compare: error: --device cuda: CUDA is not available on this machine")
     assert not out.exists()
+
+
+def _file_size_limit(limit: int):
+    def set_limit() -> None:  # in the child: every file it writes stops at limit bytes (EFBIG: Python ignores SIGXFSZ)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return set_limit
+
+
+def test_a_full_disk_is_one_line_and_keeps_the_record_without_a_truncated_gif(tmp_path):
+    """Files stop at 2000 bytes: the manifest (about 1 kB) and the record (0.5 kB) fit, the side-by-side GIF (2.6 kB)
+    does not. One line, no traceback; the record is on disk (it is written before its GIF), and no GIF, whole or
+    cut, is left (it is written to a temporary name, then renamed). Was: an OSError traceback, a truncated GIF."""
+    out = tmp_path / "run"
+    done = subprocess.run([PASA, *TINY, "--seeds", "0", "--backends", "bf16", "--worst", "1", "--out", str(out)],
+                          env=ENV, capture_output=True, text=True, timeout=300, preexec_fn=_file_size_limit(2000))
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.splitlines()[-1] == (
+        f"pasa compare: error: --out {out}: cannot write (File too large), with 1 of 1 result on disk: free space (or "
+        "fix the folder) and rerun the same command to resume")
+    assert [r["backend"] for r in runlog.read_log(out / runlog.SAMPLES)] == ["bf16"]
+    assert not [p for p in out.rglob("*") if p.suffix == ".gif" or ".tmp-" in p.name]

@@ -63,7 +63,8 @@ def test_the_records_of_a_video_that_is_not_finite_are_valid():
               "flicker": None, "psnr_per_frame": [None, None], "ssim_per_frame": [None, None], "nonfinite_frames": 2,
               "first_nonfinite": 0}
     identical = {**rec("builtin:rocket", 0, "fp32"), "psnr": "inf", "psnr_per_frame": ["inf", "inf"],
-                 "identical_frames": 2, "temporal_psnr": "inf"}
+                 "identical_frames": 2, "temporal_psnr": "inf", "ssim": 1.0000000596046448,
+                 "ssim_per_frame": [1.0000001192092896, 1.0]}  # float32 frames: an SSIM of 1 + 2**-23
     assert runlog.record_problem(broken) is None and runlog.record_problem(identical) is None
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from pasa_diffusers.metrics.quality import (
     LPIPS_LABEL,
     LPIPS_RANDOM_LABEL,
     LPIPSScorer,
+    LPIPSWeightsError,
     LPIPSUnavailableError,
     default_alexnet_weights_path,
     flicker_ratio,
@@ -285,8 +287,33 @@ def test_scorer_rejects_wrong_state_dicts(tmp_path, alexnet_state):
         LPIPSScorer(tmp_path / "shape.pth")
 
     torch.save(torch.ones(3), tmp_path / "tensor.pth")
-    with pytest.raises(ValueError, match="expected a torchvision AlexNet state dict"):
+    with pytest.raises(LPIPSWeightsError, match="expected a torchvision AlexNet state dict"):
         LPIPSScorer(tmp_path / "tensor.pth")
+
+    (tmp_path / "notes.txt").write_text("not weights\n")
+    with pytest.raises(LPIPSWeightsError, match=rf"^{tmp_path / 'notes.txt'}: not a torch checkpoint \(.*\); pass the "
+                                                r"torchvision AlexNet ImageNet weights \(alexnet-owt-7be5be79.pth\)$"):
+        LPIPSScorer(tmp_path / "notes.txt")
+
+
+@pytest.mark.parametrize("content, why", [(b"not weights\n", r"not a torch checkpoint \(.*\); pass the torchvision"),
+                                          (None, r"not a torchvision AlexNet state dict; missing keys")])
+def test_compare_names_lpips_weights_it_cannot_use_in_one_line(tmp_path, capsys, content, why):
+    """A text file, or another state dict, given to --lpips-weights: one line naming the flag (was a traceback),
+    before the model is loaded; the run folder is not created."""
+    from pasa_diffusers.cli import main
+
+    weights = tmp_path / "weights.pth"
+    if content is None:
+        torch.save({"a": torch.zeros(2)}, weights)
+    else:
+        weights.write_bytes(content)
+    out = tmp_path / "run"
+    assert main(["compare", "--model", "tiny", "--images", "builtin:rocket", "--seeds", "0", "--backends", "sdpa",
+                 "--frames", "2", "--steps", "1", "--height", "16", "--width", "16", "--lpips-weights", str(weights),
+                 "--out", str(out)]) == 2
+    assert re.fullmatch(rf"pasa compare: error: --lpips-weights {weights}: {why}.*\n", capsys.readouterr().err)
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("func", [psnr_frames, ssim_frames, temporal_error, flicker_ratio, score_video])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import sys
 
 import imageio.v2 as iio2
@@ -13,6 +15,7 @@ from PIL import Image
 from skimage import data
 from skimage.transform import resize
 
+from pasa_diffusers.metrics.limits import MIN_GIF_FPS
 from pasa_diffusers.metrics.video import (
     SEPARATOR_PX,
     pad_even,
@@ -137,6 +140,26 @@ def test_write_video_refuses_a_frame_folder_holding_other_files(tmp_path):
     with pytest.raises(ValueError, match=r"pasa holds 'notes.txt', which is not a frame_NNNN.png frame"):
         write_video(make_video(frames=2), tmp_path, "pasa")
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["notes.txt", "pasa"]  # nothing written
+
+
+def test_a_gif_plays_frames_up_to_its_longest_delay_and_slower_is_refused(tmp_path):
+    """A GIF's delay is a 16-bit count of hundredths of a second: 655.35 s a frame at most."""
+    path = write_gif(make_video(frames=2, height=16, width=16), tmp_path / "slow.gif", fps=MIN_GIF_FPS)
+    with Image.open(path) as gif:
+        assert gif.info["duration"] == 655350
+    with pytest.raises(ValueError, match=r"^fps must be at least 0.0015259 \(a GIF frame lasts at most 655.35 s\), "
+                                         r"got 0.001$"):
+        write_video(make_video(frames=2), tmp_path, "x", fps=0.001)
+    assert list(tmp_path.iterdir()) == [path]  # nothing written
+
+
+@pytest.mark.parametrize("command", ["generate", "compare"])
+def test_the_command_line_refuses_an_fps_a_gif_cannot_play_before_any_work(command):
+    """Was: --fps 0.001 passed the checks, and Pillow's struct.error came after every video was made."""
+    done = subprocess.run([shutil.which("pasa"), command, "--fps", "0.001"], capture_output=True, text=True,
+                          timeout=60)
+    assert (done.returncode, done.stderr) == (2, f"pasa {command}: error: argument --fps: must be at least 0.0015259 "
+                                                 "(a GIF frame lasts at most 655.35 s), got 0.001\n")
 
 
 def test_side_by_side_layout_and_heatmap():

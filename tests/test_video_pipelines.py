@@ -169,6 +169,23 @@ def test_a_setting_the_pipeline_would_round_is_refused(wan, setting, value, why)
         video.generate(wan, progress=False, **{**SMALL, setting: value})
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--frames", "133"], "--frames 133: WanPipeline's rotary table holds 32 positions per axis (its transformer's "
+                          "rope_max_seq_len), and 133 makes 34: at most 125, got 133"),
+    (["--height", "528"], "--height 528: WanPipeline's rotary table holds 32 positions per axis (its transformer's "
+                          "rope_max_seq_len), and 528 makes 33: at most 512, got 528"),
+])
+def test_a_wan_video_longer_than_its_rotary_table_is_refused_before_any_work(wan, flags, message):
+    """Was: the documented checks passed, then the rotary table's reshape failed mid-run (a RuntimeError)."""
+    with pytest.raises(common.UsageError, match=rf"^{re.escape(message)}$"):
+        common.generation_settings(_parse(["generate", "--model", "tiny-wan", *flags]), wan)
+    largest = {"num_frames": 125, "height": 512, "width": 16}
+    assert video.setting_problem(wan, **largest) is None
+    frames = video.generate(wan, **{**SMALL, "num_frames": 125, "height": 16, "width": 16, "num_inference_steps": 1},
+                            progress=False)
+    assert frames.shape == (125, 16, 16, 3)  # the largest accepted runs
+
+
 def _parse(argv: list[str]) -> argparse.Namespace:
     from pasa_diffusers.cli import build_parser
 

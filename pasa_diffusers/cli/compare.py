@@ -20,11 +20,11 @@ import tempfile
 from pathlib import Path
 
 from pasa_diffusers.backends import COMPARED, DEFAULT_COMPARED, REFERENCE, missing
+from pasa_diffusers.metrics.limits import MIN_GIF_FPS, fps_argument
 from pasa_diffusers.pipelines.names import BUILTIN_IMAGES
 
 from .common import (MAX_SEED, SCORED_MIN_SIZE, UsageError, add_generation_args, backend_help, check_device,
-                     check_file, check_image, check_model, int_range, load_model, model_dtype, model_help, path_kind,
-                     positive_float)
+                     check_file, check_image, check_model, int_range, load_model, model_dtype, model_help, path_kind)
 
 __all__ = ["add_parser", "validate", "check_out", "check_not_in_use", "run", "seed_list", "image_list", "backend_list"]
 
@@ -190,7 +190,8 @@ def run(args: argparse.Namespace) -> int:
 
         try:
             report = compare.evaluate(config, args.out, dist=dist, load_pipeline=load, command=command)
-        except (runlog.MixedRunError, runlog.DamagedLogError, runlog.FolderInUseError, compare.SettingError) as exc:
+        except (runlog.MixedRunError, runlog.DamagedLogError, runlog.FolderInUseError, compare.SettingError,
+                compare.WriteError) as exc:
             raise UsageError(str(exc)) from exc
         except install.AllCallsFellBackError as exc:
             raise UsageError(f"--backends: {exc}; choose another backend or --dtype") from exc
@@ -228,7 +229,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         f"{REFERENCE} is the reference")
     p.add_argument("--lpips-weights", default=None,
                    help="torchvision AlexNet ImageNet weights (alexnet-owt-7be5be79.pth); default: torch hub cache")
-    p.add_argument("--fps", type=positive_float, default=7.0, help="frame rate of the side-by-side GIFs (default 7)")
+    p.add_argument("--fps", type=fps_argument, default=7.0, help="frame rate of the side-by-side GIFs, at least "
+                   f"{MIN_GIF_FPS:.6g} (a GIF frame lasts at most 655.35 s; default 7)")
     p.add_argument("--worst", type=int_range(0), default=2,
                    help="worst samples listed per backend, with their side-by-side GIFs (default 2)")
     p.set_defaults(func=run)

@@ -1,0 +1,41 @@
+"""Limits of the files the project writes, checked before any work: the standard library only, so that the command
+line reads them at its argument checks, before torch is imported.
+
+A GIF stores each frame's delay as a 16-bit count of hundredths of a second (Pillow writes ``round(duration / 10)``
+there, ``duration`` in milliseconds), so a frame lasts at most 655.35 s: ``fps`` below ``MIN_GIF_FPS`` cannot be
+written (Pillow raises ``struct.error`` once every video is made).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+
+__all__ = ["MIN_GIF_FPS", "fps_problem", "fps_argument"]
+
+MAX_GIF_DELAY_CS = 2**16 - 1
+"""The largest frame delay a GIF holds, in hundredths of a second."""
+MIN_GIF_FPS = 100 / MAX_GIF_DELAY_CS
+"""The lowest frame rate a GIF can play: one frame per 655.35 s (about 0.00153 frames per second)."""
+
+
+def fps_problem(fps: object, shown: str | None = None) -> str | None:
+    """Why ``fps`` cannot be the frame rate of the written videos (mp4 and GIF), or ``None``; ``shown``: how the
+    message writes the value (default ``repr``)."""
+    shown = repr(fps) if shown is None else shown
+    if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not (math.isfinite(fps) and fps > 0):
+        return f"must be a finite number > 0, got {shown}"
+    if fps < MIN_GIF_FPS:
+        return f"must be at least {MIN_GIF_FPS:.6g} (a GIF frame lasts at most {MAX_GIF_DELAY_CS / 100} s), got {shown}"
+    return None
+
+
+def fps_argument(text: str) -> float:
+    """An argparse ``type=`` for ``--fps``: a finite number a GIF can play (``fps_problem``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    problem = fps_problem(value, text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return value
