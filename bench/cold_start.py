@@ -77,7 +77,8 @@ def run_processes(args, scratch: Path) -> list[dict]:
             raise RuntimeError(f"{label}: pasa {' '.join(argv)} exited {run.returncode}:\n{run.stderr[-4000:]}")
         after = cached_kernels(folder)
         results.append({"process": label, "command": "pasa " + " ".join(argv), "cache": cache, "seconds": seconds,
-                        "kernels_cached": after, "kernels_added": after - before, "said_compiling": NOTICE in run.stderr})
+                        "kernels_cached": after, "kernels_added": after - before,
+                        "said_compiling": NOTICE in run.stderr})
         harness.log(f"{label}: {seconds:.2f} s, {after - before} kernel(s) compiled")
     return results
 
@@ -104,7 +105,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         results = run_processes(args, Path(scratch))
     by = {r["process"]: r for r in results}
-    first, warmed = by[f"{args.attention}: first video, empty cache"], by[f"{args.attention}: first video after pasa warmup"]
+    first = by[f"{args.attention}: first video, empty cache"]
+    warmed = by[f"{args.attention}: first video after pasa warmup"]
     warmup = by[f"pasa warmup --attention {args.attention}, empty cache"]
     lines = [[r["process"], f"{r['seconds']:.2f}", r["kernels_added"], r["kernels_cached"],
               "yes" if r["said_compiling"] else "no"] for r in results]
@@ -116,8 +118,9 @@ def main(argv: Sequence[str] | None = None) -> int:
              f"({warmup['seconds']:.2f} s, once per machine).\n")
     if args.baseline != "none":
         base = by[f"{args.baseline}: first video, empty cache"]
-        text += (f"Against {args.baseline}'s first video ({base['seconds']:.2f} s): {first['seconds'] / base['seconds']:.2f}x "
-                 f"compiling, {warmed['seconds'] / base['seconds']:.2f}x after warmup.\n")
+        text += (f"Against {args.baseline}'s first video ({base['seconds']:.2f} s): "
+                 f"{first['seconds'] / base['seconds']:.2f}x compiling, {warmed['seconds'] / base['seconds']:.2f}x "
+                 "after warmup.\n")
     harness.write_report(args.out, NAME, text, {"bench": NAME, "command": cmd, "environment": env,
                                                 "processes": results})
     print(text)

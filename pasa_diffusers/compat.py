@@ -86,113 +86,122 @@ TRITON_VERSIONS = ("3.6.0", "3.8.0")
 ``triton/experimental/gluon/_runtime.py``."""
 
 
-def _autotuner_base() -> type:
+def _hooked_autotuner() -> type:
+    """``HookedAutotuner``, defined on first use (module ``__getattr__``): Triton is imported only where it is
+    used, so the package imports where Triton is not installed (``pyproject.toml`` installs it on Linux only)."""
     from triton.runtime.autotuner import Autotuner
 
-    return Autotuner
+    class HookedAutotuner(Autotuner):
+        """Triton's ``Autotuner`` with the private steps it takes on a key's first launch turned into hooks
+        that a subclass overrides, and its private state read through properties.
+
+        Triton's autotuner (3.6 and 3.8) keys each launch by the key arguments' values, then the dtype of each
+        tensor argument (:meth:`tuning_key`); on a key missing from its in-memory cache (:attr:`choices`) it
+        reads its disk cache (``cache_results``), else prunes the pool (``prune_configs``: then :meth:`choose`)
+        and times each config left (``_bench``: :meth:`should_time`, :meth:`timed`).  A launch of a known key
+        calls none of the hooks but :meth:`before_launch` and :meth:`after_launch`."""
+
+        def __init__(self, kernel: Any, configs: list, key: list[str], prune: Callable[..., list], *,
+                     do_bench: Callable[..., Any] | None = None, cache_results: bool = True) -> None:
+            super().__init__(kernel, kernel.arg_names, configs, key, None, None,
+                             prune_configs_by={"early_config_prune": prune}, do_bench=do_bench,
+                             cache_results=cache_results)
+
+        @property
+        def key_names(self) -> list[str]:
+            """The arguments the choice is keyed by (``Autotuner.keys``)."""
+            return list(self.keys)
+
+        @property
+        def param_names(self) -> list[str]:
+            """The kernel's arguments, in order (``Autotuner.arg_names``)."""
+            return list(self.arg_names)
+
+        @property
+        def pool(self) -> list:
+            """Every config (``Autotuner.configs``), before any prune."""
+            return list(self.configs)
+
+        @property
+        def choices(self) -> dict:
+            """Tuning key -> the config chosen for it in this process (``Autotuner.cache``)."""
+            return self.cache
+
+        def forget_choices(self) -> None:
+            """Empty the in-memory cache: the next launch of each key chooses again."""
+            self.cache.clear()
+
+        @property
+        def disk_cache(self) -> bool:
+            """Whether choices are read from and written to Triton's cache directory (``cache_results``)."""
+            return self.cache_results
+
+        @disk_cache.setter
+        def disk_cache(self, on: bool) -> None:
+            self.cache_results = on
+
+        def tuning_key(self, args: tuple, kwargs: dict) -> tuple:
+            """The key ``Autotuner.run`` caches a launch's choice under: the key arguments' values, then ``str(dtype)``
+            of each argument that has one, in argument order (the kernel's arguments among ``kwargs`` after the
+            positional ones, as its ``{**nargs, **kwargs}``)."""
+            named = dict(zip(self.arg_names, args))
+            params = set(self.arg_names)
+            named.update((k, v) for k, v in kwargs.items() if k in params)
+            return tuple([named[k] for k in self.keys if k in named]
+                         + [str(v.dtype) for v in named.values() if hasattr(v, "dtype")])
+
+        def launch_args(self) -> dict:
+            """The current launch's kernel arguments by name (``Autotuner.nargs``), inside :meth:`choose`."""
+            return dict(self.nargs)
+
+        # ---- the hooks -----------------------------------------------------------------------------------
+
+        def before_launch(self) -> None:
+            """Called before every launch."""
+
+        def after_launch(self) -> None:
+            """Called after every launch."""
+
+        def choose(self, pruned: list, kwargs: dict) -> list:
+            """The configs to time for a key met for the first time, given the pool's prune ``pruned`` (default:
+            all of them).  One config left is run without timing on Triton 3.8; 3.6 times it unless
+            :meth:`should_time` says no."""
+            return pruned
+
+        def should_time(self, config: Any) -> bool:
+            """Whether to time ``config`` (default yes); a config not timed reads 0 ms."""
+            return True
+
+        def timed(self, config: Any, ms: float) -> None:
+            """Called with each timed config's median time in ms."""
+
+        # ---- Triton's private steps ----------------------------------------------------------------------
+
+        def run(self, *args: Any, **kwargs: Any) -> Any:
+            self.before_launch()
+            result = super().run(*args, **kwargs)
+            self.after_launch()
+            return result
+
+        def prune_configs(self, kwargs: dict) -> list:
+            return self.choose(super().prune_configs(kwargs), kwargs)
+
+        def _bench(self, *args: Any, config: Any, **meta: Any) -> list[float]:
+            if not self.should_time(config):
+                return [0.0, 0.0, 0.0]
+            result = super()._bench(*args, config=config, **meta)
+            self.timed(config, result[0] if isinstance(result, (list, tuple)) else result)
+            return result
+
+    HookedAutotuner.__qualname__ = "HookedAutotuner"
+    return HookedAutotuner
 
 
-class HookedAutotuner(_autotuner_base()):
-    """Triton's ``Autotuner`` with the private steps it takes on a key's first launch turned into hooks that a
-    subclass overrides, and its private state read through properties.
-
-    Triton's autotuner (3.6 and 3.8) keys each launch by the key arguments' values, then the dtype of each tensor
-    argument (:meth:`tuning_key`); on a key missing from its in-memory cache (:attr:`choices`) it reads its disk
-    cache (``cache_results``), else prunes the pool (``prune_configs``: then :meth:`choose`) and times each config
-    left (``_bench``: :meth:`should_time`, :meth:`timed`).  A launch of a known key calls none of the hooks but
-    :meth:`before_launch` and :meth:`after_launch`."""
-
-    def __init__(self, kernel: Any, configs: list, key: list[str], prune: Callable[..., list], *,
-                 do_bench: Callable[..., Any] | None = None, cache_results: bool = True) -> None:
-        super().__init__(kernel, kernel.arg_names, configs, key, None, None,
-                         prune_configs_by={"early_config_prune": prune}, do_bench=do_bench,
-                         cache_results=cache_results)
-
-    @property
-    def key_names(self) -> list[str]:
-        """The arguments the choice is keyed by (``Autotuner.keys``)."""
-        return list(self.keys)
-
-    @property
-    def param_names(self) -> list[str]:
-        """The kernel's arguments, in order (``Autotuner.arg_names``)."""
-        return list(self.arg_names)
-
-    @property
-    def pool(self) -> list:
-        """Every config (``Autotuner.configs``), before any prune."""
-        return list(self.configs)
-
-    @property
-    def choices(self) -> dict:
-        """Tuning key -> the config chosen for it in this process (``Autotuner.cache``)."""
-        return self.cache
-
-    def forget_choices(self) -> None:
-        """Empty the in-memory cache: the next launch of each key chooses again."""
-        self.cache.clear()
-
-    @property
-    def disk_cache(self) -> bool:
-        """Whether choices are read from and written to Triton's cache directory (``cache_results``)."""
-        return self.cache_results
-
-    @disk_cache.setter
-    def disk_cache(self, on: bool) -> None:
-        self.cache_results = on
-
-    def tuning_key(self, args: tuple, kwargs: dict) -> tuple:
-        """The key ``Autotuner.run`` caches a launch's choice under: the key arguments' values, then ``str(dtype)``
-        of each argument that has one, in argument order (the kernel's arguments among ``kwargs`` after the
-        positional ones, as its ``{**nargs, **kwargs}``)."""
-        named = dict(zip(self.arg_names, args))
-        params = set(self.arg_names)
-        named.update((k, v) for k, v in kwargs.items() if k in params)
-        return tuple([named[k] for k in self.keys if k in named]
-                     + [str(v.dtype) for v in named.values() if hasattr(v, "dtype")])
-
-    def launch_args(self) -> dict:
-        """The current launch's kernel arguments by name (``Autotuner.nargs``), inside :meth:`choose`."""
-        return dict(self.nargs)
-
-    # ---- the hooks -----------------------------------------------------------------------------------
-
-    def before_launch(self) -> None:
-        """Called before every launch."""
-
-    def after_launch(self) -> None:
-        """Called after every launch."""
-
-    def choose(self, pruned: list, kwargs: dict) -> list:
-        """The configs to time for a key met for the first time, given the pool's prune ``pruned`` (default:
-        all of them).  One config left is run without timing on Triton 3.8; 3.6 times it unless
-        :meth:`should_time` says no."""
-        return pruned
-
-    def should_time(self, config: Any) -> bool:
-        """Whether to time ``config`` (default yes); a config not timed reads 0 ms."""
-        return True
-
-    def timed(self, config: Any, ms: float) -> None:
-        """Called with each timed config's median time in ms."""
-
-    # ---- Triton's private steps ----------------------------------------------------------------------
-
-    def run(self, *args: Any, **kwargs: Any) -> Any:
-        self.before_launch()
-        result = super().run(*args, **kwargs)
-        self.after_launch()
-        return result
-
-    def prune_configs(self, kwargs: dict) -> list:
-        return self.choose(super().prune_configs(kwargs), kwargs)
-
-    def _bench(self, *args: Any, config: Any, **meta: Any) -> list[float]:
-        if not self.should_time(config):
-            return [0.0, 0.0, 0.0]
-        result = super()._bench(*args, config=config, **meta)
-        self.timed(config, result[0] if isinstance(result, (list, tuple)) else result)
-        return result
+def __getattr__(name: str) -> Any:
+    if name == "HookedAutotuner":
+        globals()[name] = _hooked_autotuner()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def kernel_name(kernel: Any) -> str:
