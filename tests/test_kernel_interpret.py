@@ -13,7 +13,7 @@ RMS of the float64 golden output),
 where the reference of the same variant is ``pasa_reference(precision=p)`` for PASA and
 ``flash_reference(precision="half" | "hybrid")`` for plain FA half | hybrid.  ``K = 2`` for every
 variant.  Why 2: the kernel rounds at the same points as the reference (the same stored shift
-entries from ``beta.py``; k_shift, S', P rounded to the GEMM dtype; the state rounded to fp16 in
+entries from ``shift_matrix.py``; k_shift, S', P rounded to the GEMM dtype; the state rounded to fp16 in
 half), in the same natural-log units, but it sums in a different order (tile GEMMs, fp32 row sums)
 and forms the exponent as one fp32 FMA ``s log2(e) - (m_new - delta) log2(e)`` where the half
 reference rounds ``s + delta - m_new`` to fp16 twice.  Those change which way individual roundings
@@ -49,7 +49,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from pasa_diffusers import numerics  # noqa: E402
-from pasa_diffusers.beta import optimal_beta  # noqa: E402
+from pasa_diffusers.shift_matrix import optimal_beta  # noqa: E402
 from pasa_diffusers.kernels import dispatch, packed  # noqa: E402
 from pasa_diffusers.kernels.common import INTERPRET  # noqa: E402
 from pasa_diffusers.reference import (DEFAULT_BETA, exact_shift_reference, flash_reference,  # noqa: E402
@@ -353,6 +353,8 @@ def test_plans_are_kept_per_call_signature(gen):
         "block_n": ((q, k, v, out), {"block_n": 64}),
         "config": ((q, k, v, out), {"config": {"BLOCK_M": 64}}),
         "int8": ((q, k, v, out), {"variant": Variant("exact", "int8")}),
+        "pv_bits": ((q, k, v, out), {"variant": Variant("exact", "int8"), "pv_bits": 8}),
+        "fallback": ((q, k, v, out), {"variant": Variant("exact", "int8"), "fallback": False}),
     }
     kept = {}
     for name, (tensors, options) in calls.items():
@@ -360,7 +362,7 @@ def test_plans_are_kept_per_call_signature(gen):
         assert kept[name] is not first, name
         assert dispatch.plan(*tensors, **{"variant": Variant(), **options}) is kept[name], name
     assert kept["variant"].prepass == "shift"
-    assert kept["int8"].kernel == "portable-int8"
+    assert kept["int8"].kernel == "portable-int8" and kept["pv_bits"] is not kept["int8"] is not kept["fallback"]
     dispatch.forget_plans()
     assert dispatch.plan(q, k, v, out, variant=Variant()) == first
     for name, (tensors, options) in calls.items():
