@@ -39,7 +39,7 @@ import torch
 from tqdm import tqdm
 
 from pasa_diffusers import peers
-from pasa_diffusers.beta import DEFAULT_BETA
+from pasa_diffusers.shift_matrix import DEFAULT_BETA
 from pasa_diffusers.env import flag as env_flag
 from pasa_diffusers.metrics import records
 from pasa_diffusers.variants import Variant

@@ -40,7 +40,7 @@ from dataclasses import asdict
 import torch
 
 from pasa_diffusers import numerics, rules
-from pasa_diffusers.beta import DEFAULT_BETA
+from pasa_diffusers.shift_matrix import DEFAULT_BETA
 from pasa_diffusers.kernels import dispatch, hopper, prepass
 from pasa_diffusers.metrics import records
 from pasa_diffusers.reference import exact_shift_reference, golden_attention

@@ -20,7 +20,7 @@ from dataclasses import asdict
 
 import torch
 
-from pasa_diffusers.beta import DEFAULT_BETA
+from pasa_diffusers.shift_matrix import DEFAULT_BETA
 from pasa_diffusers.kernels import dispatch
 from pasa_diffusers.metrics import records
 from pasa_diffusers.ops import pasa_attention

@@ -29,7 +29,7 @@ import math
 import torch
 
 from . import env, reference, rules
-from .beta import DEFAULT_BETA
+from .shift_matrix import DEFAULT_BETA
 from .variants import DEFAULT_PRECISION, DEFAULT_SHIFT, VARIANTS
 
 __all__ = ["pasa_attention"]

@@ -28,8 +28,8 @@ import math
 import torch
 
 from . import rules
-from .beta import DEFAULT_BETA, shift_entries
-from .beta import gamma as recovery_gamma
+from .shift_matrix import DEFAULT_BETA, shift_entries
+from .shift_matrix import gamma as recovery_gamma
 from .reference_int8 import int8_reference
 from .rules import gemm_dtype
 from .variants import Variant
@@ -186,11 +186,11 @@ def pasa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     own ``M``; the authors' script repeats rows instead):
 
     1. ``k_shift = fp(scale M_j) k_j`` with ``M_j = I - (beta/n_j) 11^T``, i.e. ``a k_j - c colsum(k_j)``
-       from the stored entries (``beta.shift_entries``), rounded to the GEMM dtype;
+       from the stored entries (``shift_matrix.shift_entries``), rounded to the GEMM dtype;
     2. ``s = q k_shift^T`` (rounded to the state's dtype: fp16 in half, fp32 in hybrid),
        ``mu_j = rowmean(s)``; the removed
        pseudo-average is ``gamma_j mu_j`` with ``gamma_j`` computed from the stored entries
-       (``beta.gamma``); the tail's mean is rescaled, ``mu_hat_j = (gamma_j / gamma) mu_j``, so all
+       (``shift_matrix.gamma``); the tail's mean is rescaled, ``mu_hat_j = (gamma_j / gamma) mu_j``, so all
        blocks share the full block's ``gamma``;
     3. running pseudo-average ``avg_j = avg_{j-1} + (mu_hat_j - avg_{j-1}) / j``;
     4. global recovering: ``delta_j = gamma (mu_hat_j - avg_j)`` puts the block on the reference

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pasa_diffusers.beta import DEFAULT_BETA
+from pasa_diffusers.shift_matrix import DEFAULT_BETA
 from pasa_diffusers.diagnose import (CAUSE_RULE, RISK_RULE, LayerRecorder, StepClock, activation_sites, recording,
                                      recording_activations, summarize, summarize_activations)
 from pasa_diffusers.install import VIDEO_BLOCKS, attention_processors, module_kind, replacement

@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from pasa_diffusers.beta import DEFAULT_BETA
+from pasa_diffusers.shift_matrix import DEFAULT_BETA
 
 SHAPES = {  # (B, Hq, Hk, Nq, Nk, D)
     "spatial-ragged": (2, 4, 4, 700, 700, 64),

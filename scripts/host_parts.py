@@ -16,7 +16,7 @@ import math
 import torch
 
 from bench.overhead import host_us
-from pasa_diffusers.beta import DEFAULT_BETA
+from pasa_diffusers.shift_matrix import DEFAULT_BETA
 from pasa_diffusers.kernels import dispatch, gluon_common, hopper
 from pasa_diffusers.kernels.prepass import centre_keys
 from pasa_diffusers.ops import pasa_attention

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from pasa_diffusers.beta import gamma, optimal_beta, shift_entries
+from pasa_diffusers.shift_matrix import gamma, optimal_beta, shift_entries
 
 
 @pytest.mark.parametrize("start, expected, expected_gamma", [

@@ -17,7 +17,7 @@ import torch
 
 from pasa_diffusers import install as I
 from pasa_diffusers import processors as P
-from pasa_diffusers.beta import DEFAULT_BETA
+from pasa_diffusers.shift_matrix import DEFAULT_BETA
 from pasa_diffusers.diagnose import (LayerRecorder, call_stats, ranked, recording, risk_table, short_path,
                                      write_diagnosis)
 from pasa_diffusers.pipelines.compare import run_comparison

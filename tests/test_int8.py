@@ -240,7 +240,7 @@ def test_reference_rejects_bad_arguments():
 
 triton = pytest.importorskip("triton")
 
-from pasa_diffusers.beta import DEFAULT_BETA  # noqa: E402
+from pasa_diffusers.shift_matrix import DEFAULT_BETA  # noqa: E402
 from pasa_diffusers.kernels import dispatch, int8  # noqa: E402
 from pasa_diffusers.kernels.common import INTERPRET  # noqa: E402
 from pasa_diffusers.variants import Variant  # noqa: E402

@@ -62,7 +62,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     (f"{KERNELS}.tuning",),
     (f"{KERNELS}.common",),
     # the spec: constants, names and the few helpers every layer may read
-    (f"{PACKAGE}.beta", f"{PACKAGE}.block_tally", f"{PACKAGE}.backends", f"{PACKAGE}.attention_modules",
+    (f"{PACKAGE}.shift_matrix", f"{PACKAGE}.block_tally", f"{PACKAGE}.backends", f"{PACKAGE}.attention_modules",
      f"{PACKAGE}.files"),
     (f"{PACKAGE}.rules",),
     (f"{PACKAGE}.variants", f"{PACKAGE}.compat", f"{PACKAGE}.env"),

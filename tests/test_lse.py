@@ -50,8 +50,8 @@ import pytest
 import torch
 
 from pasa_diffusers import numerics, pasa_attention
-from pasa_diffusers.beta import gamma as recovery_gamma
-from pasa_diffusers.beta import shift_entries
+from pasa_diffusers.shift_matrix import gamma as recovery_gamma
+from pasa_diffusers.shift_matrix import shift_entries
 from pasa_diffusers.reference import (DEFAULT_BETA, exact_shift_reference, flash_reference, gemm_dtype,
                                       golden_attention, pasa_reference)
 from pasa_diffusers.variants import Variant

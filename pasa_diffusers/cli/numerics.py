@@ -34,7 +34,7 @@ def validate(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from .. import numerics
-    from ..beta import optimal_beta
+    from ..shift_matrix import optimal_beta
 
     shape = numerics.QUICK_SHAPE if args.quick else numerics.PAPER_SHAPE
     out = Path(args.out)

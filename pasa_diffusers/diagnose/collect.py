@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..attention_modules import attention_processors, set_processors
-from ..beta import DEFAULT_BETA
+from ..shift_matrix import DEFAULT_BETA
 from ..rules import SHIFT_BLOCK
 from .stats import call_stats
 

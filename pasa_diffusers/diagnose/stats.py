@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from ..beta import DEFAULT_BETA
+from ..shift_matrix import DEFAULT_BETA
 from ..rules import FP16_MAX, SHIFT_BLOCK
 
 __all__ = ["call_stats"]

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import block_tally
-from ..beta import shift_constants
+from ..shift_matrix import shift_constants
 from ..rules import SHIFT_BLOCK
 from ..variants import KERNEL_PRECISIONS, Variant
 from . import hopper, hopper_int8, int8, packed, portable

@@ -101,7 +101,7 @@ def _logits_pasa(q, k_blk, m_i, avg_j, o_j, start_n, n_valid, N_K, a_shift, c_sh
     """PASA, in natural-log units.  Key block ``j`` holds ``n_j`` valid keys; ``a_shift, c_shift`` are the
     stored entries of ``scale (I - beta/n_j 11^T) = a I - c 11^T`` in the GEMM dtype (the full block's,
     or the ragged tail's in the masked call), ``gamma`` the full block's recovery factor, ``tail_ratio``
-    = ``gamma_tail / gamma`` (all from ``beta.py``, computed on the host in float64):
+    = ``gamma_tail / gamma`` (all from ``shift_matrix.py``, computed on the host in float64):
 
         k_shift = a k_blk - c colsum(k_blk)        (fp32, rounded to g; or read from the pre-pass)
         s       = q k_shift^T                       (fp16 in half, fp32 in hybrid)
@@ -519,7 +519,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
         block_n: the shift block, already at most the keys' tile (unused by plain FA); one_block: all
             keys in one shift block.
         centres: the exact shift's pre-pass centres (B, Hk, key blocks, D) fp32, with ``keys_prepared``.
-        shift_constants: PASA's ``beta.shift_constants`` ``(a_full, c_full, a_tail, c_tail, gamma,
+        shift_constants: PASA's ``shift_matrix.shift_constants`` ``(a_full, c_full, a_tail, c_tail, gamma,
             tail_ratio)``.
         config: fixed meta-parameters (``BLOCK_M``, ``num_warps``, ``num_stages``, and ``BLOCK_N`` for
             plain FA and for the exact shift with pre-centred keys, where it divides ``block_n``)

@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from ..beta import shift_entries
+from ..shift_matrix import shift_entries
 from ..rules import FP16_MAX, SHIFT_BLOCK
 
 __all__ = ["FP16_MAX", "max_score", "pasa_half_overflow_margin", "exact_half_overflow_margin", "rmse", "rel_rmse",
@@ -34,7 +34,7 @@ def _blockwise_max_score(q: torch.Tensor, k: torch.Tensor, block_n: int,
 def pasa_half_overflow_margin(q: torch.Tensor, k: torch.Tensor, *, beta: float, scale: float | None = None,
                               block_n: int = SHIFT_BLOCK) -> float:
     """``max |q . k_shift| / 65504`` for the paper's fully-FP16 PASA, with ``k_shift = fp16(scale M_j) k_j``
-    per key block as the kernel and ``reference.pasa_reference`` form it (stored entries from ``beta.py``).
+    per key block as the kernel and ``reference.pasa_reference`` form it (stored entries from ``shift_matrix.py``).
 
     Above 1 the fp16 score tile overflows and PASA half returns non-finite rows: its documented
     condition.  The shift removes the block's (pseudo-)mean key, so this is large where one key lies far
