@@ -117,11 +117,12 @@ def _processor_class(entry: backends.Backend) -> type[CountedAttnProcessor]:
     return getattr(processors, entry.processor)
 
 
-def _processor_arguments(backend: str, options: dict[str, Any], model_dtype: torch.dtype) -> dict[str, Any]:
-    """The constructor arguments of ``backend``'s processor in a model of ``model_dtype``, checked.
+def _checked_arguments(backend: str, options: dict[str, Any]) -> tuple[dict[str, Any], tuple[torch.dtype, ...] | None]:
+    """The constructor arguments of ``backend``'s processor, checked once, up front, and the input dtypes its
+    precision takes (``None`` for a processor that is not PASA's).
 
-    For a PASA processor: its options pass ``rules.check_options``, an explicit ``dtype`` must be one
-    its precision takes, and without one q, k, v are cast to fp16 when the model's dtype is not taken."""
+    For a PASA processor: its options pass ``rules.check_options`` and an explicit ``dtype`` must be one
+    its precision takes."""
     entry = backends.get(backend, "apply")
     absent = backends.missing(backend)
     if absent is not None:
@@ -136,7 +137,7 @@ def _processor_arguments(backend: str, options: dict[str, Any], model_dtype: tor
         raise ValueError(f"apply: backend={backend!r} ({cls.__name__}) takes no options {unknown}")
     arguments = {**fixed, **options}
     if not issubclass(cls, PASAAttnProcessor):
-        return arguments
+        return arguments, None
     defaults = {name: p.default for name, p in inspect.signature(PASAAttnProcessor).parameters.items()
                 if name != "dtype"}
     settings = {**defaults, **getattr(cls, "FIXED", {}), **{k: v for k, v in arguments.items() if k in defaults}}
@@ -146,15 +147,23 @@ def _processor_arguments(backend: str, options: dict[str, Any], model_dtype: tor
     if dtype is not None and dtype not in taken:
         raise ValueError(f"apply: backend={backend!r} (precision={settings['precision']!r}) takes "
                          f"{', '.join(map(_dtype_name, taken))} attention inputs, got dtype={dtype!r}")
-    if dtype is None and model_dtype not in taken:
-        arguments["dtype"] = torch.float16
-    return arguments
+    return arguments, taken
+
+
+def _model_arguments(checked: tuple[dict[str, Any], tuple[torch.dtype, ...] | None],
+                     model_dtype: torch.dtype) -> dict[str, Any]:
+    """The checked arguments (``_checked_arguments``) in a model of ``model_dtype``: without a ``dtype``, a
+    PASA processor's q, k, v are cast to fp16 when its precision does not take the model's dtype."""
+    arguments, taken = checked
+    if taken is None or arguments.get("dtype") is not None or model_dtype in taken:
+        return arguments
+    return {**arguments, "dtype": torch.float16}
 
 
 def cast_dtype(backend: str, model_dtype: torch.dtype, **options: Any) -> torch.dtype | None:
     """The dtype ``apply(model, backend, **options)`` casts q, k and v to in a model of ``model_dtype``
     (``None``: attention runs in the model's dtype)."""
-    return _processor_arguments(backend, options, model_dtype).get("dtype")
+    return _model_arguments(_checked_arguments(backend, options), model_dtype).get("dtype")
 
 
 def _head_dim(module: torch.nn.Module) -> int | None:
@@ -259,7 +268,7 @@ def apply(
         the dtypes are names (``"float32"``), comma-separated if the models acted on differ.
     """
     models = _components(model_or_pipeline, vae)
-    _processor_arguments(backend, options, torch.float32)  # a bad backend or option fails first
+    checked = _checked_arguments(backend, options)  # a bad backend or option fails first, checked once
     selected = {"spatial": spatial, "temporal": temporal, "video": video}
     counts = dict.fromkeys(KINDS, 0)
     installed = 0
@@ -269,7 +278,7 @@ def apply(
     plans = []
     for prefix, model in models:
         dtype = _model_dtype(model)
-        cls, arguments = _processor_class(backends.BACKENDS[backend]), _processor_arguments(backend, options, dtype)
+        cls, arguments = _processor_class(backends.BACKENDS[backend]), _model_arguments(checked, dtype)
         stock = getattr(model, _SAVED_ATTR, None) or attention_processors(model)
         processors = attention_processors(model)
         for key in list(processors):

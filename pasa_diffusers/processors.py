@@ -43,7 +43,7 @@ from diffusers.models.attention_processor import Attention
 from . import fallbacks, peers, rules
 from .masks import attend_kept_keys
 from .ops import pasa_attention
-from .variants import DEFAULT_PRECISION, DEFAULT_SHIFT, Variant
+from .variants import DEFAULT_PRECISION, DEFAULT_SHIFT, VARIANTS
 
 __all__ = [
     "CountedAttnProcessor",
@@ -309,7 +309,7 @@ class PASAAttnProcessor(CountedAttnProcessor):
         if dtype is not None and dtype not in rules.PRECISION_DTYPES[precision]:
             raise ValueError(f"{fn}: precision={precision!r} takes {_names(rules.PRECISION_DTYPES[precision])} "
                              f"inputs, got dtype={dtype}")
-        self.variant = Variant(rules.shift_mode(shift), precision)
+        self.variant = VARIANTS[rules.shift_mode(shift), precision]  # checked above: a lookup, not a new check
         self.beta = beta
         self.fallback_cases = ("attention mask", "single key") + (("one key block",) if precision == "int8" else ())
 
