@@ -54,7 +54,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     (f"{PACKAGE}.reference",),
     (f"{PACKAGE}.reference_int8",),
     # the kernels: router -> kernel files -> shared kernel helpers
-    (KERNELS,),
+    (f"{KERNELS}.__init__",),
     (f"{KERNELS}.dispatch",),
     (f"{KERNELS}.portable", f"{KERNELS}.packed", f"{KERNELS}.prepass", f"{KERNELS}.int8", f"{KERNELS}.hopper",
      f"{KERNELS}.hopper_int8"),
