@@ -7,6 +7,8 @@ name gives one of them a unit of its own).  The rules, with no exceptions:
 - every module of the installed package is in exactly one unit;
 - an import goes to a unit in a lower layer, or stays inside its own unit: never up, and never sideways to
   another unit of the same layer (the units of one layer are independent);
+- a kernel file (the layer under the router, ``kernels/dispatch.py``) imports only the kernel helpers below it
+  and the spec constants (``rules``, ``shift_matrix``);
 - no module reaches itself through imports: cycles are found by a graph search (strongly connected
   components) over every import of every module, at module level and inside functions, methods and
   ``TYPE_CHECKING`` blocks alike, so that also a circle inside one unit fails.
@@ -195,11 +197,14 @@ def unit_of(module: str, layers: Iterable[Iterable[str]] = LAYERS) -> tuple[int,
 
 
 def layer_violations(edges: Iterable[Edge], layers: tuple[tuple[str, ...], ...] = LAYERS) -> list[str]:
-    """Every edge that goes up a layer or sideways between two units of one layer, explained."""
+    """Every edge that goes up a layer or sideways between two units of one layer, explained (an edge from or
+    to a module in no unit is ``test_every_module_is_in_exactly_one_unit``'s to report)."""
     bad = []
     for edge in edges:
-        (source_layer, source_unit), (target_layer, target_unit) = unit_of(edge.source, layers), \
-            unit_of(edge.target, layers)
+        source, target = unit_of(edge.source, layers), unit_of(edge.target, layers)
+        if source is None or target is None:
+            continue
+        (source_layer, source_unit), (target_layer, target_unit) = source, target
         if source_unit == target_unit or target_layer > source_layer:
             continue
         how = "sideways (same layer)" if target_layer == source_layer else \
@@ -283,6 +288,26 @@ def test_every_module_is_in_exactly_one_unit():
 def test_every_import_goes_down_a_layer():
     bad = layer_violations(EDGES)
     assert not bad, f"{len(bad)} import(s) go up or sideways:\n" + "\n".join(bad)
+
+
+KERNEL_FILES = LAYERS[[f"{KERNELS}.dispatch" in layer for layer in LAYERS].index(True) + 1]
+"""The kernel files: the layer right under the router."""
+SPEC_CONSTANTS = (f"{PACKAGE}.rules", f"{PACKAGE}.shift_matrix")
+"""What a kernel file may read outside ``kernels/``: the op's rules and the shift's constants (not the variants'
+names, not the global tallies: those are the router's)."""
+
+
+def test_kernel_files_import_only_the_kernel_helpers_and_the_spec_constants():
+    helpers = {unit for layer in LAYERS[LAYERS.index(KERNEL_FILES) + 1:] for unit in layer if within(unit, KERNELS)}
+    assert helpers and all(within(unit, KERNELS) for unit in KERNEL_FILES)
+    def unit(module: str) -> str | None:
+        found = unit_of(module)
+        return None if found is None else found[1]
+
+    bad = [str(edge) for edge in EDGES if unit(edge.source) in KERNEL_FILES
+           and unit(edge.target) not in helpers | set(SPEC_CONSTANTS)]
+    assert not bad, (f"{len(bad)} import(s) of a kernel file reach beyond the kernel helpers "
+                     f"({', '.join(sorted(helpers))}) and {', '.join(SPEC_CONSTANTS)}:\n" + "\n".join(bad))
 
 
 def test_no_module_imports_itself_back():
