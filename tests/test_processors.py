@@ -587,3 +587,43 @@ def test_the_peers_are_wrapped_once_for_the_processors_and_the_bench(monkeypatch
     assert calls[-1]["tensor_layout"] == "HND" and calls[-1]["sm_scale"] is None
     with pytest.raises(ValueError, match=r"^peers.prepare: unknown peer='cudnn'"):
         peers.prepare("cudnn", q, k, v)
+
+
+def test_every_fallback_is_decided_in_fallbacks_with_its_reason():
+    """``fallbacks.call_reason`` (what a routed call carries) and ``fallbacks.processor_reason`` (what the
+    processor's op cannot take) name every fallback; each reason is one of ``fallbacks.REASONS``."""
+    from types import SimpleNamespace
+
+    from pasa_diffusers import fallbacks
+
+    key = torch.zeros(2, 300, 4, 32)  # (B, N, H, D)
+    cp = SimpleNamespace(context_parallel_config=SimpleNamespace(ring_degree=2, ulysses_degree=1))
+    one_rank = SimpleNamespace(context_parallel_config=SimpleNamespace(ring_degree=1, ulysses_degree=1))
+    padding, per_query = torch.ones(2, 1, 1, 300, dtype=torch.bool), torch.ones(2, 1, 7, 300, dtype=torch.bool)
+    cases = [  # (mask, dropout_p, is_causal, attention_kwargs, parallel_config) -> reason
+        ((None, 0.0, False, None, None), None),
+        ((None, 0.0, False, {"x": 1}, None), "attention kwargs"),
+        ((None, 0.0, False, {"x": 1}, one_rank), "context parallel"),
+        ((None, 0.0, True, None, None), "causal"),
+        ((None, 0.1, False, None, None), "dropout"),
+        ((None, 0.0, True, None, one_rank), "causal"),
+        ((None, 0.0, True, None, cp), "context parallel"),
+        ((per_query, 0.0, False, None, cp), "context parallel"),
+        ((padding, 0.0, False, None, cp), None),
+        ((per_query, 0.0, False, None, None), None),  # the processor decides on the mask
+    ]
+    for (mask, dropout_p, is_causal, kwargs, config), reason in cases:
+        assert fallbacks.call_reason(key, mask, dropout_p, is_causal, kwargs, config) == reason, (mask, reason)
+    pasa, int8, peer, sdpa = (P.PASAAttnProcessor(), P.PASAAttnProcessor(precision="int8"),
+                              P.PeerAttnProcessor("flash"), P.SDPAAttnProcessor())
+    bias = torch.randn(2, 1, 1, 300)
+    one_key, one_block = torch.zeros(2, 1, 4, 32), torch.zeros(2, 128, 4, 32)
+    assert [p.fallback_reason(None, one_key, None) for p in (pasa, int8, peer, sdpa)] == \
+        ["single key", "single key", None, None]
+    assert [p.fallback_reason(None, key, bias) for p in (pasa, int8, peer, sdpa)] == \
+        ["attention mask", "attention mask", "attention mask", None]
+    assert [p.fallback_reason(None, one_block, padding[..., :128]) for p in (pasa, int8, peer)] == \
+        [None, "one key block", None]
+    assert [p.fallback_reason(None, key, None) for p in (pasa, int8, peer, sdpa)] == [None] * 4
+    assert set(fallbacks.PROCESSOR_REASONS) <= set(fallbacks.REASONS)
+    assert all(set(p.fallback_cases) <= set(fallbacks.PROCESSOR_REASONS) for p in (pasa, int8, peer, sdpa))
