@@ -21,7 +21,7 @@ sends the call of a routed processor through that same machinery, the processor'
 forward op (:func:`forward_op`): ``pasa_attention`` for the PASA backends (``return_lse=True`` in the
 ring, its ``(B, H, N)`` LSE transposed to diffusers' ``(B, N, H)``), the processor's ``attention`` hook
 for the others.  Each call is counted as the backend's own (not a fallback) and its schedule in
-``counted.schedules`` (:func:`schedule_summary` adds them up):
+``counted.schedules`` (``parallel.schedule_summary`` adds them up):
 
 - ``"ulysses"``, ``"ring"``, ``"ulysses+ring"``: diffusers' templated schedule with our op;
 - ``"gathered"``: a call with a key-padding mask (LTX-Video's text cross-attention), or a backend that
@@ -34,9 +34,9 @@ for the others.  Each call is counted as the backend's own (not a fallback) and 
 
 What falls back to diffusers' own dispatcher with the parallel config (counted ``"context parallel"``,
 decided by ``fallbacks.call_reason``): a causal call, dropout, a mask that is not broadcast over the
-queries, ``attention_kwargs`` (none of the video transformers asks for them at inference).  The op is forward-only: a call whose inputs require
-grad with grad mode on is a ``RuntimeError`` (diffusers' templated functions run the op under no-grad,
-so the op's own check would not see it).
+queries, ``attention_kwargs`` (none of the video transformers asks for them at inference).  The op is
+forward-only: a call whose inputs require grad with grad mode on is a ``RuntimeError`` (diffusers' templated
+functions run the op under no-grad, so the op's own check would not see it).
 
 ``parallel.py`` sets a model up (``parallel.enable_parallelism``) and adds up the schedules
 (``parallel.schedule_summary``); the private diffusers functions this module runs are called through
