@@ -15,9 +15,12 @@ import inspect
 import json
 import logging
 import math
+import os
 import re
+import socket
 import types
 import typing
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +37,7 @@ from safetensors import SafetensorError, safe_open
 from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
 
 from .images import load_image
+from .quiet import quiet
 from .names import BUILTIN_MODELS, BUILTIN_VIDEO_MODELS, TINY_VIDEO_PIPELINES, is_hub_id
 from .resonant import build_tiny_resonant
 from .svd_xt_random import build_svd_xt_random, svd_xt_scheduler
@@ -287,6 +291,32 @@ def _cached_snapshot(model: str) -> Path | None:
     return Path(found).parent if isinstance(found, str) else None
 
 
+_HUB_PROBE_SECONDS = 5.0
+_PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+_unreachable: dict[str, str | None] = {}
+
+
+def hub_unreachable() -> str | None:
+    """Why the Hugging Face hub's endpoint cannot be reached from here (``"gaierror: [Errno -2] Name or service not
+    known"``: a TCP connection to it, ``_HUB_PROBE_SECONDS`` at most, once per process), or ``None``.
+
+    Asked before a hub id that is not in the cache is downloaded: huggingface_hub retries every request five times,
+    1 + 2 + 4 + 8 + 8 s apart, logging each retry, so an offline machine answered after 33-80 s of retries.  Behind a
+    proxy (``HTTPS_PROXY`` and the like) the probe is skipped (``None``): the proxy may reach what this host cannot."""
+    endpoint = huggingface_hub.constants.ENDPOINT
+    if endpoint not in _unreachable:
+        url = urllib.parse.urlsplit(endpoint)
+        why = None
+        if not any(os.environ.get(name) for name in _PROXY_VARIABLES) and url.hostname:
+            try:
+                socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
+                                         timeout=_HUB_PROBE_SECONDS).close()
+            except OSError as exc:
+                why = f"{type(exc).__name__}: {exc}"
+        _unreachable[endpoint] = why
+    return _unreachable[endpoint]
+
+
 def _from_pretrained(model: str, *, dtype: torch.dtype, variant: str | None,
                      local_files_only: bool) -> StableVideoDiffusionPipeline:
     """``StableVideoDiffusionPipeline.from_pretrained`` from safetensors, its errors as ``ModelLoadError``."""
@@ -306,6 +336,10 @@ def _from_pretrained(model: str, *, dtype: torch.dtype, variant: str | None,
             )
         if snapshot is not None:
             _check_weights(snapshot, f"download it again (huggingface-cli download {model} --force-download)")
+        elif (why := hub_unreachable()) is not None:
+            raise ModelLoadError(
+                f"load_svd: hub id model={model!r} is not in the local Hugging Face cache ({cache}) and could not be "
+                f"downloaded ({why}); check the name and the network, or pass a folder written by save_pretrained()")
     saved = folder or _cached_snapshot(model)
     if saved is not None:
         _check_index(model, json.loads((saved / "model_index.json").read_text()))
@@ -352,6 +386,7 @@ def _check_index(model: str, index: Any) -> None:
         raise ModelLoadError(f"load_svd: model={model!r}: {problem}")
 
 
+@quiet()
 def load_svd(
     model: str = "tiny",
     *,
@@ -374,6 +409,8 @@ def load_svd(
         dtype: dtype of every component (e.g. ``torch.float16`` for the fully-FP16 study).
         variant: weight file variant of a hub id or folder (e.g. ``"fp16"``); not valid with a built-in model.
         local_files_only: never contact the hub (the cache or the folder must hold the files).
+
+    What diffusers, transformers and huggingface_hub log and warn meanwhile is held back (``quiet``).
 
     Raises:
         ModelLoadError: the pipeline cannot be loaded; the message says why and what to do (a name that

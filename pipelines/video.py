@@ -27,6 +27,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ from diffusers.utils import is_accelerate_available
 
 from . import svd
 from .names import BUILTIN_VIDEO_MODELS, TINY_VIDEO_SETTINGS, is_hub_id
+from .quiet import quiet
 from .svd import ModelLoadError
 from .video_dits import (tiny_cogvideox_vae, tiny_hunyuan_video_vae, tiny_ltx_video_vae, tiny_mochi_vae,
                          tiny_transformer, tiny_wan_vae)
@@ -212,6 +214,8 @@ def _model_index(model: str, local_files_only: bool) -> dict[str, Any] | None:
             index = path / "model_index.json"
         elif is_hub_id(model):
             cached = huggingface_hub.try_to_load_from_cache(model, "model_index.json")
+            if not isinstance(cached, str) and not local_files_only and svd.hub_unreachable() is not None:
+                return None  # not retried five times: the loader says why in one line
             index = Path(cached if isinstance(cached, str) else
                          huggingface_hub.hf_hub_download(model, "model_index.json", local_files_only=local_files_only))
         else:
@@ -244,6 +248,7 @@ def _class_name(model: str, local_files_only: bool) -> str | None:
     return index.get("_class_name") if isinstance(index, dict) else None
 
 
+@quiet()
 def load_video(model: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                local_files_only: bool = False) -> DiffusionPipeline:
     """Load a video-transformer pipeline (``VIDEO_PIPELINES``) without its tokenizer and text encoder.
@@ -257,6 +262,8 @@ def load_video(model: str, *, device: str | torch.device = "cpu", dtype: torch.d
         device, dtype: where and in which dtype the pipeline runs (modules a model keeps in float32 stay so, also
             without the package ``accelerate``: ``_fp32_kept_components``).
         local_files_only: never contact the hub.
+
+    What diffusers, transformers and huggingface_hub log and warn meanwhile is held back (``quiet``).
 
     Raises:
         ModelLoadError: the pipeline cannot be loaded (the message says why and what to do).
@@ -582,14 +589,19 @@ def generate(pipe: DiffusionPipeline, *, num_frames: int, num_inference_steps: i
         kwargs = {"pooled_prompt_embeds": pooled[0], "negative_pooled_prompt_embeds": pooled[1], **kwargs}
     previous_config = getattr(pipe, "_progress_bar_config", {})
     pipe.set_progress_bar_config(**{**previous_config, "disable": not progress})
+    guidance = _call_default(pipe, "guidance_scale") if guidance_scale is None else guidance_scale
     try:
-        final_latents = pipe(
-            prompt_embeds=positive, negative_prompt_embeds=negative, height=height, width=width, num_frames=num_frames,
-            num_inference_steps=num_inference_steps,
-            guidance_scale=_call_default(pipe, "guidance_scale") if guidance_scale is None else guidance_scale,
-            generator=torch.Generator(device="cpu").manual_seed(seed), latents=latents, output_type="latent",
-            **kwargs,
-        ).frames
+        with warnings.catch_warnings():
+            if _family(pipe) == "mochi":  # its rotary table is made under autocast(float32), which CPU autocast refuses
+                warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype is not supported",
+                                        category=UserWarning,
+                                        module=r"diffusers\.models\.transformers\.transformer_mochi$")
+            final_latents = pipe(
+                prompt_embeds=positive, negative_prompt_embeds=negative, height=height, width=width,
+                num_frames=num_frames, num_inference_steps=num_inference_steps, guidance_scale=guidance,
+                generator=torch.Generator(device="cpu").manual_seed(seed), latents=latents, output_type="latent",
+                **kwargs,
+            ).frames
     finally:
         pipe.set_progress_bar_config(**previous_config)
     return svd.to_frames(_decode(pipe, final_latents, num_frames=num_frames, height=height, width=width))

@@ -328,6 +328,33 @@ def test_a_model_index_naming_another_pipeline_is_refused(saved, tmp_path, name)
         load_pipeline(str(folder))
 
 
+def test_an_unreachable_hub_is_one_error_at_once_without_retries(tmp_path, monkeypatch):
+    """No network: one line after one failed connection (was: five logged retries per request, 33-80 s)."""
+    import time
+
+    import huggingface_hub
+    import huggingface_hub.constants
+
+    from pasa_diffusers.pipelines import svd, video
+
+    for name in svd._PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")  # the discard port: refused
+    monkeypatch.setattr(svd, "_unreachable", {})
+
+    def no_download(*args, **kwargs):
+        raise AssertionError("a request was sent to an unreachable hub")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", no_download)
+    start = time.perf_counter()
+    with pytest.raises(ModelLoadError, match=r"^load_svd: hub id model='org/not-cached' is not in the local Hugging "
+                                             r"Face cache .* and could not be downloaded \(ConnectionRefusedError: "
+                                             r".*\); check the name and the network, or pass a folder"):
+        video.load_pipeline("org/not-cached")
+    assert time.perf_counter() - start < 5
+
+
 def test_a_hub_id_neither_cached_nor_downloadable(tmp_path, monkeypatch):
     """Offline: what happened and what to do, never 'pass local_files_only=False'."""
     import huggingface_hub.constants

@@ -12,6 +12,7 @@ import logging
 import re
 import shutil
 import subprocess
+import warnings
 
 import numpy as np
 import pytest
@@ -134,6 +135,35 @@ def test_a_saved_wan_that_cannot_be_its_model_is_refused_naming_the_component(sa
             weights.unlink()
     with pytest.raises(svd.ModelLoadError, match="^load_video: " + message.format(folder=re.escape(str(folder)))):
         video.load_pipeline(str(folder))
+
+
+def test_loading_a_saved_folder_keeps_third_party_logs_out_unless_asked(saved_wan):
+    """diffusers advised `pip install accelerate` on every load of a saved folder, and said a float16 pipeline on
+    the CPU "will fail" (it runs); both held back by pipelines.quiet, shown with --debug (quiet.show)."""
+    from pasa_diffusers.pipelines import quiet
+
+    class Collect(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.messages: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.messages.append(record.getMessage())
+
+    collect = Collect()
+    root = logging.getLogger("diffusers")  # its own handler writes to the stderr it found at import
+    root.addHandler(collect)
+    try:
+        video.load_pipeline(str(saved_wan), dtype=torch.float16)
+        held_back = list(collect.messages)
+        quiet.show(True)
+        video.load_pipeline(str(saved_wan), dtype=torch.float16)
+    finally:
+        quiet.show(None)
+        root.removeHandler(collect)
+    assert held_back == []
+    shown = " ".join(collect.messages)
+    assert "will fail" in shown and (is_accelerate_available() or "pip install accelerate" in shown)
 
 
 def test_a_saved_tiny_wan_loads_in_half_precision_keeping_its_float32_modules(tmp_path):
@@ -318,6 +348,18 @@ def test_the_other_builtins_generate_seeded_frames_in_range(pipes, name):
     frames = video.generate(pipe, progress=False, **_small(name))
     assert np.array_equal(frames, video.generate(pipe, progress=False, **_small(name)))
     assert not np.array_equal(frames, video.generate(pipe, progress=False, **_small(name, seed=1)))
+
+
+def test_mochi_runs_without_torchs_cpu_autocast_warning(pipes):
+    """Mochi's rotary table is made under autocast(float32), which torch's CPU autocast refuses with a UserWarning on
+    every run; dropped there (video.generate), and nowhere else."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        video.generate(pipes["tiny-mochi"], progress=False, **_small("tiny-mochi"))
+        with torch.autocast("cpu", torch.float32):
+            pass
+    assert [str(w.message).splitlines()[0] for w in caught] == [
+        "In CPU autocast, but the target dtype is not supported. Disabling autocast."]  # outside: still warned
 
 
 def test_the_initial_noise_is_laid_out_as_each_pipeline_takes_it(pipes):

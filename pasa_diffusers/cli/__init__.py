@@ -18,6 +18,7 @@ import sys
 from typing import NoReturn
 
 from .. import env
+from ..pipelines import quiet
 from . import compare, diagnose, generate, numerics, save_model, warmup
 from .common import UsageError
 
@@ -85,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         prog = f"pasa {args.command}"
+        quiet.show(_debug(argv))  # diffusers', transformers' and the hub's logs and warnings only with --debug
         module = _NAMES[args.command]
         if hasattr(module, "validate"):
             module.validate(args)
