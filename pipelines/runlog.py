@@ -250,8 +250,13 @@ def _read_manifest(out: Path) -> dict[str, Any] | None:
 def _another_run(out: Path, there: dict[str, Any], here: dict[str, Any]) -> MixedRunError:
     changed = [f"{key} {_show(there.get(key))} there, {_show(here.get(key))} now"
                for key in sorted(set(there) | set(here)) if there.get(key) != here.get(key)]
+    threads = ""
+    if "cpu_threads" in there and there.get("cpu_threads") != here.get("cpu_threads"):
+        threads = (f"; torch's CPU thread count sets the last bits of every video: resume it with "
+                   f"OMP_NUM_THREADS={there['cpu_threads']} before the same command (each torchrun process runs one "
+                   "thread)")
     return MixedRunError(f"--out {out} holds another run ({'; '.join(changed)}); a resume needs the same "
-                         "settings: choose another --out, or delete the folder to start over")
+                         f"settings{threads}; or choose another --out, or delete the folder to start over")
 
 
 def check_folder(out: str | os.PathLike, run: dict[str, Any]) -> bool:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from pasa_diffusers import processors
 from pasa_diffusers.cli import build_parser, main
@@ -143,6 +144,30 @@ def test_two_gloo_processes_equal_one(one_process, tmp_path):
     assert two["worst"] == one["worst"]
     assert_worst_videos(out, 2)
     assert "Scores against the fp32 reference" in done.stdout and done.stdout.count("Paired differences") == 1
+
+
+def test_a_torchrun_run_resumes_in_one_process_on_one_thread_as_the_docs_say(one_process, tmp_path, capsys):
+    """docs/METRICS.md: a torchrun run (one CPU thread per process) resumes with one process; the thread count sets
+    the last bits of every video, so that process runs one thread too (OMP_NUM_THREADS=1), and with two the
+    refusal names that recipe (was: "cpu_threads 1 there, 2 now" and advice to delete the folder)."""
+    out = tmp_path / "torchrun"
+    shutil.copytree(one_process, out)
+    assert json.loads((out / runlog.MANIFEST).read_text())["run"]["cpu_threads"] == 1  # as each torchrun process
+    before = (out / runlog.SAMPLES).read_bytes()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert main(["compare", *SMALL, "--seeds", "0-1", "--out", str(out)]) == 2
+    finally:
+        torch.set_num_threads(threads)
+    assert re.fullmatch(r"pasa compare: error: --out .* holds another run \(cpu_threads 1 there, 2 now\); a resume "
+                        r"needs the same settings; torch's CPU thread count sets the last bits of every video: resume "
+                        r"it with OMP_NUM_THREADS=1 before the same command \(each torchrun process runs one thread\); "
+                        r"or choose another --out, or delete the folder to start over\n", capsys.readouterr().err)
+    assert threads == 1  # conftest: the suite runs one thread, as OMP_NUM_THREADS=1 sets it
+    assert main(["compare", *SMALL, "--seeds", "0-1", "--out", str(out)]) == 0
+    assert "resuming: 8 of 8 results already done" in capsys.readouterr().err
+    assert (out / runlog.SAMPLES).read_bytes() == before
 
 
 def test_the_committed_sample_is_the_default_run_and_the_readme_shows_its_table():
