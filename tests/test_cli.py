@@ -236,3 +236,30 @@ def test_positive_float_refuses(text):
 def test_check_out_dir_creates_the_folder(tmp_path):
     out = common.check_out_dir(tmp_path / "a" / "b")
     assert out.is_dir() and list(out.iterdir()) == []  # the probe file is gone
+
+
+@pytest.mark.parametrize("model, sizes, keys", [
+    ("tiny-ltx-video", [], 128),  # 48 video tokens, 128 text tokens in the cross-attention
+    ("tiny-ltx-video", ["--height", "192", "--width", "224"], 128),  # 3 x 6 x 7 = 126 video tokens
+    ("tiny-cogvideox", [], 55),  # 48 video + 7 text tokens in one joint attention
+])
+def test_an_8_bit_backend_of_one_key_block_is_refused_before_any_step(model, sizes, keys, tmp_path, capsys):
+    """Every call of these runs has at most one key block (128 keys): pasa-int8 would compute all in 16 bits
+    (its fallback) and was refused only after the whole video; now before the first step, nothing written."""
+    out = tmp_path / "out"
+    assert main(["generate", "--model", model, *sizes, "--attention", "pasa-int8", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"pasa generate: error: --attention pasa-int8: every attention call of ") and (
+        f"takes at most {keys} keys, one key block of 128, which pasa-int8 computes in 16 bits (its documented "
+        "fallback): no call would run in 8 bits; generate a larger video (more than 128 tokens) or choose another "
+        "backend") in err
+    assert list(out.iterdir()) == []
+
+
+def test_an_8_bit_backend_runs_from_one_key_past_a_block(tmp_path, capsys):
+    """The bound is exact: 3 x 7 x 7 = 147 video tokens (two key blocks) run in 8 bits in the self-attentions, while
+    the cross-attentions to 128 text tokens fall back, as counted."""
+    assert main(["generate", "--model", "tiny-ltx-video", "--height", "224", "--width", "224", "--steps", "2",
+                 "--attention", "pasa-int8", "--out", str(tmp_path)]) == 0
+    printed = json.loads(capsys.readouterr().out.split("\nall frames finite")[0].split("\n", 1)[1])
+    assert printed["fallbacks"] == {"one key block": printed["calls"] // 2}

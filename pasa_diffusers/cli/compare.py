@@ -24,7 +24,8 @@ from pasa_diffusers.metrics.limits import MIN_GIF_FPS, fps_argument
 from pasa_diffusers.pipelines.names import BUILTIN_IMAGES
 
 from .common import (MAX_SEED, SCORED_MIN_SIZE, UsageError, add_generation_args, backend_help, check_device,
-                     check_file, check_image, check_model, int_range, load_model, model_dtype, model_help, path_kind)
+                     check_file, check_image, check_key_blocks, check_model, int_range, load_model, model_dtype,
+                     model_help, path_kind)
 
 __all__ = ["add_parser", "validate", "check_out", "check_not_in_use", "run", "seed_list", "image_list", "backend_list"]
 
@@ -186,7 +187,13 @@ def run(args: argparse.Namespace) -> int:
             local_files_only=args.local_files_only, fps=args.fps, worst=args.worst)
 
         def load(device: str, dtype: object) -> object:
-            return load_model(argparse.Namespace(**{**vars(args), "device": device}), video=True)
+            from pasa_diffusers.pipelines.video import default_settings, is_video_pipeline
+
+            pipe = load_model(argparse.Namespace(**{**vars(args), "device": device}), video=True)
+            own = default_settings(pipe) if is_video_pipeline(pipe) else {}
+            check_key_blocks(pipe, {name: own[name] if value is None else value for name, value in sizes.items()},
+                             args.backends, "--backends")
+            return pipe
 
         try:
             report = compare.evaluate(config, args.out, dist=dist, load_pipeline=load, command=command)
@@ -194,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
                 compare.WriteError) as exc:
             raise UsageError(str(exc)) from exc
         except install.AllCallsFellBackError as exc:
-            raise UsageError(f"--backends: {exc}; choose another backend or --dtype") from exc
+            raise UsageError(f"--backends: {exc}; choose another backend") from exc
         except compare.RunInterrupted as exc:
             print(f"pasa compare: {exc}", file=sys.stderr)
             return INTERRUPTED

@@ -8,8 +8,8 @@ from pathlib import Path
 from pasa_diffusers.metrics.limits import MIN_GIF_FPS, fps_argument
 
 from ..backends import BACKENDS, missing
-from .common import (UsageError, add_generation_args, backend_help, conditioning_notice, generation_settings,
-                     load_condition_image, load_model, validate_generation_args)
+from .common import (UsageError, add_generation_args, backend_help, check_key_blocks, conditioning_notice,
+                     generation_settings, load_condition_image, load_model, validate_generation_args)
 
 __all__ = ["add_parser", "validate", "run"]
 
@@ -42,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--out {args.out}: {exc}") from exc
     pipe = load_model(args, video=True)
     settings = generation_settings(args, pipe)
+    check_key_blocks(pipe, settings, [args.attention], "--attention")
     try:
         summary = install.apply(pipe, args.attention)
     except ValueError as exc:  # the backend cannot run this model's attention (e.g. its head dims)
