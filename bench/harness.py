@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm import tqdm
 
-from pasa_diffusers import peers
+from pasa_diffusers import backends, peers
 from pasa_diffusers.shift_matrix import DEFAULT_BETA
 from pasa_diffusers.env import flag as env_flag
 from pasa_diffusers.metrics import records
@@ -253,7 +253,9 @@ def _sage_method() -> Method:
     return Method("sageattn", "peer", build)
 
 
-_PEER_MODULES = {"fa3-bf16": "fa3_fwd_interface", "fa3-fp8": "fa3_fwd_interface", "sageattn": "sageattention"}
+_PEER_MODULES = {name: backends.BACKENDS[peer].requires[0]
+                 for name, peer in (("fa3-bf16", "fa3"), ("fa3-fp8", "fa3-fp8"), ("sageattn", "sage"))}
+"""Each peer method -> the module it imports: its backend's (``backends.BACKENDS[...].requires``)."""
 
 
 @functools.cache
