@@ -355,6 +355,25 @@ def test_an_unreachable_hub_is_one_error_at_once_without_retries(tmp_path, monke
     assert time.perf_counter() - start < 5
 
 
+def test_generate_into_a_folder_of_a_longer_video_leaves_only_the_new_frames(tmp_path, capsys):
+    """pasa generate of 4 frames, then of 2 into the same --out: the frame folder holds the 2 new frames only (was:
+    frames 0-1 new beside 2-3 old, exit 0); a frame folder holding another file is refused in one line."""
+    from pasa_diffusers.cli import main
+
+    flags = ["generate", "--model", "tiny", "--attention", "sdpa", "--steps", "1", "--height", "16", "--width", "16",
+             "--out", str(tmp_path)]
+    assert main([*flags, "--frames", "4"]) == 0
+    assert main([*flags, "--frames", "2"]) == 0
+    assert sorted(p.name for p in (tmp_path / "sdpa").iterdir()) == ["frame_0000.png", "frame_0001.png"]
+    (tmp_path / "sdpa" / "notes.txt").write_text("mine")
+    capsys.readouterr()
+    assert main([*flags, "--frames", "2"]) == 2
+    assert capsys.readouterr().err == (f"pasa generate: error: --out {tmp_path}: the frame folder {tmp_path / 'sdpa'} "
+                                       "holds 'notes.txt', which is not a frame_NNNN.png frame; a new video replaces "
+                                       "that folder whole only when it holds frames alone: remove it or choose "
+                                       "another --out\n")
+
+
 def test_a_hub_id_neither_cached_nor_downloadable(tmp_path, monkeypatch):
     """Offline: what happened and what to do, never 'pass local_files_only=False'."""
     import huggingface_hub.constants
