@@ -12,6 +12,8 @@ Launchers: :func:`centre_keys`, :func:`shift_keys` (resolved arguments: the call
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -108,6 +110,20 @@ def _warps(block_d: int) -> int:
     return 4 if block_d <= 64 else 8
 
 
+@functools.lru_cache(maxsize=None)
+def _tile(head_dim: int) -> tuple[int, int]:
+    """``(BLOCK_D, warps)`` of a head dim, worked out once per head dim (``pow2_tile`` costs microseconds a
+    call on the host)."""
+    block_d = pow2_tile(head_dim)
+    return block_d, _warps(block_d)
+
+
+@functools.lru_cache(maxsize=None)
+def _ulp(dtype: torch.dtype) -> float:
+    """``torch.finfo(dtype).eps``, looked up once per dtype."""
+    return torch.finfo(dtype).eps
+
+
 def centre_keys(k: torch.Tensor, *, block_n: int, exact: bool,
                 centres_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """``(k_c, centres)`` of ``k`` (B, Hk, Nk, D), any strides with unit stride in D, for key blocks of
@@ -116,14 +132,14 @@ def centre_keys(k: torch.Tensor, *, block_n: int, exact: bool,
     engine reads: the centres are values of ``k.dtype``, so either holds them exactly): the exact centres
     (``exact``, the hybrid precision) or the rounded block means (half)."""
     batch, h_k, n_k, head_dim = k.shape
-    block_d = pow2_tile(head_dim)
+    block_d, warps = _tile(head_dim)
     n_blocks = cdiv(n_k, block_n)
     k_c = torch.empty((batch, h_k, n_k, head_dim), dtype=k.dtype, device=k.device)
     centres = torch.empty((batch, h_k, n_blocks, head_dim), dtype=centres_dtype, device=k.device)
     centre_k_kernel[(batch * h_k, n_blocks)](
         k, k_c, centres, *strides3(k), *strides3(k_c), *strides3(centres), h_k, n_k,
-        torch.finfo(k.dtype).eps, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
-        EXACT_CENTRE=exact, INTERPRET_BF16=INTERPRET and k.dtype == torch.bfloat16, num_warps=_warps(block_d))
+        _ulp(k.dtype), HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
+        EXACT_CENTRE=exact, INTERPRET_BF16=INTERPRET and k.dtype == torch.bfloat16, num_warps=warps)
     return k_c, centres
 
 
@@ -132,10 +148,10 @@ def shift_keys(k: torch.Tensor, *, block_n: int, a_full: float, c_full: float, a
     """PASA's shifted keys of ``k`` (B, Hk, Nk, D), any strides with unit stride in D, for key blocks of
     ``block_n``: contiguous (B, Hk, Nk, D) in ``k.dtype``; ``a_*``, ``c_*`` as :func:`shift_k_kernel`."""
     batch, h_k, n_k, head_dim = k.shape
-    block_d = pow2_tile(head_dim)
+    block_d, warps = _tile(head_dim)
     k_shift = torch.empty((batch, h_k, n_k, head_dim), dtype=k.dtype, device=k.device)
     shift_k_kernel[(batch * h_k, cdiv(n_k, block_n))](
         k, k_shift, *strides3(k), *strides3(k_shift), h_k, n_k, a_full, c_full, a_tail, c_tail,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, INTERPRET_BF16=INTERPRET and k.dtype == torch.bfloat16,
-        num_warps=_warps(block_d))
+        num_warps=warps)
     return k_shift
