@@ -29,7 +29,10 @@ import time
 
 import torch
 
-from pasa_diffusers.shift_matrix import DEFAULT_BETA
+try:
+    from pasa_diffusers.shift_matrix import DEFAULT_BETA
+except ImportError:  # an old copy, from before beta.py became shift_matrix.py
+    from pasa_diffusers.beta import DEFAULT_BETA
 
 SHAPES = {  # (B, Hq, Hk, Nq, Nk, D)
     "spatial-ragged": (2, 4, 4, 700, 700, 64),
