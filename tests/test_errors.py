@@ -323,3 +323,18 @@ def test_a_folder_in_use_is_refused_before_the_heavy_imports(tmp_path):
     assert_usage_error(done, "compare", f"--out {out}: another pasa compare is running into this folder (pid and host "
                                         f"{holder.strip()}); wait for it to end, or choose another --out")
     assert seconds < FAST_S and sorted(p.name for p in out.iterdir()) == [".lock"]
+
+
+def test_fp16_on_the_cpu_prints_no_third_party_warning(saved, tmp_path):
+    """``--dtype fp16`` on the CPU from a saved folder runs; diffusers' accelerate advice and its "cannot run with
+    cpu device ... will fail" (printed twice) stay out of the terminal unless --debug (``pipelines.quiet``)."""
+    argv = ["generate", "--model", str(saved), "--dtype", "fp16", "--frames", "2", "--steps", "1", "--height", "16",
+            "--width", "16", "--out", str(tmp_path)]
+    for debug in (True, False):
+        done, _ = pasa(["--debug", *argv] if debug else argv, env={"OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stderr
+        lines = [line for line in done.stderr.replace("\r", "\n").splitlines() if line.strip() and "%|" not in line]
+        if debug and importlib.util.find_spec("accelerate") is None:  # the probe sees what it hides
+            assert any("accelerate" in line for line in lines), lines
+        elif not debug:
+            assert all(line.startswith("PASAAttnProcessor: single key in ") for line in lines), lines
