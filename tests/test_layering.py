@@ -41,18 +41,19 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     (f"{PACKAGE}.cli",),
     (f"{PACKAGE}.pipelines",),
     (f"{PACKAGE}.metrics",),
-    # the library, per model: the package's face, context-parallel setup, installing, the diagnosis
+    # the library, per model: the package's face, context-parallel setup, installing
     (f"{PACKAGE}.__init__",),
     (f"{PACKAGE}.parallel",),
-    (f"{PACKAGE}.install", f"{PACKAGE}.diagnose"),
+    (f"{PACKAGE}.install",),
     # the library, per call
     (f"{PACKAGE}.routing",),
     (f"{PACKAGE}.sharded_attention",),
     (f"{PACKAGE}.processors",),
     (f"{PACKAGE}.fallbacks", f"{PACKAGE}.peers"),
     (f"{PACKAGE}.masks",),
-    # the op and its spec in PyTorch; the numerical study
-    (f"{PACKAGE}.ops", f"{PACKAGE}.numerics"),
+    # the op and its spec in PyTorch; beside them the numerical study and the overflow diagnosis (which records
+    # through its own processors: it needs neither the op nor ours)
+    (f"{PACKAGE}.ops", f"{PACKAGE}.numerics", f"{PACKAGE}.diagnose"),
     (f"{PACKAGE}.reference",),
     (f"{PACKAGE}.reference_int8",),
     # the kernels: router -> kernel files -> shared kernel helpers
