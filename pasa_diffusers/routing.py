@@ -71,13 +71,14 @@ class RoutedAttnProcessor:
         return twin
 
 
-def _attend_bnhd(counted: CountedAttnProcessor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
-                 scale: float | None = None, enable_gqa: bool = False,
-                 attention_kwargs: dict[str, Any] | None = None, *, backend: Any = None,
-                 parallel_config: Any = None) -> torch.Tensor:
-    """One attention call of a routed body on ``(B, N, H, D)`` tensors, in the input dtype: a fallback
-    (``fallbacks.call_reason``), the call on this rank's shards (``sharded_attention``), or ``counted.attend``."""
+def _dispatch_attention_fn(counted: CountedAttnProcessor, query: torch.Tensor, key: torch.Tensor,
+                           value: torch.Tensor, attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                           is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+                           attention_kwargs: dict[str, Any] | None = None, *, backend: Any = None,
+                           parallel_config: Any = None) -> torch.Tensor:
+    """``diffusers.models.attention_dispatch.dispatch_attention_fn`` as a routed body sees it (``counted`` bound):
+    one attention call on ``(B, N, H, D)`` tensors, in the input dtype: a fallback (``fallbacks.call_reason``),
+    the call on this rank's shards (``sharded_attention``), or ``counted.attend``."""
     if not attention_kwargs and fallbacks.context_parallel_config(parallel_config) is not None:
         return sharded_attention.attend(counted, query, key, value, attn_mask, dropout_p, is_causal, scale,
                                         enable_gqa, backend=backend, parallel_config=parallel_config)
@@ -91,23 +92,13 @@ def _attend_bnhd(counted: CountedAttnProcessor, query: torch.Tensor, key: torch.
                                    attention_kwargs, backend, parallel_config)
 
 
-def _dispatch_attention_fn(counted: CountedAttnProcessor, query: torch.Tensor, key: torch.Tensor,
-                           value: torch.Tensor, attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
-                           is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
-                           attention_kwargs: dict[str, Any] | None = None, *, backend: Any = None,
-                           parallel_config: Any = None) -> torch.Tensor:
-    """``diffusers.models.attention_dispatch.dispatch_attention_fn`` as a routed body sees it (``counted`` bound)."""
-    return _attend_bnhd(counted, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                        attention_kwargs, backend=backend, parallel_config=parallel_config)
-
-
 def _scaled_dot_product_attention(counted: CountedAttnProcessor, query: torch.Tensor, key: torch.Tensor,
                                   value: torch.Tensor, attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
                                   is_causal: bool = False, scale: float | None = None,
                                   enable_gqa: bool = False) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` (``(B, H, N, D)`` tensors) as a routed body sees it (``counted`` bound)."""
-    out = _attend_bnhd(counted, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask,
-                       dropout_p, is_causal, scale)
+    out = _dispatch_attention_fn(counted, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                                 attn_mask, dropout_p, is_causal, scale)
     return out.transpose(1, 2)
 
 
