@@ -78,7 +78,7 @@ import torch
 
 from ..rules import SHIFT_BLOCK
 from .common import LN2, cdiv, lse_arg
-from .gluon_common import (CENTRE_ROWS, HEAD_DIMS, PRODUCER_WARPS, ROWS_PER_CONSUMER, descriptor,
+from .gluon_common import (CENTRE_ROWS, PRODUCER_WARPS, ROWS_PER_CONSUMER, descriptor,
                            descriptor_layout_problem, fence_async_shared, gl, gluon_jit, head_dim_tile, mbarrier,
                            operand_problem, registers, release, round_p, row_shift, sm90_problem, tma,
                            unavailable_reason, warpgroup_mma, warpgroup_mma_wait, widen_p)
@@ -428,7 +428,7 @@ def unsuitable_reason(q: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, pr
     """Why this kernel cannot take an exact-shift call with pre-centred keys, in words, or ``None``.
 
     ``q``, ``v``, ``out`` are the op's checked tensors (unit stride in D; the keys come from the
-    pre-pass, contiguous); the kernel takes fp16 and bf16, the head dims of :data:`HEAD_DIMS`, the hybrid
+    pre-pass, contiguous); the kernel takes fp16 and bf16, the head dims of ``gluon_common.HEAD_DIMS``, the hybrid
     precision and centre blocks of ``SHIFT_BLOCK`` keys, on an sm_90 GPU with Triton's Gluon 3.6, in
     layouts a TMA descriptor can address.
     """
@@ -529,7 +529,7 @@ def forward(q: torch.Tensor, k_c: torch.Tensor, v: torch.Tensor, centres: torch.
 
     Resolved arguments (``dispatch.forward`` checks the call and :func:`unsuitable_reason` returned ``None``):
         q: ``(B, Hq, Nq, D)``; k_c, v: ``(B, Hk, Nk, D)`` with ``Hq % Hk == 0``; out: ``(B, Hq, Nq, D)``;
-            float16 or bfloat16 CUDA tensors (one dtype) on an sm_90 GPU, ``D`` in :data:`HEAD_DIMS`,
+            float16 or bfloat16 CUDA tensors (one dtype) on an sm_90 GPU, ``D`` in ``gluon_common.HEAD_DIMS``,
             unit stride in D, B/H/N strides multiples of 16 bytes on a 16-byte-aligned base (contiguous
             (B, H, N, D), or diffusers' (B, N, H, D) transposed).
         centres: ``(B, Hk, ceil(Nk / 128), D)``, the exact centres (``prepass.centre_keys``), in q's dtype (as

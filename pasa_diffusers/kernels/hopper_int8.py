@@ -58,7 +58,7 @@ import triton.language as tl
 
 from ..rules import SHIFT_BLOCK
 from .common import LN2, cdiv
-from .gluon_common import (CENTRE_ROWS, HEAD_DIMS, PRODUCER_WARPS, ROWS_PER_CONSUMER, TensorDescriptor, descriptor,
+from .gluon_common import (CENTRE_ROWS, PRODUCER_WARPS, ROWS_PER_CONSUMER, TensorDescriptor, descriptor,
                            descriptor_layout_problem, fence_async_shared, gl, gluon_jit, kept_descriptor, mbarrier,
                            operand_problem, registers, release, round_p, row_shift, sm90_problem, tma, warpgroup_mma,
                            widen_p)
