@@ -256,14 +256,14 @@ def check_weights_cover(pipe: Any, root: Path, who: str = "load_svd") -> None:
         if not stored:
             continue
         state = module.state_dict()
-        present = {tensor.data_ptr() for key, tensor in state.items() if key in stored and tensor.numel()}
+        present = {ptr for key, tensor in state.items() if key in stored and (ptr := tensor.data_ptr())}  # not meta
 
         def ignored(key: str, kind: str) -> bool:
             patterns = getattr(module, f"_keys_to_ignore_on_load_{kind}", None) or ()
             return any(re.search(pattern, key) for pattern in patterns)
 
         missing = sorted(key for key, tensor in state.items() if key not in stored and not ignored(key, "missing")
-                         and not (tensor.numel() and tensor.data_ptr() in present))
+                         and tensor.data_ptr() not in present)
         unexpected = sorted(key for key in stored if key not in state and not ignored(key, "unexpected"))
         if missing or unexpected:
             what = "; ".join(part for part in (
