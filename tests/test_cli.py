@@ -85,7 +85,7 @@ def test_every_command_has_a_description_and_shows_its_defaults(command):
     parser = _subparsers()[command]
     assert parser.description and len(parser.description) > 60, command
     for action in parser._actions:
-        if action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
+        if action.option_strings and action.default not in (None, False, argparse.SUPPRESS, []):  # [] : none given
             shown = f"{action.default:g}" if isinstance(action.default, float) else str(action.default)
             assert "default" in (action.help or ""), f"{command} {action.option_strings[0]} hides its default"
             assert shown in action.help, f"{command} {action.option_strings[0]}: default {shown!r} not in its help"
