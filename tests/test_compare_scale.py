@@ -170,6 +170,13 @@ def test_a_torchrun_run_resumes_in_one_process_on_one_thread_as_the_docs_say(one
     assert (out / runlog.SAMPLES).read_bytes() == before
 
 
+def _table(markdown: str) -> tuple[list[str], list[list[str]]]:
+    """A markdown table's header cells and its rows' cells (the rule line left out)."""
+    header, _, *rows = ([cell.strip() for cell in line.strip().strip("|").split("|")]
+                        for line in markdown.strip().splitlines())
+    return header, rows
+
+
 def test_the_committed_sample_is_the_default_run_and_the_readme_shows_its_table():
     report = json.loads((SAMPLE_DIR / "report.json").read_text())
     defaults = build_parser().parse_args(["compare"])
@@ -179,12 +186,17 @@ def test_the_committed_sample_is_the_default_run_and_the_readme_shows_its_table(
     assert (settings["num_frames"], settings["num_inference_steps"], settings["height"], settings["width"]) == \
         (defaults.frames, defaults.steps, defaults.height, defaults.width)
     readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Sample", 1)[1].split("\n## ", 1)[0]
-    tables = re.findall(r"(?:^\|.*\|\n)+", section, flags=re.M)
-    assert tables, "the README's Sample section has no table"
-    md = (SAMPLE_DIR / "report.md").read_text()
-    for table in tables:
-        assert table in md, f"README table not in {SAMPLE_DIR / 'report.md'}:\n{table}"
+    section = readme.split("## `pasa compare`", 1)[1].split("\n## ", 1)[0]
+    tables = [_table(t) for t in re.findall(r"(?:^\|.*\|\n)+", section, flags=re.M)]
+    assert len(tables) == 1, "the README's pasa compare section shows one table of the sample"
+    (header, rows), = tables
+    report_header, report_rows = _table(re.search(r"(?:^\| backend \| PSNR dB .*\|\n)(?:^\|.*\|\n)+",
+                                                  (SAMPLE_DIR / "report.md").read_text(), flags=re.M).group(0))
+    columns = [max((i for i, name in enumerate(report_header) if shown.startswith(name)),
+                   key=lambda i: len(report_header[i])) for shown in header]  # "PSNR dB vs FP32 [...]": "PSNR dB"
+    assert [row[0] for row in rows] == [row[0] for row in report_rows] == settings["backends"]
+    for row, report_row in zip(rows, report_rows):
+        assert row == [report_row[i] for i in columns], f"README row differs from {SAMPLE_DIR / 'report.md'}"
     size = sum(p.stat().st_size for p in SAMPLE_DIR.rglob("*") if p.is_file())
     assert size < 500_000, f"samples/compare holds {size} bytes: keep it small"
 
