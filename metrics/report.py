@@ -281,11 +281,11 @@ def _aligned(columns: list[str], rows: list[list[str]]) -> str:
 
 def format_table(report: dict[str, Any]) -> str:
     """The scores and the paired differences as aligned plain-text tables, then the verdict, for the terminal."""
-    text = (f"Scores against the fp32 reference over {count(report['samples'], 'sample')}: mean [95% bootstrap interval]\n"
+    text = (f"Scores against the fp32 reference over {count(report['samples'], 'sample')}: {_what_is_shown(report)}\n"
             + _aligned(*table_rows(report)))
     columns, rows = paired_rows(report)
     if rows:
-        text += "\n\nPaired differences A \u2212 B over the same samples: mean [95% bootstrap interval]\n"
+        text += f"\n\nPaired differences A \u2212 B over the same samples: {_what_is_shown(report)}\n"
         text += _aligned(columns, rows)
     note = _unpaired_note(report)
     text += ("\n" + note) if note else ""
@@ -296,6 +296,14 @@ def format_table(report: dict[str, Any]) -> str:
 
 FIRM_SAMPLES = 10
 """Below this many samples the percentile bootstrap interval is too narrow: the verdict says to read it as a guide."""
+
+def _what_is_shown(report: dict[str, Any]) -> str:
+    """What a table's cells hold: a mean and its interval, or for a run of one sample its value alone (one value
+    has no bootstrap interval, and the tables show none)."""
+    if report["samples"] > 1:
+        return "mean [95% bootstrap interval]"
+    return "the one sample's value (no interval from one sample)"
+
 
 FALLBACK_CASES = "a single key, where softmax is exactly 1; an attention mask, computed by PyTorch's SDPA"
 """The documented cases in which a PASA processor computes a call another way (``install.fallback_summary``)."""
@@ -374,8 +382,11 @@ def verdict(report: dict[str, Any]) -> list[str]:
     sentences = [_finiteness(report), *_identical(report)]
     sentences += [text for pair, per in report["paired"].items() if (text := _pair_sentence(pair, per.get("psnr")))]
     sentences += _single_backend(report)
-    if report["samples"] < FIRM_SAMPLES:
-        more = "seeds" if "prompts" in report["settings"] else "images or seeds"
+    more = "seeds" if "prompts" in report["settings"] else "images or seeds"
+    if report["samples"] == 1:
+        sentences.append(f"With 1 sample there is no interval, so no difference is resolved; more {more} give one "
+                         f"(about {FIRM_SAMPLES} make it firm).")
+    elif report["samples"] < FIRM_SAMPLES:
         sentences.append(f"With {count(report['samples'], 'sample')} read the intervals as a rough guide (below about "
                          f"{FIRM_SAMPLES} the bootstrap interval is too narrow); more {more} make them firm.")
     return sentences
@@ -451,8 +462,9 @@ def format_markdown(report: dict[str, Any], plots: Sequence[str] = ()) -> str:
     lines = [f"# pasa compare: {report['model']}, {count(report['samples'], 'sample')}", "", *_intro(report), "",
              "## Verdict", "", *(f"- {sentence}" for sentence in verdict(report)), "",
              "## Scores against the fp32 reference", "",
-             "Mean over samples [95% bootstrap interval]; a sample's score is the mean over its frames "
-             "(frames with non-finite pixels are left out and counted).", "",
+             ("Mean over samples [95% bootstrap interval]" if report["samples"] > 1 else
+              _what_is_shown(report).capitalize()) + "; a sample's score is the mean over its frames (frames with "
+             "non-finite pixels are left out and counted).", "",
              markdown_table(*table_rows(report)), ""]
     if report["lpips"] and "unavailable" in report["lpips"]:
         lines += [report["lpips"], ""]
@@ -465,7 +477,9 @@ def format_markdown(report: dict[str, Any], plots: Sequence[str] = ()) -> str:
     if rows or note:
         lines += ["", "## Paired differences", "",
                   "A \u2212 B per sample, then the mean [95% bootstrap interval] over the samples where both have "
-                  "a value. An interval that excludes 0 resolves the difference; one that holds 0 does not.", ""]
+                  "a value. An interval that excludes 0 resolves the difference; one that holds 0 does not."
+                  if report["samples"] > 1 else "A \u2212 B on the one sample: no interval, so no difference is "
+                  "resolved.", ""]
         lines += [markdown_table(columns, rows, align="lr" + "r" * (len(columns) - 3) + "l")] if rows else []
         lines += ["", note] if note else []
     lines += _worst_section(report)

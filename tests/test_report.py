@@ -265,6 +265,23 @@ def pair_words(summary: dict, better: str, other: str) -> str:
             f"over {summary['n']} samples.")
 
 
+def test_a_one_sample_report_shows_and_promises_no_interval():
+    """One sample has no bootstrap interval: the tables, their headings and the verdict say so (a 1-sample report
+    said "mean [95% bootstrap interval]" over cells without one, and to read the intervals as a guide)."""
+    one = [r for r in make_records() if (r["image"], r["seed"]) == SAMPLES[0]]
+    report = build_report(one, backends=BACKENDS, meta=META)
+    texts = format_table(report), format_markdown(report)
+    for text in texts:
+        assert "bootstrap interval]" not in text and "read the intervals" not in text and "[" not in "".join(
+            line for line in text.splitlines() if line.startswith(("| pasa ", "pasa ")))
+        assert "the one sample's value (no interval from one sample)" in text.lower()
+    assert verdict(report)[-1] == ("With 1 sample there is no interval, so no difference is resolved; more images or "
+                                   "seeds give one (about 10 make it firm).")
+    two = build_report([r for r in make_records() if r["image"] == "builtin:rocket"], backends=BACKENDS, meta=META)
+    assert "mean [95% bootstrap interval]" in format_table(two)
+    assert "Mean over samples [95% bootstrap interval]" in format_markdown(two)
+
+
 def test_the_verdict_follows_the_records():
     report = build_report(make_records(), backends=BACKENDS, meta=META)
     sentences = verdict(report)
