@@ -1,21 +1,25 @@
 """Limits of the files the project writes, checked before any work: the standard library only, so that the command
 line reads them at its argument checks, before torch is imported.
 
-A GIF stores each frame's delay as a 16-bit count of hundredths of a second (Pillow writes ``round(duration / 10)``
-there, ``duration`` in milliseconds), so a frame lasts at most 655.35 s: ``fps`` below ``MIN_GIF_FPS`` cannot be
-written (Pillow raises ``struct.error`` once every video is made).
+A GIF stores each frame's delay as a 16-bit count of hundredths of a second (Pillow 12 writes ``int(duration / 10)``
+there, ``duration`` in milliseconds), so a frame lasts at most 655.35 s and at least 0.01 s: ``fps`` below
+``MIN_GIF_FPS`` cannot be written (Pillow raises ``struct.error`` once every video is made), and above
+``MAX_GIF_FPS`` the delay written is 0, which players replace by their own (browsers: 0.1 s, 10 frames per
+second), not the rate asked for.
 """
 from __future__ import annotations
 
 import argparse
 import math
 
-__all__ = ["MIN_GIF_FPS", "fps_problem", "fps_argument"]
+__all__ = ["MIN_GIF_FPS", "MAX_GIF_FPS", "fps_problem", "fps_argument"]
 
 MAX_GIF_DELAY_CS = 2**16 - 1
 """The largest frame delay a GIF holds, in hundredths of a second."""
 MIN_GIF_FPS = 100 / MAX_GIF_DELAY_CS
 """The lowest frame rate a GIF can play: one frame per 655.35 s (about 0.00153 frames per second)."""
+MAX_GIF_FPS = 100.0
+"""The highest frame rate a GIF can play: one frame per hundredth of a second (a delay of 1)."""
 
 
 def fps_problem(fps: object, shown: str | None = None) -> str | None:
@@ -26,6 +30,8 @@ def fps_problem(fps: object, shown: str | None = None) -> str | None:
         return f"must be a finite number > 0, got {shown}"
     if fps < MIN_GIF_FPS:
         return f"must be at least {MIN_GIF_FPS:.6g} (a GIF frame lasts at most {MAX_GIF_DELAY_CS / 100} s), got {shown}"
+    if fps > MAX_GIF_FPS:
+        return f"must be at most {MAX_GIF_FPS:g} (a GIF frame lasts at least 0.01 s), got {shown}"
     return None
 
 

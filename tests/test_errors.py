@@ -73,6 +73,8 @@ PROBES: list[tuple[str, str]] = [
      "argument --height: must be a multiple of 8 >= 16 (SVD needs multiples of 8, SSIM an 11x11 window), got 8"),
     ("compare --out {tmp}/afile", "--out {tmp}/afile: {tmp}/afile is a file, not a folder"),
     ("compare --fps 0", "argument --fps: must be a finite number > 0, got 0"),
+    ("generate --fps 101", "argument --fps: must be at most 100 (a GIF frame lasts at least 0.01 s), got 101"),
+    ("compare --fps 1000", "argument --fps: must be at most 100 (a GIF frame lasts at least 0.01 s), got 1000"),
     ("compare --lpips-weights /nonexistent.pth", "--lpips-weights /nonexistent.pth: no such file"),
     ("generate --attention cudnn", "--attention cudnn: backend 'cudnn' runs on CUDA devices only, not on cpu: pass "
                                    "--device cuda, or choose a backend with a CPU implementation"),
