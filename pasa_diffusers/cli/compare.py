@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from pasa_diffusers.backends import COMPARED, DEFAULT_COMPARED, REFERENCE, missing
-from pasa_diffusers.metrics.limits import MIN_GIF_FPS, fps_argument
+from pasa_diffusers.metrics.limits import MAX_GIF_FPS, MIN_GIF_FPS, fps_argument
 from pasa_diffusers.pipelines.names import BUILTIN_IMAGES
 
 from .common import (MAX_SEED, SCORED_MIN_SIZE, UsageError, add_generation_args, backend_help, check_device,
@@ -236,8 +236,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         f"{REFERENCE} is the reference")
     p.add_argument("--lpips-weights", default=None,
                    help="torchvision AlexNet ImageNet weights (alexnet-owt-7be5be79.pth); default: torch hub cache")
-    p.add_argument("--fps", type=fps_argument, default=7.0, help="frame rate of the side-by-side GIFs, at least "
-                   f"{MIN_GIF_FPS:.6g} (a GIF frame lasts at most 655.35 s; default 7)")
+    p.add_argument("--fps", type=fps_argument, default=7.0, help="frame rate of the side-by-side GIFs, in "
+                   f"[{MIN_GIF_FPS:.6g}, {MAX_GIF_FPS:g}] (a GIF frame lasts 0.01 to 655.35 s; default 7)")
     p.add_argument("--worst", type=int_range(0), default=2,
                    help="worst samples listed per backend, with their side-by-side GIFs (default 2)")
     p.set_defaults(func=run)

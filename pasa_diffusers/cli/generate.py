@@ -5,7 +5,7 @@ import argparse
 import json
 from pathlib import Path
 
-from pasa_diffusers.metrics.limits import MIN_GIF_FPS, fps_argument
+from pasa_diffusers.metrics.limits import MAX_GIF_FPS, MIN_GIF_FPS, fps_argument
 
 from ..backends import BACKENDS, missing
 from .common import (UsageError, add_generation_args, backend_help, check_key_blocks, conditioning_notice,
@@ -77,6 +77,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_generation_args(p, "out/generate", video=True)
     p.add_argument("--attention", choices=tuple(BACKENDS), default="pasa", metavar="BACKEND",
                    help=f"the attention backend (default pasa): {backend_help(tuple(BACKENDS))}")
-    p.add_argument("--fps", type=fps_argument, default=7.0, help="frames per second of the mp4 and gif, at least "
-                   f"{MIN_GIF_FPS:.6g} (a GIF frame lasts at most 655.35 s; default 7)")
+    p.add_argument("--fps", type=fps_argument, default=7.0, help="frames per second of the mp4 and gif, in "
+                   f"[{MIN_GIF_FPS:.6g}, {MAX_GIF_FPS:g}] (a GIF frame lasts 0.01 to 655.35 s; default 7)")
     p.set_defaults(func=run)
