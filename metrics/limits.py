@@ -10,9 +10,14 @@ second), not the rate asked for.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 
-__all__ = ["MIN_GIF_FPS", "MAX_GIF_FPS", "fps_problem", "fps_argument"]
+__all__ = ["MIN_GIF_FPS", "MAX_GIF_FPS", "VIDEO_FORMATS", "fps_problem", "fps_argument", "formats_argument",
+           "formats_problem"]
+
+VIDEO_FORMATS = ("mp4", "gif", "png")
+"""The files a video is written as: an H.264 mp4 (through imageio-ffmpeg), a GIF, a folder of PNG frames."""
 
 MAX_GIF_DELAY_CS = 2**16 - 1
 """The largest frame delay a GIF holds, in hundredths of a second."""
@@ -45,3 +50,22 @@ def fps_argument(text: str) -> float:
     if problem is not None:
         raise argparse.ArgumentTypeError(problem)
     return value
+
+
+def formats_argument(text: str) -> tuple[str, ...]:
+    """An argparse ``type=`` for ``--formats``: a comma-separated subset of ``VIDEO_FORMATS``, in that order."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = sorted(set(names) - set(VIDEO_FORMATS))
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated subset of {','.join(VIDEO_FORMATS)}, got "
+                                         f"{text!r}")
+    return tuple(name for name in VIDEO_FORMATS if name in names)
+
+
+def formats_problem(formats: tuple[str, ...]) -> str | None:
+    """Why ``formats`` cannot be written on this machine, or ``None``: an mp4 needs the imageio-ffmpeg package
+    (its ffmpeg binary), looked up without importing it."""
+    if "mp4" in formats and importlib.util.find_spec("imageio_ffmpeg") is None:
+        return ("writing mp4 needs the imageio-ffmpeg package (pip install imageio-ffmpeg), which is not installed; "
+                "or leave mp4 out, e.g. --formats gif,png")
+    return None

@@ -19,13 +19,12 @@ import imageio.v3 as iio
 import numpy as np
 from matplotlib import colormaps
 
-from .limits import fps_problem
+from .limits import VIDEO_FORMATS, fps_problem
 from .quality import validate_video
 from .records import atomic_path, write_atomic
 
 MAGENTA = np.array([1.0, 0.0, 1.0])
 SEPARATOR_PX = 2
-VIDEO_FORMATS = ("mp4", "gif", "png")
 
 
 def to_uint8(frames: np.ndarray) -> np.ndarray:

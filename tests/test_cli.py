@@ -37,6 +37,16 @@ def test_generate_in_bf16_runs_pasa_in_bf16_not_by_fallback(tmp_path, capsys):
     assert printed["fallbacks"] == {"single key": printed["calls"] // 2}  # the cross-attentions only
 
 
+def test_generate_writes_the_formats_asked_and_refuses_mp4_without_its_encoder_before_any_work(tmp_path, capsys,
+                                                                                              monkeypatch):
+    assert main(["generate", *SMALL, "--formats", "png,gif", "--out", str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pasa", "pasa.gif"]
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "imageio_ffmpeg" else object())
+    assert main(["generate", *SMALL, "--model", "no/such-model", "--out", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert "--formats mp4,gif,png: writing mp4 needs the imageio-ffmpeg package" in err and "--model" not in err
+
+
 def test_diagnose_names_the_planted_layers(tmp_path):
     assert main(["diagnose", *SMALL, "--model", "tiny-resonant", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "diagnosis.json").read_text())

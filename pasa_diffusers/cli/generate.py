@@ -5,7 +5,8 @@ import argparse
 import json
 from pathlib import Path
 
-from pasa_diffusers.metrics.limits import MAX_GIF_FPS, MIN_GIF_FPS, fps_argument
+from pasa_diffusers.metrics.limits import (MAX_GIF_FPS, MIN_GIF_FPS, VIDEO_FORMATS, fps_argument, formats_argument,
+                                           formats_problem)
 
 from ..backends import BACKENDS, missing
 from .common import (UsageError, add_generation_args, backend_help, check_key_blocks, conditioning_notice,
@@ -27,6 +28,9 @@ def validate(args: argparse.Namespace) -> None:
     absent = missing(args.attention, args.device)
     if absent is not None:
         raise UsageError(f"--attention {args.attention}: {absent}")
+    problem = formats_problem(args.formats)
+    if problem is not None:
+        raise UsageError(f"--formats {','.join(args.formats)}: {problem}")
     validate_generation_args(args)
 
 
@@ -36,10 +40,11 @@ def run(args: argparse.Namespace) -> int:
 
     from .. import install
 
-    try:  # the frame folder of --attention is replaced whole by this video: refuse one holding other files now
-        metrics.video.check_frame_folder(Path(args.out) / args.attention)
-    except ValueError as exc:
-        raise UsageError(f"--out {args.out}: {exc}") from exc
+    if "png" in args.formats:  # the frame folder of --attention is replaced whole: refuse one holding other files now
+        try:
+            metrics.video.check_frame_folder(Path(args.out) / args.attention)
+        except ValueError as exc:
+            raise UsageError(f"--out {args.out}: {exc}") from exc
     pipe = load_model(args, video=True)
     settings = generation_settings(args, pipe)
     check_key_blocks(pipe, settings, [args.attention], "--attention")
@@ -56,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         fallbacks = install.fallback_summary(pipe, strict=True)
     except install.AllCallsFellBackError as exc:
         raise UsageError(f"--attention {args.attention}: {exc}") from exc
-    written = metrics.write_video(frames, args.out, args.attention, fps=args.fps)
+    written = metrics.write_video(frames, args.out, args.attention, fps=args.fps, formats=args.formats)
     print(json.dumps({"installed": summary["counts"], "processors": summary["processors"],
                       "attention_dtype": summary["attention_dtype"], "calls": fallbacks["calls"],
                       "fallbacks": fallbacks["fallbacks"]}, indent=2))
@@ -72,11 +77,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "pipeline such as tiny-wan, tiny-ltx-video, tiny-cogvideox, tiny-hunyuan-video or "
                                    "tiny-mochi, generate from fixed prompt embeddings), its attention "
                                    "computed by --attention, from the initial noise of --seed; write the video as "
-                                   "mp4, gif and PNG frames into --out, and print the processors installed, the "
+                                   "mp4, gif and PNG frames (--formats) into --out, and print the processors installed, the "
                                    "attention calls and their fallbacks, and whether every frame is finite.")
     add_generation_args(p, "out/generate", video=True)
     p.add_argument("--attention", choices=tuple(BACKENDS), default="pasa", metavar="BACKEND",
                    help=f"the attention backend (default pasa): {backend_help(tuple(BACKENDS))}")
     p.add_argument("--fps", type=fps_argument, default=7.0, help="frames per second of the mp4 and gif, in "
                    f"[{MIN_GIF_FPS:.6g}, {MAX_GIF_FPS:g}] (a GIF frame lasts 0.01 to 655.35 s; default 7)")
+    p.add_argument("--formats", type=formats_argument, default=VIDEO_FORMATS, metavar="LIST",
+                   help=f"what to write, a comma-separated subset of {','.join(VIDEO_FORMATS)} (default "
+                        f"{','.join(VIDEO_FORMATS)}; mp4 needs the imageio-ffmpeg package)")
     p.set_defaults(func=run)
