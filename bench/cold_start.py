@@ -43,7 +43,7 @@ def model_flags(args) -> list[str]:
 
 def processes(args, out: Path) -> list[tuple[str, str, list[str]]]:
     """The rows: (label, cache folder name, the ``pasa`` arguments)."""
-    video = [*model_flags(args), "--steps", str(args.steps), "--device", "cuda"]
+    video = [*model_flags(args), "--steps", str(args.steps), "--device", "cuda", "--formats", args.formats]
     rows = []
     if args.baseline != "none":
         rows.append((f"{args.baseline}: first video, empty cache", "baseline",
@@ -93,6 +93,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=25, help="denoising steps of each video (default 25)")
     p.add_argument("--attention", default="pasa", help="the backend warmed up and timed (default pasa)")
     p.add_argument("--baseline", default="sdpa", help="the backend of the first row, or none (default sdpa)")
+    p.add_argument("--formats", default="png", help="what each video writes, as pasa generate --formats (default "
+                   "png: the row times the kernels' compile, not an encoder; mp4 needs imageio-ffmpeg)")
     args = p.parse_args(argv)
     import torch
 

@@ -208,7 +208,7 @@ def test_the_cold_start_bench_runs_commands_that_parse(tmp_path):
     from pasa_diffusers.cli import build_parser
 
     args = argparse.Namespace(model="svd-xt-random", frames=25, height=576, width=1024, steps=25, attention="pasa",
-                              baseline="sdpa")
+                              baseline="sdpa", formats="png")
     rows = cold_start.processes(args, tmp_path)
     assert [cache for _, cache, _ in rows] == ["baseline", "a", "a", "b", "b"]
     parsed = [build_parser().parse_args(argv) for _, _, argv in rows]
@@ -217,6 +217,7 @@ def test_the_cold_start_bench_runs_commands_that_parse(tmp_path):
     for a in parsed:
         assert (a.model, a.frames, a.height, a.width, a.attention in ("pasa", "sdpa")) == ("svd-xt-random", 25, 576,
                                                                                            1024, True)
+    assert all(a.formats == ("png",) for a in parsed if a.command == "generate")
     assert len(cold_start.processes(argparse.Namespace(**{**vars(args), "baseline": "none"}), tmp_path)) == 4
 
 
