@@ -514,7 +514,8 @@ def test_gpu_16_bit_blocks(case, gen):
     qq = r8.quantize_queries(q)
     kq = r8.quantize_keys(k, qq.qbar)
     block_tally.reset()
-    _assert_fallback_statistics(int8.prepare(qc, kc, vc, scale=scale), qq, kq, scale)
+    _assert_fallback_statistics(int8.prepare(qc, kc, vc, scale=scale, tally=block_tally.counter(qc.device)), qq, kq,
+                                scale)
     flags = r8.fallback_blocks(qq, kq, scale)
     assert flags.any() and block_tally.counts()["in_16_bits"] == int(flags.sum())
     for fallback in (True, False):
