@@ -84,7 +84,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"the attention backend (default pasa): {backend_help(tuple(BACKENDS))}")
     p.add_argument("--fps", type=fps_argument, default=7.0, help="frames per second of the mp4 and gif, in "
                    f"[{MIN_GIF_FPS:.6g}, {MAX_GIF_FPS:g}] (a GIF frame lasts 0.01 to 655.35 s; default 7)")
-    p.add_argument("--formats", type=formats_argument, default=VIDEO_FORMATS, metavar="LIST",
+    p.add_argument("--formats", type=formats_argument, default=",".join(VIDEO_FORMATS), metavar="LIST",
                    help=f"what to write, a comma-separated subset of {','.join(VIDEO_FORMATS)} (default "
                         f"{','.join(VIDEO_FORMATS)}; mp4 needs the imageio-ffmpeg package)")
     p.set_defaults(func=run)
