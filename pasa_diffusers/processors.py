@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from diffusers.models.attention_processor import Attention
 
-from . import fallbacks, peers, rules
+from . import backends, fallbacks, peers, rules
 from .masks import attend_kept_keys
 from .ops import pasa_attention
 from .variants import DEFAULT_PRECISION, DEFAULT_SHIFT, VARIANTS
@@ -447,4 +447,8 @@ class PeerAttnProcessor(CountedAttnProcessor):
         scale: float | None,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if backends.BACKENDS[self.peer].cuda_only and query.device.type != "cuda":
+            raise ValueError(f"{type(self).__name__}: backend {self.peer!r} runs on CUDA tensors only, and this "
+                             f"attention's query is on {query.device}: move the model to a CUDA device, or choose a "
+                             "backend with a CPU implementation")
         return attend_kept_keys(peers.PEERS[self.peer], query, key, value, scale, attention_mask)

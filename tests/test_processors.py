@@ -12,6 +12,7 @@ from collections import Counter
 
 import pytest
 import torch
+import torch.nn.functional as F
 from diffusers import AutoencoderKL, UNet2DConditionModel
 from diffusers.models.attention import BasicTransformerBlock, TemporalBasicTransformerBlock
 from diffusers.models.attention_processor import Attention, AttnProcessor2_0
@@ -627,3 +628,20 @@ def test_every_fallback_is_decided_in_fallbacks_with_its_reason():
     assert [p.fallback_reason(None, key, None) for p in (pasa, int8, peer, sdpa)] == [None] * 4
     assert set(fallbacks.PROCESSOR_REASONS) <= set(fallbacks.REASONS)
     assert all(set(p.fallback_cases) <= set(fallbacks.PROCESSOR_REASONS) for p in (pasa, int8, peer, sdpa))
+
+
+@pytest.mark.parametrize("peer", ["cudnn", "efficient", "fa3", "fa3-fp8", "sage"])
+def test_a_cuda_only_peer_on_cpu_tensors_is_one_clear_error(peer):
+    """``apply(pipe, "cudnn")`` on a model left on the CPU: the first attention call names the backend and the
+    device (was torch's "No viable backend" deep inside SDPA, or the peer's own import or kernel error)."""
+    query = torch.randn(1, 8, 2, 32)
+    with pytest.raises(ValueError, match=rf"^PeerAttnProcessor: backend '{peer}' runs on CUDA tensors only, and "
+                                         r"this attention's query is on cpu"):
+        P.PeerAttnProcessor(peer).attention(query, query, query, None)
+
+
+def test_the_flash_peer_runs_on_cpu_tensors():
+    query = torch.randn(1, 8, 2, 32)
+    out = P.PeerAttnProcessor("flash").attention(query, query, query, None)
+    ref = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (query, query, query))).transpose(1, 2)
+    assert torch.allclose(out, ref, atol=1e-6)
