@@ -340,3 +340,21 @@ def test_fp16_on_the_cpu_prints_no_third_party_warning(saved, tmp_path):
             assert any("accelerate" in line for line in lines), lines
         elif not debug:
             assert all(line.startswith("PASAAttnProcessor: single key in ") for line in lines), lines
+
+
+def test_generate_on_a_full_disk_is_one_line_and_leaves_no_partial_file(tmp_path):
+    """Files stop at 1000 bytes (the tiny video's GIF is larger): one ``--out`` line, exit 2, no traceback, and
+    neither a cut GIF nor a half-written frame folder left behind. Was: an OSError traceback."""
+    import resource
+
+    def limit() -> None:  # in the child: every file it writes stops at 1000 bytes (EFBIG: Python ignores SIGXFSZ)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))
+
+    out = tmp_path / "video"
+    done = subprocess.run([PASA, "generate", "--frames", "2", "--steps", "1", "--height", "32", "--width", "32",
+                           "--formats", "gif,png", "--out", str(out)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, preexec_fn=limit)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.splitlines()[-1].startswith(f"pasa generate: error: --out {out}: cannot write the video (File "
+                                                   "too large); the frames were made but not saved")
+    assert not [p for p in out.rglob("*") if p.is_file()]

@@ -61,7 +61,11 @@ def run(args: argparse.Namespace) -> int:
         fallbacks = install.fallback_summary(pipe, strict=True)
     except install.AllCallsFellBackError as exc:
         raise UsageError(f"--attention {args.attention}: {exc}") from exc
-    written = metrics.write_video(frames, args.out, args.attention, fps=args.fps, formats=args.formats)
+    try:
+        written = metrics.write_video(frames, args.out, args.attention, fps=args.fps, formats=args.formats)
+    except OSError as exc:  # a full disk, a folder made read-only meanwhile: no partial file is left (write_video)
+        raise UsageError(f"--out {args.out}: cannot write the video ({exc.strerror or exc}); the frames were made "
+                         "but not saved: free space or choose another --out, and run again") from exc
     print(json.dumps({"installed": summary["counts"], "processors": summary["processors"],
                       "attention_dtype": summary["attention_dtype"], "calls": fallbacks["calls"],
                       "fallbacks": fallbacks["fallbacks"]}, indent=2))
