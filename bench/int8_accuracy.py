@@ -19,7 +19,7 @@ from the issue's first sketch to the spec):
   (reference_int8.error_model) beside it (``model``, ``model fp8``);
 - ``E + fallback``: the spec with its 16-bit key blocks (``reference_int8`` step 4b, LampAttention's idea:
   the default ``int8_reference``): blocks whose predicted RMS logit error exceeds
-  ``reference_int8.FALLBACK_TAU`` = 2e-2 in 16 bits, and the share of such blocks; the other columns
+  ``rules.INT8_FALLBACK_TAU`` = 2e-2 in 16 bits, and the share of such blocks; the other columns
   have every block from the codes.
 
 Runs on the CPU (pure PyTorch; no kernel), in float64 for the golden and the model.
@@ -35,6 +35,7 @@ from pasa_diffusers import numerics
 from pasa_diffusers import reference_int8 as r8
 from pasa_diffusers.metrics import records
 from pasa_diffusers.reference import exact_centre, exact_shift_reference, gemm_dtype, golden_attention
+from pasa_diffusers.rules import SHIFT_BLOCK
 
 from . import harness
 
@@ -128,13 +129,13 @@ def design_attention(q, k, v, *, centre: str, k_scale: str, q_scale: str, smooth
     qq = r8.QuantizedQueries(q_codes, q_sc, mu, qbar)
 
     kc, centres = torch.empty_like(k32), []
-    for start in range(0, k.shape[2], r8.CENTRE_BLOCK):
-        blk = k32[:, :, start:start + r8.CENTRE_BLOCK]
+    for start in range(0, k.shape[2], SHIFT_BLOCK):
+        blk = k32[:, :, start:start + SHIFT_BLOCK]
         if centre == "exact":
             c = exact_centre(blk, g)
         else:
             c = r8._round_g(blk.double().sum(-2, keepdim=True) / blk.shape[-2], g)
-        kc[:, :, start:start + r8.CENTRE_BLOCK] = blk - c
+        kc[:, :, start:start + SHIFT_BLOCK] = blk - c
         centres.append(c)
     w = r8._pad(kc, dp)
     w = r8.fwht(w) if rotate else w

@@ -14,7 +14,7 @@ Sylvester-Hadamard matrix (entries +-1, ``H H^T = Dp I``), applied by :func:`fwh
    over all tokens of q))`` (fp64 sums: exact for fp16 values, so any summation order gives the same bits);
    ``y_i = fwht(q_i - qbar)`` (fp32); ``mu_i = y_i0 / Dp`` (the row's mean over the Dp channels) and
    ``y_i0 := 0``, so that ``y_i = H q~_i`` with ``q~_i = q_i - qbar - mu_i 1``.
-2. **Keys, centred and rotated** (:func:`quantize_keys`): per block ``b`` of ``CENTRE_BLOCK = 128`` keys
+2. **Keys, centred and rotated** (:func:`quantize_keys`): per block ``b`` of ``SHIFT_BLOCK = 128`` keys
    ``c_b = round_g(round_fp32(block mean))`` (fp64 sums), ``kc_j = k_j - c_b`` (fp32); ``w_j = fwht(kc_j)``,
    ``sigma_j = w_j0`` (``= sum_d kc_jd``) and ``w_j0 := 0``; ``A_hj = fp32(qbar_h . kc_j)`` (fp32
    products, summed in fp64) for every query head ``h`` reading key head ``j``'s.
@@ -32,13 +32,13 @@ Sylvester-Hadamard matrix (entries +-1, ``H H^T = Dp I``), applied by :func:`fwh
    m_new))``, ``alpha = exp2(m_i - m_new)``; ``m``, ``l`` and the accumulator fp32.
 4b. **Blocks in 16 bits** (:func:`fallback_blocks`, LampAttention's idea): a key block ``b`` whose predicted
    RMS logit error from the codes' rounding, ``(scale / Dp) sqrt((SQ2 W2_b + SK2_b Y2) / 12)``, exceeds
-   ``FALLBACK_TAU`` (natural units) takes ``z_ij = u fp32(q_i . hi_j + q_i . lo_j)`` instead, for that
+   ``INT8_FALLBACK_TAU`` (natural units) takes ``z_ij = u fp32(q_i . hi_j + q_i . lo_j)`` instead, for that
    (batch, query head): ``kc_j = k_j - c_b`` (fp32) split into ``hi = round_g(kc)`` and ``lo = round_g(kc -
    hi)`` (``k - c_b`` is not a ``g`` value: at +-40, fp16's rounding of it alone is 1.6e-2), two 16-bit
    GEMMs with fp32 products and sum, as ``r``.  ``SQ2``, ``Y2``: the query head's means over
    its tokens of ``s_qi^2`` and ``|y_i|^2``; ``W2_b``, ``SK2_b``: the block's means of ``|w_j|^2`` and
    ``s_kj^2`` (:func:`error_model`'s ``delta`` averaged over the block and the queries); sums in fp64, the
-   queries' per ``CENTRE_BLOCK`` rows and then in block order.  The comparison is ``SQ2 W2 + SK2 Y2 > 12 t^2``
+   queries' per ``SHIFT_BLOCK`` rows and then in block order.  The comparison is ``SQ2 W2 + SK2 Y2 > 12 t^2``
    with ``t = (tau Dp) / scale`` in fp64 from the fp32 values of ``tau`` and ``scale``.
 5. **P V**: ``pv_bits=16`` (the default): ``p = round_g(exp2(x))``, ``l`` sums those rounded ``p``,
    ``acc = alpha acc + p V`` (fp32), exactly the default's merge.  ``pv_bits=8``: ``P8 = e4m3(exp2(x +
@@ -62,7 +62,7 @@ criterion takes and no other class of the bench but uniform(80,5).  FP8 ``P V`` 
 (e4m3's 3 mantissa bits on both ``P`` and ``V``), above the 1e-2 bound, hence 16 bits by default.
 
 Query rows are independent, so ``block_m`` only bounds memory; the key tile ``block_n`` (dividing
-``CENTRE_BLOCK``) sets the online softmax's rescaling order.  :func:`error_model` predicts the first-order
+``SHIFT_BLOCK``) sets the online softmax's rescaling order.  :func:`error_model` predicts the first-order
 error of the codes' rounding (the tests' bound).
 """
 from __future__ import annotations
@@ -73,10 +73,9 @@ from typing import NamedTuple
 import torch
 
 from . import block_tally, rules
-from .rules import gemm_dtype
+from .rules import INT8_FALLBACK_TAU, SHIFT_BLOCK, gemm_dtype
 
 __all__ = [
-    "CENTRE_BLOCK",
     "QMAX",
     "FP8_MAX",
     "P_SHIFT",
@@ -88,7 +87,6 @@ __all__ = [
     "QuantizedQueries",
     "QuantizedKeys",
     "QuantizedValues",
-    "FALLBACK_TAU",
     "fallback_noise",
     "fallback_threshold",
     "fallback_blocks",
@@ -101,8 +99,6 @@ __all__ = [
     "error_model",
 ]
 
-CENTRE_BLOCK = rules.SHIFT_BLOCK
-"""Keys per centre block (the default's 128)."""
 QMAX = 127.0
 """The largest INT8 code used (symmetric codes in [-127, 127])."""
 FP8_MAX = 448.0
@@ -111,8 +107,6 @@ P_SHIFT = 8.0
 """``P8 = e4m3(exp2(x + P_SHIFT))``: ``x <= 0`` puts ``P8`` in [0, 256], inside e4m3's range."""
 PV_BITS = (16, 8)
 """``pv_bits``: ``P V`` in the GEMM dtype (16) or in FP8 e4m3 (8)."""
-FALLBACK_TAU = rules.INT8_FALLBACK_TAU
-"""The predicted RMS logit error (natural units) above which a key block is computed in 16 bits."""
 LOG2E = 1.4426950408889634
 
 _F32 = torch.float32
@@ -217,9 +211,9 @@ class QuantizedValues(NamedTuple):
 
 
 def _block_sums(x: torch.Tensor) -> torch.Tensor:
-    """Sums of fp64 ``x`` (..., N, S) over each ``CENTRE_BLOCK`` tokens: (..., blocks, S)."""
-    pad = -x.shape[-2] % CENTRE_BLOCK
-    return torch.nn.functional.pad(x, (0, 0, 0, pad)).unflatten(-2, (-1, CENTRE_BLOCK)).sum(-2)
+    """Sums of fp64 ``x`` (..., N, S) over each ``SHIFT_BLOCK`` tokens: (..., blocks, S)."""
+    pad = -x.shape[-2] % SHIFT_BLOCK
+    return torch.nn.functional.pad(x, (0, 0, 0, pad)).unflatten(-2, (-1, SHIFT_BLOCK)).sum(-2)
 
 
 def _row_stats(scale: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -251,10 +245,10 @@ def quantize_keys(k: torch.Tensor, qbar: torch.Tensor) -> QuantizedKeys:
     k32 = k.to(g).to(_F32)
     kc = torch.empty_like(k32)
     centres = []
-    for start in range(0, n_k, CENTRE_BLOCK):
-        blk = k32[:, :, start:start + CENTRE_BLOCK]
+    for start in range(0, n_k, SHIFT_BLOCK):
+        blk = k32[:, :, start:start + SHIFT_BLOCK]
         c = _round_g(blk.to(_F64).sum(dim=-2, keepdim=True) / blk.shape[-2], g)
-        kc[:, :, start:start + CENTRE_BLOCK] = blk - c
+        kc[:, :, start:start + SHIFT_BLOCK] = blk - c
         centres.append(c)
     w = fwht(_pad(kc, dp))
     sigma = w[..., 0].clone()
@@ -262,12 +256,12 @@ def quantize_keys(k: torch.Tensor, qbar: torch.Tensor) -> QuantizedKeys:
     codes, scale = quantize_rows(w)
     group = qbar.shape[1] // h_k
     a = (kc.repeat_interleave(group, dim=1) * qbar).to(_F64).sum(-1).to(_F32)
-    counts = torch.tensor([min(CENTRE_BLOCK, n_k - s) for s in range(0, n_k, CENTRE_BLOCK)], dtype=_F64)
+    counts = torch.tensor([min(SHIFT_BLOCK, n_k - s) for s in range(0, n_k, SHIFT_BLOCK)], dtype=_F64)
     stats = _block_sums(_row_stats(scale, w)) / counts[:, None]
     return QuantizedKeys(codes, scale, sigma, a, torch.cat(centres, dim=-2), stats)
 
 
-def fallback_threshold(scale: float, dp: int, tau: float = FALLBACK_TAU) -> float:
+def fallback_threshold(scale: float, dp: int, tau: float = INT8_FALLBACK_TAU) -> float:
     """``12 t^2`` with ``t = (tau Dp) / scale`` in fp64 from the fp32 values of ``tau`` and ``scale`` (as the
     kernel, which receives them in fp32): the right-hand side of step 4b's comparison."""
     t = float(torch.tensor(tau, dtype=_F32)) * dp / float(torch.tensor(scale, dtype=_F32))
@@ -281,7 +275,7 @@ def fallback_noise(qq: QuantizedQueries, kq: QuantizedKeys) -> torch.Tensor:
     return qq.stats[:, :, None, 0] * keys[..., 1] + keys[..., 0] * qq.stats[:, :, None, 1]
 
 
-def fallback_blocks(qq: QuantizedQueries, kq: QuantizedKeys, scale: float, tau: float = FALLBACK_TAU
+def fallback_blocks(qq: QuantizedQueries, kq: QuantizedKeys, scale: float, tau: float = INT8_FALLBACK_TAU
                     ) -> torch.Tensor:
     """Step 4b: which key blocks each (batch, query head) computes in 16 bits, (B, Hq, blocks) bool."""
     return fallback_noise(qq, kq) > fallback_threshold(scale, kq.codes.shape[-1], tau)
@@ -303,7 +297,7 @@ def _f32(x: float) -> torch.Tensor:
 
 
 def attention_from_codes(q: torch.Tensor, qq: QuantizedQueries, kq: QuantizedKeys, vq: QuantizedValues,
-                         scale: float, *, out_dtype: torch.dtype, block_m: int = 128, block_n: int = CENTRE_BLOCK,
+                         scale: float, *, out_dtype: torch.dtype, block_m: int = 128, block_n: int = SHIFT_BLOCK,
                          fallback: torch.Tensor | None = None, k: torch.Tensor | None = None,
                          return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Steps 4 and 5 of the module docstring: the attention kernel's part, from the pre-pass's outputs and
@@ -344,7 +338,7 @@ def attention_from_codes(q: torch.Tensor, qq: QuantizedQueries, kq: QuantizedKey
         acc = torch.zeros(batch, h_q, q_codes.shape[2], d)
         for start in range(0, n_k, block_n):
             keys = slice(start, min(start + block_n, n_k))
-            c_b = centres[:, :, start // CENTRE_BLOCK, None, :]
+            c_b = centres[:, :, start // SHIFT_BLOCK, None, :]
             r = (q32[:, :, rows] * c_b).sum(-1, keepdim=True) * u
             i_sum = q_codes @ k_codes[:, :, keys].transpose(-1, -2)  # exact: |I| < 2^24 for Dp <= 1024
             z = (i_sum * k_scale[:, :, None, keys]) * a_i + (mu_i * sigma[:, :, None, keys] + au[:, :, None, keys])
@@ -353,7 +347,7 @@ def attention_from_codes(q: torch.Tensor, qq: QuantizedQueries, kq: QuantizedKey
                 hi = kc.to(g).to(_F32)
                 lo = (kc - hi).to(g).to(_F32)
                 z16 = (q32[:, :, rows].to(_F64) @ (hi.to(_F64) + lo.to(_F64)).transpose(-1, -2)).to(_F32) * u
-                z = torch.where(fallback[:, :, start // CENTRE_BLOCK, None, None], z16, z)
+                z = torch.where(fallback[:, :, start // SHIFT_BLOCK, None, None], z16, z)
             m_s = z.amax(-1, keepdim=True)
             m_blk = m_s + r
             m_new = torch.maximum(m_i, m_blk)
@@ -382,22 +376,22 @@ def _check(fn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
         raise ValueError(f"{fn}: unknown pv_bits={pv_bits!r}; expected one of {PV_BITS}")
     if not (isinstance(block_m, int) and block_m >= 1):
         raise ValueError(f"{fn}: block_m must be a positive int, got block_m={block_m!r}")
-    if not (isinstance(block_n, int) and block_n >= 1 and CENTRE_BLOCK % block_n == 0):
-        raise ValueError(f"{fn}: block_n must divide the centre block {CENTRE_BLOCK}, got block_n={block_n!r}")
+    if not (isinstance(block_n, int) and block_n >= 1 and SHIFT_BLOCK % block_n == 0):
+        raise ValueError(f"{fn}: block_n must divide the centre block {SHIFT_BLOCK}, got block_n={block_n!r}")
     rules.check_options(fn, precision="fp64", shift="exact", scale=scale)
     return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
 
 
 def int8_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, *,
                    pv_bits: int = 16, fallback: bool = True, tally: bool = False, block_m: int = 128,
-                   block_n: int = CENTRE_BLOCK, return_lse: bool = False
+                   block_n: int = SHIFT_BLOCK, return_lse: bool = False
                    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The exact shift in 8 bits (the module docstring), for (B, H, N, D) fp16 or bf16 tensors with
     ``Hq`` a multiple of ``Hk``, any ``Nq``, ``Nk >= 1``.  ``pv_bits``: ``P V`` in the GEMM dtype (16)
     or in FP8 e4m3 (8).  ``fallback``: key blocks the codes cannot hold in 16 bits (step 4b; the default);
     False: every block from the codes.  ``tally``: count them in ``block_tally`` (the op's CPU path does;
     the spec used as a spec leaves the counters alone).  ``block_n`` (the key tile) divides
-    ``CENTRE_BLOCK``.  Output in ``q.dtype``; ``return_lse`` also returns the rows' log-sum-exp (B, Hq,
+    ``SHIFT_BLOCK``.  Output in ``q.dtype``; ``return_lse`` also returns the rows' log-sum-exp (B, Hq,
     Nq) fp32 (:func:`attention_from_codes`)."""
     scale = _check("int8_reference", q, k, v, scale, pv_bits, block_m, block_n)
     qq = quantize_queries(q)
@@ -445,7 +439,7 @@ def error_model(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float 
     (V's), ``eps = E4M3_REL_RMS``.  ``rel_rmse = sqrt(mean_i E_i / mean_i |o_i|^2)``.  Second-order terms
     (near-ties of the largest weights) and the 16-bit roundings (``P`` in ``g``, the output) are not in it.
     Memory: float64 weights (B, Hq, Nq, Nk) and (B, Hq, Nq, Dp, D): small shapes only."""
-    scale = _check("error_model", q, k, v, scale, pv_bits, 1, CENTRE_BLOCK)
+    scale = _check("error_model", q, k, v, scale, pv_bits, 1, SHIFT_BLOCK)
     g = gemm_dtype(q.dtype)
     qq = quantize_queries(q)
     kq = quantize_keys(k, qq.qbar)
@@ -459,13 +453,13 @@ def error_model(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float 
     # the rotated operands the codes round: y (queries), w (keys), as quantize_queries/_keys form them
     y = fwht(_pad(q.to(g).to(_F32) - qq.qbar, dp)).to(_F64)
     y[..., 0] = 0.0
-    kc = k.to(g).to(_F32) - kq.centres.repeat_interleave(CENTRE_BLOCK, dim=-2)[:, :, :k.shape[2]]
+    kc = k.to(g).to(_F32) - kq.centres.repeat_interleave(SHIFT_BLOCK, dim=-2)[:, :, :k.shape[2]]
     w = fwht(_pad(kc, dp)).to(_F64).repeat_interleave(group, dim=1)
     w[..., 0] = 0.0
     s_q = qq.scale.to(_F64)
     s_k2 = kq.scale.to(_F64).repeat_interleave(group, dim=1).pow(2)
     if fallback:  # a 16-bit block's keys: no codes, no codes' error
-        coded = ~fallback_blocks(qq, kq, scale).repeat_interleave(CENTRE_BLOCK, dim=-1)[..., :k.shape[2]]
+        coded = ~fallback_blocks(qq, kq, scale).repeat_interleave(SHIFT_BLOCK, dim=-1)[..., :k.shape[2]]
         w, s_k2 = w * coded[..., None], s_k2 * coded
     s_k2 = s_k2[:, :, None, :]  # (B, H, 1, Nk)
     # ||sum_j p_ij w_j (v_j - o_i)^T||_F^2 = ||P_i W^T V - (P_i W)^T o_i||^2 per row

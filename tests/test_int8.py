@@ -136,11 +136,11 @@ def test_the_decomposition_is_exact_before_rounding(d, gen):
     y = r8.fwht(torch.nn.functional.pad(q.float() - qq.qbar, (0, dp - d))).double()
     assert torch.equal(y[..., 0] / dp, qq.mu.double())
     y[..., 0] = 0.0
-    kc = k.float() - kq.centres.repeat_interleave(r8.CENTRE_BLOCK, dim=-2)[:, :, :300]
+    kc = k.float() - kq.centres.repeat_interleave(SHIFT_BLOCK, dim=-2)[:, :, :300]
     w = r8.fwht(torch.nn.functional.pad(kc, (0, dp - d))).double()
     assert torch.equal(w[..., 0], kq.sigma.double())
     w[..., 0] = 0.0
-    c = kq.centres.repeat_interleave(r8.CENTRE_BLOCK, dim=-2)[:, :, :300].double().repeat_interleave(2, dim=1)
+    c = kq.centres.repeat_interleave(SHIFT_BLOCK, dim=-2)[:, :, :300].double().repeat_interleave(2, dim=1)
     w, kc2, sig = (t.repeat_interleave(2, dim=1) for t in (w, kc.double(), kq.sigma.double()))
     exact = q.double() @ k.double().repeat_interleave(2, dim=1).transpose(-1, -2)
     parts = ((q.double()[:, :, :, None, :] * c[:, :, None]).sum(-1) + kq.a.double()[:, :, None, :]
@@ -169,10 +169,10 @@ def _block_logit_rounding(q, k, v) -> float:
     centres = kq.centres.double().repeat_interleave(group, dim=1)
     rms = 2.0 ** -24 * (math.sqrt(q.shape[-1] / 3.0) + 1.0)
     eps = rms * scale * (q64 @ centres.transpose(-1, -2)).abs()  # (B, H, Nq, blocks)
-    pad = -k.shape[2] % r8.CENTRE_BLOCK
+    pad = -k.shape[2] % SHIFT_BLOCK
     pv = torch.nn.functional.pad(p[..., :, None] * v64[..., None, :, :], (0, 0, 0, pad))
-    moved = pv.unflatten(-2, (-1, r8.CENTRE_BLOCK)).sum(-2)  # (B, H, Nq, blocks, D): sum_{j in b} p_ij v_j
-    weight = torch.nn.functional.pad(p, (0, pad)).unflatten(-1, (-1, r8.CENTRE_BLOCK)).sum(-1)
+    moved = pv.unflatten(-2, (-1, SHIFT_BLOCK)).sum(-2)  # (B, H, Nq, blocks, D): sum_{j in b} p_ij v_j
+    weight = torch.nn.functional.pad(p, (0, pad)).unflatten(-1, (-1, SHIFT_BLOCK)).sum(-1)
     moved = moved - weight[..., None] * o[..., None, :]
     var = (eps.pow(2) * moved.pow(2).sum(-1)).sum(-1)
     return math.sqrt(var.mean().item() / o.pow(2).sum(-1).mean().item())
@@ -434,7 +434,7 @@ def test_lse_within_the_worst_case_logit_error(pv_bits, gen):
     dp = 64
     y = r8.fwht(q.float() - qq.qbar).double()
     y[..., 0] = 0
-    kc = k.float() - kq.centres.repeat_interleave(r8.CENTRE_BLOCK, dim=-2)[:, :, :140]
+    kc = k.float() - kq.centres.repeat_interleave(SHIFT_BLOCK, dim=-2)[:, :, :140]
     w = r8.fwht(kc).double().repeat_interleave(2, dim=1)
     w[..., 0] = 0
     ks = kq.scale.double().repeat_interleave(2, dim=1)
