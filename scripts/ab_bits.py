@@ -6,9 +6,9 @@ bf16, both layouts) with the package found first on ``sys.path`` and saves the o
 with another copy saves its own; ``--compare`` lists the calls whose outputs differ.  It also times
 the host overhead per call of the op at shapes whose GPU time is negligible.
 
-    PYTHONPATH=OLD_COPY python scripts/ab_bits.py --save /tmp/old.pt
-    PYTHONPATH=$PWD     python scripts/ab_bits.py --save /tmp/new.pt
-    python scripts/ab_bits.py --compare /tmp/old.pt /tmp/new.pt
+    PYTHONPATH=$PWD/out/old python scripts/ab_bits.py --save out/old.pt   # out/old: git worktree add out/old HEAD~1
+    PYTHONPATH=$PWD         python scripts/ab_bits.py --save out/new.pt
+    python scripts/ab_bits.py --compare out/old.pt out/new.pt
 
 The kernel paths are named the same in both runs; how a path is asked for depends on the copy's API:
 ``kernels.dispatch.forward(kernel=, prepass=)`` where it exists, else the older

@@ -5,7 +5,7 @@
 #
 # On a machine with 2 GPUs, from the repository root:
 #
-#     OUT=/some/folder PASA_WHEELS=/folder/of/wheels bash scripts/compare_multi_gpu.sh
+#     OUT=out/multi_gpu PASA_WHEELS=.whl bash scripts/compare_multi_gpu.sh
 #
 # PASA_WHEELS (optional): a folder of wheels the machine lacks (diffusers, ...), installed under $WORK
 # first (a pasa_diffusers wheel in it is skipped: this checkout is what runs).

@@ -3,7 +3,7 @@
 # machine.  A cold machine spends most of the suite compiling and autotuning Triton kernels, which is
 # CPU work, so several processes sharing the one GPU finish sooner than one.
 #
-#     OUT=/some/folder SHARDS=4 bash scripts/gpu_suite.sh [extra pytest arguments, e.g. -k temporal]
+#     OUT=out/gpu_suite SHARDS=4 bash scripts/gpu_suite.sh [extra pytest arguments, e.g. -k temporal]
 #
 # The carried wheels (WHEELS, default .whl: diffusers, the peers) are installed first (device_env.sh).
 # The test ids are split round-robin, so every shard gets a mix of shapes and variants.  Writes, per
