@@ -238,9 +238,11 @@ def test_int_range_refuses(text, message):
 
 
 @pytest.mark.parametrize("text", ["0", "-1", "inf", "nan", "x"])
-def test_positive_float_refuses(text):
+def test_fps_argument_refuses(text):
+    from pasa_diffusers.metrics.limits import fps_argument
+
     with pytest.raises(argparse.ArgumentTypeError, match="number > 0"):
-        common.positive_float(text)
+        fps_argument(text)
 
 
 def test_check_out_dir_creates_the_folder(tmp_path):

@@ -15,12 +15,11 @@ The limits come from what the pipeline needs:
   multiples of 16 for Wan, CogVideoX, HunyuanVideo and Mochi (VAE 8x, patch 2), of 32 for LTX-Video (VAE 32x,
   patch 1);
 - ``--steps`` >= 1 (LTX-Video and Mochi: >= 2); ``--seed`` in [0, 2**63 - 1] (a CPU ``torch.Generator`` seed);
-  ``--fps`` > 0.
+  ``--fps`` a rate a GIF can play (``metrics.limits.fps_argument``).
 """
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import re
 import stat
@@ -41,7 +40,6 @@ __all__ = [
     "SCORED_MIN_SIZE",
     "MAX_SEED",
     "int_range",
-    "positive_float",
     "seed",
     "device",
     "backend_help",
@@ -102,17 +100,6 @@ def int_range(lo: int, hi: int | None = None, *, multiple_of: int = 1, why: str 
         return value
 
     return parse
-
-
-def positive_float(text: str) -> float:
-    """An argparse ``type=``: a finite number > 0 (e.g. ``--fps``)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
 
 
 seed = int_range(0, MAX_SEED)
