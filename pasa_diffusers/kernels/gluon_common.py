@@ -32,7 +32,7 @@ __all__ = ["gl", "gluon_jit", "fence_async_shared", "mbarrier", "tma", "warpgrou
            "TensorDescriptor", "GLUON_IMPORT_ERROR", "GLUON_VERSION", "HEAD_DIMS", "ROWS_PER_CONSUMER", "CENTRE_ROWS",
            "PRODUCER_WARPS", "REGISTERS_PER_SM", "PRODUCER_REGS", "unavailable_reason", "sm90_problem",
            "operand_problem", "descriptor_layout_problem", "head_dim_tile", "registers", "descriptor", "kept_descriptor",
-           "row_shift", "round_p", "widen_p", "release"]
+           "kept_config", "row_shift", "round_p", "widen_p", "release"]
 
 GLUON_VERSION = "3.6"
 """The Triton release whose Gluon API the kernels are written for (``warp_specialize``'s signature changed in 3.6)."""
@@ -152,6 +152,20 @@ def kept_descriptor(t: torch.Tensor, block: tuple[int, ...], layout) -> TensorDe
         _DESCRIPTORS.clear()
     _DESCRIPTORS[key] = _clone(made, None)
     return made
+
+
+def kept_config(cache: dict, config: dict | None, signature: tuple, build) -> dict:
+    """A kernel's checked config: ``build()`` once per (``config``'s items, ``signature``), kept in ``cache`` (the
+    kernel file's own), so every call of a signature gets the same dict (read, never changed, by the launch).  An
+    unhashable ``config`` value is checked by ``build()`` each time, not kept."""
+    try:
+        key = (None if config is None else tuple(sorted(config.items())), *signature)
+        found = cache.get(key)
+    except TypeError:
+        return build()
+    if found is None:
+        found = cache[key] = build()
+    return found
 
 
 def _clone(desc: TensorDescriptor, base: torch.Tensor | None) -> TensorDescriptor:

@@ -79,8 +79,8 @@ import torch
 from ..rules import SHIFT_BLOCK
 from .common import LN2, cdiv, lse_arg
 from .gluon_common import (CENTRE_ROWS, PRODUCER_WARPS, ROWS_PER_CONSUMER, descriptor,
-                           descriptor_layout_problem, fence_async_shared, gl, gluon_jit, head_dim_tile, mbarrier,
-                           operand_problem, registers, release, round_p, row_shift, sm90_problem, tma,
+                           descriptor_layout_problem, fence_async_shared, gl, gluon_jit, head_dim_tile, kept_config,
+                           mbarrier, operand_problem, registers, release, round_p, row_shift, sm90_problem, tma,
                            unavailable_reason, warpgroup_mma, warpgroup_mma_wait, widen_p)
 from .tuning import SMEM_LIMIT
 
@@ -455,19 +455,7 @@ def tuned_config(n_k: int, head_dim: int = HEAD_DIM) -> dict:
 
 
 _CONFIGS: dict[tuple, dict] = {}
-
-
-def _checked_config(config: dict | None, n_k: int, head_dim: int, element_size: int) -> dict:
-    """:func:`_config`, kept per (config, short keys or not, head dim, element size): the same dict for every call
-    of a signature (read, never changed, by :func:`kernel_call`)."""
-    try:
-        key = (None if config is None else tuple(sorted(config.items())), n_k <= SHORT_KEYS, head_dim, element_size)
-        found = _CONFIGS.get(key)
-    except TypeError:  # an unhashable config value: checked, not kept
-        return _config(config, n_k, head_dim, element_size)
-    if found is None:
-        found = _CONFIGS[key] = _config(config, n_k, head_dim, element_size)
-    return found
+"""The checked configs by (config, short keys or not, head dim, element size): ``gluon_common.kept_config``."""
 
 
 def _config(config: dict | None, n_k: int, head_dim: int, element_size: int) -> dict:
@@ -506,7 +494,9 @@ def kernel_call(q, k_c, v, centres, out, *, scale: float, config: dict | None = 
     """
     batch, h_q, n_q, head_dim = q.shape
     h_k, n_k = k_c.shape[1], k_c.shape[2]
-    cfg = _checked_config(config, n_k, head_dim, q.element_size())
+    element_size = q.element_size()
+    cfg = kept_config(_CONFIGS, config, (n_k <= SHORT_KEYS, head_dim, element_size),
+                      lambda: _config(config, n_k, head_dim, element_size))
     tile = head_dim_tile(head_dim)
     c_g = centres if centres.dtype == q.dtype else centres.to(q.dtype)  # exact: values of the inputs' dtype
     block_m = ROWS_PER_CONSUMER * cfg["consumers"]

@@ -59,9 +59,9 @@ import triton.language as tl
 from ..rules import SHIFT_BLOCK
 from .common import LN2, cdiv
 from .gluon_common import (CENTRE_ROWS, PRODUCER_WARPS, ROWS_PER_CONSUMER, TensorDescriptor, descriptor,
-                           descriptor_layout_problem, fence_async_shared, gl, gluon_jit, kept_descriptor, mbarrier,
-                           operand_problem, registers, release, round_p, row_shift, sm90_problem, tma, warpgroup_mma,
-                           widen_p)
+                           descriptor_layout_problem, fence_async_shared, gl, gluon_jit, kept_config, kept_descriptor,
+                           mbarrier, operand_problem, registers, release, round_p, row_shift, sm90_problem, tma,
+                           warpgroup_mma, widen_p)
 from .tuning import SMEM_LIMIT
 
 __all__ = ["int8_fwd_gluon_kernel", "forward", "kernel_call", "unsuitable_reason", "tuned_config", "shared_bytes",
@@ -389,19 +389,7 @@ def unsuitable_reason(q: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, pv
 
 
 _CONFIGS: dict[tuple, dict] = {}
-
-
-def _checked_config(config: dict | None, dp: int, element_size: int, fallback: bool) -> dict:
-    """:func:`_config`, kept per (config, DP, element size, fallback): the same dict for every call of a
-    signature (read, never changed, by :func:`kernel_call`)."""
-    try:
-        key = (None if config is None else tuple(sorted(config.items())), dp, element_size, fallback)
-        found = _CONFIGS.get(key)
-    except TypeError:  # an unhashable config value: checked, not kept
-        return _config(config, dp, element_size, fallback)
-    if found is None:
-        found = _CONFIGS[key] = _config(config, dp, element_size, fallback)
-    return found
+"""The checked configs by (config, DP, element size, fallback): ``gluon_common.kept_config``."""
 
 
 def _config(config: dict | None, dp: int, element_size: int, fallback: bool) -> dict:
@@ -455,7 +443,9 @@ def kernel_call(q: torch.Tensor, prep, out: torch.Tensor, *, scale: float, confi
     if fallback and prep.k_split is None:
         raise ValueError("hopper_int8.forward: prep has flags but no k_split (int8.prepare(..., split=True) writes "
                          "the 16-bit blocks' hi and lo)")
-    cfg = _checked_config(config, dp, q.element_size(), fallback)
+    element_size = q.element_size()
+    cfg = kept_config(_CONFIGS, config, (dp, element_size, fallback),
+                      lambda: _config(config, dp, element_size, fallback))
     block_n = cfg["BLOCK_N"]
     maxnreg, consumer_regs = registers(cfg["consumers"])
     c_g = prep.centres.to(q.dtype)  # exact: the centres are values of the inputs' dtype
