@@ -5,7 +5,7 @@ Each load of a saved folder logged diffusers' advice to ``pip install accelerate
 twice for a video pipeline), a float16 pipeline moved to the CPU that it "will fail" (it runs: the PASA processors
 cast q, k and v, and torch runs float16 on the CPU, slowly), an offline hub id five retries of each request.  What
 these messages guard against is checked here instead, as one-line errors: weights that do not cover their config
-(``svd.check_weights_cover``, where diffusers logs "newly initialized"), an unreachable hub (``svd``'s loaders).
+(``checkpoints.check_weights_cover``, where diffusers logs "newly initialized"), an unreachable hub (``checkpoints.hub_unreachable``).
 Errors (level ``ERROR`` and up) always pass.
 
 Only the standard library is imported here: the command line calls ``show`` before torch is imported.

@@ -43,9 +43,10 @@ from diffusers import (CogVideoXDDIMScheduler, CogVideoXPipeline, DiffusionPipel
 from diffusers.utils import is_accelerate_available
 
 from . import svd
+from .checkpoints import (ModelLoadError, cached_snapshot, check_local_folder, check_weights, check_weights_cover,
+                          hub_unreachable, index_problem, state_dict_mismatch)
 from .names import BUILTIN_VIDEO_MODELS, TINY_VIDEO_SETTINGS, is_hub_id
 from .quiet import quiet
-from .svd import ModelLoadError
 from .video_dits import (tiny_cogvideox_vae, tiny_hunyuan_video_vae, tiny_ltx_video_vae, tiny_mochi_vae,
                          tiny_transformer, tiny_wan_vae)
 
@@ -214,7 +215,7 @@ def _model_index(model: str, local_files_only: bool) -> dict[str, Any] | None:
             index = path / "model_index.json"
         elif is_hub_id(model):
             cached = huggingface_hub.try_to_load_from_cache(model, "model_index.json")
-            if not isinstance(cached, str) and not local_files_only and svd.hub_unreachable() is not None:
+            if not isinstance(cached, str) and not local_files_only and hub_unreachable() is not None:
                 return None  # not retried five times: the loader says why in one line
             index = Path(cached if isinstance(cached, str) else
                          huggingface_hub.hf_hub_download(model, "model_index.json", local_files_only=local_files_only))
@@ -231,13 +232,13 @@ _NOT_LOADED = ("tokenizer", "text_encoder")
 
 def _check_index(model: str, index: Any) -> None:
     """Refuse a ``model_index.json`` that names no video pipeline of ``VIDEO_PIPELINES``, or components of another
-    family than the pipeline it names (``svd.index_problem``)."""
+    family than the pipeline it names (``checkpoints.index_problem``)."""
     name = index.get("_class_name") if isinstance(index, dict) else None
     if name not in VIDEO_PIPELINES:
         raise ModelLoadError(f"load_video: model={model!r}: its model_index.json names the pipeline class {name!r}; "
                              f"expected {', '.join(VIDEO_PIPELINES)} (load_video), or StableVideoDiffusionPipeline "
                              "(load_pipeline)")
-    problem = svd.index_problem(index, getattr(diffusers, name), left_out=_NOT_LOADED)
+    problem = index_problem(index, getattr(diffusers, name), left_out=_NOT_LOADED)
     if problem is not None:
         raise ModelLoadError(f"load_video: model={model!r}: {problem}")
 
@@ -274,9 +275,9 @@ def load_video(model: str, *, device: str | torch.device = "cpu", dtype: torch.d
         pipe.register_to_config(_name_or_path=model, **{SETTINGS_KEY: dict(TINY_VIDEO_SETTINGS[model])})
         pipe = pipe.to(device)
         return pipe if dtype == torch.float32 else _cast(pipe, dtype)
-    folder = svd._check_local_folder(model, "load_video", left_out=_NOT_LOADED)
+    folder = check_local_folder(model, "load_video", left_out=_NOT_LOADED)
     if folder is not None:
-        svd._check_weights(folder, "save the pipeline again with save_pretrained()", "load_video")
+        check_weights(folder, "save the pipeline again with save_pretrained()", "load_video")
     index = _model_index(model, local_files_only)
     if index is not None:
         _check_index(model, index)
@@ -287,7 +288,7 @@ def load_video(model: str, *, device: str | torch.device = "cpu", dtype: torch.d
         pipe = cls.from_pretrained(model, dtype=dtype, use_safetensors=True, local_files_only=local_files_only,
                                    **_left_out(cls), **kept)
     except RuntimeError as exc:
-        mismatch = svd.state_dict_mismatch(exc)
+        mismatch = state_dict_mismatch(exc)
         if mismatch is None:
             raise
         raise ModelLoadError(f"load_video: model={model!r}: a component's config.json and weights disagree "
@@ -295,9 +296,9 @@ def load_video(model: str, *, device: str | torch.device = "cpu", dtype: torch.d
     except (OSError, ValueError) as exc:
         detail = (str(exc).splitlines() or ["no detail"])[0].rstrip(".")
         raise ModelLoadError(f"load_video: cannot load model={model!r}: {detail}") from exc
-    saved = folder or svd._cached_snapshot(model)
+    saved = folder or cached_snapshot(model)
     if saved is not None:
-        svd.check_weights_cover(pipe, saved, "load_video")
+        check_weights_cover(pipe, saved, "load_video")
     saved = (_model_index(model, local_files_only=True) or {}).get(SETTINGS_KEY)
     if saved:  # a saved built-in model: its small defaults
         pipe.register_to_config(**{SETTINGS_KEY: saved})

@@ -335,13 +335,13 @@ def test_an_unreachable_hub_is_one_error_at_once_without_retries(tmp_path, monke
     import huggingface_hub
     import huggingface_hub.constants
 
-    from pasa_diffusers.pipelines import svd, video
+    from pasa_diffusers.pipelines import checkpoints, video
 
-    for name in svd._PROXY_VARIABLES:
+    for name in checkpoints._PROXY_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")  # the discard port: refused
-    monkeypatch.setattr(svd, "_unreachable", {})
+    monkeypatch.setattr(checkpoints, "_unreachable", {})
 
     def no_download(*args, **kwargs):
         raise AssertionError("a request was sent to an unreachable hub")
