@@ -144,6 +144,10 @@ def pasa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
         scale: softmax scale, default ``1/sqrt(D)``.
         precision: ``"hybrid"`` (default) — fp16/bf16 GEMMs, fp32 softmax state and accumulator;
             ``"half"`` — fp16 scores, ``P`` and accumulator (fp16 inputs);
+            ``"int8"`` — the exact shift in 8 bits: INT8 ``q k^T`` on centred, rotated codes, ``P V`` in
+            16 bits (``reference_int8``; the exact shift only);
+            ``"fp8"`` — as ``"int8"`` with ``P`` and ``V`` in FP8 e4m3 (``int8_reference(..., pv_bits=8)``):
+            FP8 ``P V`` costs about 2.5e-2 relative RMSE per operand (the spec's bound: <= 4.5e-2);
             ``"fp64"`` — the exact reference, no rounding (for tests; returns float64).
         shift: ``"exact"`` (default) for the exact shift: each 128-key block's mean of K removed
             exactly and the removed logit ``scale q . c_j`` carried in fp32
@@ -167,8 +171,9 @@ def pasa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
 
     Kernels (CUDA): ``kernels.dispatch.plan`` picks them: the Gluon kernel in FA3's structure for the
     default on sm_90 (fp16 or bf16, head dims 64 and 80-128, keys of several blocks), the packed kernel for short one-block
-    sequences (temporal attention), the portable FlashAttention-2 loop for everything else.  All give
-    the variant's result within its bound (``tests/test_kernel_gpu.py``).
+    sequences (temporal attention), the portable FlashAttention-2 loop for everything else; the 8-bit
+    precisions (``"int8"``, ``"fp8"``) run the 8-bit kernels on the quantizing pre-pass's codes.  All give
+    the variant's result within its bound (``tests/test_kernel_gpu.py``, ``tests/test_int8.py``).
 
     Raises:
         ValueError: an argument out of ``rules``' ranges (named in the message).

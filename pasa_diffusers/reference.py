@@ -32,7 +32,7 @@ from .shift_matrix import DEFAULT_BETA, shift_entries
 from .shift_matrix import gamma as recovery_gamma
 from .reference_int8 import int8_reference
 from .rules import gemm_dtype
-from .variants import Variant
+from .variants import Variant, eight_bit, pv_bits
 
 __all__ = [
     "attention",
@@ -411,8 +411,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
         if variant.shift == "pasa":
             return pasa_reference(q, k, v, scale, beta=beta, precision="fp64", return_lse=return_lse)
         return golden_attention(q, k, v, scale, return_lse=return_lse)
-    if variant.precision == "int8":
-        return int8_reference(q, k, v, scale, tally=True, return_lse=return_lse)
+    if eight_bit(variant.precision):
+        return int8_reference(q, k, v, scale, pv_bits=pv_bits(variant.precision), tally=True, return_lse=return_lse)
     if variant.shift == "exact":
         return exact_shift_reference(q, k, v, scale, precision=variant.precision, return_lse=return_lse)
     if variant.shift == "pasa":

@@ -44,6 +44,7 @@ PRECISION_DTYPES: dict[str, tuple[torch.dtype, ...]] = {
     "hybrid": SUPPORTED_DTYPES,
     "half": (torch.float16,),
     "int8": SUPPORTED_DTYPES,
+    "fp8": SUPPORTED_DTYPES,
     "fp64": (torch.float16, torch.bfloat16, torch.float32, torch.float64),
 }
 """Input dtypes each precision takes."""
@@ -53,8 +54,9 @@ MAX_HEAD_DIM = 256
 SHIFT_BLOCK = 128
 """Keys per shift block (PASA's ``n``, the exact shift's centring block): part of the result, not a tile size."""
 INT8_FALLBACK_TAU = 2e-2
-"""``precision="int8"``: the predicted RMS logit error (natural units) above which a key block is computed in
-16 bits (``reference_int8`` step 4b; the spec and the kernels read it here): part of the result."""
+"""The 8-bit precisions (``"int8"``, ``"fp8"``): the predicted RMS logit error (natural units) above which a key
+block is computed in 16 bits (``reference_int8`` step 4b; the spec and the kernels read it here): part of the
+result."""
 
 FP16_MAX = 65504.0
 """The largest finite fp16 value: a score above it overflows to inf in fp16."""

@@ -16,7 +16,13 @@ A variant is what the op computes, not how (which kernel runs it is ``kernels.di
 | ``half``  | fp16        | fp16                       | fp16 (``pasa``, ``none``); the exact shift keeps ``l`` in fp32 |
 | ``int8``  | INT8 codes  | int32 sums times fp32 scales, fp32 ``P V`` of ``P`` in g | fp32: the exact shift only, |
 |           | (q k^T)     | (``reference_int8``)       | keys centred and rotated, codes per token        |
+| ``fp8``   | INT8 codes  | as ``int8``; ``P V`` of FP8 e4m3 ``P`` and ``V`` | fp32: the exact shift only, as ``int8`` |
+|           | (q k^T), e4m3 (P V) | (``reference_int8``, ``pv_bits=8``) |                                  |
 | ``fp64``  | float64     | float64                    | float64: the exact reference, no rounding (tests) |
+
+``int8`` and ``fp8`` are the 8-bit precisions (:data:`EIGHT_BIT`): the same codes for ``q k^T``, ``P V`` in
+16 bits or in 8 (:func:`pv_bits`).  FP8 ``P V`` costs about 2.5e-2 relative RMSE per operand (the spec's bound
+for ``fp8``: <= 4.5e-2); ``fp8`` exists for speed.
 
 ``shift`` also takes ``True`` (``"pasa"``) and ``False`` (``"none"``), converted once by
 :func:`shift_mode` at the public edges (the op, the processors); everything behind them holds the
@@ -26,16 +32,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["SHIFT_MODES", "SHIFT_ALIASES", "PRECISIONS", "KERNEL_PRECISIONS", "DEFAULT_SHIFT", "DEFAULT_PRECISION",
-           "Variant", "DEFAULT", "VARIANTS", "shift_mode", "combination_problem"]
+__all__ = ["SHIFT_MODES", "SHIFT_ALIASES", "PRECISIONS", "KERNEL_PRECISIONS", "EIGHT_BIT", "DEFAULT_SHIFT",
+           "DEFAULT_PRECISION", "Variant", "DEFAULT", "VARIANTS", "shift_mode", "combination_problem", "eight_bit",
+           "pv_bits"]
 
 SHIFT_MODES = ("exact", "pasa", "none")
 SHIFT_ALIASES = {True: "pasa", False: "none"}
 """The booleans ``shift`` also takes (the paper's on/off switch)."""
 
-PRECISIONS = ("hybrid", "half", "int8", "fp64")
-KERNEL_PRECISIONS = ("hybrid", "half", "int8")
+PRECISIONS = ("hybrid", "half", "int8", "fp8", "fp64")
+KERNEL_PRECISIONS = ("hybrid", "half", "int8", "fp8")
 """The precisions the Triton kernels run (``fp64`` is the reference's alone)."""
+
+EIGHT_BIT = ("int8", "fp8")
+"""The 8-bit precisions: INT8 codes for ``q k^T`` on centred, rotated keys, the exact shift only; ``P V`` in
+16 bits (``int8``) or in FP8 e4m3 (``fp8``)."""
+
+_PV_BITS = {"int8": 16, "fp8": 8}
 
 DEFAULT_SHIFT = "exact"
 DEFAULT_PRECISION = "hybrid"
@@ -55,12 +68,25 @@ def shift_mode(shift: bool | str, fn: str = "shift_mode") -> str:
                      "False for 'none')")
 
 
+def eight_bit(precision: str) -> bool:
+    """Whether ``precision`` is one of the 8-bit precisions (:data:`EIGHT_BIT`)."""
+    return precision in EIGHT_BIT
+
+
+def pv_bits(precision: str) -> int:
+    """The bits of ``P`` and ``V`` in an 8-bit precision's ``P V`` GEMM: 16 for ``int8`` (the inputs' dtype), 8
+    for ``fp8`` (FP8 e4m3); ``ValueError`` for any other precision."""
+    if precision not in _PV_BITS:
+        raise ValueError(f"pv_bits: precision={precision!r} is not an 8-bit precision; expected one of {EIGHT_BIT}")
+    return _PV_BITS[precision]
+
+
 def combination_problem(shift: str, precision: str) -> str | None:
-    """Why ``shift`` (a name of ``SHIFT_MODES``) and ``precision`` make no variant, or ``None``: ``int8`` is
-    the exact shift's alone."""
-    if precision == "int8" and shift != "exact":
-        return (f"precision='int8' runs the exact shift only, got shift={shift!r} (precision='int8' is the exact "
-                "shift's 8-bit form: its codes need each key block centred as the default does)")
+    """Why ``shift`` (a name of ``SHIFT_MODES``) and ``precision`` make no variant, or ``None``: the 8-bit
+    precisions (``int8``, ``fp8``) are the exact shift's alone."""
+    if eight_bit(precision) and shift != "exact":
+        return (f"precision={precision!r} runs the exact shift only, got shift={shift!r} (precision={precision!r} "
+                "is the exact shift's 8-bit form: its codes need each key block centred as the default does)")
     return None
 
 

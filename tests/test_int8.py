@@ -676,7 +676,7 @@ def test_the_router_plans_the_int8_kernels_and_nothing_else():
         with pytest.raises(ValueError, match=f"kernel='{kernel}' has no 8-bit path"):
             dispatch.plan(q, q, q, q, variant=Variant("exact", "int8"), kernel=kernel)
     for kernel in ("portable-int8", "gluon-int8"):
-        with pytest.raises(ValueError, match=f"kernel='{kernel}' runs precision='int8' only"):
+        with pytest.raises(ValueError, match=f"kernel='{kernel}' runs the 8-bit precisions"):
             dispatch.plan(q, q, q, q, variant=Variant(), kernel=kernel)
     with pytest.raises(ValueError, match="centres blocks of 128 keys, got block_n=64"):
         dispatch.plan(q, q, q, q, variant=Variant("exact", "int8"), block_n=64)

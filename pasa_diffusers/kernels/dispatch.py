@@ -10,8 +10,11 @@ The kernels (each in its file, with its launch wrapper and configs):
 | ``portable``      | ``portable.py``  | every 16-bit variant, any CUDA GPU and the interpreter: FlashAttention-2's loop |
 | ``packed``        | ``packed.py``    | the exact shift on short one-block sequences (temporal attention): several whole sequences per program |
 | ``gluon``         | ``hopper.py``    | the exact shift in hybrid on sm_90, fp16/bf16, head dims 64 and 80-128, keys of several blocks: FA3's structure |
-| ``gluon-int8``    | ``hopper_int8.py`` | ``precision="int8"`` on sm_90, ``P V`` in 16 bits: the 8-bit codes in ``hopper.py``'s structure |
-| ``portable-int8`` | ``int8.py``      | ``precision="int8"`` on any CUDA GPU with INT8 ``tl.dot`` and the interpreter |
+| ``gluon-int8``    | ``hopper_int8.py`` | the 8-bit precisions on sm_90: the 8-bit codes in ``hopper.py``'s structure |
+| ``portable-int8`` | ``int8.py``      | the 8-bit precisions on any CUDA GPU with INT8 ``tl.dot`` and the interpreter |
+
+The 8-bit precisions (``variants.EIGHT_BIT``) share their kernels: ``precision="int8"`` runs them with ``P V`` in
+16 bits (``pv_bits=16``), ``precision="fp8"`` with ``P`` and ``V`` in FP8 e4m3 (``pv_bits=8``).
 
 and the pre-passes: ``"centre"`` (``prepass.py``; the exact shift: each block's centre removed once per
 head, for the portable kernel on keys of several blocks and for the Gluon kernel), ``"shift"`` (PASA: the
@@ -24,7 +27,7 @@ within 1.25x of cuDNN's, as long as each range keeps the GPU busy for much longe
 issue it (:data:`MIN_RANGE_FLOP`); shorter calls run in one launch and allocate the whole copy.
 
 ``kernel="auto"`` takes the first of packed, gluon, portable (the 16-bit precisions) or of gluon-int8,
-portable-int8 (``precision="int8"``) that can run the call.  A kernel named explicitly runs the call or
+portable-int8 (the 8-bit precisions) that can run the call.  A kernel named explicitly runs the call or
 raises ``ValueError`` saying why it cannot; so does ``prepass=True`` / ``False``, which forces the
 pre-pass on or off.  Plans are kept per call signature (:func:`plan`): a repeated call pays a dictionary
 look-up, not the routing.
@@ -38,7 +41,8 @@ import torch
 from .. import block_tally
 from ..shift_matrix import shift_constants
 from ..rules import SHIFT_BLOCK
-from ..variants import KERNEL_PRECISIONS, Variant
+from ..variants import KERNEL_PRECISIONS, Variant, eight_bit
+from ..variants import pv_bits as precision_pv_bits
 from . import hopper, hopper_int8, int8, packed, portable
 from .common import INTERPRET, cdiv
 from .prepass import centre_keys, shift_keys
@@ -54,7 +58,7 @@ _ORDER = ("packed", "gluon", "portable")
 """``kernel="auto"``'s preference for the 16-bit precisions: the specialised kernels first."""
 
 INT8_KERNELS = ("gluon-int8", "portable-int8")
-"""The kernels of ``precision="int8"``, in ``kernel="auto"``'s preference."""
+"""The kernels of the 8-bit precisions (``"int8"``, ``"fp8"``), in ``kernel="auto"``'s preference."""
 
 INT8_GLUON_MIN_KEYS = 256
 """``kernel="auto"`` attends on the 8-bit codes with the portable kernel below this many keys, where it is
@@ -94,6 +98,8 @@ class Plan:
             block of ``n_j = Nk`` keys whatever the tile); 0 for plain FlashAttention.
         one_block: all keys in one shift block.
         rejected: each kernel not chosen -> why, in words.
+        pv_bits: the bits of ``P`` and ``V`` in the ``P V`` GEMM: 16 (the inputs' dtype), or 8 (FP8 e4m3;
+            the 8-bit kernels only: ``precision="fp8"``, or ``"int8"`` with ``pv_bits=8``).
     """
 
     kernel: str
@@ -101,12 +107,14 @@ class Plan:
     block_n: int
     one_block: bool
     rejected: dict[str, str] = field(default_factory=dict)
+    pv_bits: int = 16
 
     def describe(self) -> str:
-        """One line: the kernel, its pre-pass and why not the others."""
+        """One line: the kernel, its pre-pass (and ``P V`` in FP8 where it is) and why not the others."""
         keys = f" + {self.prepass} pre-pass" if self.prepass else ""
+        fp8 = ", P V in FP8" if self.pv_bits == 8 else ""
         others = "; ".join(f"not {name}: {why}" for name, why in self.rejected.items())
-        return f"{self.kernel}{keys}" + (f" ({others})" if others else "")
+        return f"{self.kernel}{keys}{fp8}" + (f" ({others})" if others else "")
 
 
 def _exact_reasons(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, precision: str,
@@ -177,25 +185,42 @@ def _choose(fn: str, reasons: dict[str, str | None], order: tuple[str, ...], ker
     return chosen, rejected
 
 
-def _int8_plan(fn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, block_n: int | None,
-               kernel: str, prepass: bool | None, config: dict | None, pv_bits: int) -> Plan:
-    """The plan of a ``precision="int8"`` call: one of :data:`INT8_KERNELS` after the quantizing pre-pass."""
-    if kernel in _ORDER:
-        raise ValueError(f"{fn}: kernel={kernel!r} has no 8-bit path; precision='int8' runs one of {INT8_KERNELS}")
+def _eight_bit_pv_bits(fn: str, precision: str, pv_bits: int | None) -> int:
+    """The ``pv_bits`` an 8-bit call runs: its precision's (16 for ``"int8"``, 8 for ``"fp8"``) when ``None``;
+    ``"int8"`` also takes 8 (``P V`` in FP8 on its codes: the tests' and scripts' direct use); ``"fp8"`` takes
+    nothing but 8."""
+    own = precision_pv_bits(precision)
+    if pv_bits is None:
+        return own
     if pv_bits not in int8.PV_BITS:
         raise ValueError(f"{fn}: unknown pv_bits={pv_bits!r}; expected one of {int8.PV_BITS}")
+    if precision == "fp8" and pv_bits != own:
+        raise ValueError(f"{fn}: precision='fp8' computes P V in FP8 e4m3 (pv_bits=8), got pv_bits={pv_bits!r}; "
+                         "for P V in 16 bits use precision='int8'")
+    return pv_bits
+
+
+def _int8_plan(fn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, precision: str,
+               block_n: int | None, kernel: str, prepass: bool | None, config: dict | None,
+               pv_bits: int | None) -> Plan:
+    """The plan of an 8-bit call (``precision="int8"`` or ``"fp8"``): one of :data:`INT8_KERNELS` after the
+    quantizing pre-pass, ``P V`` in the bits :func:`_eight_bit_pv_bits` says."""
+    if kernel in _ORDER:
+        raise ValueError(f"{fn}: kernel={kernel!r} has no 8-bit path; precision={precision!r} runs one of "
+                         f"{INT8_KERNELS}")
+    bits = _eight_bit_pv_bits(fn, precision, pv_bits)
     if block_n is not None and int(block_n) != SHIFT_BLOCK:
-        raise ValueError(f"{fn}: precision='int8' centres blocks of {SHIFT_BLOCK} keys, got block_n={block_n}")
+        raise ValueError(f"{fn}: precision={precision!r} centres blocks of {SHIFT_BLOCK} keys, got block_n={block_n}")
     if prepass is False:
         raise ValueError(f"{fn}: prepass=False: the 8-bit kernels read only their pre-pass's codes")
-    chosen, rejected = _choose(fn, _int8_reasons(q, v, out, kernel, config, pv_bits), INT8_KERNELS, kernel)
-    sixteen_bits = "it runs the 16-bit precisions, not precision='int8'"
+    chosen, rejected = _choose(fn, _int8_reasons(q, v, out, kernel, config, bits), INT8_KERNELS, kernel)
+    sixteen_bits = f"it runs the 16-bit precisions, not precision={precision!r}"
     return Plan(chosen, "quantize", SHIFT_BLOCK, k.shape[2] <= SHIFT_BLOCK,
-                {**rejected, **{name: sixteen_bits for name in _ORDER}})
+                {**rejected, **{name: sixteen_bits for name in _ORDER}}, bits)
 
 
 def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, variant: Variant,
-          block_n: int | None, kernel: str, prepass: bool | None, config: dict | None, pv_bits: int,
+          block_n: int | None, kernel: str, prepass: bool | None, config: dict | None, pv_bits: int | None,
           fallback: bool) -> Plan:
     """:func:`plan` without the cache."""
     fn = "dispatch.plan"
@@ -206,13 +231,14 @@ def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, 
     shift, precision = variant.shift, variant.precision
     if precision not in KERNEL_PRECISIONS:
         raise ValueError(f"{fn}: precision={precision!r} has no kernel; expected one of {KERNEL_PRECISIONS}")
-    if precision == "int8":
-        return _int8_plan(fn, q, k, v, out, block_n, kernel, prepass, config, pv_bits)
+    if eight_bit(precision):
+        return _int8_plan(fn, q, k, v, out, precision, block_n, kernel, prepass, config, pv_bits)
     if kernel in INT8_KERNELS:
-        raise ValueError(f"{fn}: kernel={kernel!r} runs precision='int8' only, got precision={precision!r}")
-    if pv_bits != 16 or fallback is not True:
-        raise ValueError(f"{fn}: pv_bits and fallback are the 8-bit kernels' options (precision='int8'), got "
-                         f"pv_bits={pv_bits!r}, fallback={fallback!r} with precision={precision!r}")
+        raise ValueError(f"{fn}: kernel={kernel!r} runs the 8-bit precisions ('int8', 'fp8') only, got "
+                         f"precision={precision!r}")
+    if pv_bits not in (None, 16) or fallback is not True:
+        raise ValueError(f"{fn}: pv_bits and fallback are the 8-bit kernels' options (precision='int8' or 'fp8'), "
+                         f"got pv_bits={pv_bits!r}, fallback={fallback!r} with precision={precision!r}")
     if shift != "exact" and kernel in ("packed", "gluon"):
         raise ValueError(f"{fn}: kernel={kernel!r} is the exact shift's; got shift={shift!r}")
     if shift == "none":
@@ -250,7 +276,7 @@ def _signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Ten
 
 def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, variant: Variant,
          block_n: int | None = None, kernel: str = "auto", prepass: bool | None = None,
-         config: dict | None = None, pv_bits: int = 16, fallback: bool = True) -> Plan:
+         config: dict | None = None, pv_bits: int | None = None, fallback: bool = True) -> Plan:
     """The plan of ``forward`` for these arguments (see :func:`forward`); ``ValueError`` naming the argument
     for a kernel, pre-pass, ``block_n`` or 8-bit option that cannot serve the call.
 
@@ -280,7 +306,7 @@ def forget_plans() -> None:
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, scale: float,
             variant: Variant, beta: float, block_n: int | None = None, kernel: str = "auto",
             prepass: bool | None = None, config: dict | None = None, lse: torch.Tensor | None = None,
-            pv_bits: int = 16, fallback: bool = True) -> torch.Tensor:
+            pv_bits: int | None = None, fallback: bool = True) -> torch.Tensor:
     """Write ``softmax(scale q k^T) v`` of ``variant`` into ``out`` (and, given ``lse``, each row's
     log-sum-exp into it) and return ``out``.
 
@@ -288,8 +314,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
         q: ``(B, Hq, Nq, D)``; k, v: ``(B, Hk, Nk, D)`` with ``Hq % Hk == 0``; out: ``(B, Hq, Nq, D)``,
             ``q``'s dtype; CUDA tensors (CPU ones under ``TRITON_INTERPRET=1``), any strides with unit
             stride in the head dim.
-        scale: softmax scale; variant: a kernel precision (``"hybrid"``, ``"half"``, ``"int8"``) and a shift
-            (``"int8"``: the exact shift only).
+        scale: softmax scale; variant: a kernel precision (``"hybrid"``, ``"half"``, ``"int8"``, ``"fp8"``) and
+            a shift (``"int8"``, ``"fp8"``: the exact shift only).
         beta: PASA's shift strength in (0, 1) (unused by the other shifts).
         block_n: the shift block (default ``rules.SHIFT_BLOCK`` = 128, as the reference); changes the result.
         kernel: ``"auto"`` or one of :data:`KERNELS` (module docstring).
@@ -303,9 +329,11 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
             (natural log, of the true logits whatever the variant: ``reference.py``'s module docstring);
             every kernel stores it from its own softmax state.  Checked here (a wrong buffer would be
             written out of bounds).
-        pv_bits, fallback: ``precision="int8"`` only: ``P V`` in the inputs' dtype (16, the default) or FP8
-            (8; sm_89+, not the Gluon kernel); the key blocks whose codes cannot hold their range computed
-            in 16 bits and counted in ``block_tally`` (``True``, the default) or every block from the codes.
+        pv_bits, fallback: the 8-bit precisions only.  ``pv_bits``: ``None`` (the default) for the precision's
+            own (16 for ``"int8"``: ``P V`` in the inputs' dtype; 8 for ``"fp8"``: FP8 e4m3, sm_89+), or 16 / 8
+            explicitly (``"int8"`` takes either, ``"fp8"`` only 8: ``ValueError`` naming both otherwise).
+            ``fallback``: the key blocks whose codes cannot hold their range computed in 16 bits and counted
+            in ``block_tally`` (``True``, the default) or every block from the codes.
     """
     chosen = plan(q, k, v, out, variant=variant, block_n=block_n, kernel=kernel, prepass=prepass, config=config,
                   pv_bits=pv_bits, fallback=fallback)
@@ -315,7 +343,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
         if out.numel() == 0:
             return out
         gluon = chosen.kernel == "gluon-int8"
-        prep = int8.prepare(q, k, v, scale=scale, pv_bits=pv_bits, fallback=fallback, split=gluon and fallback,
+        prep = int8.prepare(q, k, v, scale=scale, pv_bits=chosen.pv_bits, fallback=fallback, split=gluon and fallback,
                             tally=block_tally.counter(q.device) if fallback else None)
         if gluon:
             return hopper_int8.forward(q, prep, out, scale=scale, config=config, lse=lse)
