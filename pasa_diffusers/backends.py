@@ -41,6 +41,9 @@ _ALL = (
     Backend("pasa-int8", "PASAAttnProcessor", "the exact shift in 8 bits: INT8 q k^T on centred, rotated codes, "
             "16-bit P V; one key block in 16 bits",
             Variant("exact", "int8"), {"precision": "int8", "shift": "exact"}),
+    Backend("pasa-fp8", "PASAAttnProcessor", "the exact shift in 8 bits with FP8 e4m3 P V: INT8 q k^T on centred, "
+            "rotated codes, FP8 P and V; one key block in 16 bits",
+            Variant("exact", "fp8"), {"precision": "fp8", "shift": "exact"}),
     Backend("pasa-paper", "PASAAttnProcessor", "the paper's fully-FP16 PASA",
             Variant("pasa", "half"), {"precision": "half", "shift": "pasa"}),
     Backend("pasa-paper-hybrid", "PASAAttnProcessor", "the paper's shift, fp32 softmax state",

@@ -1,4 +1,4 @@
-"""How many key blocks the 8-bit path computed in 16 bits (``precision="int8"``), per device.
+"""How many key blocks the 8-bit path computed in 16 bits (``precision="int8"`` or ``"fp8"``), per device.
 
 The 8-bit exact shift takes a key block whose codes cannot hold its range from 16-bit operands instead
 (``reference_int8``, step 4b).  Each call of the op adds, per (batch, query head), its blocks and its

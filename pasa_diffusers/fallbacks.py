@@ -20,8 +20,8 @@ reason is decided here; what computes it:
   - ``"attention mask"``: SDPA with the mask: a mask other than a key-padding one (``masks.py``), or any
     mask under ``torch.compile``;
   - ``"single key"``: the key's value (the softmax over one key is exactly 1);
-  - ``"one key block"``: ``precision="int8"`` on keys of at most one shift block, run in the op's default
-    precision (8-bit codes buy no speed there, only their error).
+  - ``"one key block"``: an 8-bit precision (``"int8"``, ``"fp8"``) on keys of at most one shift block, run
+    in the op's default precision (8-bit codes buy no speed there, only their error).
 """
 from __future__ import annotations
 

@@ -21,8 +21,8 @@ they compute another way, count under their reason in ``fallbacks`` and log once
 that is not a key-padding mask (``"attention mask"``: SDPA with the mask; the op takes none, and a
 key-padding mask (``masks.py``) runs the op on each batch element's kept keys; under ``torch.compile`` every mask), a
 single key (``"single key"``: the softmax is exactly 1, the output that key's value; SVD's
-cross-attentions) and, for ``precision="int8"``, keys of one block (``"one key block"``: the op's
-default precision, where 8 bits buy no speed); ``fallbacks.py`` decides every case.  A
+cross-attentions) and, for the 8-bit precisions (``"int8"``, ``"fp8"``), keys of one block (``"one key
+block"``: the op's default precision, where 8 bits buy no speed); ``fallbacks.py`` decides every case.  A
 call the op cannot take (a head dim outside ``[rules.MIN_HEAD_DIM, rules.MAX_HEAD_DIM]``, an input
 dtype the precision does not take) raises ``ValueError`` naming the module; ``install.apply`` checks
 both before installing and casts q, k, v to a dtype the backend takes.  The op is forward-only: a
@@ -43,7 +43,7 @@ from diffusers.models.attention_processor import Attention
 from . import backends, fallbacks, peers, rules
 from .masks import attend_kept_keys
 from .ops import pasa_attention
-from .variants import DEFAULT_PRECISION, DEFAULT_SHIFT, VARIANTS
+from .variants import DEFAULT_PRECISION, DEFAULT_SHIFT, VARIANTS, eight_bit
 
 __all__ = [
     "CountedAttnProcessor",
@@ -274,8 +274,8 @@ class PASAAttnProcessor(CountedAttnProcessor):
 
     Args:
         precision: ``"hybrid"`` (fp16/bf16 GEMMs, fp32 softmax state), ``"half"`` (fp16 scores and
-            accumulator), ``"int8"`` (INT8 ``q k^T`` on centred codes) or ``"fp64"`` (the exact reference
-            math; slow, for tests).
+            accumulator), ``"int8"`` (INT8 ``q k^T`` on centred codes, 16-bit ``P V``), ``"fp8"`` (the same
+            codes, ``P V`` in FP8 e4m3) or ``"fp64"`` (the exact reference math; slow, for tests).
         shift: ``"exact"`` for the exact shift (K's block mean removed exactly, the removed ``q . kbar``
             carried in fp32), ``"pasa"`` (or ``True``) for the paper's PASA, ``"none"`` (or ``False``) for
             plain FlashAttention in the same precision.
@@ -284,8 +284,8 @@ class PASAAttnProcessor(CountedAttnProcessor):
 
     Falls back (counted, logged once per reason and process) for an attention mask other than a key-padding
     mask (``"attention mask"``; key-padding masks, ``masks.key_padding``, run the op on each batch element's kept
-    keys), a single key (``"single key"``) and, with ``precision="int8"``, keys that form one block of at
-    most ``rules.SHIFT_BLOCK`` (``"one key block"``: temporal attention, cross-attention to a short text),
+    keys), a single key (``"single key"``) and, with ``precision="int8"`` or ``"fp8"``, keys that form one block
+    of at most ``rules.SHIFT_BLOCK`` (``"one key block"``: temporal attention, cross-attention to a short text),
     which run the op's default, the exact shift in hybrid precision: at one block a call is bound by memory,
     not by the tensor cores, so 8-bit codes buy no speed there, only their error (docs/NUMERICS.md, "Where
     8 bits pay").  ``install.apply`` checks every module's head dim and dtype
@@ -311,7 +311,7 @@ class PASAAttnProcessor(CountedAttnProcessor):
                              f"inputs, got dtype={dtype}")
         self.variant = VARIANTS[rules.shift_mode(shift), precision]  # checked above: a lookup, not a new check
         self.beta = beta
-        self.fallback_cases = ("attention mask", "single key") + (("one key block",) if precision == "int8" else ())
+        self.fallback_cases = ("attention mask", "single key") + (("one key block",) if eight_bit(precision) else ())
 
     @property
     def precision(self) -> str:

@@ -383,14 +383,16 @@ def most_keys(pipe: Any, *, num_frames: int, height: int, width: int) -> int | N
 
 
 def check_key_blocks(pipe: Any, settings: dict[str, int], backends: list[str] | tuple[str, ...], flag: str) -> None:
-    """Refuse an 8-bit backend (``pasa-int8``) for a run whose every attention call takes at most one key block
-    (``rules.SHIFT_BLOCK`` keys): the backend computes each such call in 16 bits (its documented fallback, "one
-    key block"), so none would run in 8 bits and its output would not be the backend's; checked once the model
-    is loaded, before any step (``install.fallback_summary(strict=True)`` found it only after the whole video)."""
+    """Refuse an 8-bit backend (``pasa-int8``, ``pasa-fp8``) for a run whose every attention call takes at most
+    one key block (``rules.SHIFT_BLOCK`` keys): the backend computes each such call in 16 bits (its documented
+    fallback, "one key block"), so none would run in 8 bits and its output would not be the backend's; checked
+    once the model is loaded, before any step (``install.fallback_summary(strict=True)`` found it only after the
+    whole video)."""
     from pasa_diffusers.backends import BACKENDS
     from pasa_diffusers.rules import SHIFT_BLOCK
+    from pasa_diffusers.variants import EIGHT_BIT
 
-    eight_bit = [name for name in backends if (variant := BACKENDS[name].variant) and variant.precision == "int8"]
+    eight_bit = [name for name in backends if (variant := BACKENDS[name].variant) and variant.precision in EIGHT_BIT]
     if not eight_bit:
         return
     keys = most_keys(pipe, num_frames=settings["num_frames"], height=settings["height"], width=settings["width"])
