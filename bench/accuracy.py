@@ -8,12 +8,13 @@ For each class of numerics.input_classes (benign, large common biases, drifting 
 sign changes, a far key, FlashAttention-3's outliers, resonance; V ~ N(0, 1)) in --dtype at a spatial
 shape, a grouped-head one with a ragged last block, a temporal one and one of head dim 128, the relative
 RMSE against reference.golden_attention (float64) of: our variants (pasa_attention; exact-hybrid is the
-default, exact-int8 is pasa-int8), SDPA on fp16 copies (its own backend choice), SDPA on bf16 copies, the FlashAttention-2 reference (reference.flash_reference: fp32 scores
+default, exact-int8 is pasa-int8, exact-fp8 is pasa-fp8), SDPA on fp16 copies (its own backend choice), SDPA on bf16 copies, the FlashAttention-2 reference (reference.flash_reference: fp32 scores
 and state, P rounded to fp16, IEEE fp32 GEMMs) and the peers when importable (FA3 bf16, FA3 fp8
 scaled per kv head, SageAttention on a clone of k).
 A non-finite output shows as "NaN (count)"; a method that fails shows its error.  The last columns are
 the default's error over SDPA's in the inputs' dtype and the share of key blocks exact-int8 computed in
-16 bits (``block_tally``: its fallback for blocks an 8-bit code cannot hold).
+16 bits (``block_tally``: its fallback for blocks an 8-bit code cannot hold; exact-fp8 takes the same blocks,
+its ``P V`` bits do not enter the criterion, so the share counts both alike).
 """
 from __future__ import annotations
 

@@ -14,8 +14,9 @@ diffusers holds them.  --methods takes names and groups, comma-separated (defaul
             sdpa_kernel(<backend>); math is skipped above 2^31 scores (it materialises them)
   peers     fa3-bf16, fa3-fp8 (FlashAttention-3, fa3-fwd wheel; fp8 e4m3 scaled per kv head, the
             conversion untimed), sageattn (SageAttention on its own clone of k), when importable
-  ours      exact-hybrid (the op's default), exact-half, exact-int8 (pasa-int8), pasa-hybrid, pasa-half,
-            none-hybrid, none-half: pasa_attention(..., layout="bnhd") with that variant's precision and shift
+  ours      exact-hybrid (the op's default), exact-half, exact-int8 (pasa-int8), exact-fp8 (pasa-fp8),
+            pasa-hybrid, pasa-half, none-hybrid, none-half: pasa_attention(..., layout="bnhd") with that
+            variant's precision and shift
   kernels   for each of our variants, every kernel and key pre-pass kernels.dispatch accepts at the
             shape, through dispatch.forward (kernels:<variant> for one variant)
 

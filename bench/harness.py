@@ -274,9 +274,10 @@ def peer_methods() -> tuple[list[Method], dict[str, str]]:
     return [m for name, m in found.items() if name not in missing], missing
 
 
-VARIANTS = (Variant("exact", "hybrid"), Variant("exact", "half"), Variant("exact", "int8"),
+VARIANTS = (Variant("exact", "hybrid"), Variant("exact", "half"), Variant("exact", "int8"), Variant("exact", "fp8"),
             *(Variant(shift, precision) for shift in ("pasa", "none") for precision in ("hybrid", "half")))
-"""Our variants, the default (``exact-hybrid``) first; ``exact-int8`` is ``pasa-int8``."""
+"""Our variants, the default (``exact-hybrid``) first; ``exact-int8`` is ``pasa-int8``, ``exact-fp8`` is
+``pasa-fp8``."""
 
 _SHIFT_ARGUMENT = {"exact": "exact", "pasa": True, "none": False}
 """``pasa_attention``'s ``shift`` for each ``Variant.shift``."""
