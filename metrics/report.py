@@ -76,7 +76,7 @@ def _fallbacks(backend: str, records: list[dict[str, Any]]) -> dict[str, Any]:
     if calls and fallback_calls == calls:
         raise ValueError(f"build_report: backend {backend!r} fell back on all {calls} attention calls it targets "
                          f"({', '.join(reasons)}): its videos are not {backend}'s")
-    no_blocks = {"blocks": 0, "in_16_bits": 0}  # records written before pasa-int8 counted them
+    no_blocks = {"blocks": 0, "in_16_bits": 0}  # records written before the 8-bit backends counted them
     blocks = sum(r["fallbacks"].get("int8_blocks", no_blocks)["blocks"] for r in records)
     in_16_bits = sum(r["fallbacks"].get("int8_blocks", no_blocks)["in_16_bits"] for r in records)
     return {"calls": calls, "fallback_calls": fallback_calls, "share": fallback_calls / calls if calls else 0.0,
@@ -190,7 +190,8 @@ def _nonfinite_cell(health: dict[str, Any]) -> str:
 
 def _fallback_cell(fallbacks: dict[str, Any]) -> str:
     """``0%``, or the share of calls that fell back and each reason's share, e.g. ``50% (single key)``; for
-    pasa-int8 also the share of its key blocks computed in 16 bits, e.g. ``0%; 16-bit key blocks 3%``."""
+    the 8-bit backends (pasa-int8, pasa-fp8) also the share of their key blocks computed in 16 bits, e.g.
+    ``0%; 16-bit key blocks 3%``."""
     blocks = fallbacks["int8_blocks"]
     int8 = f"; 16-bit key blocks {100 * blocks['share']:.0f}%" if blocks["blocks"] else ""
     if not fallbacks["fallback_calls"]:
@@ -401,9 +402,9 @@ def _fallback_note(report: dict[str, Any]) -> str:
                  "image embedding, a single key, so 50 % is expected of the backends that run the PASA op (the "
                  "pasa variants and naive-half).")
     if any(h["fallbacks"]["int8_blocks"]["blocks"] for h in report["health"].values()):
-        text += (" 16-bit key blocks: the share of pasa-int8's (batch, head, 128-key block) tiles it computed in 16 "
-                 "bits because an 8-bit code could not hold their range (docs/NUMERICS.md, \"The 16-bit blocks\"); "
-                 "those calls are pasa-int8's own, not fallbacks.")
+        text += (" 16-bit key blocks: the share of pasa-int8's or pasa-fp8's (batch, head, 128-key block) tiles it "
+                 "computed in 16 bits because an 8-bit code could not hold their range (docs/NUMERICS.md, \"The "
+                 "16-bit blocks\"); those calls are the 8-bit backend's own, not fallbacks.")
     return text
 
 

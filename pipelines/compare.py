@@ -23,7 +23,7 @@ A record of ``samples.jsonl``::
      "frames", "nonfinite_frames", "first_nonfinite", "identical_frames",
      "psnr_per_frame": [...], "ssim_per_frame": [...],
      "fallbacks": {"calls", "fallback_calls", "reasons": {reason: calls},
-                   "int8_blocks": {"blocks", "in_16_bits"}},   # pasa-int8's key blocks, and those in 16 bits
+                   "int8_blocks": {"blocks", "in_16_bits"}},   # the 8-bit backends' key blocks, those in 16 bits
      "seconds", "rank"}
 
 A video's PSNR (and temporal PSNR) is the mean over its frames with a finite value, ``inf`` when every
