@@ -24,7 +24,7 @@ def test_default_is_the_exact_shift_in_hybrid(gen):
     ({"scale": -1.0}, r"scale must be a positive finite number, got scale=-1.0"),
     ({"shift": "bogus"}, r"unknown shift='bogus'"),
     ({"beta": 5.0}, r"beta must be a number in \(0, 1\), got beta=5.0"),
-    ({"precision": "fp8"}, r"unknown precision='fp8'"),
+    ({"precision": "fp4"}, r"unknown precision='fp4'"),
     ({"layout": "nhd"}, r"unknown layout='nhd'"),
 ])
 def test_bad_options_name_the_argument(options, match, gen):

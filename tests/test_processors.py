@@ -504,7 +504,7 @@ def test_unknown_backend_lists_valid_ones_and_changes_nothing(pipe):
     [
         ("fp32", {"beta": 0.5}, "takes no options"),
         ("pasa-half", {"precision": "hybrid"}, "fixes"),
-        ("pasa", {"precision": "fp8"}, r"^apply\(backend='pasa'\): unknown precision='fp8'"),
+        ("pasa", {"precision": "fp4"}, r"^apply\(backend='pasa'\): unknown precision='fp4'"),
         ("pasa", {"shift": "bogus"}, r"^apply\(backend='pasa'\): unknown shift='bogus'; expected one of"),
         ("pasa", {"beta": 5.0}, r"^apply\(backend='pasa'\): beta must be a number in \(0, 1\), got beta=5.0"),
         ("pasa-paper", {"beta": True}, r"beta must be a number in \(0, 1\), got beta=True"),
