@@ -137,6 +137,36 @@ def test_the_router_plans_the_8_bit_kernels_with_fp8_p_v():
         dispatch.plan(q, q, q, q, variant=Variant(), pv_bits=8)
 
 
+def test_fp8_p_v_is_refused_on_a_gpu_without_fp8_tensor_cores(monkeypatch):
+    """A CUDA GPU below sm_89 (A100: sm_80) has no FP8 tensor cores: ``dispatch.fp8_problem`` says so, and the
+    router refuses ``P V`` in FP8 there with one line naming the GPU and what to use instead (the capability is
+    faked: this host has no GPU)."""
+    from pasa_diffusers.kernels import dispatch
+
+    capability = {"value": (8, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["value"])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    gpu = torch.device("cuda", 0)
+    assert dispatch.fp8_problem(gpu) == ("P V in FP8 e4m3 needs FP8 tensor cores (sm_89 or later); NVIDIA "
+                                         "A100-SXM4-80GB is sm_80")
+    assert dispatch.fp8_problem(torch.device("cpu")) is None
+    for ada_or_later in ((8, 9), (9, 0), (10, 0)):
+        capability["value"] = ada_or_later
+        assert dispatch.fp8_problem(gpu) is None
+    monkeypatch.setattr(dispatch, "fp8_problem", lambda device: "P V in FP8 e4m3 needs FP8 tensor cores")
+    dispatch.forget_plans()  # plans are kept per signature: route these calls afresh
+    q = torch.randn(1, 2, 64, 64).half()
+    try:
+        with pytest.raises(ValueError, match=r"^dispatch.plan: precision='fp8': P V in FP8 e4m3 needs FP8 tensor "
+                                             r"cores; use precision='int8' \(P V in 16 bits\)$"):
+            dispatch.plan(q, q, q, q, variant=FP8)
+        with pytest.raises(ValueError, match=r"^dispatch.plan: precision='int8', pv_bits=8: .*; use pv_bits=16$"):
+            dispatch.plan(q, q, q, q, variant=INT8, pv_bits=8)
+        assert dispatch.plan(q, q, q, q, variant=INT8).pv_bits == 16
+    finally:
+        dispatch.forget_plans()
+
+
 # ---- the kernel under the interpreter --------------------------------------------------------------------
 
 triton = pytest.importorskip("triton")

@@ -48,8 +48,8 @@ from .common import INTERPRET, cdiv
 from .prepass import centre_keys, shift_keys
 from .tuning import pow2_tile
 
-__all__ = ["KERNELS", "INT8_KERNELS", "KEY_COPY_SHARE", "MIN_RANGE_FLOP", "INT8_GLUON_MIN_KEYS", "Plan", "plan",
-           "forward", "key_chunks", "forget_plans"]
+__all__ = ["KERNELS", "INT8_KERNELS", "KEY_COPY_SHARE", "MIN_RANGE_FLOP", "INT8_GLUON_MIN_KEYS", "FP8_MIN_CAPABILITY",
+           "Plan", "plan", "forward", "key_chunks", "forget_plans", "fp8_problem"]
 
 KERNELS = ("auto", "portable", "packed", "gluon", "gluon-int8", "portable-int8")
 """What ``kernel=`` takes: ``"auto"`` or one kernel by name."""
@@ -59,6 +59,10 @@ _ORDER = ("packed", "gluon", "portable")
 
 INT8_KERNELS = ("gluon-int8", "portable-int8")
 """The kernels of the 8-bit precisions (``"int8"``, ``"fp8"``), in ``kernel="auto"``'s preference."""
+
+FP8_MIN_CAPABILITY = (8, 9)
+"""The least CUDA compute capability with FP8 e4m3 tensor cores (Ada, Hopper and later): ``P V`` in 8 bits
+(``precision="fp8"``, or ``pv_bits=8``) needs it."""
 
 INT8_GLUON_MIN_KEYS = 256
 """``kernel="auto"`` attends on the 8-bit codes with the portable kernel below this many keys, where it is
@@ -200,6 +204,19 @@ def _eight_bit_pv_bits(fn: str, precision: str, pv_bits: int | None) -> int:
     return pv_bits
 
 
+def fp8_problem(device: torch.device) -> str | None:
+    """Why ``P V`` in FP8 cannot run on ``device``, or ``None``: a CUDA GPU below :data:`FP8_MIN_CAPABILITY` has
+    no FP8 tensor cores (the interpreter on the CPU emulates them)."""
+    if device.type != "cuda":
+        return None
+    capability = tuple(torch.cuda.get_device_capability(device))
+    if capability >= FP8_MIN_CAPABILITY:
+        return None
+    need = "sm_{}{}".format(*FP8_MIN_CAPABILITY)
+    return (f"P V in FP8 e4m3 needs FP8 tensor cores ({need} or later); {torch.cuda.get_device_name(device)} is "
+            f"sm_{capability[0]}{capability[1]}")
+
+
 def _int8_plan(fn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, precision: str,
                block_n: int | None, kernel: str, prepass: bool | None, config: dict | None,
                pv_bits: int | None) -> Plan:
@@ -209,6 +226,10 @@ def _int8_plan(fn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
         raise ValueError(f"{fn}: kernel={kernel!r} has no 8-bit path; precision={precision!r} runs one of "
                          f"{INT8_KERNELS}")
     bits = _eight_bit_pv_bits(fn, precision, pv_bits)
+    if bits == 8 and (problem := fp8_problem(q.device)):
+        asked, instead = (("precision='int8', pv_bits=8", "pv_bits=16") if precision == "int8"
+                          else ("precision='fp8'", "precision='int8' (P V in 16 bits)"))
+        raise ValueError(f"{fn}: {asked}: {problem}; use {instead}")
     if block_n is not None and int(block_n) != SHIFT_BLOCK:
         raise ValueError(f"{fn}: precision={precision!r} centres blocks of {SHIFT_BLOCK} keys, got block_n={block_n}")
     if prepass is False:
