@@ -53,19 +53,20 @@ def make_inputs(shape: harness.Shape, kind: str, gen: torch.Generator, dtype: to
     return (q + 2.0).to(dtype), (k.float() + bias[:, :, block, :]).to(dtype), v
 
 
-def _int8_method(fallback: bool, kernel: str, config: dict | None = None) -> harness.Method:
+def _int8_method(fallback: bool, kernel: str, config: dict | None = None, pv_bits: int = 16) -> harness.Method:
     def build(q, k, v):
         out, scale = torch.empty_like(q), q.shape[-1] ** -0.5
         block_tally.reset()
 
         def call():
             return dispatch.forward(q, k, v, out, scale=scale, variant=Variant("exact", "int8"), beta=DEFAULT_BETA,
-                                    fallback=fallback, kernel=KERNELS[kernel], config=config)
+                                    fallback=fallback, kernel=KERNELS[kernel], config=config, pv_bits=pv_bits)
         call()
         share = block_tally.counts()["share"] if fallback else 0.0
         return harness.Prepared(call, f"{100 * share:.0f} % of blocks in 16 bits", {"share_16_bit": share})
     tiles = "" if config is None else " " + ",".join(str(x) for x in config.values())
-    return harness.Method(f"int8 {kernel}{tiles}, fallback {'on' if fallback else 'off'}", "ours", build)
+    pv = "" if pv_bits == 16 else ", FP8 P V"
+    return harness.Method(f"int8 {kernel}{tiles}{pv}, fallback {'on' if fallback else 'off'}", "ours", build)
 
 
 def _prepass_method(split: bool) -> harness.Method:
@@ -83,6 +84,23 @@ def _gluon_config(text: str) -> dict:
     except ValueError:
         raise argparse.ArgumentTypeError(f"--gluon-configs {text!r}: expected BLOCK_N,STAGES,CONSUMERS, e.g. 64,4,2")
     return {"BLOCK_N": block_n, "num_stages": stages, "consumers": consumers}
+
+
+def _pv_bits(text: str) -> list[int]:
+    try:
+        found = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        found = []
+    if not found or any(bits not in int8.PV_BITS for bits in found):
+        raise argparse.ArgumentTypeError(f"--pv-bits {text!r}: expected a comma-separated list of {int8.PV_BITS}")
+    return found
+
+
+def _inputs(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names or any(name not in INPUTS for name in names):
+        raise argparse.ArgumentTypeError(f"--inputs {text!r}: expected a comma-separated list of {INPUTS}")
+    return names
 
 
 def _kernels(text: str) -> list[str]:
@@ -121,6 +139,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--gluon-configs", type=_gluon_config, nargs="*", default=[], metavar="BLOCK_N,STAGES,CONSUMERS",
                    help="Gluon configs timed too, with the fallback on (default: none)")
     p.add_argument("--prepass", action="store_true", help="also time the pre-pass alone")
+    p.add_argument("--pv-bits", type=_pv_bits, default="16",
+                   help=f"P V precisions, comma-separated, of {int8.PV_BITS} (default: 16; 8 is FP8 e4m3)")
+    p.add_argument("--inputs", type=_inputs, default=",".join(INPUTS),
+                   help=f"the inputs, comma-separated, of {INPUTS} (default: both)")
     args = p.parse_args(argv)
     problem = harness.cpu_problem(NAME)
     if problem:
@@ -134,16 +156,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     peers, missing = harness.peer_methods()
     for name, reason in missing.items():
         harness.log(f"{name} not run: {reason}")
-    pairs = [(_int8_method(False, kernel), _int8_method(True, kernel)) for kernel in args.kernels]
+    pairs = [(_int8_method(False, kernel, pv_bits=bits), _int8_method(True, kernel, pv_bits=bits))
+             for bits in args.pv_bits for kernel in args.kernels]
     fallback_off = {m.name: off.name for off, on in pairs for m in (off, on)}  # the ratio column's baseline
     methods = [*(harness.sdpa_method(backend) for backend in ("cudnn", "flash", "efficient")), *peers,
                *(m for pair in pairs for m in pair),
-               *(_int8_method(True, "gluon", cfg) for cfg in args.gluon_configs),
+               *(_int8_method(True, "gluon", cfg, bits) for bits in args.pv_bits for cfg in args.gluon_configs),
                *([_prepass_method("gluon" in args.kernels)] if args.prepass else [])]
     rows: list[dict] = []
     with torch.no_grad():
         for shape in harness.progress(harness.shapes(args.shapes, args.frames), NAME):
-            for kind in INPUTS:
+            for kind in args.inputs:
                 q, k, v = make_inputs(shape, kind, gen, dtype)
                 measured = harness.measure(shape, methods, q, k, v, timer=timer)
                 for r in measured:

@@ -567,13 +567,15 @@ def _gluon_or_skip():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("pv_bits", int8.PV_BITS)
 @pytest.mark.parametrize("config", GLUON_CONFIGS, ids=["x".join(map(str, c.values())) for c in GLUON_CONFIGS])
 @pytest.mark.parametrize("case", ["gqa,ragged,fp16", "d80-padded,one-key-block", "bf16,d128", "jump misaligned,d128",
                                   "sign change,bf16,d64"])
-def test_gpu_gluon_kernel_matches_the_spec(case, config, gen):
-    """The Gluon Hopper kernel (``hopper_int8.py``) on the pre-pass's codes: within one ``g`` ulp of the spec at
-    its key tile, with and without the 16-bit blocks (the fallback cases have flagged blocks among 8-bit
-    ones), and its log-sum-exp within the fp32 scores' rounding of the portable kernel's (``_lse_tolerance``)."""
+def test_gpu_gluon_kernel_matches_the_spec(case, config, pv_bits, gen):
+    """The Gluon Hopper kernel (``hopper_int8.py``) on the pre-pass's codes, ``P V`` in 16 bits and in FP8: within
+    one ``g`` ulp of the spec at its key tile, with and without the 16-bit blocks (the fallback cases have flagged
+    blocks among 8-bit ones), and its log-sum-exp within the fp32 scores' rounding of the portable kernel's on the
+    same key tiles (``_lse_tolerance``)."""
     _gluon_or_skip()
     if case.startswith("jump"):
         q, k, v = _mixed_blocks_case("jump misaligned", 128, torch.float16, gen)
@@ -584,16 +586,19 @@ def test_gpu_gluon_kernel_matches_the_spec(case, config, gen):
     d = q.shape[-1]
     scale = d ** -0.5
     qc, kc, vc = (t.cuda() for t in (q, k, v))
+    # the portable kernel on the same key tiles: FP8 P rounds each tile against its own maximum
+    same_tiles = {**GPU_CONFIG, "BLOCK_N": config["BLOCK_N"], "num_stages": 2}
     for fallback in (True, False):
         out = torch.full_like(qc, float("nan"))
         lse = torch.full(q.shape[:3], float("nan"), device="cuda")
-        _int8(qc, kc, vc, out, scale=scale, fallback=fallback, kernel="gluon-int8", config=config, lse=lse)
-        spec = r8.int8_reference(q, k, v, fallback=fallback, block_n=config["BLOCK_N"])
+        _int8(qc, kc, vc, out, scale=scale, fallback=fallback, kernel="gluon-int8", config=config, lse=lse,
+              pv_bits=pv_bits)
+        spec = r8.int8_reference(q, k, v, fallback=fallback, block_n=config["BLOCK_N"], pv_bits=pv_bits)
         diff = numerics.rel_rmse(out.cpu(), spec)
         assert torch.isfinite(out).all() and diff <= _ulp(q.dtype), (fallback, diff)
         lse_portable = torch.empty_like(lse)
         _int8(qc, kc, vc, torch.empty_like(qc), scale=scale, fallback=fallback, kernel="portable-int8",
-                     config=GPU_CONFIG, lse=lse_portable)
+              config=same_tiles, lse=lse_portable, pv_bits=pv_bits)
         assert torch.isfinite(lse).all()
         excess = ((lse - lse_portable).abs().cpu() - _lse_tolerance(q, k, scale)).max().item()
         assert excess <= 0, (fallback, excess)
@@ -601,9 +606,8 @@ def test_gpu_gluon_kernel_matches_the_spec(case, config, gen):
 
 @pytest.mark.gpu
 def test_gpu_auto_takes_the_gluon_kernel_on_hopper(gen):
-    """``kernel="auto"``: the Gluon kernel on sm_90 for 16-bit ``P V`` from ``GLUON_MIN_KEYS`` keys (the same output
-    as ``kernel="gluon-int8"``), the portable one for fewer keys, FP8 ``P V`` or a given portable config;
-    ``kernel="gluon-int8"`` where it cannot run says why."""
+    """``kernel="auto"``: the Gluon kernel on sm_90 from ``GLUON_MIN_KEYS`` keys, ``P V`` in 16 bits or FP8 (the
+    same output as ``kernel="gluon-int8"``), the portable one for fewer keys or a given portable config."""
     _gluon_or_skip()
     q, k, v = (t.cuda() for t in _inputs((1, 4, 2, 70, dispatch.INT8_GLUON_MIN_KEYS, 64, torch.float16, 16), gen))
 
@@ -613,12 +617,11 @@ def test_gpu_auto_takes_the_gluon_kernel_on_hopper(gen):
 
     assert chosen() == "gluon-int8"
     assert chosen(n_k=k.shape[2] - 1) == "portable-int8"
-    assert chosen(pv_bits=8) == "portable-int8"
+    assert chosen(pv_bits=8) == "gluon-int8"
     assert chosen(config=GPU_CONFIG) == "portable-int8"
-    auto = _int8(q, k, v, torch.empty_like(q), scale=0.125)
-    assert torch.equal(auto, _int8(q, k, v, torch.empty_like(q), scale=0.125, kernel="gluon-int8"))
-    with pytest.raises(ValueError, match="kernel='gluon-int8' cannot run this call: it computes P V in 16 bits"):
-        _int8(q, k, v, torch.empty_like(q), scale=0.125, pv_bits=8, kernel="gluon-int8")
+    for pv_bits in int8.PV_BITS:
+        auto = _int8(q, k, v, torch.empty_like(q), scale=0.125, pv_bits=pv_bits)
+        assert torch.equal(auto, _int8(q, k, v, torch.empty_like(q), scale=0.125, kernel="gluon-int8", pv_bits=pv_bits))
 
 
 @pytest.mark.parametrize("module", ["bench.int8_accuracy", "tools.compile_int8"])

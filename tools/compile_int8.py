@@ -61,15 +61,23 @@ def cases() -> list[dict]:
     return found + gluon_cases()
 
 
+GLUON_CONFIGS = {64: ((128, 3, 3), (128, 2, 2), (64, 3, 3), (128, 2, 3)),
+                 128: ((64, 3, 2), (128, 2, 2), (64, 2, 3), (128, 3, 2))}
+"""The Gluon kernel's (BLOCK_N, stages, consumers) compiled per head dim: the tuned ones and the others tried."""
+
+
 def gluon_cases() -> list[dict]:
     """The Gluon attention kernel (``kernels/hopper_int8.py``): its configs at head dims 64 and 128, with and
-    without the 16-bit blocks, fp16 and bf16."""
+    without the 16-bit blocks, ``P V`` in 16 bits and FP8, fp16 and bf16."""
     found = []
-    for d, configs in ((64, ((128, 3, 3), (128, 2, 2), (64, 3, 3))), (128, ((64, 3, 2), (128, 2, 2), (64, 2, 3)))):
+    for d, configs in GLUON_CONFIGS.items():
         for cfg in configs:
-            for fallback in (True, False):
-                found.append({"kernel": "gluon", "d": d, "dtype": "bfloat16", "config": cfg, "fallback": fallback})
-        found.append({"kernel": "gluon", "d": d, "dtype": "float16", "config": configs[0], "fallback": True})
+            for pv_bits in (16, 8):
+                for fallback in (True, False):
+                    found.append({"kernel": "gluon", "d": d, "dtype": "bfloat16", "config": cfg,
+                                  "fallback": fallback, "pv_bits": pv_bits})
+        found.append({"kernel": "gluon", "d": d, "dtype": "float16", "config": configs[0], "fallback": True,
+                      "pv_bits": 16})
     return found
 
 
@@ -92,7 +100,7 @@ def _launch(case: dict):
     if case["kernel"] == "gluon":
         from pasa_diffusers.kernels import hopper_int8
 
-        prep, _ = int8.allocate(q, k, v, fallback=case["fallback"], split=case["fallback"])
+        prep, _ = int8.allocate(q, k, v, pv_bits=case["pv_bits"], fallback=case["fallback"], split=case["fallback"])
         block_n, stages, consumers = case["config"]
         _, args, meta = hopper_int8.kernel_call(q, prep, bnhd(h), scale=d ** -0.5, config={
             "BLOCK_N": block_n, "num_stages": stages, "consumers": consumers})
@@ -174,7 +182,7 @@ def _what(row: dict) -> str:
     if row["kernel"] == "gluon":
         bn, s, c = row["config"]
         return (f"Gluon attention BLOCK_N {bn}, {s} stages, {c} consumers, "
-                f"{'with' if row['fallback'] else 'without'} 16-bit blocks")
+                f"{'with' if row['fallback'] else 'without'} 16-bit blocks, P V {row['pv_bits']}-bit")
     if row["kernel"] == "quantize":
         return f"quantize (pre-pass), V {'e4m3' if row['pv_bits'] == 8 else 'as is'}"
     if row["kernel"] == "flags":

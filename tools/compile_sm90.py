@@ -90,8 +90,9 @@ def ptxas_report(ptx: str) -> dict:
 
 
 _SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.+?)\s*;")
-_PV_MMA = re.compile(r"[HQI]GMMA\S*\s+R\d+,\s*R\d+")
-"""A warpgroup MMA whose A operand is registers: the ``P V`` of an attention loop (``p`` stays in registers)."""
+_PV_MMA = re.compile(r"[HQI]GMMA\S*\s+R\d+,\s*R\d+|QGMMA")
+"""The ``P V`` of an attention loop: a warpgroup MMA whose A operand is registers (``p`` stays there), or an FP8
+one (``hopper_int8``'s ``P8`` goes through shared memory)."""
 
 
 def key_loop(sass: str, top: int = 8) -> dict:

@@ -48,7 +48,8 @@ PRODUCER_WARPS = 4
 REGISTERS_PER_SM = 65536
 PRODUCER_REGS = 24
 """Registers per thread of the producer warpgroup (TMA copies only)."""
-_GL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.int8: "int8"}
+_GL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.int8: "int8",
+              torch.float8_e4m3fn: "float8e4nv"}
 _OPERAND_DTYPES = (torch.float16, torch.bfloat16)
 
 

@@ -57,11 +57,11 @@ import torch
 import triton.language as tl
 
 from ..rules import SHIFT_BLOCK
-from .common import LN2, cdiv
+from .common import LN2, P_SHIFT, cdiv
 from .gluon_common import (CENTRE_ROWS, PRODUCER_WARPS, ROWS_PER_CONSUMER, TensorDescriptor, descriptor,
                            descriptor_layout_problem, fence_async_shared, gl, gluon_jit, kept_config, kept_descriptor,
                            mbarrier, operand_problem, registers, release, round_p, row_shift, sm90_problem, tma,
-                           warpgroup_mma, widen_p)
+                           warpgroup_mma, warpgroup_mma_wait, widen_p)
 from .tuning import SMEM_LIMIT
 
 __all__ = ["int8_fwd_gluon_kernel", "forward", "kernel_call", "unsuitable_reason", "tuned_config", "shared_bytes",
@@ -78,7 +78,7 @@ consumers) 0.5 KB at DP 128; the per-key vectors take registers beside the tiles
 
 @gluon_jit
 def _producer(descs, q_bufs, q8_bufs, q_ready, ring, bars, flag_ptr, off_z, off_hq, off_hk, start_m, N_K,
-              key_row, a_row, SHIFT_BLOCK_N: gl.constexpr, FALLBACK: gl.constexpr):
+              key_row, a_row, SHIFT_BLOCK_N: gl.constexpr, FALLBACK: gl.constexpr, PV_FP8: gl.constexpr):
     """TMA copies only (module docstring).  ``descs = (q, q codes, k codes, v, centres, hi, lo, ks, sigma, A)``,
     ``ring = (k codes, v, centres, hi, lo, ks, sigma, A)``, ``bars = (k_ready, k_empty, v_ready, v_empty,
     w_ready, w_empty)``; ``flag_ptr`` points at this (batch, query head)'s flags; ``key_row``, ``a_row``: the
@@ -127,7 +127,12 @@ def _producer(descs, q_bufs, q8_bufs, q_ready, ring, bars, flag_ptr, off_z, off_
                 flagged += 1
         mbarrier.wait(v_empty.index(stage), phase ^ 1)
         mbarrier.expect(v_ready.index(stage), desc_v.block_type.nbytes)
-        tma.async_copy_global_to_shared(desc_v, [off_z, off_hk, start_n, 0], v_ready.index(stage), v_bufs.index(stage))
+        if PV_FP8:  # V8^T: a (DP, BLOCK_N) box at column start_n
+            tma.async_copy_global_to_shared(desc_v, [off_z, off_hk, 0, start_n], v_ready.index(stage),
+                                            v_bufs.index(stage))
+        else:
+            tma.async_copy_global_to_shared(desc_v, [off_z, off_hk, start_n, 0], v_ready.index(stage),
+                                            v_bufs.index(stage))
 
 
 @gluon_jit
@@ -138,27 +143,23 @@ def _next_flag(flag_ptr, next_n, N_K, SHIFT_BLOCK_N: gl.constexpr):
 
 
 @gluon_jit
-def _coded_logits(q8, k8, key_vecs, a_i, mu_u, qk_scale, s_layout: gl.constexpr):
-    """``z = (I ks_j) a_i + (mu_u_i sigma_j + qk_scale A_j)`` (64, BLOCK_N) fp32 in ``s_layout``: ``I`` by the
-    INT8 wgmma of ``q8`` (64, DP) and ``k8^T`` (shared memory), widened exactly; ``key_vecs = (ks, sigma, A)``
-    the tile's (BLOCK_N,) fp32 rows in shared memory (copied with the codes)."""
+def _coded_logits(i_sum, key_vecs, a_i, mu_u, qk_scale, s_layout: gl.constexpr):
+    """``z = (I ks_j) a_i + (mu_u_i sigma_j + qk_scale A_j)`` (64, BLOCK_N) fp32 in ``s_layout`` from the
+    finished INT8 product ``I`` (int32), widened exactly; ``key_vecs = (ks, sigma, A)`` the tile's (BLOCK_N,)
+    fp32 rows in shared memory (copied with the codes)."""
     ks_buf, sig_buf, a_buf = key_vecs
-    BLOCK_N: gl.constexpr = k8.shape[0]
-    i_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 32])
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     ks = ks_buf.load(col_layout)
     sig = sig_buf.load(col_layout)
     a_j = a_buf.load(col_layout)
-    ROWS: gl.constexpr = q8.shape[0]
-    i_sum = warpgroup_mma(q8, k8.permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.int32, layout=i_layout), use_acc=False)
     i_f = gl.convert_layout((i_sum + RNE_MAGIC_BITS).to(gl.float32, bitcast=True) - 12582912.0, s_layout)
     return (i_f * ks[None, :]) * a_i[:, None] + (mu_u[:, None] * sig[None, :] + (a_j * qk_scale)[None, :])
 
 
 @gluon_jit
 def _logits_16(q, hi, lo, qk_scale, s_layout: gl.constexpr):
-    """A flagged block's ``z = qk_scale fp32(q . hi + q . lo)``: two 16-bit wgmmas into one fp32 accumulator."""
+    """A flagged block's ``z = qk_scale fp32(q . hi + q . lo)``: two 16-bit wgmmas into one fp32 accumulator
+    (synchronous: they also wait for the ``P V`` in flight)."""
     ROWS: gl.constexpr = q.shape[0]
     BLOCK_N: gl.constexpr = hi.shape[0]
     s = warpgroup_mma(q, hi.permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout), use_acc=False)
@@ -168,7 +169,8 @@ def _logits_16(q, hi, lo, qk_scale, s_layout: gl.constexpr):
 @gluon_jit
 def _softmax_step(z, r, m_i, l_i, start_n, N_K, p_dtype: gl.constexpr, MASK_N: gl.constexpr):
     """One tile's online softmax from its logits ``z`` (log2 units, fp32) and ``r``: ``(p, alpha, m_new,
-    l_new)``, ``p`` rounded to ``p_dtype``."""
+    l_new)``.  ``p_dtype`` the inputs' ``g``: ``p = round_g(exp2(x))``; ``gl.float8e4nv``: ``p = e4m3(exp2(x +
+    P_SHIFT))`` (<= 256); ``l`` sums the rounded ``p``."""
     if MASK_N:
         if start_n + z.shape[1] > N_K:  # the last tile only (hopper._softmax_step)
             cols = start_n + gl.arange(0, z.shape[1], layout=gl.SliceLayout(0, z.type.layout))
@@ -176,89 +178,261 @@ def _softmax_step(z, r, m_i, l_i, start_n, N_K, p_dtype: gl.constexpr, MASK_N: g
     m_s = gl.max(z, axis=1)
     m_blk = m_s + r
     m_new = gl.maximum(m_i, m_blk)
-    p = round_p(gl.exp2(z - (m_s - (m_blk - m_new))[:, None]), p_dtype)
+    offset = m_s - (m_blk - m_new)
     alpha = gl.exp2(m_i - m_new)
-    l_new = alpha * l_i + gl.sum(widen_p(p), axis=1)
+    if p_dtype == gl.float8e4nv:
+        p = gl.exp2(z - (offset - P_SHIFT)[:, None]).to(p_dtype)
+        l_new = alpha * l_i + gl.sum(p.to(gl.float32), axis=1)
+    else:
+        p = round_p(gl.exp2(z - offset[:, None]), p_dtype)
+        l_new = alpha * l_i + gl.sum(widen_p(p), axis=1)
     return p, alpha, m_new, l_new
 
 
 @gluon_jit
-def _consumer(desc_o, q_tile, q8_tile, q_ready, ring, bars, row_vecs, flag_ptr, off_z, off_hq, start_row,
-              N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N: gl.constexpr, MASK_N: gl.constexpr,
-              FALLBACK: gl.constexpr, STORE_LSE: gl.constexpr):
-    """One consumer warpgroup: query rows ``start_row ..`` of this (batch, head).  Per key tile: wait
-    ``k_ready``; ``rc = q c^T`` on the first tile of every 16th centre block; the logits (INT8 wgmma or, for
-    a flagged tile, the 16-bit pair after ``w_ready``); release the codes (and the wide ring); softmax;
-    wait ``v_ready``; ``acc = alpha acc + p v``; release v.  Then ``out = acc / l_i`` through the q tile and
-    a TMA store, and with ``STORE_LSE`` the log-sum-exp.  ``row_vecs = (q_scale, mu)`` pointers at this
-    (batch, head)'s row 0; ``ring``, ``bars`` as :func:`_producer`'s."""
+def _issue_codes(q, q8, ring, k_ready, i, i_zero, rc, SHIFT_BLOCK_N: gl.constexpr):
+    """Wait until key tile ``i``'s codes and centre rows have landed; ``rc = q c^T`` on the first tile of every
+    16th centre block (synchronous; no product is in flight then); issue ``I = q_codes k_codes^T`` (async INT8
+    wgmma) and return its token with ``rc``."""
+    k_bufs = ring[0]
+    c_bufs = ring[2]
+    NUM_STAGES: gl.constexpr = k_bufs.shape[0]
+    BLOCK_N: gl.constexpr = k_bufs.shape[3]
+    DP: gl.constexpr = k_bufs.shape[4]
+    C_ROWS: gl.constexpr = c_bufs.shape[3]
+    REFRESH: gl.constexpr = C_ROWS * SHIFT_BLOCK_N // BLOCK_N
+    stage = i % NUM_STAGES
+    mbarrier.wait(k_ready.index(stage), (i // NUM_STAGES) & 1)
+    if i % REFRESH == 0:
+        c_blk = c_bufs.index(stage).reshape([C_ROWS, DP])
+        rc = warpgroup_mma(q, c_blk.permute((1, 0)), gl.zeros_like(rc), use_acc=False)
+    k8 = k_bufs.index(stage).reshape([BLOCK_N, DP])
+    return warpgroup_mma(q8, k8.permute((1, 0)), i_zero, use_acc=False, is_async=True), rc
+
+
+@gluon_jit
+def _tile_softmax(i_sum, q, rc, row_vecs, ring, bars, flag, flagged, m_i, l_i, i, N_K, qk_scale,
+                  p_dtype: gl.constexpr, SHIFT_BLOCK_N: gl.constexpr, MASK_N: gl.constexpr, FALLBACK: gl.constexpr):
+    """Tile ``i``'s logits from its finished ``I`` or, for a flagged tile (``flag``), the 16-bit pair after
+    ``w_ready``; the release of its codes (and of the wide ring); its softmax.  Returns ``(p, alpha, m_i, l_i,
+    flagged)`` (``p`` in the scores' layout); ``row_vecs = (a_i, mu_u)``, ``flagged`` the count of flagged
+    tiles so far."""
     k_bufs, v_bufs, c_bufs, hi_buf, lo_buf, ks_bufs, sig_bufs, a_bufs = ring
     k_ready, k_empty, v_ready, v_empty, w_ready, w_empty = bars
     NUM_STAGES: gl.constexpr = k_bufs.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    a_i, mu_u = row_vecs
+    stage = i % NUM_STAGES
+    start_n = i * BLOCK_N
+    key_vecs = (ks_bufs.index(stage), sig_bufs.index(stage), a_bufs.index(stage))
+    r = row_shift(rc, (start_n // SHIFT_BLOCK_N) % rc.shape[1], qk_scale, gl.SliceLayout(1, s_layout))
+    # Both sides of a runtime branch are compiled, and without FALLBACK the wide buffers are 16-row dummies
+    # that the 16-bit side cannot read: hence the static branch around it.
+    if FALLBACK:
+        if flag != 0:
+            mbarrier.wait(w_ready.index(0), flagged & 1)
+            z = _logits_16(q, hi_buf, lo_buf, qk_scale, s_layout)
+            mbarrier.arrive(w_empty.index(0))
+            flagged += 1
+        else:
+            z = _coded_logits(i_sum, key_vecs, a_i, mu_u, qk_scale, s_layout)
+    else:
+        z = _coded_logits(i_sum, key_vecs, a_i, mu_u, qk_scale, s_layout)
+    release(k_empty, i)
+    p, alpha, m_i, l_i = _softmax_step(z, r, m_i, l_i, start_n, N_K, p_dtype, MASK_N)
+    return p, alpha, m_i, l_i, flagged
+
+
+@gluon_jit
+def _wait_codes(i_sum, in_flight: gl.constexpr):
+    """The finished ``I`` once at most ``in_flight`` wgmma groups (the ``P V`` issued after it) are left."""
+    return warpgroup_mma_wait(in_flight, deps=(i_sum, ))
+
+
+@gluon_jit
+def _first_flags(flag_ptr, N_K, BLOCK_N: gl.constexpr, SHIFT_BLOCK_N: gl.constexpr, FALLBACK: gl.constexpr):
+    """``(tile 0's flag, tile 1's)`` (zeros without ``FALLBACK``)."""
+    flag = 0
+    next_flag = 0
+    if FALLBACK:
+        flag = gl.load(flag_ptr)
+        next_flag = _next_flag(flag_ptr, BLOCK_N, N_K, SHIFT_BLOCK_N)
+    return flag, next_flag
+
+
+@gluon_jit
+def _next_flags(flag_ptr, flag, next_flag, i, N_K, BLOCK_N: gl.constexpr, SHIFT_BLOCK_N: gl.constexpr,
+                FALLBACK: gl.constexpr):
+    """``(tile i's flag, tile i + 1's)`` from the flag read a tile ahead: each load's latency is off the path."""
+    if FALLBACK:
+        flag = next_flag
+        next_flag = _next_flag(flag_ptr, (i + 1) * BLOCK_N, N_K, SHIFT_BLOCK_N)
+    return flag, next_flag
+
+
+@gluon_jit
+def _key_loop(q, q8, ring, bars, row_vecs, flag_ptr, m_i, l_i, acc, rc, i_zero, N_K, qk_scale,
+              SHIFT_BLOCK_N: gl.constexpr, MASK_N: gl.constexpr, FALLBACK: gl.constexpr):
+    """The key loop with ``P V`` in 16 bits, FA3's overlap: per tile ``i >= 1`` issue ``I_i``, then ``acc =
+    alpha acc + P_{i-1} V_{i-1}`` (``p`` from registers); wait until one group is left (``I_i`` done: groups
+    finish in order); dequantise and softmax tile ``i`` while ``P V`` runs; wait for it.  Returns ``(acc, m_i,
+    l_i)``."""
+    k_ready, k_empty, v_ready, v_empty, w_ready, w_empty = bars
+    v_bufs = ring[1]
+    BLOCK_N: gl.constexpr = i_zero.shape[1]
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
+    flag, next_flag = _first_flags(flag_ptr, N_K, BLOCK_N, SHIFT_BLOCK_N, FALLBACK)
+    flagged = 0
+    i_sum, rc = _issue_codes(q, q8, ring, k_ready, 0, i_zero, rc, SHIFT_BLOCK_N)
+    i_sum = _wait_codes(i_sum, 0)
+    p, alpha, m_i, l_i, flagged = _tile_softmax(i_sum, q, rc, row_vecs, ring, bars, flag, flagged, m_i, l_i, 0, N_K,
+                                                qk_scale, q.dtype, SHIFT_BLOCK_N, MASK_N, FALLBACK)
+    p = gl.convert_layout(p, p_layout)
+    for i in range(1, gl.cdiv(N_K, BLOCK_N)):
+        flag, next_flag = _next_flags(flag_ptr, flag, next_flag, i, N_K, BLOCK_N, SHIFT_BLOCK_N, FALLBACK)
+        i_sum, rc = _issue_codes(q, q8, ring, k_ready, i, i_zero, rc, SHIFT_BLOCK_N)
+        acc = _issue_pv(p, acc, alpha, v_bufs, v_ready, i - 1)
+        i_sum = _wait_codes(i_sum, 1)
+        p_prev = p
+        p, alpha, m_i, l_i, flagged = _tile_softmax(i_sum, q, rc, row_vecs, ring, bars, flag, flagged, m_i, l_i, i,
+                                                    N_K, qk_scale, q.dtype, SHIFT_BLOCK_N, MASK_N, FALLBACK)
+        p = gl.convert_layout(p, p_layout)
+        acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
+        release(v_empty, i - 1)
+    n_tiles = gl.cdiv(N_K, BLOCK_N)
+    acc = _issue_pv(p, acc, alpha, v_bufs, v_ready, n_tiles - 1)
+    acc, p = warpgroup_mma_wait(0, deps=(acc, p))
+    release(v_empty, n_tiles - 1)
+    return acc, m_i, l_i
+
+
+@gluon_jit
+def _issue_pv(p, acc, alpha, v_bufs, v_ready, i):
+    """Wait until key tile ``i``'s v has landed; issue ``acc = alpha acc + p v`` (async wgmma, ``p`` from
+    registers in the A-operand layout); return its token."""
+    NUM_STAGES: gl.constexpr = v_bufs.shape[0]
+    stage = i % NUM_STAGES
+    v_blk = v_bufs.index(stage).reshape([v_bufs.shape[3], v_bufs.shape[4]])
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+    mbarrier.wait(v_ready.index(stage), (i // NUM_STAGES) & 1)
+    return warpgroup_mma(p, v_blk, acc, is_async=True)
+
+
+@gluon_jit
+def _issue_pv8(p_buf, t_zero, v_bufs, v_ready, i):
+    """Wait until key tile ``i``'s V8^T has landed; issue ``t = P8 V8`` into a fresh fp32 accumulator (async FP8
+    wgmma; ``P8`` (64, BLOCK_N) from shared memory, V8^T's (DP, BLOCK_N) tile read K-major); return its token."""
+    NUM_STAGES: gl.constexpr = v_bufs.shape[0]
+    stage = i % NUM_STAGES
+    vt = v_bufs.index(stage).reshape([v_bufs.shape[3], v_bufs.shape[4]])
+    mbarrier.wait(v_ready.index(stage), (i // NUM_STAGES) & 1)
+    return warpgroup_mma(p_buf, vt.permute((1, 0)), t_zero, use_acc=False, is_async=True)
+
+
+@gluon_jit
+def _stage_p8(p, p_buf):
+    """A tile's ``P8`` into its shared buffer (two per consumer, alternating: the ``P V`` of the tile before
+    may still read the other), fenced for the tensor cores.  FP8 ``P`` goes through shared memory: Triton 3.6 cannot keep an
+    8-bit register operand alive across an async wgmma (its wait takes no 8-bit dependencies)."""
+    p_buf.store(p)
+    fence_async_shared()
+
+
+@gluon_jit
+def _key_loop_fp8(q, q8, ring, bars, row_vecs, flag_ptr, p_bufs, P_BASE: gl.constexpr, m_i, l_i, acc, rc, i_zero, N_K, qk_scale,
+                  SHIFT_BLOCK_N: gl.constexpr, MASK_N: gl.constexpr, FALLBACK: gl.constexpr):
+    """The key loop with FP8 ``P V``, overlapped as :func:`_key_loop`: each key tile's ``P8 V8`` goes to a
+    fresh fp32 tile ``t`` (the tensor cores keep about 22 bits inside one FP8 product), promoted after the wait
+    as ``acc = alpha acc + t``.  Returns ``(acc, m_i, l_i)`` (``acc`` without V's channel scales)."""
+    k_ready, k_empty, v_ready, v_empty, w_ready, w_empty = bars
+    v_bufs = ring[1]
+    BLOCK_N: gl.constexpr = i_zero.shape[1]
+    DP: gl.constexpr = acc.shape[1]
+    o_layout: gl.constexpr = acc.type.layout
+    t_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, DP, 32])
+    t_zero = gl.zeros([acc.shape[0], DP], gl.float32, layout=t_layout)
+    flag, next_flag = _first_flags(flag_ptr, N_K, BLOCK_N, SHIFT_BLOCK_N, FALLBACK)
+    flagged = 0
+    i_sum, rc = _issue_codes(q, q8, ring, k_ready, 0, i_zero, rc, SHIFT_BLOCK_N)
+    i_sum = _wait_codes(i_sum, 0)
+    p, alpha, m_i, l_i, flagged = _tile_softmax(i_sum, q, rc, row_vecs, ring, bars, flag, flagged, m_i, l_i, 0, N_K,
+                                                qk_scale, gl.float8e4nv, SHIFT_BLOCK_N, MASK_N, FALLBACK)
+    _stage_p8(p, p_bufs.index(P_BASE))
+    for i in range(1, gl.cdiv(N_K, BLOCK_N)):
+        flag, next_flag = _next_flags(flag_ptr, flag, next_flag, i, N_K, BLOCK_N, SHIFT_BLOCK_N, FALLBACK)
+        i_sum, rc = _issue_codes(q, q8, ring, k_ready, i, i_zero, rc, SHIFT_BLOCK_N)
+        t = _issue_pv8(p_bufs.index(P_BASE + (i - 1) % 2), t_zero, v_bufs, v_ready, i - 1)
+        i_sum = _wait_codes(i_sum, 1)
+        alpha_prev = alpha
+        p, alpha, m_i, l_i, flagged = _tile_softmax(i_sum, q, rc, row_vecs, ring, bars, flag, flagged, m_i, l_i, i,
+                                                    N_K, qk_scale, gl.float8e4nv, SHIFT_BLOCK_N, MASK_N, FALLBACK)
+        _stage_p8(p, p_bufs.index(P_BASE + i % 2))
+        t = warpgroup_mma_wait(0, deps=(t, ))
+        acc = acc * gl.convert_layout(alpha_prev, gl.SliceLayout(1, o_layout))[:, None] + gl.convert_layout(t, o_layout)
+        release(v_empty, i - 1)
+    n_tiles = gl.cdiv(N_K, BLOCK_N)
+    t = _issue_pv8(p_bufs.index(P_BASE + (n_tiles - 1) % 2), t_zero, v_bufs, v_ready, n_tiles - 1)
+    t = warpgroup_mma_wait(0, deps=(t, ))
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None] + gl.convert_layout(t, o_layout)
+    release(v_empty, n_tiles - 1)
+    return acc, m_i, l_i
+
+
+@gluon_jit
+def _consumer(desc_o, q_tile, q8_tile, q_ready, ring, bars, row_ptrs, vs_ptr, flag_ptr, p_bufs, P_BASE: gl.constexpr,
+              off_z, off_hq, start_row, N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N: gl.constexpr, MASK_N: gl.constexpr,
+              FALLBACK: gl.constexpr, STORE_LSE: gl.constexpr, PV_FP8: gl.constexpr):
+    """One consumer warpgroup: query rows ``start_row ..`` of this (batch, head): the key loop
+    (:func:`_key_loop` or, with ``PV_FP8``, :func:`_key_loop_fp8`), then ``out = acc / l_i`` (FP8: ``(acc /
+    l_i) vs``) through the q tile and a TMA store, and with ``STORE_LSE`` the log-sum-exp (FP8: less
+    ``P_SHIFT``).  ``row_ptrs = (q_scale, mu)`` at this (batch, head)'s row 0; ``vs_ptr`` V's (DP,) channel
+    scales; ``p_bufs.index(P_BASE)`` and ``P_BASE + 1``: this consumer's two ``P8`` tiles (FP8); ``ring``, ``bars`` as :func:`_producer`'s."""
+    k_bufs = ring[0]
+    c_bufs = ring[2]
+    BLOCK_N: gl.constexpr = k_bufs.shape[3]
     DP: gl.constexpr = k_bufs.shape[4]
     rows: gl.constexpr = q_tile.shape[2]
     C_ROWS: gl.constexpr = c_bufs.shape[3]
-    REFRESH: gl.constexpr = C_ROWS * SHIFT_BLOCK_N // BLOCK_N
+    i_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 32])
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, DP, 16])
     r_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, C_ROWS, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-
     q = q_tile.reshape([rows, DP])
     q8 = q8_tile.reshape([rows, DP])
-    qs_ptr, mu_ptr = row_vecs
+    qs_ptr, mu_ptr = row_ptrs
     offs_m = start_row + gl.arange(0, rows, layout=row_layout)
-    a_i = gl.load(qs_ptr + offs_m, mask=offs_m < N_Q, other=0.0) * (qk_scale / DP)
-    mu_u = gl.load(mu_ptr + offs_m, mask=offs_m < N_Q, other=0.0) * qk_scale
+    row_vecs = (gl.load(qs_ptr + offs_m, mask=offs_m < N_Q, other=0.0) * (qk_scale / DP),
+                gl.load(mu_ptr + offs_m, mask=offs_m < N_Q, other=0.0) * qk_scale)
     m_i = gl.full([rows], float("-inf"), gl.float32, layout=row_layout)
     l_i = gl.zeros([rows], gl.float32, layout=row_layout)
     acc = gl.zeros([rows, DP], gl.float32, layout=o_layout)
     rc = gl.zeros([rows, C_ROWS], gl.float32, layout=r_layout)
+    i_zero = gl.zeros([rows, BLOCK_N], gl.int32, layout=i_layout)
     mbarrier.wait(q_ready, 0)
-    flagged = 0
-    flag = 0
-    if FALLBACK:
-        flag = gl.load(flag_ptr)
-    for i in range(gl.cdiv(N_K, BLOCK_N)):
-        stage = i % NUM_STAGES
-        phase = (i // NUM_STAGES) & 1
-        start_n = i * BLOCK_N
-        mbarrier.wait(k_ready.index(stage), phase)
-        if i % REFRESH == 0:
-            c_blk = c_bufs.index(stage).reshape([C_ROWS, DP])
-            rc = warpgroup_mma(q, c_blk.permute((1, 0)), gl.zeros_like(rc), use_acc=False)
-        r = row_shift(rc, (start_n // SHIFT_BLOCK_N) % C_ROWS, qk_scale, row_layout)
-        k8 = k_bufs.index(stage).reshape([BLOCK_N, DP])
-        key_vecs = (ks_bufs.index(stage), sig_bufs.index(stage), a_bufs.index(stage))
-        # Both sides of a runtime branch are compiled, and without FALLBACK the wide buffers are 16-row
-        # dummies that the 16-bit side cannot read: hence the static branch around it.
-        if FALLBACK:
-            this_flag = flag
-            flag = _next_flag(flag_ptr, start_n + BLOCK_N, N_K, SHIFT_BLOCK_N)
-            if this_flag != 0:
-                mbarrier.wait(w_ready.index(0), flagged & 1)
-                z = _logits_16(q, hi_buf, lo_buf, qk_scale, s_layout)
-                mbarrier.arrive(w_empty.index(0))
-                flagged += 1
-            else:
-                z = _coded_logits(q8, k8, key_vecs, a_i, mu_u, qk_scale, s_layout)
-        else:
-            z = _coded_logits(q8, k8, key_vecs, a_i, mu_u, qk_scale, s_layout)
-        release(k_empty, i)
-        p, alpha, m_i, l_i = _softmax_step(z, r, m_i, l_i, start_n, N_K, q.dtype, MASK_N)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        mbarrier.wait(v_ready.index(stage), phase)
-        acc = warpgroup_mma(gl.convert_layout(p, p_layout), v_bufs.index(stage).reshape([BLOCK_N, DP]), acc)
-        release(v_empty, i)
-    if STORE_LSE:
-        gl.store(lse_ptr + offs_m, (m_i + gl.log2(l_i)) * LN2, mask=offs_m < N_Q)
-    inv_l = gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, o_layout))
-    q.store((acc * inv_l[:, None]).to(q.dtype))
+    if PV_FP8:
+        acc, m_i, l_i = _key_loop_fp8(q, q8, ring, bars, row_vecs, flag_ptr, p_bufs, P_BASE, m_i, l_i, acc, rc, i_zero, N_K,
+                                      qk_scale, SHIFT_BLOCK_N, MASK_N, FALLBACK)
+        if STORE_LSE:
+            gl.store(lse_ptr + offs_m, (m_i + gl.log2(l_i) - P_SHIFT) * LN2, mask=offs_m < N_Q)
+        vs = gl.load(vs_ptr + gl.arange(0, DP, layout=gl.SliceLayout(0, o_layout)))
+        inv_l = gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, o_layout))
+        out = (acc * inv_l[:, None]) * vs[None, :]
+    else:
+        acc, m_i, l_i = _key_loop(q, q8, ring, bars, row_vecs, flag_ptr, m_i, l_i, acc, rc, i_zero, N_K, qk_scale,
+                                  SHIFT_BLOCK_N, MASK_N, FALLBACK)
+        if STORE_LSE:
+            gl.store(lse_ptr + offs_m, (m_i + gl.log2(l_i)) * LN2, mask=offs_m < N_Q)
+        inv_l = gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, o_layout))
+        out = acc * inv_l[:, None]
+    q.store(out.to(q.dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(desc_o, [off_z, off_hq, start_row, 0], q_tile)
     tma.store_wait(0)
@@ -267,20 +441,22 @@ def _consumer(desc_o, q_tile, q8_tile, q_ready, ring, bars, row_vecs, flag_ptr, 
 @gluon_jit(do_not_specialize=["N_Q", "N_K"])
 def int8_fwd_gluon_kernel(
     desc_q, desc_q8, desc_k, desc_v, desc_c, desc_hi, desc_lo, desc_ks, desc_sig, desc_a, desc_o,
-    qs_ptr, mu_ptr, flag_ptr, lse_ptr,
+    qs_ptr, mu_ptr, vs_ptr, flag_ptr, lse_ptr,
     H_Q, KV_GROUP, N_Q, N_K, N_ROW, qk_scale,
     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, SHIFT_BLOCK_N: gl.constexpr,
-    MASK_N: gl.constexpr, FALLBACK: gl.constexpr, STORE_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    MASK_N: gl.constexpr, FALLBACK: gl.constexpr, STORE_LSE: gl.constexpr, PV_FP8: gl.constexpr,
+    P8_LAYOUT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     """``out = softmax(scale q k^T) v`` from the 8-bit codes for ``64 NUM_CONSUMERS`` query rows of one
     (batch, head) (the module docstring states the math, tiles and partitions).
 
     Descriptors (host, 4-d (B, H, N, DP) boxes (1, 1, rows, DP)): q and out (``g``, 64 rows), q codes (int8,
-    64 rows), k codes (int8, BLOCK_N rows), v (``g``, BLOCK_N rows), centres (B, Hk, blocks, DP) in ``g``
-    (16 rows), hi and lo (``g``, BLOCK_N rows; read only with ``FALLBACK``).  Pointers (contiguous fp32):
-    ``q_scale``, ``mu`` (B, Hq, Nq), ``k_scale``, ``sigma`` (B, Hk, Nk), ``A`` (B, Hq, Nk); ``flag`` (B, Hq,
-    blocks) int8; ``lse`` (B, Hq, Nq) fp32, written with ``STORE_LSE``.  This function allocates the shared
-    tiles and barriers and forks into the producer and the consumers.
+    64 rows), k codes (int8, BLOCK_N rows), v (``g``, BLOCK_N rows; with ``PV_FP8`` V8^T (B, Hk, DP, Nk) e4m3,
+    boxes (1, 1, DP, BLOCK_N)), centres (B, Hk, blocks, DP) in ``g`` (16 rows), hi and lo (``g``, BLOCK_N
+    rows; read only with ``FALLBACK``).  Pointers (contiguous fp32): ``q_scale``, ``mu`` (B, Hq, Nq),
+    ``k_scale``, ``sigma`` (B, Hk, Nk), ``A`` (B, Hq, Nk), ``vs`` (B, Hk, DP) (read with ``PV_FP8``); ``flag``
+    (B, Hq, blocks) int8; ``lse`` (B, Hq, Nq) fp32, written with ``STORE_LSE``.  This function allocates the
+    shared tiles and barriers and forks into the producer and the consumers.
     """
     rows: gl.constexpr = desc_q.block_type.shape[2]
     pid = gl.program_id(0)
@@ -293,7 +469,8 @@ def int8_fwd_gluon_kernel(
     start_m = pid_m * (rows * NUM_CONSUMERS)
     bh_q = pid_bh.to(gl.int64)
     bh_k = (off_z * (H_Q // KV_GROUP) + off_hk).to(gl.int64)
-    row_vecs = (qs_ptr + bh_q * N_Q, mu_ptr + bh_q * N_Q)
+    row_ptrs = (qs_ptr + bh_q * N_Q, mu_ptr + bh_q * N_Q)
+    vs_ptr += bh_k * desc_q.block_type.shape[3]
     key_row = bh_k.to(gl.int32) * N_ROW
     a_row = bh_q.to(gl.int32) * N_ROW
     flag_ptr += bh_q * gl.cdiv(N_K, SHIFT_BLOCK_N)
@@ -310,6 +487,8 @@ def int8_fwd_gluon_kernel(
     ks_bufs = gl.allocate_shared_memory(desc_ks.dtype, [NUM_STAGES] + desc_ks.block_type.shape, desc_ks.layout)
     sig_bufs = gl.allocate_shared_memory(desc_sig.dtype, [NUM_STAGES] + desc_sig.block_type.shape, desc_sig.layout)
     a_bufs = gl.allocate_shared_memory(desc_a.dtype, [NUM_STAGES] + desc_a.block_type.shape, desc_a.layout)
+    p8_cols: gl.constexpr = BLOCK_N if PV_FP8 else 16  # a 16-column dummy without FP8
+    p8_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2 * NUM_CONSUMERS, rows, p8_cols], P8_LAYOUT)
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -336,27 +515,27 @@ def int8_fwd_gluon_kernel(
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
             (_producer, (descs, q_bufs, q8_bufs, q_ready, ring, bars, flag_ptr, off_z, off_hq, off_hk, start_m, N_K,
-                         key_row, a_row, SHIFT_BLOCK_N, FALLBACK)),
-            (_consumer, (desc_o, q_bufs.index(0), q8_bufs.index(0), q_ready.index(0), ring, bars, row_vecs,
-                         flag_ptr, off_z, off_hq, start_m, N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N, MASK_N,
-                         FALLBACK, STORE_LSE)),
-            (_consumer, (desc_o, q_bufs.index(1), q8_bufs.index(1), q_ready.index(1), ring, bars, row_vecs,
-                         flag_ptr, off_z, off_hq, start_m + rows, N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N, MASK_N,
-                         FALLBACK, STORE_LSE)),
+                         key_row, a_row, SHIFT_BLOCK_N, FALLBACK, PV_FP8)),
+            (_consumer, (desc_o, q_bufs.index(0), q8_bufs.index(0), q_ready.index(0), ring, bars, row_ptrs, vs_ptr,
+                         flag_ptr, p8_bufs, 0, off_z, off_hq, start_m, N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N, MASK_N,
+                         FALLBACK, STORE_LSE, PV_FP8)),
+            (_consumer, (desc_o, q_bufs.index(1), q8_bufs.index(1), q_ready.index(1), ring, bars, row_ptrs, vs_ptr,
+                         flag_ptr, p8_bufs, 2, off_z, off_hq, start_m + rows, N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N, MASK_N,
+                         FALLBACK, STORE_LSE, PV_FP8)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
             (_producer, (descs, q_bufs, q8_bufs, q_ready, ring, bars, flag_ptr, off_z, off_hq, off_hk, start_m, N_K,
-                         key_row, a_row, SHIFT_BLOCK_N, FALLBACK)),
-            (_consumer, (desc_o, q_bufs.index(0), q8_bufs.index(0), q_ready.index(0), ring, bars, row_vecs,
-                         flag_ptr, off_z, off_hq, start_m, N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N, MASK_N,
-                         FALLBACK, STORE_LSE)),
-            (_consumer, (desc_o, q_bufs.index(1), q8_bufs.index(1), q_ready.index(1), ring, bars, row_vecs,
-                         flag_ptr, off_z, off_hq, start_m + rows, N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N, MASK_N,
-                         FALLBACK, STORE_LSE)),
-            (_consumer, (desc_o, q_bufs.index(2), q8_bufs.index(2), q_ready.index(2), ring, bars, row_vecs,
-                         flag_ptr, off_z, off_hq, start_m + 2 * rows, N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N,
-                         MASK_N, FALLBACK, STORE_LSE)),
+                         key_row, a_row, SHIFT_BLOCK_N, FALLBACK, PV_FP8)),
+            (_consumer, (desc_o, q_bufs.index(0), q8_bufs.index(0), q_ready.index(0), ring, bars, row_ptrs, vs_ptr,
+                         flag_ptr, p8_bufs, 0, off_z, off_hq, start_m, N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N, MASK_N,
+                         FALLBACK, STORE_LSE, PV_FP8)),
+            (_consumer, (desc_o, q_bufs.index(1), q8_bufs.index(1), q_ready.index(1), ring, bars, row_ptrs, vs_ptr,
+                         flag_ptr, p8_bufs, 2, off_z, off_hq, start_m + rows, N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N, MASK_N,
+                         FALLBACK, STORE_LSE, PV_FP8)),
+            (_consumer, (desc_o, q_bufs.index(2), q8_bufs.index(2), q_ready.index(2), ring, bars, row_ptrs, vs_ptr,
+                         flag_ptr, p8_bufs, 4, off_z, off_hq, start_m + 2 * rows, N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N,
+                         MASK_N, FALLBACK, STORE_LSE, PV_FP8)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -365,23 +544,24 @@ def tuned_config(head_dim: int) -> dict:
     return dict(CONFIGS[64 if head_dim <= 64 else 128])
 
 
-def shared_bytes(cfg: dict, dp: int, element_size: int, fallback: bool) -> int:
-    """Shared memory of one program: q (``g``) and its codes per consumer, the rings (codes, v, centres), the
-    wide buffers of the 16-bit blocks, the barriers."""
+def shared_bytes(cfg: dict, dp: int, element_size: int, fallback: bool, pv_bits: int = 16) -> int:
+    """Shared memory of one program: q (``g``) and its codes per consumer, the rings (codes, v in ``g`` or
+    e4m3, centres), the wide buffers of the 16-bit blocks, the barriers."""
     q = cfg["consumers"] * ROWS_PER_CONSUMER * dp * (element_size + 1)
-    ring = cfg["num_stages"] * dp * (cfg["BLOCK_N"] * (1 + element_size) + CENTRE_ROWS * element_size)
+    v_size = 1 if pv_bits == 8 else element_size
+    ring = cfg["num_stages"] * dp * (cfg["BLOCK_N"] * (1 + v_size) + CENTRE_ROWS * element_size)
+    q += cfg["consumers"] * 2 * ROWS_PER_CONSUMER * (cfg["BLOCK_N"] if pv_bits == 8 else 16)  # the P8 tiles
     wide = 2 * (cfg["BLOCK_N"] if fallback else CENTRE_ROWS) * dp * element_size
     return q + ring + wide + 8 * (cfg["consumers"] + 4 * cfg["num_stages"] + 2)
 
 
 def unsuitable_reason(q: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, pv_bits: int) -> str | None:
     """Why this kernel cannot take an 8-bit call, in words, or ``None``: it needs an sm_90 GPU with Gluon 3.6,
-    fp16 or bf16, a head dim of ``gluon_common.HEAD_DIMS``, ``P V`` in 16 bits, and TMA-addressable q, v, out."""
+    fp16 or bf16, a head dim of ``gluon_common.HEAD_DIMS``, and TMA-addressable q, v, out (``P V`` in 16 bits
+    or FP8: the pre-pass lays V8 out for it)."""
     reason = sm90_problem(q.device)
     if reason is not None:
         return reason
-    if pv_bits != 16:
-        return f"it computes P V in 16 bits, got pv_bits={pv_bits}"
     reason = operand_problem(q)
     if reason is not None:
         return reason
@@ -389,10 +569,10 @@ def unsuitable_reason(q: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, pv
 
 
 _CONFIGS: dict[tuple, dict] = {}
-"""The checked configs by (config, DP, element size, fallback): ``gluon_common.kept_config``."""
+"""The checked configs by (config, DP, element size, fallback, pv_bits): ``gluon_common.kept_config``."""
 
 
-def _config(config: dict | None, dp: int, element_size: int, fallback: bool) -> dict:
+def _config(config: dict | None, dp: int, element_size: int, fallback: bool, pv_bits: int) -> dict:
     """:func:`tuned_config` updated by ``config``; ``ValueError`` for unknown keys or values."""
     fn = "hopper_int8.forward"
     base = tuned_config(dp)
@@ -407,7 +587,7 @@ def _config(config: dict | None, dp: int, element_size: int, fallback: bool) -> 
         raise ValueError(f"{fn}: config num_stages={cfg['num_stages']} must be 1..4")
     if cfg["consumers"] not in (2, 3):
         raise ValueError(f"{fn}: config consumers={cfg['consumers']!r} must be 2 or 3 (consumer warpgroups)")
-    needed = shared_bytes(cfg, dp, element_size, fallback)
+    needed = shared_bytes(cfg, dp, element_size, fallback, pv_bits)
     if needed > SMEM_LIMIT:
         raise ValueError(f"{fn}: config {cfg} needs {needed} bytes of shared memory at DP {dp}, more than sm_90's "
                          f"{SMEM_LIMIT}: fewer stages or consumers")
@@ -427,6 +607,13 @@ def _row_descriptor(t: torch.Tensor, block_n: int) -> TensorDescriptor:
 
 
 @functools.lru_cache(maxsize=None)
+def _p8_layout(cols: int):
+    """The NVMMA-swizzled shared layout of the (64, ``cols``) ``P8`` tiles (the A operand of the FP8 ``P V``),
+    built once per width."""
+    return gl.NVMMASharedLayout.get_default_for([ROWS_PER_CONSUMER, cols], gl.float8e4nv)
+
+
+@functools.lru_cache(maxsize=None)
 def _row_layout():
     """The unswizzled shared layout of the per-key fp32 rows (built once)."""
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
@@ -440,12 +627,13 @@ def kernel_call(q: torch.Tensor, prep, out: torch.Tensor, *, scale: float, confi
     batch, h_q, n_q, _ = q.shape
     h_k, n_k, dp = prep.k_codes.shape[1:]
     fallback = prep.flags is not None
+    pv_bits = 16 if prep.v_scale is None else 8
     if fallback and prep.k_split is None:
         raise ValueError("hopper_int8.forward: prep has flags but no k_split (int8.prepare(..., split=True) writes "
                          "the 16-bit blocks' hi and lo)")
     element_size = q.element_size()
-    cfg = kept_config(_CONFIGS, config, (dp, element_size, fallback),
-                      lambda: _config(config, dp, element_size, fallback))
+    cfg = kept_config(_CONFIGS, config, (dp, element_size, fallback, pv_bits),
+                      lambda: _config(config, dp, element_size, fallback, pv_bits))
     block_n = cfg["BLOCK_N"]
     maxnreg, consumer_regs = registers(cfg["consumers"])
     c_g = prep.centres.to(q.dtype)  # exact: the centres are values of the inputs' dtype
@@ -454,14 +642,17 @@ def kernel_call(q: torch.Tensor, prep, out: torch.Tensor, *, scale: float, confi
     flags = prep.flags if fallback else prep.k_codes
     grid = (cdiv(n_q, ROWS_PER_CONSUMER * cfg["consumers"]) * batch * h_q,)
     args = (descriptor(q, ROWS_PER_CONSUMER, dp), descriptor(prep.q_codes, ROWS_PER_CONSUMER, dp),
-            descriptor(prep.k_codes, block_n, dp), descriptor(prep.v, block_n, dp),
+            descriptor(prep.k_codes, block_n, dp),
+            descriptor(prep.v, dp, block_n) if pv_bits == 8 else descriptor(prep.v, block_n, dp),
             descriptor(c_g, CENTRE_ROWS, dp), descriptor(hi, wide_rows, dp), descriptor(lo, wide_rows, dp),
             _row_descriptor(prep.k_scale, block_n), _row_descriptor(prep.sigma, block_n),
             _row_descriptor(prep.a, block_n), descriptor(out, ROWS_PER_CONSUMER, dp),
-            prep.q_scale, prep.mu, flags, prep.q_scale if lse is None else lse,
+            prep.q_scale, prep.mu, prep.q_scale if pv_bits == 16 else prep.v_scale, flags,
+            prep.q_scale if lse is None else lse,
             h_q, h_q // h_k, n_q, n_k, prep.k_scale.stride(1), float(scale) * math.log2(math.e))
     meta = dict(BLOCK_N=block_n, NUM_STAGES=cfg["num_stages"], NUM_CONSUMERS=cfg["consumers"],
                 SHIFT_BLOCK_N=SHIFT_BLOCK, MASK_N=n_k % block_n != 0, FALLBACK=fallback, STORE_LSE=lse is not None,
+                PV_FP8=pv_bits == 8, P8_LAYOUT=_p8_layout(block_n if pv_bits == 8 else 16),
                 CONSUMER_REGS=consumer_regs, num_warps=PRODUCER_WARPS, maxnreg=maxnreg)
     return grid, args, meta
 

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from ..rules import INT8_FALLBACK_TAU, SHIFT_BLOCK
-from .common import INTERPRET, LN2, LOG2E, binade, cdiv, mma, round_to, strides3
+from .common import INTERPRET, LN2, LOG2E, P_SHIFT, binade, cdiv, mma, round_to, strides3
 from .tuning import SMEM_LIMIT, autotuned, bucket, interpreter_autotunes, pow2_tile
 
 __all__ = ["colstats_kernel", "colstats_reduce_kernel", "quantize_kernel", "fallback_flags_kernel", "int8_fwd_kernel",
@@ -55,7 +55,6 @@ PV_BITS = (16, 8)
 """What ``P V`` takes: the inputs' dtype (16) or FP8 e4m3 (8)."""
 QMAX = tl.constexpr(127.0)
 FP8_MAX = tl.constexpr(448.0)
-P_SHIFT = tl.constexpr(8.0)
 RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23
 
 
@@ -625,7 +624,7 @@ class Prepared(NamedTuple):
     ``k_codes`` (B, Hk, Nk, DP) int8, ``k_scale``, ``sigma`` (B, Hk, Nk) fp32, ``a`` (B, Hq, Nk) fp32 (views
     of rows padded to a multiple of 4 keys),
     ``centres`` (B, Hk, blocks, DP) fp32; ``v`` the values ``P V`` reads: the input V (16 bits) or V8^T
-    (B, Hk, DP, Nk) e4m3, with ``v_scale`` (B, Hk, DP) fp32 (None in 16 bits).  The 16-bit blocks: ``k``
+    (B, Hk, DP, Nk) e4m3 (a view of rows padded to 16 keys: the Gluon kernel copies its tiles by TMA), with ``v_scale`` (B, Hk, DP) fp32 (None in 16 bits).  The 16-bit blocks: ``k``
     the input keys (a flagged block reads them), ``q_stats`` (B, Hq, 2) and ``k_stats`` (B, Hk, blocks, 2)
     fp64 (``reference_int8``'s ``stats``), ``flags`` (B, Hq, blocks) int8 (1: in 16 bits; None: every block
     from the codes); ``k_split`` (2, B, Hk, Nk, DP) in the inputs' dtype: each key's ``hi`` and ``lo`` of
@@ -688,7 +687,7 @@ def allocate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, pv_bits: int 
         qbar=empty(batch, h_q, dp), k_codes=empty(batch, h_k, n_k, dp, dtype=torch.int8),
         k_scale=per_key(h_k), sigma=per_key(h_k), a=per_key(h_q),
         centres=empty(batch, h_k, k_blocks, dp),
-        v=empty(batch, h_k, dp, n_k, dtype=torch.float8_e4m3fn) if fp8 else v,
+        v=empty(batch, h_k, dp, -(-n_k // 16) * 16, dtype=torch.float8_e4m3fn)[..., :n_k] if fp8 else v,
         v_scale=empty(batch, h_k, dp) if fp8 else None, k=k, q_stats=empty(batch, h_q, 2, dtype=torch.float64),
         k_stats=empty(batch, h_k, k_blocks, 2, dtype=torch.float64),
         flags=empty(batch, h_q, k_blocks, dtype=torch.int8) if fallback else None,
