@@ -64,7 +64,8 @@ def _int8_method(fallback: bool, kernel: str, config: dict | None = None, pv_bit
         call()
         share = block_tally.counts()["share"] if fallback else 0.0
         return harness.Prepared(call, f"{100 * share:.0f} % of blocks in 16 bits", {"share_16_bit": share})
-    tiles = "" if config is None else " " + ",".join(str(x) for x in config.values())
+    tiles = "" if config is None else " " + ",".join(
+        ("lazy" if x else "eager") if isinstance(x, bool) else str(x) for x in config.values())
     pv = "" if pv_bits == 16 else ", FP8 P V"
     return harness.Method(f"int8 {kernel}{tiles}{pv}, fallback {'on' if fallback else 'off'}", "ours", build)
 
@@ -79,11 +80,14 @@ def _prepass_method(split: bool) -> harness.Method:
 
 
 def _gluon_config(text: str) -> dict:
+    fields = text.split(",")
     try:
-        block_n, stages, consumers = (int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--gluon-configs {text!r}: expected BLOCK_N,STAGES,CONSUMERS, e.g. 64,4,2")
-    return {"BLOCK_N": block_n, "num_stages": stages, "consumers": consumers}
+        block_n, stages, consumers = (int(x) for x in fields[:3])
+        lazy = {"lazy": {"lazy": True, "eager": False}[fields[3]]} if len(fields) == 4 else {}
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"--gluon-configs {text!r}: expected BLOCK_N,STAGES,CONSUMERS[,lazy|eager], "
+                                         f"e.g. 64,4,2 or 64,4,2,eager")
+    return {"BLOCK_N": block_n, "num_stages": stages, "consumers": consumers, **lazy}
 
 
 def _pv_bits(text: str) -> list[int]:
@@ -136,8 +140,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default: 0)")
     p.add_argument("--kernels", type=_kernels, default="gluon,portable",
                    help=f"the attention kernels on the codes, of {tuple(KERNELS)} (default: gluon,portable)")
-    p.add_argument("--gluon-configs", type=_gluon_config, nargs="*", default=[], metavar="BLOCK_N,STAGES,CONSUMERS",
-                   help="Gluon configs timed too, with the fallback on (default: none)")
+    p.add_argument("--gluon-configs", type=_gluon_config, nargs="*", default=[],
+                   metavar="BLOCK_N,STAGES,CONSUMERS[,lazy|eager]",
+                   help="Gluon configs timed too, with the fallback on; lazy/eager: the accumulator's rescale "
+                        "(default: none)")
     p.add_argument("--prepass", action="store_true", help="also time the pre-pass alone")
     p.add_argument("--pv-bits", type=_pv_bits, default="16",
                    help=f"P V precisions, comma-separated, of {int8.PV_BITS} (default: 16; 8 is FP8 e4m3)")

@@ -40,11 +40,13 @@ Sylvester-Hadamard matrix (entries +-1, ``H H^T = Dp I``), applied by :func:`fwh
    ``s_kj^2`` (:func:`error_model`'s ``delta`` averaged over the block and the queries); sums in fp64, the
    queries' per ``SHIFT_BLOCK`` rows and then in block order.  The comparison is ``SQ2 W2 + SK2 Y2 > 12 t^2``
    with ``t = (tau Dp) / scale`` in fp64 from the fp32 values of ``tau`` and ``scale``.
-5. **P V**: ``pv_bits=16`` (the default): ``p = round_g(exp2(x))``, ``l`` sums those rounded ``p``,
-   ``acc = alpha acc + p V`` (fp32), exactly the default's merge.  ``pv_bits=8``: ``P8 = e4m3(exp2(x +
+5. **P V**: ``pv_bits=16`` (the default): ``p = round_g(exp2(x))``, ``acc = alpha acc + p V`` (fp32), and
+   ``l`` sums the fp32 ``exp2(x)`` before their rounding (as FlashAttention-3 and SageAttention do: the sum
+   of the rounded ``p`` costs the kernels a widening per score, and the two differ by the rounding noise
+   averaged over the keys, far below the codes' error).  ``pv_bits=8``: ``P8 = e4m3(exp2(x +
    P_SHIFT))`` (``<= 256``: e4m3's range, FlashAttention-3's shift of 8), V in e4m3 per channel
    (:func:`quantize_values`: ``vs_d = amax_t |v_td| / 448`` over the head's keys, ``V8 = e4m3(v *
-   (448 / amax))``), ``l`` sums ``P8``, ``acc = alpha acc + (P8 V8) vs`` with ``P8 V8`` summed in fp32 per
+   (448 / amax))``), ``l`` sums ``exp2(x + P_SHIFT)`` unrounded, ``acc = alpha acc + (P8 V8) vs`` with ``P8 V8`` summed in fp32 per
    key tile (on Hopper the FP8 products keep about 22 bits inside a tile; the tile's sum moves to the
    fp32 accumulator every tile).  ``out = acc (1 / l)``, rounded to the input dtype.
 
@@ -354,12 +356,12 @@ def attention_from_codes(q: torch.Tensor, qq: QuantizedQueries, kq: QuantizedKey
             x = z - (m_s - (m_blk - m_new))
             alpha = torch.exp2(m_i - m_new)
             if fp8:
-                p = torch.exp2(x + P_SHIFT).to(_E4M3).to(_F32)
-                pv = (p @ values[:, :, keys]) * v_scale
+                p32 = torch.exp2(x + P_SHIFT)
+                pv = (p32.to(_E4M3).to(_F32) @ values[:, :, keys]) * v_scale
             else:
-                p = torch.exp2(x).to(g).to(_F32)
-                pv = p @ values[:, :, keys]
-            l_i = alpha * l_i + p.sum(-1, keepdim=True)
+                p32 = torch.exp2(x)
+                pv = p32.to(g).to(_F32) @ values[:, :, keys]
+            l_i = alpha * l_i + p32.sum(-1, keepdim=True)
             acc = alpha * acc + pv
             m_i = m_new
         out[:, :, rows] = (acc * (1.0 / l_i)).to(out_dtype)

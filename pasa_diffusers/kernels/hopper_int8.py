@@ -67,10 +67,13 @@ from .tuning import SMEM_LIMIT
 __all__ = ["int8_fwd_gluon_kernel", "forward", "kernel_call", "unsuitable_reason", "tuned_config", "shared_bytes",
            "CONFIGS"]
 
+LAZY_RESCALE = tl.constexpr(8.0)
+"""The growth of a row's maximum (log2 units) past which the lazy rescale moves it: ``p <= 2^8``, far inside
+fp16's and bf16's range (FlashAttention-4's threshold)."""
 RNE_MAGIC_BITS = tl.constexpr(0x4B400000)
 """The bits of 1.5 * 2^23: ``bits(1.5 2^23) + I`` read as fp32 is ``1.5 2^23 + I`` for ``|I| < 2^22``."""
-CONFIGS = {64: {"BLOCK_N": 64, "num_stages": 3, "consumers": 3},
-           128: {"BLOCK_N": 64, "num_stages": 4, "consumers": 2}}
+CONFIGS = {64: {"BLOCK_N": 64, "num_stages": 3, "consumers": 3, "lazy": True},
+           128: {"BLOCK_N": 64, "num_stages": 4, "consumers": 2, "lazy": True}}
 """The config per DP: FA3's consumer counts with 64-key tiles, the largest that compile for sm_90 without
 spills (``tools.compile_int8``, triton 3.6: (128 keys, 3 consumers) spills 1.4 KB at DP 64, (128 keys, 2
 consumers) 0.5 KB at DP 128; the per-key vectors take registers beside the tiles)."""
@@ -167,10 +170,15 @@ def _logits_16(q, hi, lo, qk_scale, s_layout: gl.constexpr):
 
 
 @gluon_jit
-def _softmax_step(z, r, m_i, l_i, start_n, N_K, p_dtype: gl.constexpr, MASK_N: gl.constexpr):
-    """One tile's online softmax from its logits ``z`` (log2 units, fp32) and ``r``: ``(p, alpha, m_new,
-    l_new)``.  ``p_dtype`` the inputs' ``g``: ``p = round_g(exp2(x))``; ``gl.float8e4nv``: ``p = e4m3(exp2(x +
-    P_SHIFT))`` (<= 256); ``l`` sums the rounded ``p``."""
+def _softmax_step(z, r, m_i, l_i, start_n, N_K, p_dtype: gl.constexpr, MASK_N: gl.constexpr, LAZY: gl.constexpr):
+    """One tile's online softmax from its logits ``z`` (log2 units, fp32) and ``r``: ``(p, alpha, m_new, l_new,
+    rescale)``.  ``p_dtype`` the inputs' ``g``: ``p = round_g(exp2(x))``; ``gl.float8e4nv``: ``p = e4m3(exp2(x +
+    P_SHIFT))`` (<= 256); ``l`` sums the fp32 ``exp2`` before their rounding.
+
+    ``LAZY`` (FlashAttention-4's lazy rescale, exact): the running maximum moves, and the accumulator with it,
+    only on a tile where some row of the warpgroup grows by more than ``LAZY_RESCALE`` (``rescale``, a scalar
+    for the branch around ``acc``'s rescale); otherwise every row keeps its stale maximum (``alpha = 1``) and
+    ``p`` may reach ``2^LAZY_RESCALE``."""
     if MASK_N:
         if start_n + z.shape[1] > N_K:  # the last tile only (hopper._softmax_step)
             cols = start_n + gl.arange(0, z.shape[1], layout=gl.SliceLayout(0, z.type.layout))
@@ -178,15 +186,21 @@ def _softmax_step(z, r, m_i, l_i, start_n, N_K, p_dtype: gl.constexpr, MASK_N: g
     m_s = gl.max(z, axis=1)
     m_blk = m_s + r
     m_new = gl.maximum(m_i, m_blk)
+    if LAZY:
+        rescale = gl.max(m_new - m_i, axis=0) > LAZY_RESCALE
+        m_new = gl.where(rescale, m_new, m_i)
+    else:
+        rescale = True
     offset = m_s - (m_blk - m_new)
     alpha = gl.exp2(m_i - m_new)
     if p_dtype == gl.float8e4nv:
-        p = gl.exp2(z - (offset - P_SHIFT)[:, None]).to(p_dtype)
-        l_new = alpha * l_i + gl.sum(p.to(gl.float32), axis=1)
+        p32 = gl.exp2(z - (offset - P_SHIFT)[:, None])
+        p = p32.to(p_dtype)
     else:
-        p = round_p(gl.exp2(z - offset[:, None]), p_dtype)
-        l_new = alpha * l_i + gl.sum(widen_p(p), axis=1)
-    return p, alpha, m_new, l_new
+        p32 = gl.exp2(z - offset[:, None])
+        p = round_p(p32, p_dtype)
+    l_new = alpha * l_i + gl.sum(p32, axis=1)
+    return p, alpha, m_new, l_new, rescale
 
 
 @gluon_jit
@@ -212,10 +226,11 @@ def _issue_codes(q, q8, ring, k_ready, i, i_zero, rc, SHIFT_BLOCK_N: gl.constexp
 
 @gluon_jit
 def _tile_softmax(i_sum, q, rc, row_vecs, ring, bars, flag, flagged, m_i, l_i, i, N_K, qk_scale,
-                  p_dtype: gl.constexpr, SHIFT_BLOCK_N: gl.constexpr, MASK_N: gl.constexpr, FALLBACK: gl.constexpr):
+                  p_dtype: gl.constexpr, SHIFT_BLOCK_N: gl.constexpr, MASK_N: gl.constexpr, FALLBACK: gl.constexpr,
+                  LAZY: gl.constexpr):
     """Tile ``i``'s logits from its finished ``I`` or, for a flagged tile (``flag``), the 16-bit pair after
     ``w_ready``; the release of its codes (and of the wide ring); its softmax.  Returns ``(p, alpha, m_i, l_i,
-    flagged)`` (``p`` in the scores' layout); ``row_vecs = (a_i, mu_u)``, ``flagged`` the count of flagged
+    rescale, flagged)`` (``p`` in the scores' layout; :func:`_softmax_step`); ``row_vecs = (a_i, mu_u)``, ``flagged`` the count of flagged
     tiles so far."""
     k_bufs, v_bufs, c_bufs, hi_buf, lo_buf, ks_bufs, sig_bufs, a_bufs = ring
     k_ready, k_empty, v_ready, v_empty, w_ready, w_empty = bars
@@ -241,8 +256,8 @@ def _tile_softmax(i_sum, q, rc, row_vecs, ring, bars, flag, flagged, m_i, l_i, i
     else:
         z = _coded_logits(i_sum, key_vecs, a_i, mu_u, qk_scale, s_layout)
     release(k_empty, i)
-    p, alpha, m_i, l_i = _softmax_step(z, r, m_i, l_i, start_n, N_K, p_dtype, MASK_N)
-    return p, alpha, m_i, l_i, flagged
+    p, alpha, m_i, l_i, rescale = _softmax_step(z, r, m_i, l_i, start_n, N_K, p_dtype, MASK_N, LAZY)
+    return p, alpha, m_i, l_i, rescale, flagged
 
 
 @gluon_jit
@@ -274,7 +289,7 @@ def _next_flags(flag_ptr, flag, next_flag, i, N_K, BLOCK_N: gl.constexpr, SHIFT_
 
 @gluon_jit
 def _key_loop(q, q8, ring, bars, row_vecs, flag_ptr, m_i, l_i, acc, rc, i_zero, N_K, qk_scale,
-              SHIFT_BLOCK_N: gl.constexpr, MASK_N: gl.constexpr, FALLBACK: gl.constexpr):
+              SHIFT_BLOCK_N: gl.constexpr, MASK_N: gl.constexpr, FALLBACK: gl.constexpr, LAZY: gl.constexpr):
     """The key loop with ``P V`` in 16 bits, FA3's overlap: per tile ``i >= 1`` issue ``I_i``, then ``acc =
     alpha acc + P_{i-1} V_{i-1}`` (``p`` from registers); wait until one group is left (``I_i`` done: groups
     finish in order); dequantise and softmax tile ``i`` while ``P V`` runs; wait for it.  Returns ``(acc, m_i,
@@ -287,35 +302,41 @@ def _key_loop(q, q8, ring, bars, row_vecs, flag_ptr, m_i, l_i, acc, rc, i_zero, 
     flagged = 0
     i_sum, rc = _issue_codes(q, q8, ring, k_ready, 0, i_zero, rc, SHIFT_BLOCK_N)
     i_sum = _wait_codes(i_sum, 0)
-    p, alpha, m_i, l_i, flagged = _tile_softmax(i_sum, q, rc, row_vecs, ring, bars, flag, flagged, m_i, l_i, 0, N_K,
-                                                qk_scale, q.dtype, SHIFT_BLOCK_N, MASK_N, FALLBACK)
+    p, alpha, m_i, l_i, rescale, flagged = _tile_softmax(i_sum, q, rc, row_vecs, ring, bars, flag, flagged, m_i,
+                                                         l_i, 0, N_K, qk_scale, q.dtype, SHIFT_BLOCK_N, MASK_N,
+                                                         FALLBACK, LAZY)
     p = gl.convert_layout(p, p_layout)
     for i in range(1, gl.cdiv(N_K, BLOCK_N)):
         flag, next_flag = _next_flags(flag_ptr, flag, next_flag, i, N_K, BLOCK_N, SHIFT_BLOCK_N, FALLBACK)
         i_sum, rc = _issue_codes(q, q8, ring, k_ready, i, i_zero, rc, SHIFT_BLOCK_N)
-        acc = _issue_pv(p, acc, alpha, v_bufs, v_ready, i - 1)
+        acc = _issue_pv(p, acc, alpha, rescale, v_bufs, v_ready, i - 1, LAZY)
         i_sum = _wait_codes(i_sum, 1)
         p_prev = p
-        p, alpha, m_i, l_i, flagged = _tile_softmax(i_sum, q, rc, row_vecs, ring, bars, flag, flagged, m_i, l_i, i,
-                                                    N_K, qk_scale, q.dtype, SHIFT_BLOCK_N, MASK_N, FALLBACK)
+        p, alpha, m_i, l_i, rescale, flagged = _tile_softmax(i_sum, q, rc, row_vecs, ring, bars, flag, flagged,
+                                                             m_i, l_i, i, N_K, qk_scale, q.dtype, SHIFT_BLOCK_N,
+                                                             MASK_N, FALLBACK, LAZY)
         p = gl.convert_layout(p, p_layout)
         acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
         release(v_empty, i - 1)
     n_tiles = gl.cdiv(N_K, BLOCK_N)
-    acc = _issue_pv(p, acc, alpha, v_bufs, v_ready, n_tiles - 1)
+    acc = _issue_pv(p, acc, alpha, rescale, v_bufs, v_ready, n_tiles - 1, LAZY)
     acc, p = warpgroup_mma_wait(0, deps=(acc, p))
     release(v_empty, n_tiles - 1)
     return acc, m_i, l_i
 
 
 @gluon_jit
-def _issue_pv(p, acc, alpha, v_bufs, v_ready, i):
+def _issue_pv(p, acc, alpha, rescale, v_bufs, v_ready, i, LAZY: gl.constexpr):
     """Wait until key tile ``i``'s v has landed; issue ``acc = alpha acc + p v`` (async wgmma, ``p`` from
-    registers in the A-operand layout); return its token."""
+    registers in the A-operand layout; under ``LAZY`` the rescale only where ``rescale``); return its token."""
     NUM_STAGES: gl.constexpr = v_bufs.shape[0]
     stage = i % NUM_STAGES
     v_blk = v_bufs.index(stage).reshape([v_bufs.shape[3], v_bufs.shape[4]])
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+    if LAZY:
+        if rescale:
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
+    else:
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout))[:, None]
     mbarrier.wait(v_ready.index(stage), (i // NUM_STAGES) & 1)
     return warpgroup_mma(p, v_blk, acc, is_async=True)
 
@@ -358,8 +379,9 @@ def _key_loop_fp8(q, q8, ring, bars, row_vecs, flag_ptr, p_bufs, P_BASE: gl.cons
     flagged = 0
     i_sum, rc = _issue_codes(q, q8, ring, k_ready, 0, i_zero, rc, SHIFT_BLOCK_N)
     i_sum = _wait_codes(i_sum, 0)
-    p, alpha, m_i, l_i, flagged = _tile_softmax(i_sum, q, rc, row_vecs, ring, bars, flag, flagged, m_i, l_i, 0, N_K,
-                                                qk_scale, gl.float8e4nv, SHIFT_BLOCK_N, MASK_N, FALLBACK)
+    p, alpha, m_i, l_i, rescale, flagged = _tile_softmax(i_sum, q, rc, row_vecs, ring, bars, flag, flagged, m_i,
+                                                         l_i, 0, N_K, qk_scale, gl.float8e4nv, SHIFT_BLOCK_N,
+                                                         MASK_N, FALLBACK, False)
     _stage_p8(p, p_bufs.index(P_BASE))
     for i in range(1, gl.cdiv(N_K, BLOCK_N)):
         flag, next_flag = _next_flags(flag_ptr, flag, next_flag, i, N_K, BLOCK_N, SHIFT_BLOCK_N, FALLBACK)
@@ -367,8 +389,9 @@ def _key_loop_fp8(q, q8, ring, bars, row_vecs, flag_ptr, p_bufs, P_BASE: gl.cons
         t = _issue_pv8(p_bufs.index(P_BASE + (i - 1) % 2), t_zero, v_bufs, v_ready, i - 1)
         i_sum = _wait_codes(i_sum, 1)
         alpha_prev = alpha
-        p, alpha, m_i, l_i, flagged = _tile_softmax(i_sum, q, rc, row_vecs, ring, bars, flag, flagged, m_i, l_i, i,
-                                                    N_K, qk_scale, gl.float8e4nv, SHIFT_BLOCK_N, MASK_N, FALLBACK)
+        p, alpha, m_i, l_i, rescale, flagged = _tile_softmax(i_sum, q, rc, row_vecs, ring, bars, flag, flagged,
+                                                             m_i, l_i, i, N_K, qk_scale, gl.float8e4nv,
+                                                             SHIFT_BLOCK_N, MASK_N, FALLBACK, False)
         _stage_p8(p, p_bufs.index(P_BASE + i % 2))
         t = warpgroup_mma_wait(0, deps=(t, ))
         acc = acc * gl.convert_layout(alpha_prev, gl.SliceLayout(1, o_layout))[:, None] + gl.convert_layout(t, o_layout)
@@ -384,7 +407,7 @@ def _key_loop_fp8(q, q8, ring, bars, row_vecs, flag_ptr, p_bufs, P_BASE: gl.cons
 @gluon_jit
 def _consumer(desc_o, q_tile, q8_tile, q_ready, ring, bars, row_ptrs, vs_ptr, flag_ptr, p_bufs, P_BASE: gl.constexpr,
               off_z, off_hq, start_row, N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N: gl.constexpr, MASK_N: gl.constexpr,
-              FALLBACK: gl.constexpr, STORE_LSE: gl.constexpr, PV_FP8: gl.constexpr):
+              FALLBACK: gl.constexpr, STORE_LSE: gl.constexpr, PV_FP8: gl.constexpr, LAZY: gl.constexpr):
     """One consumer warpgroup: query rows ``start_row ..`` of this (batch, head): the key loop
     (:func:`_key_loop` or, with ``PV_FP8``, :func:`_key_loop_fp8`), then ``out = acc / l_i`` (FP8: ``(acc /
     l_i) vs``) through the q tile and a TMA store, and with ``STORE_LSE`` the log-sum-exp (FP8: less
@@ -427,7 +450,7 @@ def _consumer(desc_o, q_tile, q8_tile, q_ready, ring, bars, row_ptrs, vs_ptr, fl
         out = (acc * inv_l[:, None]) * vs[None, :]
     else:
         acc, m_i, l_i = _key_loop(q, q8, ring, bars, row_vecs, flag_ptr, m_i, l_i, acc, rc, i_zero, N_K, qk_scale,
-                                  SHIFT_BLOCK_N, MASK_N, FALLBACK)
+                                  SHIFT_BLOCK_N, MASK_N, FALLBACK, LAZY)
         if STORE_LSE:
             gl.store(lse_ptr + offs_m, (m_i + gl.log2(l_i)) * LN2, mask=offs_m < N_Q)
         inv_l = gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, o_layout))
@@ -445,7 +468,7 @@ def int8_fwd_gluon_kernel(
     H_Q, KV_GROUP, N_Q, N_K, N_ROW, qk_scale,
     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, SHIFT_BLOCK_N: gl.constexpr,
     MASK_N: gl.constexpr, FALLBACK: gl.constexpr, STORE_LSE: gl.constexpr, PV_FP8: gl.constexpr,
-    P8_LAYOUT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    P8_LAYOUT: gl.constexpr, LAZY: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     """``out = softmax(scale q k^T) v`` from the 8-bit codes for ``64 NUM_CONSUMERS`` query rows of one
     (batch, head) (the module docstring states the math, tiles and partitions).
@@ -518,10 +541,10 @@ def int8_fwd_gluon_kernel(
                          key_row, a_row, SHIFT_BLOCK_N, FALLBACK, PV_FP8)),
             (_consumer, (desc_o, q_bufs.index(0), q8_bufs.index(0), q_ready.index(0), ring, bars, row_ptrs, vs_ptr,
                          flag_ptr, p8_bufs, 0, off_z, off_hq, start_m, N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N, MASK_N,
-                         FALLBACK, STORE_LSE, PV_FP8)),
+                         FALLBACK, STORE_LSE, PV_FP8, LAZY)),
             (_consumer, (desc_o, q_bufs.index(1), q8_bufs.index(1), q_ready.index(1), ring, bars, row_ptrs, vs_ptr,
                          flag_ptr, p8_bufs, 2, off_z, off_hq, start_m + rows, N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N, MASK_N,
-                         FALLBACK, STORE_LSE, PV_FP8)),
+                         FALLBACK, STORE_LSE, PV_FP8, LAZY)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
@@ -529,13 +552,13 @@ def int8_fwd_gluon_kernel(
                          key_row, a_row, SHIFT_BLOCK_N, FALLBACK, PV_FP8)),
             (_consumer, (desc_o, q_bufs.index(0), q8_bufs.index(0), q_ready.index(0), ring, bars, row_ptrs, vs_ptr,
                          flag_ptr, p8_bufs, 0, off_z, off_hq, start_m, N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N, MASK_N,
-                         FALLBACK, STORE_LSE, PV_FP8)),
+                         FALLBACK, STORE_LSE, PV_FP8, LAZY)),
             (_consumer, (desc_o, q_bufs.index(1), q8_bufs.index(1), q_ready.index(1), ring, bars, row_ptrs, vs_ptr,
                          flag_ptr, p8_bufs, 2, off_z, off_hq, start_m + rows, N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N, MASK_N,
-                         FALLBACK, STORE_LSE, PV_FP8)),
+                         FALLBACK, STORE_LSE, PV_FP8, LAZY)),
             (_consumer, (desc_o, q_bufs.index(2), q8_bufs.index(2), q_ready.index(2), ring, bars, row_ptrs, vs_ptr,
                          flag_ptr, p8_bufs, 4, off_z, off_hq, start_m + 2 * rows, N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N,
-                         MASK_N, FALLBACK, STORE_LSE, PV_FP8)),
+                         MASK_N, FALLBACK, STORE_LSE, PV_FP8, LAZY)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -587,6 +610,8 @@ def _config(config: dict | None, dp: int, element_size: int, fallback: bool, pv_
         raise ValueError(f"{fn}: config num_stages={cfg['num_stages']} must be 1..4")
     if cfg["consumers"] not in (2, 3):
         raise ValueError(f"{fn}: config consumers={cfg['consumers']!r} must be 2 or 3 (consumer warpgroups)")
+    if not isinstance(cfg["lazy"], bool):
+        raise ValueError(f"{fn}: config lazy={cfg['lazy']!r} must be True or False (the lazy rescale)")
     needed = shared_bytes(cfg, dp, element_size, fallback, pv_bits)
     if needed > SMEM_LIMIT:
         raise ValueError(f"{fn}: config {cfg} needs {needed} bytes of shared memory at DP {dp}, more than sm_90's "
@@ -653,6 +678,7 @@ def kernel_call(q: torch.Tensor, prep, out: torch.Tensor, *, scale: float, confi
     meta = dict(BLOCK_N=block_n, NUM_STAGES=cfg["num_stages"], NUM_CONSUMERS=cfg["consumers"],
                 SHIFT_BLOCK_N=SHIFT_BLOCK, MASK_N=n_k % block_n != 0, FALLBACK=fallback, STORE_LSE=lse is not None,
                 PV_FP8=pv_bits == 8, P8_LAYOUT=_p8_layout(block_n if pv_bits == 8 else 16),
+                LAZY=cfg["lazy"] and pv_bits == 16,
                 CONSUMER_REGS=consumer_regs, num_warps=PRODUCER_WARPS, maxnreg=maxnreg)
     return grid, args, meta
 

@@ -437,8 +437,8 @@ def _merge(acc, l_i, x, alpha, v_base, v8_base, vs, stride_vn, stride_v8d, offs_
            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PV_FP8: tl.constexpr, INTERPRET_FP8: tl.constexpr,
            MASKED: tl.constexpr, INTERPRET_BF16: tl.constexpr):
     """``P V`` (``reference_int8`` step 5).  16 bits: ``p = round_g(exp2(x))``, ``l_i = alpha l_i +
-    rowsum(p)``, ``acc = alpha acc + p V`` (fp32), as the default's hybrid merge.  FP8: ``P8 =
-    e4m3(exp2(x + 8))``, ``l_i`` sums ``P8``, ``acc = alpha acc + (P8 V8) vs`` with the tile's ``P8 V8`` in
+    rowsum(exp2(x))`` (the fp32 values before their rounding), ``acc = alpha acc + p V`` (fp32).  FP8: ``P8 =
+    e4m3(exp2(x + 8))``, ``l_i`` sums ``exp2(x + 8)`` unrounded, ``acc = alpha acc + (P8 V8) vs`` with the tile's ``P8 V8`` in
     its own fp32 accumulator, V8 read transposed (DP, BLOCK_N).  ``P8 V8`` multiplies the e4m3 values
     widened to fp16 (exact: every e4m3 value is an fp16 one; exact products, fp32 sums): the FP8 design's
     numbers at the 16-bit MMA's rate (why not the FP8 MMA itself: docs/notes/int8_kernel.md)."""
@@ -447,8 +447,9 @@ def _merge(acc, l_i, x, alpha, v_base, v8_base, vs, stride_vn, stride_v8d, offs_
             v8t = tl.load(v8_base + offs_d[:, None] * stride_v8d + offs_n[None, :], mask=n_valid[None, :], other=0.0)
         else:
             v8t = tl.load(v8_base + offs_d[:, None] * stride_v8d + offs_n[None, :])
-        p8 = _to_e4m3(tl.math.exp2(x + P_SHIFT), INTERPRET_FP8)
-        l_i = alpha * l_i + tl.sum(p8.to(tl.float32), axis=1)
+        p32 = tl.math.exp2(x + P_SHIFT)
+        p8 = _to_e4m3(p32, INTERPRET_FP8)
+        l_i = alpha * l_i + tl.sum(p32, axis=1)
         pv = tl.dot(p8.to(tl.float16), tl.trans(v8t.to(tl.float16)))
         acc = acc * alpha[:, None] + pv * vs[None, :]
     else:
@@ -462,8 +463,9 @@ def _merge(acc, l_i, x, alpha, v_base, v8_base, vs, stride_vn, stride_v8d, offs_
             v_blk = tl.load(v_ptrs)
         else:
             v_blk = tl.load(v_ptrs, mask=d_valid[None, :], other=0.0)
-        p = round_to(tl.math.exp2(x), v_blk.dtype, INTERPRET_BF16)
-        l_i = alpha * l_i + tl.sum(p.to(tl.float32), axis=1)
+        p32 = tl.math.exp2(x)
+        p = round_to(p32, v_blk.dtype, INTERPRET_BF16)
+        l_i = alpha * l_i + tl.sum(p32, axis=1)
         acc = mma(p, v_blk, acc * alpha[:, None], INTERPRET_BF16)
     return acc, l_i
 
