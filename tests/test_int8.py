@@ -553,8 +553,10 @@ def test_gpu_every_config_matches_the_spec(config, gen):
 
 
 GLUON_CONFIGS = [{"BLOCK_N": 64, "num_stages": 3, "consumers": 3}, {"BLOCK_N": 64, "num_stages": 4, "consumers": 2},
-                 {"BLOCK_N": 128, "num_stages": 2, "consumers": 2}, {"BLOCK_N": 64, "num_stages": 2, "consumers": 3}]
-"""The Gluon kernel's configs that compile without spills (``tools.compile_int8``): the tuned ones and others."""
+                 {"BLOCK_N": 128, "num_stages": 2, "consumers": 2},
+                 {"BLOCK_N": 64, "num_stages": 4, "consumers": 2, "lazy": True}]
+"""The Gluon kernel's configs: the tuned ones (128-key tiles, and 64 for short keys), a deeper ring, the lazy
+rescale."""
 
 
 def _gluon_or_skip():

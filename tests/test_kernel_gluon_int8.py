@@ -46,6 +46,7 @@ def test_unsuitable_reason_names_what_is_missing():
     ({"BLOCK_N": 32}, "BLOCK_N=32 must be 64 or 128"),
     ({"num_stages": 5}, "num_stages=5 must be 1..4"),
     ({"consumers": 1}, "consumers=1 must be 2 or 3"),
+    ({"lazy": 1}, r"lazy=1 must be True or False"),
     ({"BLOCK_N": 128, "num_stages": 3, "consumers": 3}, r"needs \d+ bytes of shared memory at DP 128"),
 ])
 def test_bad_configs_are_refused_by_name(config, match):
@@ -75,11 +76,14 @@ def test_per_key_vectors_are_padded_rows_for_tma(n_k):
 
 @pytest.mark.parametrize("head_dim", gluon_common.HEAD_DIMS)
 @pytest.mark.parametrize("fallback", [True, False])
-def test_tuned_configs_fit_the_shared_memory(head_dim, fallback):
+@pytest.mark.parametrize("pv_bits", int8.PV_BITS)
+@pytest.mark.parametrize("n_k", [hopper_int8.SHORT_KEYS, hopper_int8.SHORT_KEYS + 1])
+def test_tuned_configs_fit_the_shared_memory(head_dim, fallback, pv_bits, n_k):
     dp = 64 if head_dim <= 64 else 128
-    cfg = hopper_int8.tuned_config(head_dim)
-    assert cfg == hopper_int8.CONFIGS[dp]
-    assert hopper_int8.shared_bytes(cfg, dp, 2, fallback) <= SMEM_LIMIT
+    cfg = hopper_int8.tuned_config(head_dim, n_k)
+    short = dp == 64 and n_k <= hopper_int8.SHORT_KEYS
+    assert cfg == (hopper_int8.SHORT_KEYS_CONFIG if short else hopper_int8.CONFIGS[dp])
+    assert hopper_int8.shared_bytes(cfg, dp, 2, fallback, pv_bits) <= SMEM_LIMIT
 
 
 @pytest.fixture

@@ -65,18 +65,23 @@ from .gluon_common import (CENTRE_ROWS, PRODUCER_WARPS, ROWS_PER_CONSUMER, Tenso
 from .tuning import SMEM_LIMIT
 
 __all__ = ["int8_fwd_gluon_kernel", "forward", "kernel_call", "unsuitable_reason", "tuned_config", "shared_bytes",
-           "CONFIGS"]
+           "CONFIGS", "SHORT_KEYS_CONFIG", "SHORT_KEYS"]
 
 LAZY_RESCALE = tl.constexpr(8.0)
 """The growth of a row's maximum (log2 units) past which the lazy rescale moves it: ``p <= 2^8``, far inside
 fp16's and bf16's range (FlashAttention-4's threshold)."""
 RNE_MAGIC_BITS = tl.constexpr(0x4B400000)
 """The bits of 1.5 * 2^23: ``bits(1.5 2^23) + I`` read as fp32 is ``1.5 2^23 + I`` for ``|I| < 2^22``."""
-CONFIGS = {64: {"BLOCK_N": 64, "num_stages": 3, "consumers": 3, "lazy": True},
-           128: {"BLOCK_N": 64, "num_stages": 4, "consumers": 2, "lazy": True}}
-"""The config per DP: FA3's consumer counts with 64-key tiles, the largest that compile for sm_90 without
-spills (``tools.compile_int8``, triton 3.6: (128 keys, 3 consumers) spills 1.4 KB at DP 64, (128 keys, 2
-consumers) 0.5 KB at DP 128; the per-key vectors take registers beside the tiles)."""
+CONFIGS = {64: {"BLOCK_N": 128, "num_stages": 2, "consumers": 2, "lazy": False},
+           128: {"BLOCK_N": 128, "num_stages": 2, "consumers": 2, "lazy": False}}
+"""The config per DP for more than :data:`SHORT_KEYS` keys: 128-key tiles, two consumers, the eager rescale.
+Measured on the H200 (``bench.int8_fallback``, 2026-12-03, fallback on, bf16, ms): Wan 2.1 1.3B 28.8 against
+31.8 with (64, 4, 2) and 31.6 with the lazy rescale; CogVideoX-5B 26.1 against 35.3 with (64, 3, 3), whose
+16-bit blocks' branch spills (docs/BENCHMARKS.md).  The lazy rescale's warpgroup-wide maximum (a reduction
+through shared memory and a barrier per tile) costs more than the rescale it saves."""
+SHORT_KEYS_CONFIG = {"BLOCK_N": 64, "num_stages": 3, "consumers": 3, "lazy": False}
+"""The config at DP 64 for at most :data:`SHORT_KEYS` keys (SVD's 576: 0.77 ms against 0.88 with 128-key tiles)."""
+SHORT_KEYS = 1024
 
 
 @gluon_jit
@@ -562,8 +567,11 @@ def int8_fwd_gluon_kernel(
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
 
 
-def tuned_config(head_dim: int) -> dict:
-    """The config for ``head_dim``: :data:`CONFIGS` of its DP."""
+def tuned_config(head_dim: int, n_k: int = SHORT_KEYS + 1) -> dict:
+    """The config for ``head_dim`` and ``n_k`` keys: :data:`CONFIGS` of its DP, or :data:`SHORT_KEYS_CONFIG` at DP
+    64 for at most :data:`SHORT_KEYS` keys."""
+    if head_dim <= 64 and n_k <= SHORT_KEYS:
+        return dict(SHORT_KEYS_CONFIG)
     return dict(CONFIGS[64 if head_dim <= 64 else 128])
 
 
@@ -592,13 +600,13 @@ def unsuitable_reason(q: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, pv
 
 
 _CONFIGS: dict[tuple, dict] = {}
-"""The checked configs by (config, DP, element size, fallback, pv_bits): ``gluon_common.kept_config``."""
+"""The checked configs by (config, DP, short keys, element size, fallback, pv_bits): ``gluon_common.kept_config``."""
 
 
-def _config(config: dict | None, dp: int, element_size: int, fallback: bool, pv_bits: int) -> dict:
+def _config(config: dict | None, dp: int, n_k: int, element_size: int, fallback: bool, pv_bits: int) -> dict:
     """:func:`tuned_config` updated by ``config``; ``ValueError`` for unknown keys or values."""
     fn = "hopper_int8.forward"
-    base = tuned_config(dp)
+    base = tuned_config(dp, n_k)
     unknown = set(config or {}) - set(base)
     if unknown:
         raise ValueError(f"{fn}: unknown config keys {sorted(unknown)}; expected {sorted(base)}")
@@ -657,8 +665,8 @@ def kernel_call(q: torch.Tensor, prep, out: torch.Tensor, *, scale: float, confi
         raise ValueError("hopper_int8.forward: prep has flags but no k_split (int8.prepare(..., split=True) writes "
                          "the 16-bit blocks' hi and lo)")
     element_size = q.element_size()
-    cfg = kept_config(_CONFIGS, config, (dp, element_size, fallback, pv_bits),
-                      lambda: _config(config, dp, element_size, fallback, pv_bits))
+    cfg = kept_config(_CONFIGS, config, (dp, n_k <= SHORT_KEYS, element_size, fallback, pv_bits),
+                      lambda: _config(config, dp, n_k, element_size, fallback, pv_bits))
     block_n = cfg["BLOCK_N"]
     maxnreg, consumer_regs = registers(cfg["consumers"])
     c_g = prep.centres.to(q.dtype)  # exact: the centres are values of the inputs' dtype
