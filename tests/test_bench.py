@@ -17,7 +17,7 @@ import torch
 from bench import attention, harness
 
 ENTRY_POINTS = ("attention", "accuracy", "unet", "dit", "overhead", "temporal", "hopper", "cold_start",
-                "video", "accumulation", "context_parallel", "int8_accuracy", "int8_fallback")
+                "video", "accumulation", "context_parallel", "int8_accuracy", "int8_fallback", "peers_accuracy")
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -30,6 +30,15 @@ def test_help(name, capsys):
     out = capsys.readouterr().out
     assert out.startswith(f"usage: python -m bench.{name}")
     assert "--out DIR" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without CUDA")
+def test_peers_accuracy_refuses_a_machine_without_cuda(tmp_path, capsys):
+    from bench import peers_accuracy
+
+    assert peers_accuracy.main(["--out", str(tmp_path)]) == 2
+    assert "bench.peers_accuracy: needs a CUDA GPU" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
 
 
 def test_runs_as_module_from_the_root():
