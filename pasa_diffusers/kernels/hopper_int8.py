@@ -1,13 +1,14 @@
-"""The exact shift in 8 bits for Hopper (sm_90), by hand in Gluon: the attention of ``precision="int8"`` in the
-warp-specialised structure of ``hopper.py``.
+"""The exact shift in 8 bits for Hopper (sm_90), by hand in Gluon: the attention of ``precision="int8"`` and
+``precision="fp8"`` in the warp-specialised structure of ``hopper.py``.
 
 One Gluon kernel, :func:`int8_fwd_gluon_kernel`, its launch wrapper :func:`forward` and
 :func:`unsuitable_reason`.  It reads the pre-pass's outputs (``int8.prepare``: the codes, their scales and
-corrections, the centres, the flags of the 16-bit blocks and those blocks' ``hi``/``lo`` keys) and computes
-``reference_int8.attention_from_codes``, as ``int8.int8_fwd_kernel`` does (same roundings, fp32 sums in the
-tensor cores' order).  Per key tile of ``BLOCK_N`` keys inside centre block ``b`` (``qk_scale = scale
-log2(e)``, ``a_i = q_scale_i qk_scale / DP``, ``mu_u_i = mu_i qk_scale``, per key ``ks_j``, ``sigma_j``,
-``A_j``):
+corrections, the centres, V8^T with its channel scales for FP8 ``P V``, the flags of the 16-bit blocks and
+those blocks' ``hi``/``lo`` keys) and computes ``reference_int8.attention_from_codes`` as ``int8.int8_fwd_kernel``
+does, up to fp32 rounding (FMA contraction, ``ex2.approx``, the tensor cores' sums; under the lazy rescale the
+``p`` are rounded at another offset).  Per key tile of ``BLOCK_N`` keys inside centre block ``b`` (``qk_scale
+= scale log2(e)``, ``a_i = q_scale_i qk_scale / DP``, ``mu_u_i = mu_i qk_scale``, per key ``ks_j``,
+``sigma_j``, ``A_j``):
 
     r      = qk_scale fp32(q . c_b)                       (per row: column b mod 16 of a (64, 16) wgmma)
     I      = q_codes k_codes^T                            (INT8 wgmma, exact int32; to fp32 exactly by the
@@ -15,35 +16,45 @@ log2(e)``, ``a_i = q_scale_i qk_scale / DP``, ``mu_u_i = mu_i qk_scale``, per ke
     z      = (I ks_j) a_i + (mu_u_i sigma_j + qk_scale A_j)
              or, in a flagged block, qk_scale fp32(q . hi + q . lo)       (two 16-bit wgmmas)
     m_s    = rowmax z,  m_blk = m_s + r,  m_new = max(m_i, m_blk)
-    p      = round_g(exp2(z - (m_s - (m_blk - m_new)))),  alpha = exp2(m_i - m_new)
-    l_i    = alpha l_i + rowsum(p),  acc = alpha acc + p v_blk,  m_i = m_new
+    x      = z - (m_s - (m_blk - m_new)),  alpha = exp2(m_i - m_new)
+    16 bits: p = round_g(exp2(x)),               acc = alpha acc + p v_blk
+    FP8:     p = e4m3(exp2(x + P_SHIFT)),        acc = alpha acc + fp32(p V8_blk)   (a fresh accumulator per tile)
+    l_i    = alpha l_i + rowsum(exp2(x) [+ P_SHIFT]) in fp32 before the rounding,  m_i = m_new
 
-and ``out = round_g(acc (1 / l_i))``, optionally ``lse = ln 2 (m_i + log2 l_i)``.  Loop invariant:
-``acc / l_i == softmax(scale q K^T) V`` over the keys seen so far up to the codes' rounding, ``m_i`` the
-running maximum of the true logits in log2 units.
+and ``out = round_g(acc (1 / l_i))`` (FP8: ``acc (1 / l_i) vs``, V's per-channel scales), optionally ``lse = ln 2
+(m_i + log2 l_i [- P_SHIFT])``.  Loop invariant: ``acc / l_i == softmax(scale q K^T) V`` over the keys seen so
+far up to the codes' rounding, ``m_i`` the running maximum of the true logits in log2 units.  With ``LAZY``
+(config ``lazy``, 16-bit ``P V``; FlashAttention-4's lazy rescale) ``m_new`` stays ``m_i`` on a tile where no row
+of the warpgroup grows by more than ``LAZY_RESCALE``, and ``acc`` is then not touched (measured slower: the
+warpgroup-wide maximum costs a reduction through shared memory per tile; :data:`CONFIGS`).
 
 Partitions (``gl.warp_specialize``; one program = ``64 NUM_CONSUMERS`` query rows of one (batch, head)):
 
 - producer (the default partition, one warpgroup): TMA copies.  Each consumer's q codes (int8) and q
   (``g``, for ``q . c_b`` and the 16-bit blocks; its buffer takes the output at the end); per key tile
   ``i`` into stage ``i % NUM_STAGES``: the key codes with the centre rows ``b .. b + 15`` and the tile's
-  ``ks``, ``sigma``, ``A`` (1-d copies; ``k_ready``), then v (``v_ready``); with ``FALLBACK``, for a flagged
-  tile also its ``hi`` and ``lo`` (``g``) into the one-stage wide ring (``w_ready`` / ``w_empty``, phase =
-  the count of flagged tiles before it).  Producer and consumers read each tile's flag a tile ahead (a
-  global load's latency off the loop's path).
-- ``NUM_CONSUMERS`` consumer warpgroups of 64 rows: the GEMMs (synchronous wgmma), the dequantisation, the
-  softmax and the output, as ``hopper._key_loop`` without overlap.  A flagged tile skips the INT8 wgmma (its
-  codes are still copied: the producer's ring stays one sequence of tiles).
+  ``ks``, ``sigma``, ``A`` (1-d copies; ``k_ready``), then v (``g``, or V8^T's (DP, BLOCK_N) e4m3 box;
+  ``v_ready``); with ``FALLBACK``, for a flagged tile also its ``hi`` and ``lo`` (``g``) into the one-stage
+  wide ring (``w_ready`` / ``w_empty``, phase = the count of flagged tiles before it).  Producer and consumers
+  read each tile's flag a tile ahead (a global load's latency off the loop's path).
+- ``NUM_CONSUMERS`` consumer warpgroups of 64 rows, FA3's overlapped loop (:func:`_key_loop`,
+  :func:`_key_loop_fp8`): per tile ``i`` the INT8 wgmma of ``I_i`` is issued, then tile ``i - 1``'s ``P V``,
+  both async; tile ``i``'s dequantisation and softmax run while ``P V`` is on the tensor cores.  A flagged
+  tile's 16-bit logits are synchronous wgmmas (they also wait for that ``P V``).  FP8 ``P`` goes through shared
+  memory (two (64, BLOCK_N) e4m3 tiles per consumer, alternating), since Triton 3.6's wgmma wait takes no
+  8-bit register operand as a dependency.
 
-Shared memory per program: q codes (64, DP) int8 and q (64, DP) ``g`` per consumer; the rings k codes
-(NUM_STAGES, BLOCK_N, DP) int8, centres (NUM_STAGES, 16, DP) ``g``, v (NUM_STAGES, BLOCK_N, DP) ``g``, ks,
-sigma, A (NUM_STAGES, BLOCK_N) fp32; hi, lo (BLOCK_N, DP) ``g`` with ``FALLBACK`` (16-row dummies without).
-Registers per consumer (NVMMA v3, 64 rows): I (64, BLOCK_N) int32, z the same in fp32, p in ``g`` (the A
-operand of ``P V`` from registers), acc (64, DP) fp32, rc (64, 16) fp32; ks, sigma, A (BLOCK_N,) fp32 read
-from shared memory per tile; a_i, mu_u (64,) fp32 loaded once.
+Shared memory per program: q codes (64, DP) int8 and q (64, DP) ``g`` per consumer, and two ``P8`` tiles per
+consumer with FP8 (16-column dummies without); the rings k codes (NUM_STAGES, BLOCK_N, DP) int8, centres
+(NUM_STAGES, 16, DP) ``g``, v (NUM_STAGES, BLOCK_N, DP) ``g`` or V8^T (NUM_STAGES, DP, BLOCK_N) e4m3, ks, sigma,
+A (NUM_STAGES, BLOCK_N) fp32; hi, lo (BLOCK_N, DP) ``g`` with ``FALLBACK`` (16-row dummies without).  Registers
+per consumer (NVMMA v3, 64 rows): I (64, BLOCK_N) int32, z the same in fp32, p in ``g`` (the A operand of ``P V``
+from registers) or e4m3, acc (64, DP) fp32 (and FP8's per-tile product, the same), rc (64, 16) fp32; ks, sigma,
+A (BLOCK_N,) fp32 read from shared memory per tile; a_i, mu_u (64,) fp32 loaded once.
 ``DP`` = 64 (head dim 64) or 128 (80 .. 128): the pre-pass pads its codes to ``DP`` columns, and the copy
 engine pads q, v and the output tile past ``D`` (zeros in, clipped out).  Keys past ``N_K`` arrive as zero
-codes and get ``z = -inf`` (``MASK_N``); rows past ``N_Q`` are computed and dropped by the store.
+codes (and zero V8 columns) and get ``z = -inf`` (``MASK_N``); rows past ``N_Q`` are computed and dropped by
+the store.
 
 Barriers as ``hopper.py``'s (its module docstring states the protocol); ``w_ready`` / ``w_empty`` follow it
 with the count of flagged tiles in place of the tile index.
