@@ -46,8 +46,8 @@ Sylvester-Hadamard matrix (entries +-1, ``H H^T = Dp I``), applied by :func:`fwh
    averaged over the keys, far below the codes' error).  ``pv_bits=8``: ``P8 = e4m3(exp2(x +
    P_SHIFT))`` (``<= 256``: e4m3's range, FlashAttention-3's shift of 8), V in e4m3 per channel
    (:func:`quantize_values`: ``vs_d = amax_t |v_td| / 448`` over the head's keys, ``V8 = e4m3(v *
-   (448 / amax))``), ``l`` sums ``exp2(x + P_SHIFT)`` unrounded, ``acc = alpha acc + (P8 V8) vs`` with ``P8 V8`` summed in fp32 per
-   key tile (on Hopper the FP8 products keep about 22 bits inside a tile; the tile's sum moves to the
+   (448 / amax))``), ``l`` sums ``exp2(x + P_SHIFT)`` unrounded, ``acc = alpha acc + (P8 V8) vs`` with ``P8 V8``
+   summed in fp32 per key tile (on Hopper the FP8 products keep about 22 bits inside a tile; the tile's sum moves to the
    fp32 accumulator every tile).  ``out = acc (1 / l)``, rounded to the input dtype.
 
 Why each step (measured, docs/NUMERICS.md): the INT8 error of a score is the codes' rounding, ``step |other

@@ -246,8 +246,8 @@ def _tile_softmax(i_sum, q, rc, row_vecs, ring, bars, flag, flagged, m_i, l_i, i
                   LAZY: gl.constexpr):
     """Tile ``i``'s logits from its finished ``I`` or, for a flagged tile (``flag``), the 16-bit pair after
     ``w_ready``; the release of its codes (and of the wide ring); its softmax.  Returns ``(p, alpha, m_i, l_i,
-    rescale, flagged)`` (``p`` in the scores' layout; :func:`_softmax_step`); ``row_vecs = (a_i, mu_u)``, ``flagged`` the count of flagged
-    tiles so far."""
+    rescale, flagged)`` (``p`` in the scores' layout; :func:`_softmax_step`); ``row_vecs = (a_i, mu_u)``,
+    ``flagged`` the count of flagged tiles so far."""
     k_bufs, v_bufs, c_bufs, hi_buf, lo_buf, ks_bufs, sig_bufs, a_bufs = ring
     k_ready, k_empty, v_ready, v_empty, w_ready, w_empty = bars
     NUM_STAGES: gl.constexpr = k_bufs.shape[0]
@@ -371,14 +371,15 @@ def _issue_pv8(p_buf, t_zero, v_bufs, v_ready, i):
 @gluon_jit
 def _stage_p8(p, p_buf):
     """A tile's ``P8`` into its shared buffer (two per consumer, alternating: the ``P V`` of the tile before
-    may still read the other), fenced for the tensor cores.  FP8 ``P`` goes through shared memory: Triton 3.6 cannot keep an
-    8-bit register operand alive across an async wgmma (its wait takes no 8-bit dependencies)."""
+    may still read the other), fenced for the tensor cores.  FP8 ``P`` goes through shared memory: Triton 3.6
+    cannot keep an 8-bit register operand alive across an async wgmma (its wait takes no 8-bit dependencies)."""
     p_buf.store(p)
     fence_async_shared()
 
 
 @gluon_jit
-def _key_loop_fp8(q, q8, ring, bars, row_vecs, flag_ptr, p_bufs, P_BASE: gl.constexpr, m_i, l_i, acc, rc, i_zero, N_K, qk_scale,
+def _key_loop_fp8(q, q8, ring, bars, row_vecs, flag_ptr, p_bufs, P_BASE: gl.constexpr, m_i, l_i, acc, rc, i_zero, N_K,
+                  qk_scale,
                   SHIFT_BLOCK_N: gl.constexpr, MASK_N: gl.constexpr, FALLBACK: gl.constexpr):
     """The key loop with FP8 ``P V``, overlapped as :func:`_key_loop`: each key tile's ``P8 V8`` goes to a
     fresh fp32 tile ``t`` (the tensor cores keep about 22 bits inside one FP8 product), promoted after the wait
@@ -428,7 +429,8 @@ def _consumer(desc_o, q_tile, q8_tile, q_ready, ring, bars, row_ptrs, vs_ptr, fl
     (:func:`_key_loop` or, with ``PV_FP8``, :func:`_key_loop_fp8`), then ``out = acc / l_i`` (FP8: ``(acc /
     l_i) vs``) through the q tile and a TMA store, and with ``STORE_LSE`` the log-sum-exp (FP8: less
     ``P_SHIFT``).  ``row_ptrs = (q_scale, mu)`` at this (batch, head)'s row 0; ``vs_ptr`` V's (DP,) channel
-    scales; ``p_bufs.index(P_BASE)`` and ``P_BASE + 1``: this consumer's two ``P8`` tiles (FP8); ``ring``, ``bars`` as :func:`_producer`'s."""
+    scales; ``p_bufs.index(P_BASE)`` and ``P_BASE + 1``: this consumer's two ``P8`` tiles (FP8); ``ring``,
+    ``bars`` as :func:`_producer`'s."""
     k_bufs = ring[0]
     c_bufs = ring[2]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
@@ -457,7 +459,8 @@ def _consumer(desc_o, q_tile, q8_tile, q_ready, ring, bars, row_ptrs, vs_ptr, fl
     i_zero = gl.zeros([rows, BLOCK_N], gl.int32, layout=i_layout)
     mbarrier.wait(q_ready, 0)
     if PV_FP8:
-        acc, m_i, l_i = _key_loop_fp8(q, q8, ring, bars, row_vecs, flag_ptr, p_bufs, P_BASE, m_i, l_i, acc, rc, i_zero, N_K,
+        acc, m_i, l_i = _key_loop_fp8(q, q8, ring, bars, row_vecs, flag_ptr, p_bufs, P_BASE, m_i, l_i, acc, rc, i_zero,
+                                      N_K,
                                       qk_scale, SHIFT_BLOCK_N, MASK_N, FALLBACK)
         if STORE_LSE:
             gl.store(lse_ptr + offs_m, (m_i + gl.log2(l_i) - P_SHIFT) * LN2, mask=offs_m < N_Q)
@@ -556,25 +559,25 @@ def int8_fwd_gluon_kernel(
             (_producer, (descs, q_bufs, q8_bufs, q_ready, ring, bars, flag_ptr, off_z, off_hq, off_hk, start_m, N_K,
                          key_row, a_row, SHIFT_BLOCK_N, FALLBACK, PV_FP8)),
             (_consumer, (desc_o, q_bufs.index(0), q8_bufs.index(0), q_ready.index(0), ring, bars, row_ptrs, vs_ptr,
-                         flag_ptr, p8_bufs, 0, off_z, off_hq, start_m, N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N, MASK_N,
-                         FALLBACK, STORE_LSE, PV_FP8, LAZY)),
+                         flag_ptr, p8_bufs, 0, off_z, off_hq, start_m, N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N,
+                         MASK_N, FALLBACK, STORE_LSE, PV_FP8, LAZY)),
             (_consumer, (desc_o, q_bufs.index(1), q8_bufs.index(1), q_ready.index(1), ring, bars, row_ptrs, vs_ptr,
-                         flag_ptr, p8_bufs, 2, off_z, off_hq, start_m + rows, N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N, MASK_N,
-                         FALLBACK, STORE_LSE, PV_FP8, LAZY)),
+                         flag_ptr, p8_bufs, 2, off_z, off_hq, start_m + rows, N_Q, N_K, qk_scale, lse_ptr,
+                         SHIFT_BLOCK_N, MASK_N, FALLBACK, STORE_LSE, PV_FP8, LAZY)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
             (_producer, (descs, q_bufs, q8_bufs, q_ready, ring, bars, flag_ptr, off_z, off_hq, off_hk, start_m, N_K,
                          key_row, a_row, SHIFT_BLOCK_N, FALLBACK, PV_FP8)),
             (_consumer, (desc_o, q_bufs.index(0), q8_bufs.index(0), q_ready.index(0), ring, bars, row_ptrs, vs_ptr,
-                         flag_ptr, p8_bufs, 0, off_z, off_hq, start_m, N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N, MASK_N,
-                         FALLBACK, STORE_LSE, PV_FP8, LAZY)),
-            (_consumer, (desc_o, q_bufs.index(1), q8_bufs.index(1), q_ready.index(1), ring, bars, row_ptrs, vs_ptr,
-                         flag_ptr, p8_bufs, 2, off_z, off_hq, start_m + rows, N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N, MASK_N,
-                         FALLBACK, STORE_LSE, PV_FP8, LAZY)),
-            (_consumer, (desc_o, q_bufs.index(2), q8_bufs.index(2), q_ready.index(2), ring, bars, row_ptrs, vs_ptr,
-                         flag_ptr, p8_bufs, 4, off_z, off_hq, start_m + 2 * rows, N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N,
+                         flag_ptr, p8_bufs, 0, off_z, off_hq, start_m, N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N,
                          MASK_N, FALLBACK, STORE_LSE, PV_FP8, LAZY)),
+            (_consumer, (desc_o, q_bufs.index(1), q8_bufs.index(1), q_ready.index(1), ring, bars, row_ptrs, vs_ptr,
+                         flag_ptr, p8_bufs, 2, off_z, off_hq, start_m + rows, N_Q, N_K, qk_scale, lse_ptr,
+                         SHIFT_BLOCK_N, MASK_N, FALLBACK, STORE_LSE, PV_FP8, LAZY)),
+            (_consumer, (desc_o, q_bufs.index(2), q8_bufs.index(2), q_ready.index(2), ring, bars, row_ptrs, vs_ptr,
+                         flag_ptr, p8_bufs, 4, off_z, off_hq, start_m + 2 * rows, N_Q, N_K, qk_scale, lse_ptr,
+                         SHIFT_BLOCK_N, MASK_N, FALLBACK, STORE_LSE, PV_FP8, LAZY)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
 
 

@@ -438,10 +438,10 @@ def _merge(acc, l_i, x, alpha, v_base, v8_base, vs, stride_vn, stride_v8d, offs_
            MASKED: tl.constexpr, INTERPRET_BF16: tl.constexpr):
     """``P V`` (``reference_int8`` step 5).  16 bits: ``p = round_g(exp2(x))``, ``l_i = alpha l_i +
     rowsum(exp2(x))`` (the fp32 values before their rounding), ``acc = alpha acc + p V`` (fp32).  FP8: ``P8 =
-    e4m3(exp2(x + 8))``, ``l_i`` sums ``exp2(x + 8)`` unrounded, ``acc = alpha acc + (P8 V8) vs`` with the tile's ``P8 V8`` in
-    its own fp32 accumulator, V8 read transposed (DP, BLOCK_N).  ``P8 V8`` multiplies the e4m3 values
-    widened to fp16 (exact: every e4m3 value is an fp16 one; exact products, fp32 sums): the FP8 design's
-    numbers at the 16-bit MMA's rate (why not the FP8 MMA itself: docs/notes/int8_kernel.md)."""
+    e4m3(exp2(x + 8))``, ``l_i`` sums ``exp2(x + 8)`` unrounded, ``acc = alpha acc + (P8 V8) vs`` with the
+    tile's ``P8 V8`` in its own fp32 accumulator, V8 read transposed (DP, BLOCK_N).  ``P8 V8`` multiplies the
+    e4m3 values widened to fp16 (exact: every e4m3 value is an fp16 one; exact products, fp32 sums): the FP8
+    design's numbers at the 16-bit MMA's rate (why not the FP8 MMA itself: docs/notes/int8_kernel.md)."""
     if PV_FP8:
         if MASKED:
             v8t = tl.load(v8_base + offs_d[:, None] * stride_v8d + offs_n[None, :], mask=n_valid[None, :], other=0.0)
@@ -626,7 +626,8 @@ class Prepared(NamedTuple):
     ``k_codes`` (B, Hk, Nk, DP) int8, ``k_scale``, ``sigma`` (B, Hk, Nk) fp32, ``a`` (B, Hq, Nk) fp32 (views
     of rows padded to a multiple of 4 keys),
     ``centres`` (B, Hk, blocks, DP) fp32; ``v`` the values ``P V`` reads: the input V (16 bits) or V8^T
-    (B, Hk, DP, Nk) e4m3 (a view of rows padded to 16 keys: the Gluon kernel copies its tiles by TMA), with ``v_scale`` (B, Hk, DP) fp32 (None in 16 bits).  The 16-bit blocks: ``k``
+    (B, Hk, DP, Nk) e4m3 (a view of rows padded to 16 keys: the Gluon kernel copies its tiles by TMA), with
+    ``v_scale`` (B, Hk, DP) fp32 (None in 16 bits).  The 16-bit blocks: ``k``
     the input keys (a flagged block reads them), ``q_stats`` (B, Hq, 2) and ``k_stats`` (B, Hk, blocks, 2)
     fp64 (``reference_int8``'s ``stats``), ``flags`` (B, Hq, blocks) int8 (1: in 16 bits; None: every block
     from the codes); ``k_split`` (2, B, Hk, Nk, DP) in the inputs' dtype: each key's ``hi`` and ``lo`` of
