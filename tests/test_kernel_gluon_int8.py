@@ -111,3 +111,23 @@ def test_auto_takes_the_gluon_kernel_from_its_minimum_keys(monkeypatch, fresh_pl
                                             f"the faster one, got {dispatch.INT8_GLUON_MIN_KEYS - 1} keys")
     assert chosen(v, config={"BLOCK_N": 64}).kernel == "portable-int8"
     assert chosen(v[:, :, 1:], kernel="gluon-int8").kernel == "gluon-int8"
+
+
+@pytest.mark.parametrize("n_k", [200, 208, 4097])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fp8_launch_reads_v8_transposed_in_tma_boxes(n_k, head_dim):
+    """``P V`` in FP8: the launch copies V8^T (B, Hk, DP, Nk) in (DP, BLOCK_N) boxes from rows padded to 16 keys
+    (TMA strides), passes V's channel scales and runs the eager rescale; in 16 bits the tuned config's rescale."""
+    q, k, v = _inputs(d=head_dim, n=n_k)
+    dp = 64 if head_dim <= 64 else 128
+    prep, _ = int8.allocate(q, k, v, pv_bits=8, split=True)
+    assert prep.v.shape[-2:] == (dp, n_k) and prep.v.stride(2) % 16 == 0 and prep.v.stride(2) >= n_k
+    _, args, meta = hopper_int8.kernel_call(q, prep, torch.empty_like(q), scale=head_dim ** -0.5)
+    block_n = hopper_int8.tuned_config(head_dim, n_k)["BLOCK_N"]
+    assert meta["PV_FP8"] and not meta["LAZY"] and meta["BLOCK_N"] == block_n
+    assert list(args[3].block_shape) == [1, 1, dp, block_n] and args[3].base is prep.v
+    assert any(arg is prep.v_scale for arg in args)
+    prep16, _ = int8.allocate(q, k, v, split=True)
+    _, args16, meta16 = hopper_int8.kernel_call(q, prep16, torch.empty_like(q), scale=head_dim ** -0.5,
+                                                config={"lazy": True})
+    assert not meta16["PV_FP8"] and meta16["LAZY"] and list(args16[3].block_shape) == [1, 1, block_n, dp]
