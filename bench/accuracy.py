@@ -2,6 +2,7 @@
 
     python -m bench.accuracy --out DIR
     python -m bench.accuracy --dtype bfloat16 --out DIR              # the classes in bf16, as the DiTs run
+    python -m bench.accuracy --shapes eight-bit --out DIR             # the 8-bit backends beside the peers, fast
     TRITON_INTERPRET=1 python -m bench.accuracy --shapes tiny --out DIR   # a CPU, under the interpreter
 
 For each class of numerics.input_classes (benign, large common biases, drifting and jumping biases,
@@ -38,6 +39,11 @@ SHAPES = [harness.Shape("accuracy", "spatial", 2, 5, 5, 4096, 4096, 64),
           harness.Shape("accuracy", "spatial d128", 2, 4, 4, 4096, 4096, 128)]
 """A spatial problem of 32 key blocks, one with grouped heads and a ragged last block, SVD's temporal
 attention at 25 frames, and the video transformers' head dim 128."""
+EIGHT_BIT_SHAPES = [harness.Shape("accuracy", "spatial", 1, 4, 4, 4096, 4096, 64),
+                    harness.Shape("accuracy", "spatial d128", 1, 4, 4, 4096, 4096, 128)]
+"""``--shapes eight-bit``: one batch of four heads at each head-dim tile, where the 8-bit backends and the peers are
+compared (docs/NUMERICS.md, "Which 8-bit backend": fp16 at 64, bf16 at 128)."""
+SHAPE_SETS = {"default": SHAPES, "eight-bit": EIGHT_BIT_SHAPES, "tiny": harness.TINY}
 
 
 def _sdpa(dtype: torch.dtype, name: str) -> harness.Method:
@@ -121,8 +127,9 @@ def table(rows: Sequence[dict], names: Sequence[str], baseline: str = "SDPA fp16
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = harness.parser(NAME, __doc__)
-    p.add_argument("--shapes", choices=["default", "tiny"], default="default",
-                   help="the three shapes above, or the tiny set for a CPU (default: default)")
+    p.add_argument("--shapes", choices=list(SHAPE_SETS), default="default",
+                   help="the four shapes above, the two of the 8-bit comparison, or the tiny set for a CPU "
+                        "(default: default)")
     p.add_argument("--seed", type=int, default=0, help="seed of numerics.input_classes (default: 0)")
     harness.add_dtype_argument(p)
     args = p.parse_args(argv)
@@ -136,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     found, missing = methods(dtype)
     baseline = "SDPA bf16" if dtype == torch.bfloat16 else "SDPA fp16"
     names = [m.name for m in found]
-    shapes = SHAPES if args.shapes == "default" else harness.TINY
+    shapes = SHAPE_SETS[args.shapes]
     results, text = {}, harness.header("bench.accuracy: relative RMSE against the float64 golden output", env, cmd)
     text += "".join(f"\n- {name} not run: {reason}" for name, reason in missing.items())
     with torch.no_grad():

@@ -17,7 +17,7 @@ import torch
 from bench import attention, harness
 
 ENTRY_POINTS = ("attention", "accuracy", "unet", "dit", "overhead", "temporal", "hopper", "cold_start",
-                "video", "accumulation", "context_parallel", "int8_accuracy", "int8_fallback", "peers_accuracy")
+                "video", "accumulation", "context_parallel", "int8_accuracy", "int8_fallback")
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -32,13 +32,15 @@ def test_help(name, capsys):
     assert "--out DIR" in out
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without CUDA")
-def test_peers_accuracy_refuses_a_machine_without_cuda(tmp_path, capsys):
-    from bench import peers_accuracy
+def test_accuracy_takes_the_eight_bit_shapes(capsys):
+    """``bench.accuracy --shapes eight-bit``: the 8-bit comparison's two shapes (one per head-dim tile, 4096 keys);
+    an unknown set is refused by the parser."""
+    from bench import accuracy
 
-    assert peers_accuracy.main(["--out", str(tmp_path)]) == 2
-    assert "bench.peers_accuracy: needs a CUDA GPU" in capsys.readouterr().err
-    assert not any(tmp_path.iterdir())
+    assert [(s.d, s.nk, s.hq) for s in accuracy.SHAPE_SETS["eight-bit"]] == [(64, 4096, 4), (128, 4096, 4)]
+    with pytest.raises(SystemExit) as stop:
+        accuracy.main(["--shapes", "eight-bits"])
+    assert stop.value.code == 2 and "invalid choice: 'eight-bits'" in capsys.readouterr().err
 
 
 def test_runs_as_module_from_the_root():
