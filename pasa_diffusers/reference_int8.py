@@ -75,7 +75,7 @@ from typing import NamedTuple
 import torch
 
 from . import block_tally, rules
-from .rules import INT8_FALLBACK_TAU, SHIFT_BLOCK, gemm_dtype
+from .rules import INT8_FALLBACK_TAU, P_SHIFT, SHIFT_BLOCK, gemm_dtype
 
 __all__ = [
     "QMAX",
@@ -105,8 +105,6 @@ QMAX = 127.0
 """The largest INT8 code used (symmetric codes in [-127, 127])."""
 FP8_MAX = 448.0
 """The largest finite e4m3 value."""
-P_SHIFT = 8.0
-"""``P8 = e4m3(exp2(x + P_SHIFT))``: ``x <= 0`` puts ``P8`` in [0, 256], inside e4m3's range."""
 PV_BITS = (16, 8)
 """``pv_bits``: ``P V`` in the GEMM dtype (16) or in FP8 e4m3 (8)."""
 LOG2E = 1.4426950408889634

@@ -27,6 +27,7 @@ __all__ = [
     "MAX_HEAD_DIM",
     "SHIFT_BLOCK",
     "INT8_FALLBACK_TAU",
+    "P_SHIFT",
     "FP16_MAX",
     "DEFAULT_PRECISION",
     "DEFAULT_SHIFT",
@@ -57,6 +58,9 @@ INT8_FALLBACK_TAU = 2e-2
 """The 8-bit precisions (``"int8"``, ``"fp8"``): the predicted RMS logit error (natural units) above which a key
 block is computed in 16 bits (``reference_int8`` step 4b; the spec and the kernels read it here): part of the
 result."""
+P_SHIFT = 8.0
+"""FP8 ``P V`` (``precision="fp8"``): ``P8 = e4m3(exp2(x + P_SHIFT))`` with ``x <= 0`` lies in [0, 256], inside e4m3's
+range (FlashAttention-3's shift); the spec and the kernels read it here."""
 
 FP16_MAX = 65504.0
 """The largest finite fp16 value: a score above it overflows to inf in fp16."""

@@ -10,14 +10,16 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["LOG2E", "LN2", "P_SHIFT", "INTERPRET", "round_to", "mma", "binade", "centre_tile", "cdiv", "strides3", "lse_arg"]
+from .. import rules
+
+__all__ = ["LOG2E", "LN2", "P_SHIFT", "INTERPRET", "round_to", "mma", "binade", "centre_tile", "cdiv", "strides3",
+           "lse_arg"]
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 """ln 2: a log2-unit log-sum-exp times ``LN2`` is the natural-log one."""
-P_SHIFT = tl.constexpr(8.0)
-"""FP8 ``P V``: ``P8 = e4m3(exp2(x + P_SHIFT))`` with ``x <= 0`` lies in [0, 256], inside e4m3's range
-(``reference_int8.P_SHIFT``, FlashAttention-3's shift)."""
+P_SHIFT = tl.constexpr(rules.P_SHIFT)
+"""``rules.P_SHIFT`` as the kernels' constexpr."""
 
 
 @triton.jit
