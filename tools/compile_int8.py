@@ -29,9 +29,8 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
-from .compile_sm90 import add_compiler_arguments, answer_child, compile_all, loop_text, run_child, spilled
+from .compile_sm90 import loop_text, run_tool, spilled
 
-PACKAGE = "tools"
 NAME = "compile_int8"
 ROOT = Path(__file__).resolve().parents[1]
 CHILD_TIMEOUT_S = 900
@@ -209,33 +208,17 @@ def table_row(row: dict) -> list:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if answer_child(argv, compile_one, probe):
-        return 0
     from pasa_diffusers.metrics import records
 
-    from bench import harness
+    def report(rows):
+        no_int8 = sum(1 for r in rows if r["kernel"] == "attention" and r.get("ok") and "s32.s8.s8" not in r["wgmma"])
+        return (f"\nmeta inputs (B, H/Hk, N) = ({SHAPE[0]}, {SHAPE[1]}/{KV_HEADS}, {SHAPE[2]}), (B, N, H, D) memory\n\n"
+                + records.markdown_table(COLUMNS, [table_row(r) for r in rows])
+                + f"\n\n{sum(r['ok'] for r in rows)} of {len(rows)} compiled; with spills: {spilled(rows)}; attention "
+                f"kernels without INT8 wgmma: {no_int8}\n")
 
-    p = harness.parser(NAME, __doc__, PACKAGE)
-    add_compiler_arguments(p)
-    args = p.parse_args(argv)
-    found, tail = run_child(args.python, "--probe", module=f"tools.{NAME}")
-    if found is None:
-        print(f"tools.{NAME}: --python {args.python} cannot run the compiler: {tail}", file=sys.stderr)
-        return 2
-    cmd, env = harness.command(NAME, argv, PACKAGE), harness.environment()
-    env["compiler"] = found
-    todo = cases()
-    rows = compile_all(args.python, todo, args.jobs, f"tools.{NAME}")
-    text = harness.header(f"tools.compile_int8: the 8-bit kernels for sm_90 (triton {found['triton']})", env, cmd)
-    text += f"\nmeta inputs (B, H/Hk, N) = ({SHAPE[0]}, {SHAPE[1]}/{KV_HEADS}, {SHAPE[2]}), (B, N, H, D) memory\n\n"
-    text += records.markdown_table(COLUMNS, [table_row(r) for r in rows])
-    no_int8 = sum(1 for r in rows if r["kernel"] == "attention" and r.get("ok") and "s32.s8.s8" not in r["wgmma"])
-    text += (f"\n\n{sum(r['ok'] for r in rows)} of {len(rows)} compiled; with spills: {spilled(rows)}; attention kernels "
-             f"without INT8 wgmma: {no_int8}\n")
-    harness.write_report(args.out, NAME, text, {"tool": NAME, "command": cmd, "environment": env, "rows": rows})
-    print(text)
-    return 0
+    return run_tool(NAME, __doc__, argv, what="the 8-bit kernels", compile_one=compile_one, probe=probe,
+                    cases=lambda args: cases(), report=report)
 
 
 if __name__ == "__main__":

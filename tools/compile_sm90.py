@@ -202,8 +202,11 @@ def _parse_config(text: str) -> tuple[int, int, bool, int]:
 def run_child(python: str, *args: str, module: str = f"tools.{NAME}") -> tuple[dict | None, str]:
     """``python -m <module> *args`` from the repository root (this file's by default; ``tools.compile_int8``
     shares it): its ``ROW`` JSON line (or None) and the last lines of its stderr."""
-    res = subprocess.run([python, "-m", module, *args], cwd=ROOT, capture_output=True, text=True,
-                         timeout=CHILD_TIMEOUT_S)
+    try:
+        res = subprocess.run([python, "-m", module, *args], cwd=ROOT, capture_output=True, text=True,
+                             timeout=CHILD_TIMEOUT_S)
+    except OSError as e:
+        return None, f"cannot start it ({type(e).__name__}: {e.strerror or e})"
     tail = " / ".join((res.stderr.strip().splitlines() or [f"no output (rc {res.returncode})"])[-3:])
     for line in res.stdout.splitlines():
         if line.startswith("ROW "):
@@ -285,37 +288,56 @@ def spilled(rows: list[dict]) -> int:
     return sum(1 for r in rows if r.get("spill_st") or r.get("ptx_local") or r.get("sass_local"))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def run_tool(name: str, doc: str, argv: Sequence[str] | None, *, what: str, compile_one, probe, cases, report,
+             add_arguments=None, problem=None) -> int:
+    """One compile tool's ``main``: answer a child's ``--one`` / ``--probe`` (``compile_one``, ``probe``), or parse
+    ``argv`` (``--python``, ``--jobs``, ``--out`` and ``add_arguments(parser)``'s), probe the compiler
+    (``problem(found)``: why it cannot compile ``what``, or None), compile ``cases(args)`` each in its own process,
+    and write ``report(rows)`` under a header naming ``what`` into ``--out``.  Returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if answer_child(argv, compile_one, probe):
         return 0
-    from pasa_diffusers.metrics import records
-
     from bench import harness
 
-    p = harness.parser(NAME, __doc__, PACKAGE)
+    p = harness.parser(name, doc, PACKAGE)
     add_compiler_arguments(p)
-    p.add_argument("--configs", type=_parse_config, nargs="+", metavar="BLOCK_N,STAGES,OVERLAP,CONSUMERS",
-                   help="the configs to compile at every shape (default: CONFIGS at head dim 64, WIDE_CONFIGS "
-                        "above it)")
+    if add_arguments is not None:
+        add_arguments(p)
     args = p.parse_args(argv)
-    found, tail = run_child(args.python, "--probe")
-    if found is None or found["unavailable"]:
-        why = tail if found is None else found["unavailable"]
-        print(f"tools.{NAME}: --python {args.python} cannot compile the Gluon kernel: {why}", file=sys.stderr)
+    found, tail = run_child(args.python, "--probe", module=f"tools.{name}")
+    why = tail if found is None else (problem(found) if problem is not None else None)
+    if why:
+        print(f"tools.{name}: --python {args.python} cannot compile {what}: {why}", file=sys.stderr)
         return 2
-
-    cmd, env = harness.command(NAME, argv, PACKAGE), harness.environment()
+    cmd, env = harness.command(name, argv, PACKAGE), harness.environment()
     env["compiler"] = found
-    cases = [{"config": c, "shape": s, "dtype": dtype} for s, dtype, configs in SHAPES for c in args.configs or configs]
-    rows = compile_all(args.python, cases, args.jobs)
-    text = harness.header(f"tools.compile_sm90: the Gluon kernel for sm_90 (triton {found['triton']})", env, cmd)
-    text += "\n" + records.markdown_table(COLUMNS, [table_row(r) for r in rows], align="ll" + "l" * 5 + "rrrr" + "lr")
-    text += (f"\n\n{sum(r['ok'] for r in rows)} of {len(rows)} compiled; warp-specialised: "
-             f"{sum(1 for r in rows if r.get('ws'))}; with spills: {spilled(rows)}\n")
-    harness.write_report(args.out, NAME, text, {"tool": NAME, "command": cmd, "environment": env, "rows": rows})
+    rows = compile_all(args.python, cases(args), args.jobs, f"tools.{name}")
+    text = harness.header(f"tools.{name}: {what} for sm_90 (triton {found['triton']})", env, cmd) + report(rows)
+    harness.write_report(args.out, name, text, {"tool": name, "command": cmd, "environment": env, "rows": rows})
     print(text)
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from pasa_diffusers.metrics import records
+
+    def add_arguments(p):
+        p.add_argument("--configs", type=_parse_config, nargs="+", metavar="BLOCK_N,STAGES,OVERLAP,CONSUMERS",
+                       help="the configs to compile at every shape (default: CONFIGS at head dim 64, WIDE_CONFIGS "
+                            "above it)")
+
+    def cases(args):
+        return [{"config": c, "shape": s, "dtype": dtype}
+                for s, dtype, configs in SHAPES for c in args.configs or configs]
+
+    def report(rows):
+        table = records.markdown_table(COLUMNS, [table_row(r) for r in rows], align="ll" + "l" * 5 + "rrrr" + "lr")
+        return ("\n" + table
+                + f"\n\n{sum(r['ok'] for r in rows)} of {len(rows)} compiled; warp-specialised: "
+                f"{sum(1 for r in rows if r.get('ws'))}; with spills: {spilled(rows)}\n")
+
+    return run_tool(NAME, __doc__, argv, what="the Gluon kernel", compile_one=compile_one, probe=probe, cases=cases,
+                    report=report, add_arguments=add_arguments, problem=lambda found: found["unavailable"])
 
 
 if __name__ == "__main__":
