@@ -25,7 +25,7 @@ from safetensors import SafetensorError, safe_open
 from .names import BUILTIN_MODELS, is_hub_id
 
 __all__ = ["ModelLoadError", "check_local_folder", "check_weights", "index_problem", "check_weights_cover",
-           "state_dict_mismatch", "cached_snapshot", "hub_unreachable"]
+           "state_dict_error", "cached_snapshot", "hub_unreachable"]
 
 
 class ModelLoadError(OSError):
@@ -170,13 +170,16 @@ def check_weights_cover(pipe: Any, root: Path, who: str = "load_svd") -> None:
                                  "saved with")
 
 
-def state_dict_mismatch(exc: RuntimeError) -> str | None:
-    """The first two lines of diffusers' ``Error(s) in loading state_dict for X: size mismatch ...`` (a
-    component's config.json makes tensors of other shapes than its weights hold), or ``None``."""
+def state_dict_error(who: str, model: str, exc: RuntimeError) -> ModelLoadError | None:
+    """The one-line ``ModelLoadError`` of diffusers' ``Error(s) in loading state_dict for X: size mismatch ...`` (a
+    component's config.json makes tensors of other shapes than its weights hold), from its first two lines; ``None``
+    for any other ``RuntimeError``."""
     lines = str(exc).splitlines()
     if not lines or not lines[0].startswith("Error(s) in loading state_dict"):
         return None
-    return " ".join(line.strip().rstrip(".") for line in lines[:2])
+    mismatch = " ".join(line.strip().rstrip(".") for line in lines[:2])
+    return ModelLoadError(f"{who}: model={model!r}: a component's config.json and weights disagree ({mismatch}); "
+                          "save the pipeline again with save_pretrained()")
 
 
 def cached_snapshot(model: str) -> Path | None:

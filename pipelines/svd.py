@@ -27,7 +27,7 @@ from diffusers import (
 from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
 
 from .checkpoints import (ModelLoadError, cached_snapshot, check_local_folder, check_weights, check_weights_cover,
-                          hub_unreachable, index_problem, state_dict_mismatch)
+                          hub_unreachable, index_problem, state_dict_error)
 from .images import load_image
 from .quiet import quiet
 from .names import BUILTIN_MODELS, BUILTIN_VIDEO_MODELS, TINY_VIDEO_PIPELINES
@@ -157,11 +157,10 @@ def _from_pretrained(model: str, *, dtype: torch.dtype, variant: str | None,
             model, dtype=dtype, variant=variant, use_safetensors=True, local_files_only=local_files_only
         )
     except RuntimeError as exc:
-        mismatch = state_dict_mismatch(exc)
-        if mismatch is None:
+        error = state_dict_error("load_svd", model, exc)
+        if error is None:
             raise
-        raise ModelLoadError(f"load_svd: model={model!r}: a component's config.json and weights disagree "
-                             f"({mismatch}); save the pipeline again with save_pretrained()") from exc
+        raise error from exc
     except OSError as exc:
         if folder is None and cached_snapshot(model) is None:
             root: BaseException = exc  # the first error of the chain: e.g. the network's

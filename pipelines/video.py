@@ -44,7 +44,7 @@ from diffusers.utils import is_accelerate_available
 
 from . import svd
 from .checkpoints import (ModelLoadError, cached_snapshot, check_local_folder, check_weights, check_weights_cover,
-                          hub_unreachable, index_problem, state_dict_mismatch)
+                          hub_unreachable, index_problem, state_dict_error)
 from .names import BUILTIN_VIDEO_MODELS, TINY_VIDEO_SETTINGS, is_hub_id
 from .quiet import quiet
 from .video_dits import (tiny_cogvideox_vae, tiny_hunyuan_video_vae, tiny_ltx_video_vae, tiny_mochi_vae,
@@ -288,11 +288,10 @@ def load_video(model: str, *, device: str | torch.device = "cpu", dtype: torch.d
         pipe = cls.from_pretrained(model, dtype=dtype, use_safetensors=True, local_files_only=local_files_only,
                                    **_left_out(cls), **kept)
     except RuntimeError as exc:
-        mismatch = state_dict_mismatch(exc)
-        if mismatch is None:
+        error = state_dict_error("load_video", model, exc)
+        if error is None:
             raise
-        raise ModelLoadError(f"load_video: model={model!r}: a component's config.json and weights disagree "
-                             f"({mismatch}); save the pipeline again with save_pretrained()") from exc
+        raise error from exc
     except (OSError, ValueError) as exc:
         detail = (str(exc).splitlines() or ["no detail"])[0].rstrip(".")
         raise ModelLoadError(f"load_video: cannot load model={model!r}: {detail}") from exc
