@@ -72,7 +72,7 @@ from .common import LN2, P_SHIFT, cdiv
 from .gluon_common import (CENTRE_ROWS, PRODUCER_WARPS, ROWS_PER_CONSUMER, TensorDescriptor, descriptor,
                            descriptor_layout_problem, fence_async_shared, gl, gluon_jit, kept_config, kept_descriptor,
                            mbarrier, operand_problem, registers, release, round_p, row_shift, sm90_problem, tma,
-                           warpgroup_mma, warpgroup_mma_wait, widen_p)
+                           warpgroup_mma, warpgroup_mma_wait)
 from .tuning import SMEM_LIMIT
 
 __all__ = ["int8_fwd_gluon_kernel", "forward", "kernel_call", "unsuitable_reason", "tuned_config", "shared_bytes",
