@@ -40,6 +40,10 @@ Sylvester-Hadamard matrix (entries +-1, ``H H^T = Dp I``), applied by :func:`fwh
    ``s_kj^2`` (:func:`error_model`'s ``delta`` averaged over the block and the queries); sums in fp64, the
    queries' per ``SHIFT_BLOCK`` rows and then in block order.  The comparison is ``SQ2 W2 + SK2 Y2 > 12 t^2``
    with ``t = (tau Dp) / scale`` in fp64 from the fp32 values of ``tau`` and ``scale``.
+4c. **Tile order** (:func:`block_order`): with 16-bit blocks, each (batch, query head) visits the key tiles of
+   its coded blocks first, in ascending order, then those of its 16-bit blocks, ascending, on the same running
+   state (exact in real arithmetic; it sets the offsets at which ``p`` is rounded).  The kernels' key loop then
+   holds only 8-bit tiles, and the 16-bit ones run in a loop of their own after it.
 5. **P V**: ``pv_bits=16`` (the default): ``p = round_g(exp2(x))``, ``acc = alpha acc + p V`` (fp32), and
    ``l`` sums the fp32 ``exp2(x)`` before their rounding (as FlashAttention-3 and SageAttention do: the sum
    of the rounded ``p`` costs the kernels a widening per score, and the two differ by the rounding noise
@@ -92,6 +96,7 @@ __all__ = [
     "fallback_noise",
     "fallback_threshold",
     "fallback_blocks",
+    "block_order",
     "quantize_queries",
     "quantize_keys",
     "quantize_values",
@@ -281,6 +286,16 @@ def fallback_blocks(qq: QuantizedQueries, kq: QuantizedKeys, scale: float, tau: 
     return fallback_noise(qq, kq) > fallback_threshold(scale, kq.codes.shape[-1], tau)
 
 
+def block_order(flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The order in which the kernels visit the key blocks (step 4c): per (batch, query head) the blocks from the
+    codes ascending, then the 16-bit ones ascending.  ``flags`` (B, Hq, blocks) (:func:`fallback_blocks`);
+    returns ``order`` (B, Hq, blocks) int32 (block indices) and ``coded`` (B, Hq) int32 (how many of them come
+    from the codes)."""
+    flagged = flags.bool()
+    order = torch.sort(flagged.to(torch.uint8), dim=-1, stable=True).indices.to(torch.int32)
+    return order, (~flagged).sum(-1, dtype=torch.int32)
+
+
 def quantize_values(v: torch.Tensor, pv_bits: int = 16) -> QuantizedValues:
     """V as ``P V`` reads it: in ``g`` (16 bits), or e4m3 per channel with ``vs = amax / 448`` (8 bits)."""
     g = gemm_dtype(v.dtype)
@@ -336,32 +351,42 @@ def attention_from_codes(q: torch.Tensor, qq: QuantizedQueries, kq: QuantizedKey
         m_i = torch.full((batch, h_q, q_codes.shape[2], 1), -math.inf)
         l_i = torch.zeros_like(m_i)
         acc = torch.zeros(batch, h_q, q_codes.shape[2], d)
-        for start in range(0, n_k, block_n):
-            keys = slice(start, min(start + block_n, n_k))
-            c_b = centres[:, :, start // SHIFT_BLOCK, None, :]
-            r = (q32[:, :, rows] * c_b).sum(-1, keepdim=True) * u
-            i_sum = q_codes @ k_codes[:, :, keys].transpose(-1, -2)  # exact: |I| < 2^24 for Dp <= 1024
-            z = (i_sum * k_scale[:, :, None, keys]) * a_i + (mu_i * sigma[:, :, None, keys] + au[:, :, None, keys])
-            if fallback is not None:
-                kc = k32[:, :, keys] - c_b
-                hi = kc.to(g).to(_F32)
-                lo = (kc - hi).to(g).to(_F32)
-                z16 = (q32[:, :, rows].to(_F64) @ (hi.to(_F64) + lo.to(_F64)).transpose(-1, -2)).to(_F32) * u
-                z = torch.where(fallback[:, :, start // SHIFT_BLOCK, None, None], z16, z)
-            m_s = z.amax(-1, keepdim=True)
-            m_blk = m_s + r
-            m_new = torch.maximum(m_i, m_blk)
-            x = z - (m_s - (m_blk - m_new))
-            alpha = torch.exp2(m_i - m_new)
-            if fp8:
-                p32 = torch.exp2(x + P_SHIFT)
-                pv = (p32.to(_E4M3).to(_F32) @ values[:, :, keys]) * v_scale
-            else:
-                p32 = torch.exp2(x)
-                pv = p32.to(g).to(_F32) @ values[:, :, keys]
-            l_i = alpha * l_i + p32.sum(-1, keepdim=True)
-            acc = alpha * acc + pv
-            m_i = m_new
+        for sixteen in ((False,) if fallback is None else (False, True)):  # step 4c: coded tiles, then 16-bit
+            for start in range(0, n_k, block_n):
+                taken = None
+                if fallback is not None:  # this pass takes the (batch, head)s whose block is of its kind
+                    taken = (fallback[:, :, start // SHIFT_BLOCK] == sixteen)[:, :, None, None]
+                    if not taken.any():
+                        continue
+                keys = slice(start, min(start + block_n, n_k))
+                c_b = centres[:, :, start // SHIFT_BLOCK, None, :]
+                r = (q32[:, :, rows] * c_b).sum(-1, keepdim=True) * u
+                if sixteen:
+                    kc = k32[:, :, keys] - c_b
+                    hi = kc.to(g).to(_F32)
+                    lo = (kc - hi).to(g).to(_F32)
+                    z = (q32[:, :, rows].to(_F64) @ (hi.to(_F64) + lo.to(_F64)).transpose(-1, -2)).to(_F32) * u
+                else:
+                    i_sum = q_codes @ k_codes[:, :, keys].transpose(-1, -2)  # exact: |I| < 2^24 for Dp <= 1024
+                    z = ((i_sum * k_scale[:, :, None, keys]) * a_i
+                         + (mu_i * sigma[:, :, None, keys] + au[:, :, None, keys]))
+                m_s = z.amax(-1, keepdim=True)
+                m_blk = m_s + r
+                m_new = torch.maximum(m_i, m_blk)
+                x = z - (m_s - (m_blk - m_new))
+                alpha = torch.exp2(m_i - m_new)
+                if fp8:
+                    p32 = torch.exp2(x + P_SHIFT)
+                    pv = (p32.to(_E4M3).to(_F32) @ values[:, :, keys]) * v_scale
+                else:
+                    p32 = torch.exp2(x)
+                    pv = p32.to(g).to(_F32) @ values[:, :, keys]
+                l_new = alpha * l_i + p32.sum(-1, keepdim=True)
+                acc_new = alpha * acc + pv
+                if taken is not None:
+                    m_new, l_new, acc_new = (torch.where(taken, new, old) for new, old in
+                                             ((m_new, m_i), (l_new, l_i), (acc_new, acc)))
+                m_i, l_i, acc = m_new, l_new, acc_new
         out[:, :, rows] = (acc * (1.0 / l_i)).to(out_dtype)
         lse[:, :, rows] = ((m_i + torch.log2(l_i) - (P_SHIFT if fp8 else 0.0)) * math.log(2.0))[..., 0]
     return (out, lse) if return_lse else out

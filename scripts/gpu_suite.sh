@@ -6,10 +6,13 @@
 #     OUT=out/gpu_suite SHARDS=4 bash scripts/gpu_suite.sh [extra pytest arguments, e.g. -k temporal]
 #
 # The carried wheels (WHEELS, default .whl: diffusers, the peers) are installed first (device_env.sh).
-# The test ids are split round-robin, so every shard gets a mix of shapes and variants.  Writes, per
-# shard, $OUT/gpu_suite_<i>.log (-v: a line per test, so a shard cut short by a time limit still says
-# what passed) and $OUT/ratios_<i>/gpu_error_ratios.md (the kernel / reference error ratios), and prints
-# each shard's summary line; the exit status is non-zero if any shard failed.
+# The test ids are split round-robin, so every shard gets a mix of shapes and variants.  Each shard runs
+# under scripts/gpu_shard.py: a test that loses its process's CUDA context (an illegal address) is one
+# failure, and the shard's remaining tests rerun in a new process.  Writes, per shard,
+# $OUT/gpu_suite_<i>.log (-v: a line per test, so a shard cut short by a time limit still says what
+# passed; its last line the shard's counts) and $OUT/ratios_<i>/gpu_error_ratios.md (the kernel /
+# reference error ratios), and prints each shard's summary line; the exit status is non-zero if any
+# shard failed.
 set -uo pipefail
 . "$(dirname "$0")/device_env.sh"
 
@@ -25,9 +28,8 @@ pids=()
 for ((i = 0; i < SHARDS; i++)); do
   awk -v n="$SHARDS" -v i="$i" 'NR % n == i' "$ids" > "$OUT/shard_$i.txt"
   if [[ -s "$OUT/shard_$i.txt" ]]; then
-    mapfile -t shard < "$OUT/shard_$i.txt"
-    PASA_REPORT_DIR="$OUT/ratios_$i" python -m pytest -v -p no:cacheprovider -rf "$@" "${shard[@]}" \
-      > "$OUT/gpu_suite_$i.log" 2>&1 &
+    rm -f "$OUT/gpu_suite_$i.log"
+    PASA_REPORT_DIR="$OUT/ratios_$i" python scripts/gpu_shard.py "$OUT/shard_$i.txt" "$OUT/gpu_suite_$i.log" "$@" &
     pids+=($!)
   fi
 done

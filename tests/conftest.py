@@ -87,3 +87,36 @@ def pipe():
     from pasa_diffusers.pipelines.svd import load_svd
 
     return load_svd("tiny")
+
+
+LOST_CONTEXT = "CUDA context lost"
+"""The stop reason's marker for ``scripts/gpu_shard.py``, which reruns the tests left in a new process."""
+
+
+def _cuda_lost() -> str | None:
+    """Why this process can no longer use the GPU (a kernel's illegal address poisons its CUDA context for
+    every later call), or None."""
+    try:
+        torch.cuda.synchronize()
+        torch.ones(1, device="cuda").add_(1).item()
+    except RuntimeError as error:
+        return str(error).strip().splitlines()[0]
+    return None
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """After a ``gpu`` test, probe the GPU: if the context is lost, stop the session here, so that the tests
+    after it are not reported as failures of their own (``scripts/gpu_shard.py`` reruns them)."""
+    if "gpu" in item.keywords and torch.cuda.is_available():
+        reason = _cuda_lost()
+        if reason is not None:
+            item.session.shouldstop = f"{LOST_CONTEXT} after {item.nodeid}: {reason}"
+
+
+def pytest_runtest_logreport(report):
+    """With ``PASA_TEST_OUTCOMES`` set (``scripts/gpu_shard.py``), append ``nodeid<TAB>outcome`` per phase
+    that decides a test's outcome (the call, or a setup or teardown that did not pass)."""
+    path = os.environ.get("PASA_TEST_OUTCOMES")
+    if path and (report.when == "call" or report.outcome != "passed"):
+        with open(path, "a") as record:
+            record.write(f"{report.nodeid}\t{report.outcome}\n")

@@ -392,6 +392,44 @@ def test_kernel_16_bit_blocks(case, gen):
 
 
 @interpreted
+@pytest.mark.parametrize("pv_bits", int8.PV_BITS)
+@pytest.mark.parametrize("n_k,block_n,last_flagged", [(300, 32, False), (300, 64, False), (420, 32, True),
+                                                      (420, 64, True), (420, 128, True)])
+def test_kernel_visits_coded_tiles_then_16_bit_ones(n_k, block_n, last_flagged, pv_bits, gen):
+    """Step 4c, the coded and the 16-bit blocks alternating (benign even blocks, odd ones holding two biases:
+    a jump in mid-block), the last block of either kind, holding fewer tiles than a block (short) and ragged:
+    the pre-pass's order and count are ``block_order``'s, and the kernel is the spec at its key tile to one
+    ``g`` ulp (FP8 ``P`` rounded at another tile order would be ~4x that apart: e4m3's 2^-4 over ~20 effective
+    keys)."""
+    q = torch.randn(1, 2, 40, 64, generator=gen).half()
+    k = torch.randn(1, 1, n_k, 64, generator=gen)
+    v = torch.randn(1, 1, n_k, 64, generator=gen).half()
+    bias = 6 * torch.randn(64, generator=gen)
+    for start in range(SHIFT_BLOCK, n_k, 2 * SHIFT_BLOCK):
+        keys = min(SHIFT_BLOCK, n_k - start)
+        k[:, :, start:start + keys] += bias * torch.linspace(-1, 1, keys).sign()[:, None]
+    k = k.half()
+    scale = 64 ** -0.5
+    prep = int8.prepare(q, k, v, scale=scale, pv_bits=pv_bits)
+    flags = prep.flags.bool()
+    assert (flags[..., 1::2].all() and not flags[..., ::2].any()
+            and bool(flags[..., -1].all()) == last_flagged), flags
+    order, coded = r8.block_order(flags)
+    assert torch.equal(prep.order, order) and torch.equal(prep.coded, coded)
+    out = _int8(q, k, v, torch.full_like(q, float("nan")), scale=scale, config={"BLOCK_N": block_n},
+                pv_bits=pv_bits)
+    spec = r8.int8_reference(q, k, v, block_n=block_n, pv_bits=pv_bits)
+    assert torch.isfinite(out).all() and numerics.rel_rmse(out, spec) <= _ulp(q.dtype)
+
+
+def test_block_order_is_coded_blocks_then_16_bit_ones():
+    flags = torch.tensor([[[True, False, True, False, False], [True, True, True, True, True]]])
+    order, coded = r8.block_order(flags)
+    assert order.tolist() == [[[1, 3, 4, 0, 2], [0, 1, 2, 3, 4]]] and coded.tolist() == [[3, 0]]
+    assert order.dtype == coded.dtype == torch.int32
+
+
+@interpreted
 @pytest.mark.parametrize("name", ["far key", "uniform(80,5)", "outlier channels"])
 def test_kernel_on_input_classes(name, gen):
     """The classes whose codes are least like N(0, 1): finite and within the spec's own bound against the

@@ -52,3 +52,21 @@ def test_key_loop_finds_the_innermost_attention_loop():
     ])
     assert key_loop(sass) == {"loop_sass": 5, "loop_ops": "HGMMA 2, MUFU 1, FSEL 1, BRA 1"}
     assert key_loop("\n".join(sass.splitlines()[:3])) == {"loop_sass": None, "loop_ops": None}
+
+
+def test_key_loop_prefers_the_coded_loop_of_an_8_bit_kernel():
+    """An 8-bit kernel has two loops with ``P V`` and exp2: the coded tiles' (holding the INT8 IGMMA) and the
+    smaller 16-bit blocks' after it; key_loop reports the coded one."""
+    from tools.compile_sm90 import key_loop
+
+    sass = "\n".join([
+        "        /*0000*/                   IGMMA.64x128x32.S32.S8.S8 R24, gdesc[UR4], RZ ;",
+        "        /*0010*/                   FMUL R6, R5, R4 ;",
+        "        /*0020*/                   MUFU.EX2 R5, R5 ;",
+        "        /*0030*/                   HGMMA.64x128x16.F32.BF16 R24, R88, gdesc[UR12].tnspB, R24 ;",
+        "        /*0040*/               @P0 BRA 0x0 ;",
+        "        /*0050*/                   MUFU.EX2 R9, R9 ;",
+        "        /*0060*/                   HGMMA.64x128x16.F32.BF16 R24, R88, gdesc[UR12].tnspB, R24 ;",
+        "        /*0070*/               @P1 BRA 0x50 ;",
+    ])
+    assert key_loop(sass) == {"loop_sass": 5, "loop_ops": "IGMMA 1, FMUL 1, MUFU 1, HGMMA 1, BRA 1"}

@@ -97,19 +97,22 @@ one (``hopper_int8``'s ``P8`` goes through shared memory)."""
 
 def key_loop(sass: str, top: int = 8) -> dict:
     """The attention's key loop in ``cuobjdump -sass`` text: the smallest loop (a backward branch's range) that
-    holds a ``P V`` MMA (:data:`_PV_MMA`) and an ``MUFU.EX2`` (the softmax), as ``{"loop_sass": its
-    instruction count, "loop_ops": its ``top`` opcodes with their counts}``; ``None`` values where there is
-    none.  Code under a branch inside the loop (a last tile's mask, a flagged tile's GEMMs) counts as if every
-    tile ran it: compare histograms between versions, not the count with the instructions a tile runs."""
+    holds a ``P V`` MMA (:data:`_PV_MMA`) and an ``MUFU.EX2`` (the softmax), and of those the ones with an INT8
+    MMA (``IGMMA``) where there are such (the 8-bit kernels' coded loop, not their 16-bit blocks' loop), as
+    ``{"loop_sass": its instruction count, "loop_ops": its ``top`` opcodes with their counts}``; ``None`` values
+    where there is none.  Code under a branch inside the loop (a last tile's mask) counts as if every tile ran
+    it: compare histograms between versions, not the count with the instructions a tile runs."""
     ins = [(int(m.group(1), 16), m.group(2)) for m in map(_SASS_LINE.search, sass.splitlines()) if m]
-    best = None
+    loops = []
     for addr, text in ins:
         branch = re.search(r"\bBRA\s+(?:`\(.*?\)\s*)?0x([0-9a-f]+)", text)
         if not branch or int(branch.group(1), 16) >= addr:
             continue
         body = [t for a, t in ins if int(branch.group(1), 16) <= a <= addr]
         if any(_PV_MMA.search(t) for t in body) and any("MUFU.EX2" in t for t in body):
-            best = body if best is None or len(body) < len(best) else best
+            loops.append(body)
+    coded = [body for body in loops if any(re.search(r"\bIGMMA\b", t) for t in body)]
+    best = min(coded or loops, key=len, default=None)
     if best is None:
         return {"loop_sass": None, "loop_ops": None}
     ops: dict[str, int] = {}

@@ -6,11 +6,15 @@ One Gluon kernel, :func:`int8_fwd_gluon_kernel`, its launch wrapper :func:`forwa
 corrections, the centres, V8^T with its channel scales for FP8 ``P V``, the flags of the 16-bit blocks and
 those blocks' ``hi``/``lo`` keys) and computes ``reference_int8.attention_from_codes`` as ``int8.int8_fwd_kernel``
 does, up to fp32 rounding (FMA contraction, ``ex2.approx``, the tensor cores' sums; under the lazy rescale the
-``p`` are rounded at another offset).  Per key tile of ``BLOCK_N`` keys inside centre block ``b`` (``qk_scale
+``p`` are rounded at another offset).  The tiles come in the spec's order (step 4c, the pre-pass's ``order`` and
+``coded``): the coded blocks' tiles first, in a loop with no branch on a flag, then the flagged blocks' tiles
+in a loop of their own.  Per key tile of ``BLOCK_N`` keys inside centre block ``b`` (``qk_scale
 = scale log2(e)``, ``a_i = q_scale_i qk_scale / DP``, ``mu_u_i = mu_i qk_scale``, per key ``ks_j``,
 ``sigma_j``, ``A_j``):
 
-    r      = qk_scale fp32(q . c_b)                       (per row: column b mod 16 of a (64, 16) wgmma)
+    r      = qk_scale fp32(q . c_b)                       (per row: column b mod 16 of a (64, 16) wgmma over the
+                                                           centres of b's group of 16 blocks, redone when the
+                                                           group changes)
     I      = q_codes k_codes^T                            (INT8 wgmma, exact int32; to fp32 exactly by the
                                                            1.5 2^23 trick: |I| <= 128 127^2 < 2^22)
     z      = (I ks_j) a_i + (mu_u_i sigma_j + qk_scale A_j)
@@ -32,15 +36,17 @@ Partitions (``gl.warp_specialize``; one program = ``64 NUM_CONSUMERS`` query row
 
 - producer (the default partition, one warpgroup): TMA copies.  Each consumer's q codes (int8) and q
   (``g``, for ``q . c_b`` and the 16-bit blocks; its buffer takes the output at the end); per key tile
-  ``i`` into stage ``i % NUM_STAGES``: the key codes with the centre rows ``b .. b + 15`` and the tile's
-  ``ks``, ``sigma``, ``A`` (1-d copies; ``k_ready``), then v (``g``, or V8^T's (DP, BLOCK_N) e4m3 box;
-  ``v_ready``); with ``FALLBACK``, for a flagged tile also its ``hi`` and ``lo`` (``g``) into the one-stage
-  wide ring (``w_ready`` / ``w_empty``, phase = the count of flagged tiles before it).  Producer and consumers
-  read each tile's flag a tile ahead (a global load's latency off the loop's path).
+  ``i`` in visiting order into stage ``i % NUM_STAGES``: for a coded tile the key codes with the 16 centre
+  rows of its block's group and the tile's ``ks``, ``sigma``, ``A`` (1-d copies; ``k_ready``); for a flagged
+  tile the centre rows alone, and its ``hi`` and ``lo`` (``g``) into the one-stage wide ring (``w_ready`` /
+  ``w_empty``, phase = the count of flagged tiles before it); then v (``g``, or V8^T's (DP, BLOCK_N) e4m3 box;
+  ``v_ready``).
 - ``NUM_CONSUMERS`` consumer warpgroups of 64 rows, FA3's overlapped loop (:func:`_key_loop`,
   :func:`_key_loop_fp8`): per tile ``i`` the INT8 wgmma of ``I_i`` is issued, then tile ``i - 1``'s ``P V``,
-  both async; tile ``i``'s dequantisation and softmax run while ``P V`` is on the tensor cores.  A flagged
-  tile's 16-bit logits are synchronous wgmmas (they also wait for that ``P V``).  FP8 ``P`` goes through shared
+  both async; tile ``i``'s dequantisation and softmax run while ``P V`` is on the tensor cores.  Then the
+  flagged tiles (:func:`_sixteen_bit_loop`), synchronous: nothing is in flight while their 16-bit wgmmas run
+  (a flag branch inside the overlapped loop, as this kernel had before, corrupted the in-flight ``P V``'s
+  registers: wrong outputs, NaN, illegal addresses).  FP8 ``P`` goes through shared
   memory (two (64, BLOCK_N) e4m3 tiles per consumer, alternating), since Triton 3.6's wgmma wait takes no
   8-bit register operand as a dependency.
 
@@ -96,18 +102,50 @@ SHORT_KEYS = 1024
 
 
 @gluon_jit
-def _producer(descs, q_bufs, q8_bufs, q_ready, ring, bars, flag_ptr, off_z, off_hq, off_hk, start_m, N_K,
-              key_row, a_row, SHIFT_BLOCK_N: gl.constexpr, FALLBACK: gl.constexpr, PV_FP8: gl.constexpr):
+def _tile_counts(flag_ptr, coded_ptr, N_K, BLOCK_N: gl.constexpr, SHIFT_BLOCK_N: gl.constexpr,
+                 FALLBACK: gl.constexpr):
+    """``(coded blocks, coded tiles, 16-bit tiles)`` of this (batch, query head) at ``BLOCK_N``-key tiles
+    (``reference_int8`` step 4c; ``int8.tile_counts``): the last block may hold fewer tiles than the others."""
+    n_tiles = gl.cdiv(N_K, BLOCK_N)
+    if FALLBACK:
+        per_block: gl.constexpr = SHIFT_BLOCK_N // BLOCK_N
+        n_blocks = gl.cdiv(N_K, SHIFT_BLOCK_N)
+        coded_blocks = gl.load(coded_ptr)
+        last_flagged = gl.load(flag_ptr + n_blocks - 1).to(gl.int32)
+        short = per_block * n_blocks - n_tiles
+        return (coded_blocks, coded_blocks * per_block - short * (1 - last_flagged),
+                (n_blocks - coded_blocks) * per_block - short * last_flagged)
+    return n_tiles, n_tiles, 0
+
+
+@gluon_jit
+def _tile_start(order_ptr, first, j, n, BLOCK_N: gl.constexpr, SHIFT_BLOCK_N: gl.constexpr,
+                FALLBACK: gl.constexpr):
+    """The first key of tile ``j`` of a pass of ``n`` tiles (0 past it): in block ``order[first + j //
+    (SHIFT_BLOCK_N / BLOCK_N)]`` with ``FALLBACK``, else the ``j``-th tile of the keys."""
+    if FALLBACK:
+        per_block: gl.constexpr = SHIFT_BLOCK_N // BLOCK_N
+        blk = gl.load(order_ptr + first + j // per_block, mask=j < n, other=0)
+        return blk * SHIFT_BLOCK_N + (j % per_block) * BLOCK_N
+    return j * BLOCK_N
+
+
+@gluon_jit
+def _producer(descs, q_bufs, q8_bufs, q_ready, ring, bars, tiles, off_z, off_hq, off_hk, start_m, N_K, key_row, a_row,
+              SHIFT_BLOCK_N: gl.constexpr, FALLBACK: gl.constexpr, PV_FP8: gl.constexpr):
     """TMA copies only (module docstring).  ``descs = (q, q codes, k codes, v, centres, hi, lo, ks, sigma, A)``,
     ``ring = (k codes, v, centres, hi, lo, ks, sigma, A)``, ``bars = (k_ready, k_empty, v_ready, v_empty,
-    w_ready, w_empty)``; ``flag_ptr`` points at this (batch, query head)'s flags; ``key_row``, ``a_row``: the
-    element of key 0 of this key head in the flat (1-d) ``ks``, ``sigma`` and of this query head in ``A``."""
+    w_ready, w_empty)``; ``tiles = (flag, order, coded)`` at this (batch, query head)'s blocks; ``key_row``,
+    ``a_row``: the element of key 0 of this key head in the flat (1-d) ``ks``, ``sigma`` and of this query head
+    in ``A``.  Ring slot ``i`` counts the coded tiles, then the 16-bit ones."""
     desc_q, desc_q8, desc_k, desc_v, desc_c, desc_hi, desc_lo, desc_ks, desc_sig, desc_a = descs
     k_bufs, v_bufs, c_bufs, hi_buf, lo_buf, ks_bufs, sig_bufs, a_bufs = ring
     k_ready, k_empty, v_ready, v_empty, w_ready, w_empty = bars
+    flag_ptr, order_ptr, coded_ptr = tiles
     NUM_CONSUMERS: gl.constexpr = q_bufs.shape[0]
     NUM_STAGES: gl.constexpr = k_bufs.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
+    C_ROWS: gl.constexpr = c_bufs.shape[3]
     rows: gl.constexpr = q_bufs.shape[3]
     q_bytes: gl.constexpr = desc_q.block_type.nbytes + desc_q8.block_type.nbytes
     for w in gl.static_range(NUM_CONSUMERS):
@@ -119,46 +157,49 @@ def _producer(descs, q_bufs, q8_bufs, q_ready, ring, bars, flag_ptr, off_z, off_
     kc_bytes: gl.constexpr = (desc_k.block_type.nbytes + desc_c.block_type.nbytes + 2 * desc_ks.block_type.nbytes
                               + desc_a.block_type.nbytes)
     w_bytes: gl.constexpr = desc_hi.block_type.nbytes + desc_lo.block_type.nbytes
-    flagged = 0
-    flag = 0
-    if FALLBACK:
-        flag = gl.load(flag_ptr)
-    for i in range(gl.cdiv(N_K, BLOCK_N)):
+    coded_blocks, n_coded, n_16 = _tile_counts(flag_ptr, coded_ptr, N_K, BLOCK_N, SHIFT_BLOCK_N, FALLBACK)
+    for i in range(n_coded):
         stage = i % NUM_STAGES
         phase = (i // NUM_STAGES) & 1
-        start_n = i * BLOCK_N
+        start_n = _tile_start(order_ptr, 0, i, n_coded, BLOCK_N, SHIFT_BLOCK_N, FALLBACK)
+        centre_row = start_n // (SHIFT_BLOCK_N * C_ROWS) * C_ROWS
         mbarrier.wait(k_empty.index(stage), phase ^ 1)
         mbarrier.expect(k_ready.index(stage), kc_bytes)
         tma.async_copy_global_to_shared(desc_k, [off_z, off_hk, start_n, 0], k_ready.index(stage), k_bufs.index(stage))
-        tma.async_copy_global_to_shared(desc_c, [off_z, off_hk, start_n // SHIFT_BLOCK_N, 0], k_ready.index(stage),
+        tma.async_copy_global_to_shared(desc_c, [off_z, off_hk, centre_row, 0], k_ready.index(stage),
                                         c_bufs.index(stage))
         tma.async_copy_global_to_shared(desc_ks, [key_row + start_n], k_ready.index(stage), ks_bufs.index(stage))
         tma.async_copy_global_to_shared(desc_sig, [key_row + start_n], k_ready.index(stage), sig_bufs.index(stage))
         tma.async_copy_global_to_shared(desc_a, [a_row + start_n], k_ready.index(stage), a_bufs.index(stage))
-        if FALLBACK:
-            this_flag = flag
-            flag = _next_flag(flag_ptr, start_n + BLOCK_N, N_K, SHIFT_BLOCK_N)
-            if this_flag != 0:
-                mbarrier.wait(w_empty.index(0), (flagged & 1) ^ 1)
-                mbarrier.expect(w_ready.index(0), w_bytes)
-                tma.async_copy_global_to_shared(desc_hi, [off_z, off_hk, start_n, 0], w_ready.index(0), hi_buf)
-                tma.async_copy_global_to_shared(desc_lo, [off_z, off_hk, start_n, 0], w_ready.index(0), lo_buf)
-                flagged += 1
-        mbarrier.wait(v_empty.index(stage), phase ^ 1)
-        mbarrier.expect(v_ready.index(stage), desc_v.block_type.nbytes)
-        if PV_FP8:  # V8^T: a (DP, BLOCK_N) box at column start_n
-            tma.async_copy_global_to_shared(desc_v, [off_z, off_hk, 0, start_n], v_ready.index(stage),
-                                            v_bufs.index(stage))
-        else:
-            tma.async_copy_global_to_shared(desc_v, [off_z, off_hk, start_n, 0], v_ready.index(stage),
-                                            v_bufs.index(stage))
+        _copy_v(desc_v, v_bufs, v_ready, v_empty, off_z, off_hk, start_n, i, PV_FP8)
+    if FALLBACK:  # the 16-bit tiles: their centres in the ring, their hi and lo in the one-stage wide ring
+        for j in range(n_16):
+            i = n_coded + j
+            stage = i % NUM_STAGES
+            start_n = _tile_start(order_ptr, coded_blocks, j, n_16, BLOCK_N, SHIFT_BLOCK_N, FALLBACK)
+            mbarrier.wait(k_empty.index(stage), ((i // NUM_STAGES) & 1) ^ 1)
+            mbarrier.expect(k_ready.index(stage), desc_c.block_type.nbytes)
+            tma.async_copy_global_to_shared(desc_c, [off_z, off_hk, start_n // (SHIFT_BLOCK_N * C_ROWS) * C_ROWS, 0],
+                                            k_ready.index(stage), c_bufs.index(stage))
+            mbarrier.wait(w_empty.index(0), (j & 1) ^ 1)
+            mbarrier.expect(w_ready.index(0), w_bytes)
+            tma.async_copy_global_to_shared(desc_hi, [off_z, off_hk, start_n, 0], w_ready.index(0), hi_buf)
+            tma.async_copy_global_to_shared(desc_lo, [off_z, off_hk, start_n, 0], w_ready.index(0), lo_buf)
+            _copy_v(desc_v, v_bufs, v_ready, v_empty, off_z, off_hk, start_n, i, PV_FP8)
 
 
 @gluon_jit
-def _next_flag(flag_ptr, next_n, N_K, SHIFT_BLOCK_N: gl.constexpr):
-    """The flag of the tile starting at key ``next_n`` (0 past ``N_K``), loaded a tile ahead of its use so that
-    its latency is not on the loop's path."""
-    return gl.load(flag_ptr + next_n // SHIFT_BLOCK_N, mask=next_n < N_K, other=0)
+def _copy_v(desc_v, v_bufs, v_ready, v_empty, off_z, off_hk, start_n, i, PV_FP8: gl.constexpr):
+    """Ring slot ``i``'s values once the consumers have released it: v (``g``) at row ``start_n``, or V8^T's
+    (DP, BLOCK_N) box at column ``start_n``."""
+    NUM_STAGES: gl.constexpr = v_bufs.shape[0]
+    stage = i % NUM_STAGES
+    mbarrier.wait(v_empty.index(stage), ((i // NUM_STAGES) & 1) ^ 1)
+    mbarrier.expect(v_ready.index(stage), desc_v.block_type.nbytes)
+    if PV_FP8:
+        tma.async_copy_global_to_shared(desc_v, [off_z, off_hk, 0, start_n], v_ready.index(stage), v_bufs.index(stage))
+    else:
+        tma.async_copy_global_to_shared(desc_v, [off_z, off_hk, start_n, 0], v_ready.index(stage), v_bufs.index(stage))
 
 
 @gluon_jit
@@ -178,7 +219,7 @@ def _coded_logits(i_sum, key_vecs, a_i, mu_u, qk_scale, s_layout: gl.constexpr):
 @gluon_jit
 def _logits_16(q, hi, lo, qk_scale, s_layout: gl.constexpr):
     """A flagged block's ``z = qk_scale fp32(q . hi + q . lo)``: two 16-bit wgmmas into one fp32 accumulator
-    (synchronous: they also wait for the ``P V`` in flight)."""
+    (synchronous: nothing else is in flight in the 16-bit loop)."""
     ROWS: gl.constexpr = q.shape[0]
     BLOCK_N: gl.constexpr = hi.shape[0]
     s = warpgroup_mma(q, hi.permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout), use_acc=False)
@@ -196,7 +237,7 @@ def _softmax_step(z, r, m_i, l_i, start_n, N_K, p_dtype: gl.constexpr, MASK_N: g
     for the branch around ``acc``'s rescale); otherwise every row keeps its stale maximum (``alpha = 1``) and
     ``p`` may reach ``2^LAZY_RESCALE``."""
     if MASK_N:
-        if start_n + z.shape[1] > N_K:  # the last tile only (hopper._softmax_step)
+        if start_n + z.shape[1] > N_K:  # the ragged tile only (hopper._softmax_step)
             cols = start_n + gl.arange(0, z.shape[1], layout=gl.SliceLayout(0, z.type.layout))
             z = gl.where((cols < N_K)[None, :], z, float("-inf"))
     m_s = gl.max(z, axis=1)
@@ -220,60 +261,55 @@ def _softmax_step(z, r, m_i, l_i, start_n, N_K, p_dtype: gl.constexpr, MASK_N: g
 
 
 @gluon_jit
-def _issue_codes(q, q8, ring, k_ready, i, i_zero, rc, SHIFT_BLOCK_N: gl.constexpr):
-    """Wait until key tile ``i``'s codes and centre rows have landed; ``rc = q c^T`` on the first tile of every
-    16th centre block (synchronous; no product is in flight then); issue ``I = q_codes k_codes^T`` (async INT8
-    wgmma) and return its token with ``rc``."""
+def _centre_logits(q, c_tile, rc, rc_group, start_n, qk_scale, SHIFT_BLOCK_N: gl.constexpr, row_layout: gl.constexpr):
+    """``r = qk_scale fp32(q . c_b)`` for the tile at key ``start_n`` in block ``b``, with ``(rc, rc_group)``
+    carried from tile to tile: ``rc = q c^T`` over the 16 centres of ``b``'s group of 16 blocks (``c_tile``,
+    copied with the tile) is recomputed (a synchronous wgmma: no product is in flight where this runs) when
+    the group changes.  Returns ``(r, rc, rc_group)``."""
+    C_ROWS: gl.constexpr = c_tile.shape[0]
+    blk = start_n // SHIFT_BLOCK_N
+    if blk // C_ROWS != rc_group:
+        rc = warpgroup_mma(q, c_tile.permute((1, 0)), gl.zeros_like(rc), use_acc=False)
+        rc_group = blk // C_ROWS
+    return row_shift(rc, blk % C_ROWS, qk_scale, row_layout), rc, rc_group
+
+
+@gluon_jit
+def _issue_codes(q, q8, ring, k_ready, i, start_n, i_zero, rc, rc_group, qk_scale, SHIFT_BLOCK_N: gl.constexpr,
+                 row_layout: gl.constexpr):
+    """Wait until ring slot ``i``'s codes and centre rows have landed; ``r`` (:func:`_centre_logits`); issue
+    ``I = q_codes k_codes^T`` (async INT8 wgmma).  Returns ``(I's token, r, rc, rc_group)``."""
     k_bufs = ring[0]
     c_bufs = ring[2]
     NUM_STAGES: gl.constexpr = k_bufs.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
     DP: gl.constexpr = k_bufs.shape[4]
     C_ROWS: gl.constexpr = c_bufs.shape[3]
-    REFRESH: gl.constexpr = C_ROWS * SHIFT_BLOCK_N // BLOCK_N
     stage = i % NUM_STAGES
     mbarrier.wait(k_ready.index(stage), (i // NUM_STAGES) & 1)
-    if i % REFRESH == 0:
-        c_blk = c_bufs.index(stage).reshape([C_ROWS, DP])
-        rc = warpgroup_mma(q, c_blk.permute((1, 0)), gl.zeros_like(rc), use_acc=False)
+    r, rc, rc_group = _centre_logits(q, c_bufs.index(stage).reshape([C_ROWS, DP]), rc, rc_group, start_n, qk_scale,
+                                     SHIFT_BLOCK_N, row_layout)
     k8 = k_bufs.index(stage).reshape([BLOCK_N, DP])
-    return warpgroup_mma(q8, k8.permute((1, 0)), i_zero, use_acc=False, is_async=True), rc
+    return warpgroup_mma(q8, k8.permute((1, 0)), i_zero, use_acc=False, is_async=True), r, rc, rc_group
 
 
 @gluon_jit
-def _tile_softmax(i_sum, q, rc, row_vecs, ring, bars, flag, flagged, m_i, l_i, i, N_K, qk_scale,
-                  p_dtype: gl.constexpr, SHIFT_BLOCK_N: gl.constexpr, MASK_N: gl.constexpr, FALLBACK: gl.constexpr,
-                  LAZY: gl.constexpr):
-    """Tile ``i``'s logits from its finished ``I`` or, for a flagged tile (``flag``), the 16-bit pair after
-    ``w_ready``; the release of its codes (and of the wide ring); its softmax.  Returns ``(p, alpha, m_i, l_i,
-    rescale, flagged)`` (``p`` in the scores' layout; :func:`_softmax_step`); ``row_vecs = (a_i, mu_u)``,
-    ``flagged`` the count of flagged tiles so far."""
-    k_bufs, v_bufs, c_bufs, hi_buf, lo_buf, ks_bufs, sig_bufs, a_bufs = ring
-    k_ready, k_empty, v_ready, v_empty, w_ready, w_empty = bars
-    NUM_STAGES: gl.constexpr = k_bufs.shape[0]
-    BLOCK_N: gl.constexpr = k_bufs.shape[3]
+def _tile_softmax(i_sum, r, row_vecs, ring, k_empty, m_i, l_i, i, start_n, N_K, qk_scale, p_dtype: gl.constexpr,
+                  MASK_N: gl.constexpr, LAZY: gl.constexpr):
+    """A coded tile (ring slot ``i``, key ``start_n``): its logits from the finished ``I``, the release of its
+    codes, its softmax (:func:`_softmax_step`).  Returns ``(p, alpha, m_i, l_i, rescale)``; ``row_vecs = (a_i,
+    mu_u)``."""
+    ks_bufs, sig_bufs, a_bufs = ring[5], ring[6], ring[7]
+    NUM_STAGES: gl.constexpr = ks_bufs.shape[0]
+    BLOCK_N: gl.constexpr = i_sum.shape[1]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     a_i, mu_u = row_vecs
     stage = i % NUM_STAGES
-    start_n = i * BLOCK_N
-    key_vecs = (ks_bufs.index(stage), sig_bufs.index(stage), a_bufs.index(stage))
-    r = row_shift(rc, (start_n // SHIFT_BLOCK_N) % rc.shape[1], qk_scale, gl.SliceLayout(1, s_layout))
-    # Both sides of a runtime branch are compiled, and without FALLBACK the wide buffers are 16-row dummies
-    # that the 16-bit side cannot read: hence the static branch around it.
-    if FALLBACK:
-        if flag != 0:
-            mbarrier.wait(w_ready.index(0), flagged & 1)
-            z = _logits_16(q, hi_buf, lo_buf, qk_scale, s_layout)
-            mbarrier.arrive(w_empty.index(0))
-            flagged += 1
-        else:
-            z = _coded_logits(i_sum, key_vecs, a_i, mu_u, qk_scale, s_layout)
-    else:
-        z = _coded_logits(i_sum, key_vecs, a_i, mu_u, qk_scale, s_layout)
+    z = _coded_logits(i_sum, (ks_bufs.index(stage), sig_bufs.index(stage), a_bufs.index(stage)), a_i, mu_u,
+                      qk_scale, s_layout)
     release(k_empty, i)
-    p, alpha, m_i, l_i, rescale = _softmax_step(z, r, m_i, l_i, start_n, N_K, p_dtype, MASK_N, LAZY)
-    return p, alpha, m_i, l_i, rescale, flagged
+    return _softmax_step(z, r, m_i, l_i, start_n, N_K, p_dtype, MASK_N, LAZY)
 
 
 @gluon_jit
@@ -283,62 +319,44 @@ def _wait_codes(i_sum, in_flight: gl.constexpr):
 
 
 @gluon_jit
-def _first_flags(flag_ptr, N_K, BLOCK_N: gl.constexpr, SHIFT_BLOCK_N: gl.constexpr, FALLBACK: gl.constexpr):
-    """``(tile 0's flag, tile 1's)`` (zeros without ``FALLBACK``)."""
-    flag = 0
-    next_flag = 0
-    if FALLBACK:
-        flag = gl.load(flag_ptr)
-        next_flag = _next_flag(flag_ptr, BLOCK_N, N_K, SHIFT_BLOCK_N)
-    return flag, next_flag
-
-
-@gluon_jit
-def _next_flags(flag_ptr, flag, next_flag, i, N_K, BLOCK_N: gl.constexpr, SHIFT_BLOCK_N: gl.constexpr,
-                FALLBACK: gl.constexpr):
-    """``(tile i's flag, tile i + 1's)`` from the flag read a tile ahead: each load's latency is off the path."""
-    if FALLBACK:
-        flag = next_flag
-        next_flag = _next_flag(flag_ptr, (i + 1) * BLOCK_N, N_K, SHIFT_BLOCK_N)
-    return flag, next_flag
-
-
-@gluon_jit
-def _key_loop(q, q8, ring, bars, row_vecs, flag_ptr, m_i, l_i, acc, rc, i_zero, N_K, qk_scale,
+def _key_loop(q, q8, ring, bars, row_vecs, tiles, m_i, l_i, acc, rc, rc_group, i_zero, N_K, qk_scale,
               SHIFT_BLOCK_N: gl.constexpr, MASK_N: gl.constexpr, FALLBACK: gl.constexpr, LAZY: gl.constexpr):
-    """The key loop with ``P V`` in 16 bits, FA3's overlap: per tile ``i >= 1`` issue ``I_i``, then ``acc =
-    alpha acc + P_{i-1} V_{i-1}`` (``p`` from registers); wait until one group is left (``I_i`` done: groups
-    finish in order); dequantise and softmax tile ``i`` while ``P V`` runs; wait for it.  Returns ``(acc, m_i,
-    l_i)``."""
+    """The coded tiles' loop with ``P V`` in 16 bits, FA3's overlap: per tile ``i >= 1`` issue ``I_i``, then
+    ``acc = alpha acc + P_{i-1} V_{i-1}`` (``p`` from registers); wait until one group is left (``I_i`` done:
+    groups finish in order); dequantise and softmax tile ``i`` while ``P V`` runs; wait for it.  No branch on a
+    flag: ``tiles = (order, n)``, the coded tiles' order (read a tile ahead) and count (>= 1).  Returns ``(acc,
+    m_i, l_i, rc, rc_group)``."""
     k_ready, k_empty, v_ready, v_empty, w_ready, w_empty = bars
     v_bufs = ring[1]
+    order_ptr, n = tiles
     BLOCK_N: gl.constexpr = i_zero.shape[1]
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
-    flag, next_flag = _first_flags(flag_ptr, N_K, BLOCK_N, SHIFT_BLOCK_N, FALLBACK)
-    flagged = 0
-    i_sum, rc = _issue_codes(q, q8, ring, k_ready, 0, i_zero, rc, SHIFT_BLOCK_N)
+    row_layout: gl.constexpr = m_i.type.layout
+    start_n = _tile_start(order_ptr, 0, 0, n, BLOCK_N, SHIFT_BLOCK_N, FALLBACK)
+    next_n = _tile_start(order_ptr, 0, 1, n, BLOCK_N, SHIFT_BLOCK_N, FALLBACK)
+    i_sum, r, rc, rc_group = _issue_codes(q, q8, ring, k_ready, 0, start_n, i_zero, rc, rc_group, qk_scale,
+                                          SHIFT_BLOCK_N, row_layout)
     i_sum = _wait_codes(i_sum, 0)
-    p, alpha, m_i, l_i, rescale, flagged = _tile_softmax(i_sum, q, rc, row_vecs, ring, bars, flag, flagged, m_i,
-                                                         l_i, 0, N_K, qk_scale, q.dtype, SHIFT_BLOCK_N, MASK_N,
-                                                         FALLBACK, LAZY)
+    p, alpha, m_i, l_i, rescale = _tile_softmax(i_sum, r, row_vecs, ring, k_empty, m_i, l_i, 0, start_n, N_K, qk_scale,
+                                                q.dtype, MASK_N, LAZY)
     p = gl.convert_layout(p, p_layout)
-    for i in range(1, gl.cdiv(N_K, BLOCK_N)):
-        flag, next_flag = _next_flags(flag_ptr, flag, next_flag, i, N_K, BLOCK_N, SHIFT_BLOCK_N, FALLBACK)
-        i_sum, rc = _issue_codes(q, q8, ring, k_ready, i, i_zero, rc, SHIFT_BLOCK_N)
+    for i in range(1, n):
+        start_n = next_n
+        next_n = _tile_start(order_ptr, 0, i + 1, n, BLOCK_N, SHIFT_BLOCK_N, FALLBACK)
+        i_sum, r, rc, rc_group = _issue_codes(q, q8, ring, k_ready, i, start_n, i_zero, rc, rc_group, qk_scale,
+                                              SHIFT_BLOCK_N, row_layout)
         acc = _issue_pv(p, acc, alpha, rescale, v_bufs, v_ready, i - 1, LAZY)
         i_sum = _wait_codes(i_sum, 1)
         p_prev = p
-        p, alpha, m_i, l_i, rescale, flagged = _tile_softmax(i_sum, q, rc, row_vecs, ring, bars, flag, flagged,
-                                                             m_i, l_i, i, N_K, qk_scale, q.dtype, SHIFT_BLOCK_N,
-                                                             MASK_N, FALLBACK, LAZY)
+        p, alpha, m_i, l_i, rescale = _tile_softmax(i_sum, r, row_vecs, ring, k_empty, m_i, l_i, i, start_n, N_K,
+                                                    qk_scale, q.dtype, MASK_N, LAZY)
         p = gl.convert_layout(p, p_layout)
         acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
         release(v_empty, i - 1)
-    n_tiles = gl.cdiv(N_K, BLOCK_N)
-    acc = _issue_pv(p, acc, alpha, rescale, v_bufs, v_ready, n_tiles - 1, LAZY)
+    acc = _issue_pv(p, acc, alpha, rescale, v_bufs, v_ready, n - 1, LAZY)
     acc, p = warpgroup_mma_wait(0, deps=(acc, p))
-    release(v_empty, n_tiles - 1)
-    return acc, m_i, l_i
+    release(v_empty, n - 1)
+    return acc, m_i, l_i, rc, rc_group
 
 
 @gluon_jit
@@ -378,59 +396,115 @@ def _stage_p8(p, p_buf):
 
 
 @gluon_jit
-def _key_loop_fp8(q, q8, ring, bars, row_vecs, flag_ptr, p_bufs, P_BASE: gl.constexpr, m_i, l_i, acc, rc, i_zero, N_K,
-                  qk_scale,
-                  SHIFT_BLOCK_N: gl.constexpr, MASK_N: gl.constexpr, FALLBACK: gl.constexpr):
-    """The key loop with FP8 ``P V``, overlapped as :func:`_key_loop`: each key tile's ``P8 V8`` goes to a
-    fresh fp32 tile ``t`` (the tensor cores keep about 22 bits inside one FP8 product), promoted after the wait
-    as ``acc = alpha acc + t``.  Returns ``(acc, m_i, l_i)`` (``acc`` without V's channel scales)."""
+def _key_loop_fp8(q, q8, ring, bars, row_vecs, tiles, p_bufs, P_BASE: gl.constexpr, m_i, l_i, acc, rc, rc_group,
+                  i_zero, N_K, qk_scale, SHIFT_BLOCK_N: gl.constexpr, MASK_N: gl.constexpr, FALLBACK: gl.constexpr):
+    """The coded tiles' loop with FP8 ``P V``, overlapped as :func:`_key_loop`: each key tile's ``P8 V8`` goes
+    to a fresh fp32 tile ``t`` (the tensor cores keep about 22 bits inside one FP8 product), promoted after the
+    wait as ``acc = alpha acc + t``.  Returns ``(acc, m_i, l_i, rc, rc_group)`` (``acc`` without V's channel
+    scales)."""
     k_ready, k_empty, v_ready, v_empty, w_ready, w_empty = bars
     v_bufs = ring[1]
+    order_ptr, n = tiles
     BLOCK_N: gl.constexpr = i_zero.shape[1]
     DP: gl.constexpr = acc.shape[1]
     o_layout: gl.constexpr = acc.type.layout
+    row_layout: gl.constexpr = m_i.type.layout
     t_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, DP, 32])
     t_zero = gl.zeros([acc.shape[0], DP], gl.float32, layout=t_layout)
-    flag, next_flag = _first_flags(flag_ptr, N_K, BLOCK_N, SHIFT_BLOCK_N, FALLBACK)
-    flagged = 0
-    i_sum, rc = _issue_codes(q, q8, ring, k_ready, 0, i_zero, rc, SHIFT_BLOCK_N)
+    start_n = _tile_start(order_ptr, 0, 0, n, BLOCK_N, SHIFT_BLOCK_N, FALLBACK)
+    next_n = _tile_start(order_ptr, 0, 1, n, BLOCK_N, SHIFT_BLOCK_N, FALLBACK)
+    i_sum, r, rc, rc_group = _issue_codes(q, q8, ring, k_ready, 0, start_n, i_zero, rc, rc_group, qk_scale,
+                                          SHIFT_BLOCK_N, row_layout)
     i_sum = _wait_codes(i_sum, 0)
-    p, alpha, m_i, l_i, rescale, flagged = _tile_softmax(i_sum, q, rc, row_vecs, ring, bars, flag, flagged, m_i,
-                                                         l_i, 0, N_K, qk_scale, gl.float8e4nv, SHIFT_BLOCK_N,
-                                                         MASK_N, FALLBACK, False)
+    p, alpha, m_i, l_i, rescale = _tile_softmax(i_sum, r, row_vecs, ring, k_empty, m_i, l_i, 0, start_n, N_K, qk_scale,
+                                                gl.float8e4nv, MASK_N, False)
     _stage_p8(p, p_bufs.index(P_BASE))
-    for i in range(1, gl.cdiv(N_K, BLOCK_N)):
-        flag, next_flag = _next_flags(flag_ptr, flag, next_flag, i, N_K, BLOCK_N, SHIFT_BLOCK_N, FALLBACK)
-        i_sum, rc = _issue_codes(q, q8, ring, k_ready, i, i_zero, rc, SHIFT_BLOCK_N)
+    for i in range(1, n):
+        start_n = next_n
+        next_n = _tile_start(order_ptr, 0, i + 1, n, BLOCK_N, SHIFT_BLOCK_N, FALLBACK)
+        i_sum, r, rc, rc_group = _issue_codes(q, q8, ring, k_ready, i, start_n, i_zero, rc, rc_group, qk_scale,
+                                              SHIFT_BLOCK_N, row_layout)
         t = _issue_pv8(p_bufs.index(P_BASE + (i - 1) % 2), t_zero, v_bufs, v_ready, i - 1)
         i_sum = _wait_codes(i_sum, 1)
         alpha_prev = alpha
-        p, alpha, m_i, l_i, rescale, flagged = _tile_softmax(i_sum, q, rc, row_vecs, ring, bars, flag, flagged,
-                                                             m_i, l_i, i, N_K, qk_scale, gl.float8e4nv,
-                                                             SHIFT_BLOCK_N, MASK_N, FALLBACK, False)
+        p, alpha, m_i, l_i, rescale = _tile_softmax(i_sum, r, row_vecs, ring, k_empty, m_i, l_i, i, start_n, N_K,
+                                                    qk_scale, gl.float8e4nv, MASK_N, False)
         _stage_p8(p, p_bufs.index(P_BASE + i % 2))
         t = warpgroup_mma_wait(0, deps=(t, ))
         acc = acc * gl.convert_layout(alpha_prev, gl.SliceLayout(1, o_layout))[:, None] + gl.convert_layout(t, o_layout)
         release(v_empty, i - 1)
-    n_tiles = gl.cdiv(N_K, BLOCK_N)
-    t = _issue_pv8(p_bufs.index(P_BASE + (n_tiles - 1) % 2), t_zero, v_bufs, v_ready, n_tiles - 1)
+    t = _issue_pv8(p_bufs.index(P_BASE + (n - 1) % 2), t_zero, v_bufs, v_ready, n - 1)
     t = warpgroup_mma_wait(0, deps=(t, ))
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None] + gl.convert_layout(t, o_layout)
-    release(v_empty, n_tiles - 1)
+    release(v_empty, n - 1)
+    return acc, m_i, l_i, rc, rc_group
+
+
+@gluon_jit
+def _sixteen_bit_loop(q, ring, bars, tiles, p_buf, m_i, l_i, acc, rc, rc_group, N_K, qk_scale,
+                      SHIFT_BLOCK_N: gl.constexpr, MASK_N: gl.constexpr, PV_FP8: gl.constexpr):
+    """The flagged tiles after the coded ones (``reference_int8`` step 4c), on the same running state and
+    synchronous (no product in flight, no overlap: they are the rare case).  Per tile: ``r``, the 16-bit pair
+    ``z = qk_scale fp32(q . hi + q . lo)`` once ``w_ready``, its softmax and ``P V`` (``p`` from registers, or
+    FP8 ``P8`` through ``p_buf``).  ``tiles = (order, coded blocks, coded tiles, 16-bit tiles)``; ring slots
+    continue after the coded tiles'.  Returns ``(acc, m_i, l_i)``."""
+    k_ready, k_empty, v_ready, v_empty, w_ready, w_empty = bars
+    k_bufs, v_bufs, c_bufs, hi_buf, lo_buf = ring[0], ring[1], ring[2], ring[3], ring[4]
+    order_ptr, coded_blocks, n_coded, n = tiles
+    NUM_STAGES: gl.constexpr = k_bufs.shape[0]
+    BLOCK_N: gl.constexpr = k_bufs.shape[3]
+    DP: gl.constexpr = k_bufs.shape[4]
+    C_ROWS: gl.constexpr = c_bufs.shape[3]
+    o_layout: gl.constexpr = acc.type.layout
+    row_layout: gl.constexpr = m_i.type.layout
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    t_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, DP, 32])
+    alpha_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    for j in range(n):
+        i = n_coded + j
+        stage = i % NUM_STAGES
+        start_n = _tile_start(order_ptr, coded_blocks, j, n, BLOCK_N, SHIFT_BLOCK_N, True)
+        mbarrier.wait(k_ready.index(stage), (i // NUM_STAGES) & 1)
+        r, rc, rc_group = _centre_logits(q, c_bufs.index(stage).reshape([C_ROWS, DP]), rc, rc_group, start_n,
+                                         qk_scale, SHIFT_BLOCK_N, row_layout)
+        mbarrier.wait(w_ready.index(0), j & 1)
+        z = _logits_16(q, hi_buf, lo_buf, qk_scale, s_layout)
+        mbarrier.arrive(w_empty.index(0))
+        release(k_empty, i)
+        if PV_FP8:
+            p, alpha, m_i, l_i, rescale = _softmax_step(z, r, m_i, l_i, start_n, N_K, gl.float8e4nv, MASK_N, False)
+            _stage_p8(p, p_buf)
+            vt = v_bufs.index(stage).reshape([v_bufs.shape[3], v_bufs.shape[4]])
+            mbarrier.wait(v_ready.index(stage), (i // NUM_STAGES) & 1)
+            t = warpgroup_mma(p_buf, vt.permute((1, 0)), gl.zeros([acc.shape[0], DP], gl.float32, layout=t_layout),
+                              use_acc=False)
+            acc = acc * gl.convert_layout(alpha, alpha_layout)[:, None] + gl.convert_layout(t, o_layout)
+        else:
+            p, alpha, m_i, l_i, rescale = _softmax_step(z, r, m_i, l_i, start_n, N_K, q.dtype, MASK_N, False)
+            p = gl.convert_layout(p, p_layout)
+            v_blk = v_bufs.index(stage).reshape([v_bufs.shape[3], v_bufs.shape[4]])
+            acc = acc * gl.convert_layout(alpha, alpha_layout)[:, None]
+            mbarrier.wait(v_ready.index(stage), (i // NUM_STAGES) & 1)
+            acc = warpgroup_mma(p, v_blk, acc)
+        release(v_empty, i)
     return acc, m_i, l_i
 
 
 @gluon_jit
-def _consumer(desc_o, q_tile, q8_tile, q_ready, ring, bars, row_ptrs, vs_ptr, flag_ptr, p_bufs, P_BASE: gl.constexpr,
+def _consumer(desc_o, q_tile, q8_tile, q_ready, ring, bars, row_ptrs, vs_ptr, tiles, p_bufs, P_BASE: gl.constexpr,
               off_z, off_hq, start_row, N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N: gl.constexpr, MASK_N: gl.constexpr,
               FALLBACK: gl.constexpr, STORE_LSE: gl.constexpr, PV_FP8: gl.constexpr, LAZY: gl.constexpr):
-    """One consumer warpgroup: query rows ``start_row ..`` of this (batch, head): the key loop
-    (:func:`_key_loop` or, with ``PV_FP8``, :func:`_key_loop_fp8`), then ``out = acc / l_i`` (FP8: ``(acc /
-    l_i) vs``) through the q tile and a TMA store, and with ``STORE_LSE`` the log-sum-exp (FP8: less
-    ``P_SHIFT``).  ``row_ptrs = (q_scale, mu)`` at this (batch, head)'s row 0; ``vs_ptr`` V's (DP,) channel
-    scales; ``p_bufs.index(P_BASE)`` and ``P_BASE + 1``: this consumer's two ``P8`` tiles (FP8); ``ring``,
-    ``bars`` as :func:`_producer`'s."""
+    """One consumer warpgroup: query rows ``start_row ..`` of this (batch, head): the coded tiles' loop
+    (:func:`_key_loop` or, with ``PV_FP8``, :func:`_key_loop_fp8`), with ``FALLBACK`` then the 16-bit tiles'
+    (:func:`_sixteen_bit_loop`), then ``out = acc / l_i`` (FP8: ``(acc / l_i) vs``) through the q tile and a
+    TMA store, and with ``STORE_LSE`` the log-sum-exp (FP8: less ``P_SHIFT``).  ``row_ptrs = (q_scale, mu)``
+    at this (batch, head)'s row 0; ``vs_ptr`` V's (DP,) channel scales; ``tiles = (flag, order, coded)`` at this
+    (batch, query head)'s blocks; ``p_bufs.index(P_BASE)`` and ``P_BASE + 1``: this consumer's two ``P8``
+    tiles (FP8); ``ring``, ``bars`` as :func:`_producer`'s."""
     k_bufs = ring[0]
     c_bufs = ring[2]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
@@ -449,6 +523,7 @@ def _consumer(desc_o, q_tile, q8_tile, q_ready, ring, bars, row_ptrs, vs_ptr, fl
     q = q_tile.reshape([rows, DP])
     q8 = q8_tile.reshape([rows, DP])
     qs_ptr, mu_ptr = row_ptrs
+    flag_ptr, order_ptr, coded_ptr = tiles
     offs_m = start_row + gl.arange(0, rows, layout=row_layout)
     row_vecs = (gl.load(qs_ptr + offs_m, mask=offs_m < N_Q, other=0.0) * (qk_scale / DP),
                 gl.load(mu_ptr + offs_m, mask=offs_m < N_Q, other=0.0) * qk_scale)
@@ -456,20 +531,30 @@ def _consumer(desc_o, q_tile, q8_tile, q_ready, ring, bars, row_ptrs, vs_ptr, fl
     l_i = gl.zeros([rows], gl.float32, layout=row_layout)
     acc = gl.zeros([rows, DP], gl.float32, layout=o_layout)
     rc = gl.zeros([rows, C_ROWS], gl.float32, layout=r_layout)
+    rc_group = -1
     i_zero = gl.zeros([rows, BLOCK_N], gl.int32, layout=i_layout)
+    coded_blocks, n_coded, n_16 = _tile_counts(flag_ptr, coded_ptr, N_K, BLOCK_N, SHIFT_BLOCK_N, FALLBACK)
     mbarrier.wait(q_ready, 0)
+    if n_coded > 0:
+        if PV_FP8:
+            acc, m_i, l_i, rc, rc_group = _key_loop_fp8(q, q8, ring, bars, row_vecs, (order_ptr, n_coded), p_bufs,
+                                                        P_BASE, m_i, l_i, acc, rc, rc_group, i_zero, N_K, qk_scale,
+                                                        SHIFT_BLOCK_N, MASK_N, FALLBACK)
+        else:
+            acc, m_i, l_i, rc, rc_group = _key_loop(q, q8, ring, bars, row_vecs, (order_ptr, n_coded), m_i, l_i, acc,
+                                                    rc, rc_group, i_zero, N_K, qk_scale, SHIFT_BLOCK_N, MASK_N,
+                                                    FALLBACK, LAZY)
+    if FALLBACK:
+        acc, m_i, l_i = _sixteen_bit_loop(q, ring, bars, (order_ptr, coded_blocks, n_coded, n_16),
+                                          p_bufs.index(P_BASE), m_i, l_i, acc, rc, rc_group, N_K, qk_scale,
+                                          SHIFT_BLOCK_N, MASK_N, PV_FP8)
     if PV_FP8:
-        acc, m_i, l_i = _key_loop_fp8(q, q8, ring, bars, row_vecs, flag_ptr, p_bufs, P_BASE, m_i, l_i, acc, rc, i_zero,
-                                      N_K,
-                                      qk_scale, SHIFT_BLOCK_N, MASK_N, FALLBACK)
         if STORE_LSE:
             gl.store(lse_ptr + offs_m, (m_i + gl.log2(l_i) - P_SHIFT) * LN2, mask=offs_m < N_Q)
         vs = gl.load(vs_ptr + gl.arange(0, DP, layout=gl.SliceLayout(0, o_layout)))
         inv_l = gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, o_layout))
         out = (acc * inv_l[:, None]) * vs[None, :]
     else:
-        acc, m_i, l_i = _key_loop(q, q8, ring, bars, row_vecs, flag_ptr, m_i, l_i, acc, rc, i_zero, N_K, qk_scale,
-                                  SHIFT_BLOCK_N, MASK_N, FALLBACK, LAZY)
         if STORE_LSE:
             gl.store(lse_ptr + offs_m, (m_i + gl.log2(l_i)) * LN2, mask=offs_m < N_Q)
         inv_l = gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, o_layout))
@@ -483,7 +568,7 @@ def _consumer(desc_o, q_tile, q8_tile, q_ready, ring, bars, row_ptrs, vs_ptr, fl
 @gluon_jit(do_not_specialize=["N_Q", "N_K"])
 def int8_fwd_gluon_kernel(
     desc_q, desc_q8, desc_k, desc_v, desc_c, desc_hi, desc_lo, desc_ks, desc_sig, desc_a, desc_o,
-    qs_ptr, mu_ptr, vs_ptr, flag_ptr, lse_ptr,
+    qs_ptr, mu_ptr, vs_ptr, flag_ptr, order_ptr, coded_ptr, lse_ptr,
     H_Q, KV_GROUP, N_Q, N_K, N_ROW, qk_scale,
     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, SHIFT_BLOCK_N: gl.constexpr,
     MASK_N: gl.constexpr, FALLBACK: gl.constexpr, STORE_LSE: gl.constexpr, PV_FP8: gl.constexpr,
@@ -515,7 +600,8 @@ def int8_fwd_gluon_kernel(
     vs_ptr += bh_k * desc_q.block_type.shape[3]
     key_row = bh_k.to(gl.int32) * N_ROW
     a_row = bh_q.to(gl.int32) * N_ROW
-    flag_ptr += bh_q * gl.cdiv(N_K, SHIFT_BLOCK_N)
+    tiles = (flag_ptr + bh_q * gl.cdiv(N_K, SHIFT_BLOCK_N), order_ptr + bh_q * gl.cdiv(N_K, SHIFT_BLOCK_N),
+             coded_ptr + bh_q)
     lse_ptr += bh_q * N_Q
 
     q_bufs = gl.allocate_shared_memory(desc_q.dtype, [NUM_CONSUMERS] + desc_q.block_type.shape, desc_q.layout)
@@ -556,27 +642,27 @@ def int8_fwd_gluon_kernel(
     gl.static_assert(NUM_CONSUMERS == 2 or NUM_CONSUMERS == 3, "partition lists are written for 2 and 3 consumers")
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
-            (_producer, (descs, q_bufs, q8_bufs, q_ready, ring, bars, flag_ptr, off_z, off_hq, off_hk, start_m, N_K,
+            (_producer, (descs, q_bufs, q8_bufs, q_ready, ring, bars, tiles, off_z, off_hq, off_hk, start_m, N_K,
                          key_row, a_row, SHIFT_BLOCK_N, FALLBACK, PV_FP8)),
             (_consumer, (desc_o, q_bufs.index(0), q8_bufs.index(0), q_ready.index(0), ring, bars, row_ptrs, vs_ptr,
-                         flag_ptr, p8_bufs, 0, off_z, off_hq, start_m, N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N,
+                         tiles, p8_bufs, 0, off_z, off_hq, start_m, N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N,
                          MASK_N, FALLBACK, STORE_LSE, PV_FP8, LAZY)),
             (_consumer, (desc_o, q_bufs.index(1), q8_bufs.index(1), q_ready.index(1), ring, bars, row_ptrs, vs_ptr,
-                         flag_ptr, p8_bufs, 2, off_z, off_hq, start_m + rows, N_Q, N_K, qk_scale, lse_ptr,
+                         tiles, p8_bufs, 2, off_z, off_hq, start_m + rows, N_Q, N_K, qk_scale, lse_ptr,
                          SHIFT_BLOCK_N, MASK_N, FALLBACK, STORE_LSE, PV_FP8, LAZY)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
-            (_producer, (descs, q_bufs, q8_bufs, q_ready, ring, bars, flag_ptr, off_z, off_hq, off_hk, start_m, N_K,
+            (_producer, (descs, q_bufs, q8_bufs, q_ready, ring, bars, tiles, off_z, off_hq, off_hk, start_m, N_K,
                          key_row, a_row, SHIFT_BLOCK_N, FALLBACK, PV_FP8)),
             (_consumer, (desc_o, q_bufs.index(0), q8_bufs.index(0), q_ready.index(0), ring, bars, row_ptrs, vs_ptr,
-                         flag_ptr, p8_bufs, 0, off_z, off_hq, start_m, N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N,
+                         tiles, p8_bufs, 0, off_z, off_hq, start_m, N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N,
                          MASK_N, FALLBACK, STORE_LSE, PV_FP8, LAZY)),
             (_consumer, (desc_o, q_bufs.index(1), q8_bufs.index(1), q_ready.index(1), ring, bars, row_ptrs, vs_ptr,
-                         flag_ptr, p8_bufs, 2, off_z, off_hq, start_m + rows, N_Q, N_K, qk_scale, lse_ptr,
+                         tiles, p8_bufs, 2, off_z, off_hq, start_m + rows, N_Q, N_K, qk_scale, lse_ptr,
                          SHIFT_BLOCK_N, MASK_N, FALLBACK, STORE_LSE, PV_FP8, LAZY)),
             (_consumer, (desc_o, q_bufs.index(2), q8_bufs.index(2), q_ready.index(2), ring, bars, row_ptrs, vs_ptr,
-                         flag_ptr, p8_bufs, 4, off_z, off_hq, start_m + 2 * rows, N_Q, N_K, qk_scale, lse_ptr,
+                         tiles, p8_bufs, 4, off_z, off_hq, start_m + 2 * rows, N_Q, N_K, qk_scale, lse_ptr,
                          SHIFT_BLOCK_N, MASK_N, FALLBACK, STORE_LSE, PV_FP8, LAZY)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
 
@@ -686,7 +772,7 @@ def kernel_call(q: torch.Tensor, prep, out: torch.Tensor, *, scale: float, confi
     c_g = prep.centres.to(q.dtype)  # exact: the centres are values of the inputs' dtype
     hi, lo = (prep.k_split[0], prep.k_split[1]) if fallback else (c_g, c_g)
     wide_rows = block_n if fallback else CENTRE_ROWS
-    flags = prep.flags if fallback else prep.k_codes
+    tiles = (prep.flags, prep.order, prep.coded) if fallback else (prep.k_codes,) * 3  # unread without
     grid = (cdiv(n_q, ROWS_PER_CONSUMER * cfg["consumers"]) * batch * h_q,)
     args = (descriptor(q, ROWS_PER_CONSUMER, dp), descriptor(prep.q_codes, ROWS_PER_CONSUMER, dp),
             descriptor(prep.k_codes, block_n, dp),
@@ -694,7 +780,7 @@ def kernel_call(q: torch.Tensor, prep, out: torch.Tensor, *, scale: float, confi
             descriptor(c_g, CENTRE_ROWS, dp), descriptor(hi, wide_rows, dp), descriptor(lo, wide_rows, dp),
             _row_descriptor(prep.k_scale, block_n), _row_descriptor(prep.sigma, block_n),
             _row_descriptor(prep.a, block_n), descriptor(out, ROWS_PER_CONSUMER, dp),
-            prep.q_scale, prep.mu, prep.q_scale if pv_bits == 16 else prep.v_scale, flags,
+            prep.q_scale, prep.mu, prep.q_scale if pv_bits == 16 else prep.v_scale, *tiles,
             prep.q_scale if lse is None else lse,
             h_q, h_q // h_k, n_q, n_k, prep.k_scale.stride(1), float(scale) * math.log2(math.e))
     meta = dict(BLOCK_N=block_n, NUM_STAGES=cfg["num_stages"], NUM_CONSUMERS=cfg["consumers"],

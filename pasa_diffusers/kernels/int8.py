@@ -322,15 +322,19 @@ def quantize_kernel(q_ptr, k_ptr, v_ptr, qbar_ptr, v_inv_ptr,
 # ---- 4: the 16-bit blocks -------------------------------------------------------------------------------
 
 @triton.jit(do_not_specialize=["N_Q", "q_blocks", "k_blocks"])
-def fallback_flags_kernel(qpart_ptr, qstat_ptr, kstat_ptr, flag_ptr, tally_ptr, H_Q, KV_GROUP, N_Q, q_blocks,
-                          k_blocks, scale, TAU: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr):
-    """Which key blocks one (batch, query head) computes in 16 bits (``reference_int8`` step 4b).
+def fallback_flags_kernel(qpart_ptr, qstat_ptr, kstat_ptr, flag_ptr, order_ptr, coded_ptr, tally_ptr, H_Q, KV_GROUP,
+                          N_Q, q_blocks, k_blocks, scale, TAU: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr):
+    """Which key blocks one (batch, query head) computes in 16 bits (``reference_int8`` step 4b), and the order
+    in which the attention kernels visit its blocks (step 4c, ``reference_int8.block_order``).
 
     ``SQ2, Y2`` = the query blocks' partial sums (fp64) added in block order, over ``N_Q`` (stored to
     ``qstat`` (B, Hq, 2)); per key block ``b`` of its key head (``kstat`` (B, Hk, blocks, 2): ``SK2_b``,
     ``W2_b``): ``flag_b = SQ2 W2_b + SK2_b Y2 > 12 t^2``, ``t = (tau DP) / scale`` in fp64 from the fp32
     values of ``TAU`` and ``scale``, stored as int8 into ``flag`` (B, Hq, blocks); the blocks and the flagged
-    ones are added atomically to ``tally`` (int64 ``[blocks, in 16 bits]``, the caller's).  Grid: (B x Hq,)."""
+    ones are added atomically to ``tally`` (int64 ``[blocks, in 16 bits]``, the caller's).  Then a second
+    pass places each block: ``order`` (B, Hq, blocks) int32 holds the coded blocks ascending, then the
+    flagged ones ascending (a block's place is the count of its kind before it, by ``tl.cumsum``), and
+    ``coded`` (B, Hq) int32 how many are coded.  Grid: (B x Hq,)."""
     pid_bh = tl.program_id(0).to(tl.int64)
     sq2 = tl.zeros([], tl.float64)
     y2 = tl.zeros([], tl.float64)
@@ -344,7 +348,7 @@ def fallback_flags_kernel(qpart_ptr, qstat_ptr, kstat_ptr, flag_ptr, tally_ptr, 
     t = tl.full([], TAU, tl.float32).to(tl.float64) * DP / (scale + tl.zeros([], tl.float32)).to(tl.float64)
     threshold = 12.0 * t * t
     kv_bh = (pid_bh // H_Q) * (H_Q // KV_GROUP) + (pid_bh % H_Q) // KV_GROUP
-    flagged = tl.zeros([], tl.int64)
+    flagged = tl.zeros([], tl.int32)
     for start in range(0, k_blocks, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         valid = offs < k_blocks
@@ -352,9 +356,23 @@ def fallback_flags_kernel(qpart_ptr, qstat_ptr, kstat_ptr, flag_ptr, tally_ptr, 
         w2 = tl.load(kstat_ptr + (kv_bh * k_blocks + offs) * 2 + 1, mask=valid, other=0.0)
         flag = ((sq2 * w2 + sk2 * y2) > threshold) & valid
         tl.store(flag_ptr + pid_bh * k_blocks + offs, flag.to(tl.int8), mask=valid)
-        flagged += tl.sum(flag.to(tl.int64), axis=0)
+        flagged += tl.sum(flag.to(tl.int32), axis=0)
+    coded = k_blocks - flagged
+    tl.store(coded_ptr + pid_bh, coded)
     tl.atomic_add(tally_ptr, k_blocks + tl.zeros([], tl.int64))
-    tl.atomic_add(tally_ptr + 1, flagged)
+    tl.atomic_add(tally_ptr + 1, flagged.to(tl.int64))
+    coded_before = tl.zeros([], tl.int32)
+    flagged_before = tl.zeros([], tl.int32)
+    for start in range(0, k_blocks, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        valid = offs < k_blocks
+        flag = tl.load(flag_ptr + pid_bh * k_blocks + offs, mask=valid, other=0).to(tl.int32)
+        is_coded = (1 - flag) * valid.to(tl.int32)
+        place = tl.where(flag != 0, coded + flagged_before + tl.cumsum(flag, axis=0) - 1,
+                         coded_before + tl.cumsum(is_coded, axis=0) - 1)
+        tl.store(order_ptr + pid_bh * k_blocks + place, offs, mask=valid)
+        coded_before += tl.sum(is_coded, axis=0)
+        flagged_before += tl.sum(flag, axis=0)
 
 
 # ---- 5: the attention kernel ----------------------------------------------------------------------------
@@ -394,15 +412,14 @@ def _logits_16(q, k_base, stride_kn, c_b, offs_n, n_valid, offs_d, d_valid, qk_s
 
 
 @triton.jit
-def _logits(q_codes, q, a_i, mu_u, m_i, kc_base, ks_base, sig_base, a_base, c_base, k_base, flag_base, stride_kcn,
+def _logits(q_codes, q, a_i, mu_u, m_i, kc_base, ks_base, sig_base, a_base, c_base, k_base, stride_kcn,
             stride_cj, stride_kn, start_n, offs_j, offs_c, offs_d, d_valid, N_K, qk_scale,
-            BLOCK_N: tl.constexpr, CENTRE_BLOCK_: tl.constexpr, FALLBACK: tl.constexpr, MASKED: tl.constexpr,
+            BLOCK_N: tl.constexpr, CENTRE_BLOCK_: tl.constexpr, SIXTEEN: tl.constexpr, MASKED: tl.constexpr,
             INTERPRET_BF16: tl.constexpr):
     """Block ``b``'s logits in log2 units (``reference_int8`` steps 4 and 4b):
 
-        z     = from the codes (:func:`_coded_logits`), replaced by the 16-bit one where ``FALLBACK`` and the
-                block's flag say so (:func:`_logits_16`; a flagged tile also pays the INT8 dot, so that the
-                codes' loads are not inside a branch, which Triton's pipeliner would not prefetch)
+        z     = from the codes (:func:`_coded_logits`), or in 16 bits in a flagged block (``SIXTEEN``,
+                :func:`_logits_16`)
         r     = qk_scale fp32(q . c_b)                   (per row; exact products of g values summed in fp32,
                                                           by a (BLOCK_D x 16) MMA with c_b in column 0)
         m_s   = rowmax z,  m_blk = m_s + r,  m_new = max(m_i, m_blk)
@@ -416,12 +433,11 @@ def _logits(q_codes, q, a_i, mu_u, m_i, kc_base, ks_base, sig_base, a_base, c_ba
     c_b = tl.load(c_base + (start_n // CENTRE_BLOCK_) * stride_cj + offs_d, mask=d_valid, other=0.0)
     c_mat = tl.where(tl.arange(0, 16)[None, :] == 0, c_b[:, None], 0.0).to(q.dtype)  # c_b in column 0
     r = tl.sum(mma(q, c_mat, tl.zeros([q.shape[0], 16], tl.float32), INTERPRET_BF16), axis=1) * qk_scale
-    z = _coded_logits(q_codes, a_i, mu_u, kc_base, ks_base, sig_base, a_base, stride_kcn, offs_n, n_valid, offs_c,
-                      qk_scale, MASKED)
-    if FALLBACK:  # the codes' loads stay outside the branch, where the pipeliner prefetches them
-        if tl.load(flag_base + start_n // CENTRE_BLOCK_) != 0:
-            z = _logits_16(q, k_base, stride_kn, c_b, offs_n, n_valid, offs_d, d_valid, qk_scale, MASKED,
-                           INTERPRET_BF16)
+    if SIXTEEN:
+        z = _logits_16(q, k_base, stride_kn, c_b, offs_n, n_valid, offs_d, d_valid, qk_scale, MASKED, INTERPRET_BF16)
+    else:
+        z = _coded_logits(q_codes, a_i, mu_u, kc_base, ks_base, sig_base, a_base, stride_kcn, offs_n, n_valid, offs_c,
+                          qk_scale, MASKED)
     if MASKED:
         z = tl.where(n_valid[None, :], z, float("-inf"))
     m_s = tl.max(z, axis=1)
@@ -471,27 +487,61 @@ def _merge(acc, l_i, x, alpha, v_base, v8_base, vs, stride_vn, stride_v8d, offs_
 
 
 @triton.jit
-def _attn_inner(acc, l_i, m_i, q_codes, q, a_i, mu_u, kc_base, ks_base, sig_base, a_base, c_base, k_base, flag_base,
-                v_base, v8_base, vs, stride_kcn, stride_cj, stride_kn, stride_vn, stride_v8d, lo, hi, N_K, offs_j,
-                offs_c, offs_d, d_valid, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                BLOCK_N: tl.constexpr, CENTRE_BLOCK_: tl.constexpr, FALLBACK: tl.constexpr, PV_FP8: tl.constexpr,
-                INTERPRET_FP8: tl.constexpr, MASKED: tl.constexpr, INTERPRET_BF16: tl.constexpr):
-    """The key loop over ``[lo, hi)`` in steps of ``BLOCK_N``: :func:`_logits`, then :func:`_merge`."""
-    for start_n in range(lo, hi, BLOCK_N):
+def _tile_start(order_base, first, j, BLOCK_N: tl.constexpr, CENTRE_BLOCK_: tl.constexpr, FALLBACK: tl.constexpr):
+    """The first key of the ``j``-th tile of a pass: in the block ``order[first + j // (CENTRE_BLOCK_ / BLOCK_N)]``
+    with ``FALLBACK`` (``reference_int8.block_order``), else the ``j``-th tile of the keys."""
+    if FALLBACK:
+        per_block: tl.constexpr = CENTRE_BLOCK_ // BLOCK_N
+        blk = tl.load(order_base + first + j // per_block)
+        return blk * CENTRE_BLOCK_ + (j % per_block) * BLOCK_N
+    return j * BLOCK_N
+
+
+@triton.jit
+def _attn_inner(acc, l_i, m_i, q_codes, q, a_i, mu_u, kc_base, ks_base, sig_base, a_base, c_base, k_base, order_base,
+                v_base, v8_base, vs, stride_kcn, stride_cj, stride_kn, stride_vn, stride_v8d, first, lo, hi, N_K,
+                offs_j, offs_c, offs_d, d_valid, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_N: tl.constexpr, CENTRE_BLOCK_: tl.constexpr, FALLBACK: tl.constexpr, SIXTEEN: tl.constexpr,
+                PV_FP8: tl.constexpr, INTERPRET_FP8: tl.constexpr, MASKED: tl.constexpr,
+                INTERPRET_BF16: tl.constexpr):
+    """Tiles ``lo .. hi - 1`` of one pass (:func:`_tile_start`): :func:`_logits`, then :func:`_merge`."""
+    for j in range(lo, hi):
+        start_n = _tile_start(order_base, first, j, BLOCK_N, CENTRE_BLOCK_, FALLBACK)
         x, alpha, m_new, offs_n, n_valid = _logits(
-            q_codes, q, a_i, mu_u, m_i, kc_base, ks_base, sig_base, a_base, c_base, k_base, flag_base, stride_kcn,
+            q_codes, q, a_i, mu_u, m_i, kc_base, ks_base, sig_base, a_base, c_base, k_base, stride_kcn,
             stride_cj, stride_kn, start_n, offs_j, offs_c, offs_d, d_valid, N_K, qk_scale, BLOCK_N, CENTRE_BLOCK_,
-            FALLBACK, MASKED, INTERPRET_BF16)
+            SIXTEEN, MASKED, INTERPRET_BF16)
         acc, l_i = _merge(acc, l_i, x, alpha, v_base, v8_base, vs, stride_vn, stride_v8d, offs_n, n_valid, offs_d,
                           d_valid, HEAD_DIM, BLOCK_D, PV_FP8, INTERPRET_FP8, MASKED, INTERPRET_BF16)
         m_i = m_new
     return acc, l_i, m_i
 
 
+@triton.jit
+def tile_counts(flag_base, coded_ptr, N_K, BLOCK_N: tl.constexpr, CENTRE_BLOCK_: tl.constexpr,
+                FALLBACK: tl.constexpr):
+    """``(coded blocks, coded tiles, 16-bit tiles, full coded tiles, full 16-bit tiles)`` of one (batch, query
+    head) at ``BLOCK_N``-key tiles: the passes of step 4c.  The last block may hold fewer tiles (``short``), and
+    a ragged last tile (``N_K % BLOCK_N``) is the last of its pass, so each pass is its full tiles, then at
+    most one masked one."""
+    n_tiles = tl.cdiv(N_K, BLOCK_N)
+    ragged = (N_K % BLOCK_N != 0).to(tl.int32)
+    if FALLBACK:
+        n_blocks = tl.cdiv(N_K, CENTRE_BLOCK_)
+        per_block: tl.constexpr = CENTRE_BLOCK_ // BLOCK_N
+        coded_blocks = tl.load(coded_ptr)
+        last_flagged = tl.load(flag_base + n_blocks - 1).to(tl.int32)
+        short = per_block * n_blocks - n_tiles
+        coded = coded_blocks * per_block - short * (1 - last_flagged)
+        sixteen = (n_blocks - coded_blocks) * per_block - short * last_flagged
+        return coded_blocks, coded, sixteen, coded - ragged * (1 - last_flagged), sixteen - ragged * last_flagged
+    return n_tiles, n_tiles, 0, n_tiles - ragged, 0
+
+
 @triton.jit(do_not_specialize=["N_Q", "N_K"])
 def int8_fwd_kernel(
-    q_ptr, qc_ptr, qs_ptr, mu_ptr, kc_ptr, ks_ptr, sig_ptr, a_ptr, c_ptr, k_ptr, flag_ptr, v_ptr, v8_ptr, vs_ptr,
-    o_ptr, lse_ptr,
+    q_ptr, qc_ptr, qs_ptr, mu_ptr, kc_ptr, ks_ptr, sig_ptr, a_ptr, c_ptr, k_ptr, flag_ptr, order_ptr, coded_ptr, v_ptr,
+    v8_ptr, vs_ptr, o_ptr, lse_ptr,
     stride_qz, stride_qh, stride_qm, stride_qcz, stride_qch, stride_qcm, stride_qsz, stride_qsh,
     stride_kcz, stride_kch, stride_kcn, stride_ksz, stride_ksh, stride_az, stride_ah,
     stride_cz, stride_ch, stride_cj, stride_kz, stride_kh, stride_kn,
@@ -515,11 +565,14 @@ def int8_fwd_kernel(
         k_codes (BLOCK_N, BLOCK_D) int8; ks, sigma, A (BLOCK_N,) fp32; c_b (BLOCK_D,) fp32 (the centre of
         the ``CENTRE_BLOCK_`` keys holding the tile: ``BLOCK_N`` divides it);
         I (BLOCK_M, BLOCK_N) int32; z, x fp32; p (BLOCK_M, BLOCK_N) g (16 bits) or e4m3 (``PV_FP8``);
-        with ``FALLBACK`` the block's flag (int8, ``flag`` (B, Hq, blocks)) and, in a flagged block, the key
-        tile (BLOCK_N, BLOCK_D) g and its ``hi``, ``lo`` in g (:func:`_logits_16`);
+        in a flagged block (``FALLBACK``) the key tile (BLOCK_N, BLOCK_D) g and its ``hi``, ``lo`` in g
+        (:func:`_logits_16`) in place of the codes;
         v_blk (BLOCK_N, BLOCK_D) g, or V8^T (BLOCK_D, BLOCK_N) e4m3 with vs (BLOCK_D,) fp32;
         m_i, l_i (BLOCK_M,) fp32; acc (BLOCK_M, BLOCK_D) fp32.
-    The key loop runs twice: the full tiles unmasked, then the ragged last one masked.  With
+    Without ``FALLBACK`` the key loop runs over the full tiles unmasked, then the ragged last one masked.  With
+    it, in the spec's order (step 4c): that pair of loops over the coded blocks' tiles, ``order`` (B, Hq, blocks)
+    int32 naming the blocks and ``coded`` (B, Hq) int32 their count (:func:`tile_counts`), then again over the
+    flagged blocks' tiles in 16 bits; no tile of either loop branches on a flag.  With
     ``STORE_LSE`` each row's natural-log log-sum-exp ``(m_i + log2(l_i) - P_SHIFT if FP8) ln 2`` goes to
     ``lse`` (B, Hq, Nq) fp32.  Grid: one program per (query block, batch x head) on axis 0, query blocks
     fastest.
@@ -555,6 +608,7 @@ def int8_fwd_kernel(
     c_base = c_ptr + off_z * stride_cz + off_hk * stride_ch
     k_base = k_ptr + off_z * stride_kz + off_hk * stride_kh
     flag_base = flag_ptr + pid_bh.to(tl.int64) * tl.cdiv(N_K, CENTRE_BLOCK_)
+    order_base = order_ptr + pid_bh.to(tl.int64) * tl.cdiv(N_K, CENTRE_BLOCK_)
     v_base = v_ptr + off_z * stride_vz + off_hk * stride_vh
     v8_base = v8_ptr + off_z * stride_v8z + off_hk * stride_v8h
     if PV_FP8:
@@ -565,15 +619,22 @@ def int8_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    n_full = (N_K // BLOCK_N) * BLOCK_N
-    acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q_codes, q, a_i, mu_u, kc_base, ks_base, sig_base, a_base, c_base,
-                                k_base, flag_base, v_base, v8_base, vs, stride_kcn, stride_cj, stride_kn, stride_vn,
-                                stride_v8d, 0, n_full, N_K, offs_j, offs_c, offs_d, d_valid, qk_scale, HEAD_DIM,
-                                BLOCK_D, BLOCK_N, CENTRE_BLOCK_, FALLBACK, PV_FP8, INTERPRET_FP8, False, INTERPRET_BF16)
-    acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q_codes, q, a_i, mu_u, kc_base, ks_base, sig_base, a_base, c_base,
-                                k_base, flag_base, v_base, v8_base, vs, stride_kcn, stride_cj, stride_kn, stride_vn,
-                                stride_v8d, n_full, N_K, N_K, offs_j, offs_c, offs_d, d_valid, qk_scale, HEAD_DIM,
-                                BLOCK_D, BLOCK_N, CENTRE_BLOCK_, FALLBACK, PV_FP8, INTERPRET_FP8, True, INTERPRET_BF16)
+    coded_blocks, n_coded, n_16, coded_full, full_16 = tile_counts(flag_base, coded_ptr + pid_bh, N_K, BLOCK_N,
+                                                                   CENTRE_BLOCK_, FALLBACK)
+    for sixteen in tl.static_range(2 if FALLBACK else 1):  # step 4c: the coded tiles, then the 16-bit ones
+        first = coded_blocks * sixteen
+        n_pass = n_16 if sixteen else n_coded
+        full = full_16 if sixteen else coded_full
+        acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q_codes, q, a_i, mu_u, kc_base, ks_base, sig_base, a_base, c_base,
+                                    k_base, order_base, v_base, v8_base, vs, stride_kcn, stride_cj, stride_kn,
+                                    stride_vn, stride_v8d, first, 0, full, N_K, offs_j, offs_c, offs_d, d_valid,
+                                    qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CENTRE_BLOCK_, FALLBACK, sixteen == 1,
+                                    PV_FP8, INTERPRET_FP8, False, INTERPRET_BF16)
+        acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q_codes, q, a_i, mu_u, kc_base, ks_base, sig_base, a_base, c_base,
+                                    k_base, order_base, v_base, v8_base, vs, stride_kcn, stride_cj, stride_kn,
+                                    stride_vn, stride_v8d, first, full, n_pass, N_K, offs_j, offs_c, offs_d, d_valid,
+                                    qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CENTRE_BLOCK_, FALLBACK, sixteen == 1,
+                                    PV_FP8, INTERPRET_FP8, True, INTERPRET_BF16)
 
     inv_l = 1.0 / l_i
     out = round_to(acc * inv_l[:, None], o_ptr.dtype.element_ty, INTERPRET_BF16)
@@ -630,7 +691,8 @@ class Prepared(NamedTuple):
     ``v_scale`` (B, Hk, DP) fp32 (None in 16 bits).  The 16-bit blocks: ``k``
     the input keys (a flagged block reads them), ``q_stats`` (B, Hq, 2) and ``k_stats`` (B, Hk, blocks, 2)
     fp64 (``reference_int8``'s ``stats``), ``flags`` (B, Hq, blocks) int8 (1: in 16 bits; None: every block
-    from the codes); ``k_split`` (2, B, Hk, Nk, DP) in the inputs' dtype: each key's ``hi`` and ``lo`` of
+    from the codes) with ``order`` (B, Hq, blocks) int32 and ``coded`` (B, Hq) int32 (``reference_int8.block_order``:
+    the coded blocks ascending, then the flagged ones; None with ``flags``); ``k_split`` (2, B, Hk, Nk, DP) in the inputs' dtype: each key's ``hi`` and ``lo`` of
     ``k - c_b`` for the Gluon kernel's 16-bit blocks (None unless ``prepare(..., split=True)``)."""
 
     q_codes: torch.Tensor
@@ -648,6 +710,8 @@ class Prepared(NamedTuple):
     q_stats: torch.Tensor
     k_stats: torch.Tensor
     flags: torch.Tensor | None
+    order: torch.Tensor | None
+    coded: torch.Tensor | None
     k_split: torch.Tensor | None = None
 
 
@@ -694,6 +758,8 @@ def allocate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, pv_bits: int 
         v_scale=empty(batch, h_k, dp) if fp8 else None, k=k, q_stats=empty(batch, h_q, 2, dtype=torch.float64),
         k_stats=empty(batch, h_k, k_blocks, 2, dtype=torch.float64),
         flags=empty(batch, h_q, k_blocks, dtype=torch.int8) if fallback else None,
+        order=empty(batch, h_q, k_blocks, dtype=torch.int32) if fallback else None,
+        coded=empty(batch, h_q, dtype=torch.int32) if fallback else None,
         k_split=empty(2, batch, h_k, n_k, dp, dtype=k.dtype) if split else None)
     scratch = Scratch(empty(batch * h_q, q_blocks, dp, dtype=torch.float64),
                       empty(batch * h_q, q_blocks, 2, dtype=torch.float64),
@@ -726,11 +792,11 @@ def quantize_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prep: Prepa
 
 
 def flags_call(prep: Prepared, scratch: Scratch, *, scale: float, tally: torch.Tensor) -> tuple[tuple[int], tuple, dict]:
-    """``(grid, args, meta)`` of :func:`fallback_flags_kernel` (launch 4) writing ``prep.flags`` and
-    ``prep.q_stats``, counting into ``tally``."""
+    """``(grid, args, meta)`` of :func:`fallback_flags_kernel` (launch 4) writing ``prep.flags``, ``prep.order``,
+    ``prep.coded`` and ``prep.q_stats``, counting into ``tally``."""
     batch, h_q = prep.q_scale.shape[:2]
     k_blocks = prep.k_stats.shape[2]
-    args = (scratch.q_stat_part, prep.q_stats, prep.k_stats, prep.flags, tally, h_q, h_q // prep.k_codes.shape[1],
+    args = (scratch.q_stat_part, prep.q_stats, prep.k_stats, prep.flags, prep.order, prep.coded, tally, h_q, h_q // prep.k_codes.shape[1],
             prep.q_scale.shape[2], scratch.q_stat_part.shape[1], k_blocks, float(scale))
     meta = dict(TAU=INT8_FALLBACK_TAU, DP=prep.k_codes.shape[-1], BLOCK=min(1024, triton.next_power_of_2(k_blocks)))
     return (batch * h_q,), args, meta
@@ -778,9 +844,9 @@ def attention_call(q: torch.Tensor, prep: Prepared, out: torch.Tensor, *, scale:
     v, v8 = (q, prep.v) if fp8 else (prep.v, prep.q_codes)  # the unread one is any tensor
     vs = prep.v_scale if fp8 else prep.q_scale
     lse_buf = prep.q_scale if lse is None else lse
-    flags = prep.k_codes if prep.flags is None else prep.flags  # unread without the fallback
+    flags = (prep.k_codes,) * 3 if prep.flags is None else (prep.flags, prep.order, prep.coded)  # unread without
     args = (q, prep.q_codes, prep.q_scale, prep.mu, prep.k_codes, prep.k_scale, prep.sigma, prep.a, prep.centres,
-            prep.k, flags, v, v8, vs, out, lse_buf,
+            prep.k, *flags, v, v8, vs, out, lse_buf,
             *strides3(q), *strides3(prep.q_codes), *prep.q_scale.stride()[:2],
             *strides3(prep.k_codes), *prep.k_scale.stride()[:2], *prep.a.stride()[:2], *strides3(prep.centres),
             *strides3(prep.k), *strides3(v), *strides3(v8), *strides3(out),
