@@ -48,13 +48,16 @@ def run_shard(ids: list[str], log: Path, pytest_args: list[str]) -> int:
         remaining = list(ids)
         while remaining:
             before = len(remaining)
-            result = subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-rf",
-                                     *pytest_args, *remaining], env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True)
-            out.write(result.stdout)
+            out.flush()
+            start_of_run = out.tell()
+            subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-rf", *pytest_args,
+                            *remaining], env=env, stdout=out, stderr=subprocess.STDOUT)
+            with log.open() as written:
+                written.seek(start_of_run)
+                lost = LOST in written.read()
             done = outcomes(record)
             remaining = [nodeid for nodeid in ids if nodeid not in done]
-            if not remaining or LOST not in result.stdout or len(remaining) == before:
+            if not remaining or not lost or len(remaining) == before:
                 break
             restarts += 1
             out.write(f"\n{__file__}: {LOST}; rerunning the {len(remaining)} tests left in a new process\n")
