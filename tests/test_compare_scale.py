@@ -19,6 +19,7 @@ from pasa_diffusers import metrics, processors
 from pasa_diffusers.cli import build_parser, main
 from pasa_diffusers.metrics.records import dumps
 from pasa_diffusers.pipelines import compare, runlog
+from pasa_diffusers.pipelines.samples import make_samples
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--model", "tiny", "--height", "16", "--width", "16", "--frames", "2", "--steps", "1",
@@ -253,6 +254,52 @@ def test_the_committed_sample_is_the_default_run_and_the_readme_shows_its_table(
         assert row == [report_row[i] for i in columns], f"README row differs from {SAMPLE_DIR / 'report.md'}"
     size = sum(p.stat().st_size for p in SAMPLE_DIR.rglob("*") if p.is_file())
     assert size < 500_000, f"samples/compare holds {size} bytes: keep it small"
+
+
+def test_the_committed_sample_report_is_built_from_its_records_and_the_docs_quote_it():
+    """report.json and report.md are what the code makes of samples.jsonl, and the sentences README.md and
+    docs/METRICS.md quote from the report are in it (was: the README's numbers of an earlier run)."""
+    report = json.loads((SAMPLE_DIR / "report.json").read_text())
+    logged = runlog.read_log(SAMPLE_DIR / runlog.SAMPLES)
+    meta = {key: report[key] for key in ("command", "versions", "model", "model_note", "settings", "lpips")}
+    built = metrics.build_report(logged, backends=report["settings"]["backends"], meta=meta,
+                                 worst=compare.CompareConfig.worst,
+                                 video=lambda r: compare._video_name(r) if (SAMPLE_DIR / compare._video_name(r)).is_file()
+                                 else "")
+    assert json.loads(dumps(built)) == report
+    assert metrics.format_markdown(report, ["distributions.png", "psnr_per_frame.png"]) == \
+        (SAMPLE_DIR / "report.md").read_text()
+    assert_worst_videos(SAMPLE_DIR, compare.CompareConfig.worst)
+    assert report["settings"]["cpu_threads"] == 1, "made on one thread (OMP_NUM_THREADS=1): bit for bit reproducible"
+    gain = report["paired"]["pasa - bf16"]["psnr"]
+    readme = (ROOT / "README.md").read_text()
+    assert f"the default is {gain['mean']:.1f} dB closer to FP32 than BF16 attention" in readme
+    assert "`OMP_NUM_THREADS=1 pasa compare --out samples/compare`" in readme and \
+        report["command"] == "pasa compare --out samples/compare"
+    sentence = re.search(r"`(pasa is [\d.]+ dB \(95 % CI .*? over 6 samples\.)`", (ROOT / "docs/METRICS.md").read_text())
+    assert sentence and f"- {sentence.group(1)}\n" in (SAMPLE_DIR / "report.md").read_text()
+
+
+def test_a_committed_sample_is_what_the_code_generates_now():
+    """The first sample of samples/compare (astronaut, seed 0; every backend, 5 videos: about 8 s), generated again
+    on one thread as the sample was, gives its records bit for bit. The whole run (6 samples) takes a minute; the
+    other samples' records feed the report the test above checks. A change that moves the numbers fails here:
+    regenerate the sample with the README's command, in the same commit."""
+    report = json.loads((SAMPLE_DIR / "report.json").read_text())
+    settings = report["settings"]
+    assert torch.get_num_threads() == settings["cpu_threads"] == 1
+    committed = {runlog.record_key(r): r for r in runlog.read_log(SAMPLE_DIR / runlog.SAMPLES)}
+    sample = make_samples(settings["images"], settings["seeds"])[0]
+    pipe = compare.svd.load_svd(report["model"], device="cpu", dtype=torch.float32)
+    sizes = {name: settings[name] for name in ("num_frames", "num_inference_steps", "height", "width")}
+    runs = compare.compare_sample(pipe, compare.load_image(sample.image, (settings["width"], settings["height"])),
+                                  seed=sample.seed, backends=settings["backends"], **sizes)
+    reference = next(runs)
+    for run in runs:
+        scores = metrics.score_video(reference.frames, run.frames, lpips_scorer=None, lpips_reason=report["lpips"])
+        record = json.loads(dumps(compare.sample_record(sample, run, scores)))
+        assert without_timing([record]) == without_timing([committed[runlog.record_key(record)]]), \
+            f"{sample.label} {run.backend}: samples/compare is not what the code makes now"
 
 
 def test_gif_previews_shrink_wide_frames_by_block_means():
