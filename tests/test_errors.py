@@ -331,9 +331,10 @@ def test_fp16_on_the_cpu_prints_no_third_party_warning(saved, tmp_path):
     """``--dtype fp16`` on the CPU from a saved folder runs; diffusers' accelerate advice and its "cannot run with
     cpu device ... will fail" (printed twice) stay out of the terminal unless --debug (``pipelines.quiet``)."""
     argv = ["generate", "--model", str(saved), "--dtype", "fp16", "--frames", "2", "--steps", "1", "--height", "16",
-            "--width", "16", "--out", str(tmp_path)]
-    for debug in (True, False):
-        done, _ = pasa(["--debug", *argv] if debug else argv, env={"OMP_NUM_THREADS": "1"})
+            "--width", "16"]
+    for debug in (True, False):  # a folder each: the second run would say it replaces the first one's video
+        out = ["--out", str(tmp_path / ("debug" if debug else "plain"))]
+        done, _ = pasa(["--debug", *argv, *out] if debug else [*argv, *out], env={"OMP_NUM_THREADS": "1"})
         assert done.returncode == 0, done.stderr
         lines = [line for line in done.stderr.replace("\r", "\n").splitlines() if line.strip() and "%|" not in line]
         if debug and importlib.util.find_spec("accelerate") is None:  # the probe sees what it hides
@@ -358,3 +359,43 @@ def test_generate_on_a_full_disk_is_one_line_and_leaves_no_partial_file(tmp_path
     assert done.stderr.splitlines()[-1].startswith(f"pasa generate: error: --out {out}: cannot write the video (File "
                                                    "too large); the frames were made but not saved")
     assert not [p for p in out.rglob("*") if p.is_file()]
+
+
+def test_a_second_generate_of_one_backend_into_one_folder_is_refused_and_a_replaced_video_is_said(tmp_path, capsys,
+                                                                                                   monkeypatch):
+    """While a ``pasa generate`` is generating (in this process, stopped inside its denoising), a second one of the
+    same backend into the same ``--out`` is refused at the argument checks, naming the holder; one of another
+    backend runs beside it (its files have other names).  A later run says which earlier files it replaces.
+    Was: both exited 0 and printed what they wrote, and one run's video was gone."""
+    import socket
+
+    from pasa_diffusers.cli import main
+    from pasa_diffusers.pipelines import video
+
+    out = tmp_path / "videos"
+    argv = ["generate", "--model", "tiny", "--frames", "2", "--steps", "1", "--height", "16", "--width", "16",
+            "--formats", "gif,png", "--out", str(out)]
+    meanwhile = {}
+    generate_frames = video.generate_frames
+
+    def others_start_meanwhile(*args, **kwargs):
+        meanwhile["same"] = pasa(argv)
+        meanwhile["other"] = pasa([*argv, "--attention", "bf16"], env={"OMP_NUM_THREADS": "1"})
+        return generate_frames(*args, **kwargs)
+
+    monkeypatch.setattr(video, "generate_frames", others_start_meanwhile)
+    assert main(argv) == 0
+    first = capsys.readouterr()
+    assert "replacing" not in first.err and f"wrote gif: {out / 'pasa.gif'}" in first.out
+    (same, seconds), (other, _) = meanwhile["same"], meanwhile["other"]
+    assert_usage_error(same, "generate", f"--out {out}: another pasa generate is writing the pasa video into this "
+                                         f"folder (pid and host {os.getpid()} {socket.gethostname()}); wait for it to "
+                                         "end, or choose another --out")
+    assert seconds < FAST_S
+    assert other.returncode == 0 and "replacing" not in other.stderr, other.stderr[-2000:]
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == ["bf16", "bf16.gif", "pasa",
+                                                                                  "pasa.gif"]
+
+    monkeypatch.setattr(video, "generate_frames", generate_frames)
+    assert main(argv) == 0
+    assert f"pasa generate: replacing the earlier pasa video in {out} (pasa.gif, pasa/)\n" in capsys.readouterr().err

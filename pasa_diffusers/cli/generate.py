@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from pasa_diffusers.metrics.limits import (MAX_GIF_FPS, MIN_GIF_FPS, VIDEO_FORMATS, fps_argument, formats_argument,
@@ -12,7 +13,7 @@ from ..backends import BACKENDS, missing
 from .common import (UsageError, add_generation_args, backend_help, check_key_blocks, conditioning_notice,
                      generation_settings, load_condition_image, load_model, validate_generation_args)
 
-__all__ = ["add_parser", "validate", "run"]
+__all__ = ["add_parser", "validate", "lock_out", "run"]
 
 
 def _finite_note(frames) -> str:
@@ -24,7 +25,7 @@ def _finite_note(frames) -> str:
 
 def validate(args: argparse.Namespace) -> None:
     """Check the backend (its package, and whether it runs on ``--device``), the model, image, output folder
-    and device before anything is loaded."""
+    and device before anything is loaded; then lock the folder for this backend (``lock_out``)."""
     absent = missing(args.attention, args.device)
     if absent is not None:
         raise UsageError(f"--attention {args.attention}: {absent}")
@@ -32,9 +33,43 @@ def validate(args: argparse.Namespace) -> None:
     if problem is not None:
         raise UsageError(f"--formats {','.join(args.formats)}: {problem}")
     validate_generation_args(args)
+    lock_out(args)
+
+
+def _targets(args: argparse.Namespace) -> list[Path]:
+    """The files (and, for png, the frame folder) this run writes into ``--out``: ``metrics.write_video``'s names."""
+    out = Path(args.out).expanduser()
+    return [out / (args.attention if kind == "png" else f"{args.attention}.{kind}") for kind in args.formats]
+
+
+def lock_out(args: argparse.Namespace) -> None:
+    """Take ``OUT/.BACKEND.lock`` (``runlog.FolderLock``) into ``args.out_lock``: a second run of the same backend into
+    the folder is refused at the argument checks, before torch's import (runs of other backends write other files, and
+    share the folder).  ``run`` releases it, removing the file."""
+    from pasa_diffusers.pipelines.runlog import FolderInUseError, FolderLock
+
+    lock = FolderLock(Path(args.out).expanduser(), name=f".{args.attention}.lock",
+                      holder=f"another pasa generate is writing the {args.attention} video into this folder",
+                      remove=True)
+    try:
+        lock.acquire()
+    except FolderInUseError as exc:
+        raise UsageError(str(exc)) from exc
+    args.out_lock = lock
 
 
 def run(args: argparse.Namespace) -> int:
+    """Generate under the lock ``validate`` took, saying first which earlier files of the backend the run replaces."""
+    with args.out_lock:
+        earlier = [path.name + ("/" if path.is_dir() else "") for path in _targets(args)
+                   if path.exists() or path.is_symlink()]
+        if earlier:
+            print(f"pasa generate: replacing the earlier {args.attention} video in {args.out} ({', '.join(earlier)})",
+                  file=sys.stderr, flush=True)
+        return _generate(args)
+
+
+def _generate(args: argparse.Namespace) -> int:
     from pasa_diffusers import metrics
     from pasa_diffusers.pipelines.video import generate_frames, is_video_pipeline
 
