@@ -3,7 +3,8 @@
 mistakes) an answer before torch is imported.  ``docs/ERRORS.md`` tabulates the same probes.
 
 ``{tmp}`` in a probe's arguments stands for a folder holding ``afile`` (a text file), ``empty/`` (an
-empty folder), ``fifo`` (a named pipe), ``dangling`` (a symbolic link to nothing), ``nan.tif`` (a float
+empty folder), ``fifo`` (a named pipe), ``dangling`` (a symbolic link to nothing), ``blocked/`` (a folder
+``pasa.gif/`` and a file ``bf16`` in it: where ``generate`` writes), ``nan.tif`` (a float
 TIFF with NaN pixels), ``cut.png`` (a PNG cut short) and ``rgba.png`` (half of it transparent).
 """
 from __future__ import annotations
@@ -52,6 +53,11 @@ PROBES: list[tuple[str, str]] = [
     ("generate --out {tmp}/fifo", "--out {tmp}/fifo: {tmp}/fifo is a named pipe, not a folder"),
     ("generate --out {tmp}/dangling/videos",
      "--out {tmp}/dangling/videos: {tmp}/dangling is a symbolic link to nothing, not a folder"),
+    ("generate --out {tmp}/blocked", "--out {tmp}/blocked: {tmp}/blocked/pasa.gif is a folder, where the gif video is "
+                                     "to be written; remove it or choose another --out"),
+    ("generate --out {tmp}/blocked --attention bf16 --formats png",
+     "--out {tmp}/blocked: the frame folder {tmp}/blocked/bf16 exists and is not a folder; remove it or choose another "
+     "--out"),
     ("generate --image {tmp}/missing.png", "--image {tmp}/missing.png: no such file"),
     ("generate --image {tmp}/afile", "--image {tmp}/afile: not a readable image (UnidentifiedImageError"),
     ("generate --image {tmp}/nan.tif",
@@ -98,6 +104,8 @@ def tmp(tmp_path_factory) -> Path:
     (folder / "empty").mkdir()
     os.mkfifo(folder / "fifo")
     (folder / "dangling").symlink_to(folder / "nothing")
+    (folder / "blocked" / "pasa.gif").mkdir(parents=True)  # a folder where `--out blocked` writes its GIF
+    (folder / "blocked" / "bf16").write_text("a file where --attention bf16 writes its frame folder\n")
     values = np.linspace(0, 1, 64, dtype=np.float32).reshape(8, 8)
     values[2, 5] = np.nan
     PIL.Image.fromarray(values).save(folder / "nan.tif")
@@ -399,3 +407,23 @@ def test_a_second_generate_of_one_backend_into_one_folder_is_refused_and_a_repla
     monkeypatch.setattr(video, "generate_frames", generate_frames)
     assert main(argv) == 0
     assert f"pasa generate: replacing the earlier pasa video in {out} (pasa.gif, pasa/)\n" in capsys.readouterr().err
+
+
+def test_a_write_error_that_more_room_cannot_cure_is_not_told_to_free_space(tmp_path, capsys, monkeypatch):
+    """The targets are checked up front (a folder where pasa.gif goes is refused before any work); a write refused
+    afterwards for another reason than room (the folder made read-only meanwhile) says so. Was: "free space or
+    choose another --out" for every OSError."""
+    import errno
+
+    from pasa_diffusers import metrics
+
+    out = tmp_path / "out"
+
+    def read_only(*args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", str(out / "pasa.gif"))
+
+    monkeypatch.setattr(metrics, "write_video", read_only)
+    line = main_error(["generate", "--frames", "2", "--steps", "1", "--height", "16", "--width", "16",
+                       "--out", str(out)], capsys)
+    assert line == (f"pasa generate: error: --out {out}: cannot write the video (Permission denied); the frames were "
+                    "made but not saved: make the folder writable or choose another --out, and run again")

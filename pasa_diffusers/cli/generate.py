@@ -2,18 +2,23 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import sys
 from pathlib import Path
 
 from pasa_diffusers.metrics.limits import (MAX_GIF_FPS, MIN_GIF_FPS, VIDEO_FORMATS, fps_argument, formats_argument,
-                                           formats_problem)
+                                           formats_problem, video_targets_problem)
 
 from ..backends import BACKENDS, missing
 from .common import (UsageError, add_generation_args, backend_help, check_key_blocks, conditioning_notice,
                      generation_settings, load_condition_image, load_model, validate_generation_args)
 
 __all__ = ["add_parser", "validate", "lock_out", "run"]
+
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+"""Write errors that more room cures: a full disk, a quota, a file-size limit (the targets were checked up front)."""
 
 
 def _finite_note(frames) -> str:
@@ -33,6 +38,9 @@ def validate(args: argparse.Namespace) -> None:
     if problem is not None:
         raise UsageError(f"--formats {','.join(args.formats)}: {problem}")
     validate_generation_args(args)
+    problem = video_targets_problem(args.out, args.attention, args.formats)  # a folder where pasa.gif goes, ...
+    if problem is not None:
+        raise UsageError(f"--out {args.out}: {problem}")
     lock_out(args)
 
 
@@ -75,11 +83,6 @@ def _generate(args: argparse.Namespace) -> int:
 
     from .. import install
 
-    if "png" in args.formats:  # the frame folder of --attention is replaced whole: refuse one holding other files now
-        try:
-            metrics.video.check_frame_folder(Path(args.out) / args.attention)
-        except ValueError as exc:
-            raise UsageError(f"--out {args.out}: {exc}") from exc
     pipe = load_model(args, video=True)
     settings = generation_settings(args, pipe)
     check_key_blocks(pipe, settings, [args.attention], "--attention")
@@ -99,8 +102,10 @@ def _generate(args: argparse.Namespace) -> int:
     try:
         written = metrics.write_video(frames, args.out, args.attention, fps=args.fps, formats=args.formats)
     except OSError as exc:  # a full disk, a folder made read-only meanwhile: no partial file is left (write_video)
+        advice = ("free space or choose another --out" if exc.errno in _NO_SPACE
+                  else "make the folder writable or choose another --out")
         raise UsageError(f"--out {args.out}: cannot write the video ({exc.strerror or exc}); the frames were made "
-                         "but not saved: free space or choose another --out, and run again") from exc
+                         f"but not saved: {advice}, and run again") from exc
     print(json.dumps({"installed": summary["counts"], "processors": summary["processors"],
                       "attention_dtype": summary["attention_dtype"], "calls": fallbacks["calls"],
                       "fallbacks": fallbacks["fallbacks"]}, indent=2))
