@@ -151,6 +151,33 @@ def test_argument_mistakes_are_one_fast_line(args, message, tmp):
     assert seconds < FAST_S, f"{seconds:.1f} s: something heavy was imported before the arguments were checked"
 
 
+_MODEL = "a built-in model, a hub id 'org/name' or a saved folder"
+EMPTY: list[tuple[list[str], str]] = [
+    (["generate", "--out", ""], "argument --out: expected a folder, got an empty string"),
+    (["generate", "--model", ""], f"argument --model: expected {_MODEL}, got an empty string"),
+    (["generate", "--image", ""], "argument --image: expected an image file or builtin:NAME, got an empty string"),
+    (["compare", "--out", ""], "argument --out: expected a folder, got an empty string"),
+    (["compare", "--model", ""], f"argument --model: expected {_MODEL}, got an empty string"),
+    (["compare", "--lpips-weights", ""], "argument --lpips-weights: expected a file, got an empty string"),
+    (["diagnose", "--out", ""], "argument --out: expected a folder, got an empty string"),
+    (["numerics", "--out", ""], "argument --out: expected a folder, got an empty string"),
+    (["save-model", "--model", "tiny", ""], "argument DIR: expected a folder, got an empty string"),
+    (["save-model", "--model", "", "new"], f"argument --model: expected {_MODEL}, got an empty string"),
+    (["warmup", "--model", ""], f"argument --model: expected {_MODEL}, got an empty string"),
+    (["warmup", "--model", "tiny", "--image", ""],
+     "argument --image: expected an image file or builtin:NAME, got an empty string"),
+]
+
+
+@pytest.mark.parametrize("argv, message", EMPTY, ids=[" ".join(arg or "''" for arg in a) for a, _ in EMPTY])
+def test_an_empty_path_is_refused_naming_the_flag(argv, message, tmp_path):
+    """An empty string is no path (was: ``--out ''`` wrote into the current folder, ``--model ''`` read it as a
+    pipeline folder); nothing is written into the current folder."""
+    done, seconds = pasa(argv)
+    assert_usage_error(done, argv[0], message)
+    assert seconds < FAST_S and list(tmp_path.iterdir()) == []
+
+
 def test_arguments_are_checked_before_torch_is_imported(tmp):
     code = ("import sys; from pasa_diffusers.cli import main; "
             f"status = main(['generate', '--image', {str(tmp / 'afile')!r}]); "

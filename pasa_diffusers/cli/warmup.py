@@ -27,8 +27,8 @@ from typing import Any, TextIO
 
 from .. import env
 from ..backends import BACKENDS
-from .common import (UsageError, add_generation_args, backend_help, check_image, check_model, device, int_range,
-                     model_help)
+from .common import (IMAGE, MODEL, UsageError, add_generation_args, backend_help, check_image, check_model, device,
+                     int_range, model_help)
 
 __all__ = ["ANNOUNCED", "OUR_BACKENDS", "CompileNotice", "add_parser", "announce_compiling", "parse_shape", "run",
            "validate", "fewest_steps", "warm_model", "warm_shapes"]
@@ -254,7 +254,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "(nothing written) at pasa generate's size flags and defaults, so the same "
                                    "kernels as pasa generate with those flags; --shapes runs the op once per "
                                    "shape. A progress bar counts the kernels compiled and those already cached.")
-    p.add_argument("--model", default=None, help=model_help(None))
+    p.add_argument("--model", type=MODEL, default=None, help=model_help(None))
     p.add_argument("--shapes", nargs="+", type=parse_shape, default=[], metavar="B,H,N,D[,NK[,HK]]",
                    help="attention shapes to compile for: batch, query heads, queries, head dim, and optionally keys "
                         "(default N) and key heads (default H); inputs in diffusers' (B, N, H, D) memory")
@@ -271,7 +271,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    f"generate's, {defaults['height']} for SVD, a video transformer's own)")
     p.add_argument("--width", type=_SIZE, default=None, help="--model: frame width in pixels (default: pasa "
                    f"generate's, {defaults['width']} for SVD, a video transformer's own)")
-    p.add_argument("--image", default="builtin:rocket", help="--model: an SVD pipeline's conditioning image, as "
+    p.add_argument("--image", type=IMAGE, default="builtin:rocket", help="--model: an SVD pipeline's conditioning image, as "
                    "pasa generate takes it (default builtin:rocket; its size is what matters)")
     p.add_argument("--local-files-only", action="store_true", help="never contact the Hugging Face hub")
     p.set_defaults(func=run, svd_defaults=defaults, seed=0, steps=1)
