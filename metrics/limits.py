@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 __all__ = ["MIN_GIF_FPS", "MAX_GIF_FPS", "VIDEO_FORMATS", "fps_problem", "fps_argument", "formats_argument",
-           "formats_problem", "frame_folder_problem", "video_targets_problem"]
+           "formats_problem", "frame_folder_problem", "file_target_problem", "video_targets_problem"]
 
 VIDEO_FORMATS = ("mp4", "gif", "png")
 """The files a video is written as: an H.264 mp4 (through imageio-ffmpeg), a GIF, a folder of PNG frames."""
@@ -108,12 +108,20 @@ def video_targets_problem(out_dir: str | os.PathLike, name: str, formats: Sequen
             if problem is not None:
                 return problem
             continue
-        path = out_dir / f"{name}.{kind}"
-        try:
-            mode = os.lstat(path).st_mode
-        except FileNotFoundError:
-            continue
-        what = next((words for test, words in _KINDS if test(mode)), None)
-        if what is not None:
-            return f"{path} is {what}, where the {kind} video is to be written; remove it or choose another --out"
+        problem = file_target_problem(out_dir / f"{name}.{kind}", f"the {kind} video")
+        if problem is not None:
+            return problem
     return None
+
+
+def file_target_problem(path: str | os.PathLike, what: str) -> str | None:
+    """Why a file (``what``, in words) cannot be put at ``path`` by a rename onto it, or ``None``: ``path`` is a folder,
+    a named pipe, a device or a socket (absent, a file or a symbolic link, which the rename replaces, are fine)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    kind = next((words for test, words in _KINDS if test(mode)), None)
+    if kind is None:
+        return None
+    return f"{path} is {kind}, where {what} is to be written; remove it or choose another --out"

@@ -428,12 +428,12 @@ def test_a_second_generate_of_one_backend_into_one_folder_is_refused_and_a_repla
                                          "end, or choose another --out")
     assert seconds < FAST_S
     assert other.returncode == 0 and "replacing" not in other.stderr, other.stderr[-2000:]
-    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == ["bf16", "bf16.gif", "pasa",
-                                                                                  "pasa.gif"]
+    assert sorted(p.name for p in out.iterdir()) == ["bf16", "bf16.gif", "bf16.json", "pasa", "pasa.gif", "pasa.json"]
 
     monkeypatch.setattr(video, "generate_frames", generate_frames)
     assert main(argv) == 0
-    assert f"pasa generate: replacing the earlier pasa video in {out} (pasa.gif, pasa/)\n" in capsys.readouterr().err
+    assert f"pasa generate: replacing the earlier pasa video in {out} (pasa.gif, pasa/, pasa.json)\n" in \
+        capsys.readouterr().err
 
 
 def test_a_write_error_that_more_room_cannot_cure_is_not_told_to_free_space(tmp_path, capsys, monkeypatch):
