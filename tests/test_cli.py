@@ -20,6 +20,23 @@ from pasa_diffusers.pipelines.names import BUILTIN_MODELS
 SMALL = ["--frames", "2", "--steps", "2", "--height", "32", "--width", "32"]
 
 
+def test_version_says_what_a_bug_report_needs(capsys):
+    """``pasa --version`` (was: "unrecognized arguments"): the package, then Python, torch with its CUDA build and the
+    GPU it sees, diffusers, transformers and triton, each as installed."""
+    import importlib.metadata
+    import platform
+
+    import diffusers
+
+    assert main(["--version"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"pasa-diffusers {importlib.metadata.version('pasa-diffusers')}"
+    assert lines[1].startswith(f"python {platform.python_version()}, torch {torch.__version__} (")
+    assert f"), diffusers {diffusers.__version__}, " in lines[1] and len(lines) == 2
+    gpu = f"GPU {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "no CUDA device"
+    assert f", {gpu}), " in lines[1]
+
+
 def test_generate_prints_a_few_lines_and_writes_its_summary_beside_the_video(tmp_path, capsys):
     """stdout is what a user reads: the attention in one line, whether the frames are finite, the files written; the
     processors' summary goes to OUT/BACKEND.json (was: a 25-line JSON on stdout on every run)."""
