@@ -72,9 +72,12 @@ def _generate_svd_defaults() -> dict[str, int]:
 
 def validate(args: argparse.Namespace) -> None:
     """Refuse, before torch is imported: no work named, a CPU device, the interpreter on; then a machine
-    without the CUDA device and an unknown model or image."""
+    without the CUDA device (naming ``--device`` only where it was given; not given, it is ``cuda``) and an unknown
+    model or image."""
     if args.model is None and not args.shapes:
         raise UsageError("give --model MODEL (a model's attention calls) or --shapes B,H,N,D ... (the op's), or both")
+    given = args.device is not None
+    args.device = args.device or "cuda"
     if not args.device.startswith("cuda"):
         raise UsageError(f"--device {args.device}: warmup compiles the kernels for a CUDA GPU (on the CPU they run "
                          "in Triton's interpreter or the PyTorch reference, nothing to compile); use --device cuda")
@@ -89,7 +92,9 @@ def validate(args: argparse.Namespace) -> None:
     index = int(args.device.partition(":")[2] or 0)
     if not torch.cuda.is_available():
         raise UsageError(f"--device {args.device}: no CUDA device on this machine (torch {torch.__version__}); "
-                         "warmup compiles the kernels for the GPU it runs on")
+                         "warmup compiles the kernels for the GPU it runs on" if given else
+                         f"no CUDA device on this machine (torch {torch.__version__}); warmup compiles the kernels "
+                         "for the GPU it runs on, a CUDA device (--device cuda, the default, or cuda:N)")
     if index >= torch.cuda.device_count():
         raise UsageError(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
                          f"indices 0..{torch.cuda.device_count() - 1}")
@@ -260,7 +265,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "(default N) and key heads (default H); inputs in diffusers' (B, N, H, D) memory")
     p.add_argument("--attention", choices=OUR_BACKENDS, default="pasa", metavar="BACKEND",
                    help=f"the backend whose kernels to compile (default pasa): {backend_help(OUR_BACKENDS)}")
-    p.add_argument("--device", type=device, default="cuda", help="cuda or cuda:N (default cuda)")
+    p.add_argument("--device", type=device, default=None, help="cuda or cuda:N (default cuda)")
     p.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], default=None,
                    help="--model: the model's dtype (default fp16); --shapes: the inputs' (fp16 or bf16, default fp16)")
     defaults = _generate_svd_defaults()
