@@ -10,6 +10,7 @@ TIFF with NaN pixels), ``cut.png`` (a PNG cut short) and ``rgba.png`` (half of i
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -317,6 +318,22 @@ def test_a_folder_missing_a_component(saved, tmp_path, capsys):
     line = main_error(["generate", "--model", str(folder), "--out", str(tmp_path / "out")], capsys)
     assert line == (f"pasa generate: error: --model {folder}: folder model='{folder}' lacks the component folder(s) "
                     "['image_encoder'] that its model_index.json lists; save the pipeline again with save_pretrained()")
+
+
+def test_a_model_load_error_is_the_one_line_on_stderr(saved, tmp_path):
+    """Through the console script, nothing comes before the error line: diffusers' "Loading pipeline components..." and
+    transformers' "Loading weights" bars are held back while a pipeline loads (``pipelines.quiet``; ``--debug`` shows
+    them). Was: two or three progress bars, then the line."""
+    folder = tmp_path / "tiny"
+    shutil.copytree(saved, folder)
+    config = folder / "unet" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "transformer_layers_per_block": 2}))
+    done, _ = pasa(["generate", "--model", str(folder), "--out", str(tmp_path / "out")])
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.startswith(f"pasa generate: error: --model {folder}: component folder {folder / 'unet'}: "
+                                  "config.json and weights disagree: 276 tensor(s)") and done.stderr.count("\n") == 1
+    shown, _ = pasa(["--debug", "generate", "--model", str(folder), "--out", str(tmp_path / "out")])
+    assert "Loading pipeline components" in shown.stderr  # the probe sees what it holds back
 
 
 @pytest.mark.skipif(importlib.util.find_spec("fa3_fwd_interface") is not None, reason="fa3-fwd is installed here")
