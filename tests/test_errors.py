@@ -323,7 +323,8 @@ def test_a_folder_missing_a_component(saved, tmp_path, capsys):
 def test_a_model_load_error_is_the_one_line_on_stderr(saved, tmp_path):
     """Through the console script, nothing comes before the error line: diffusers' "Loading pipeline components..." and
     transformers' "Loading weights" bars are held back while a pipeline loads (``pipelines.quiet``; ``--debug`` shows
-    them). Was: two or three progress bars, then the line."""
+    them). Was: two or three progress bars, then the line. Weights stored as int32 are such an error too (were cast
+    to float without a word: a video of noise, exit 0)."""
     folder = tmp_path / "tiny"
     shutil.copytree(saved, folder)
     config = folder / "unet" / "config.json"
@@ -334,6 +335,17 @@ def test_a_model_load_error_is_the_one_line_on_stderr(saved, tmp_path):
                                   "config.json and weights disagree: 276 tensor(s)") and done.stderr.count("\n") == 1
     shown, _ = pasa(["--debug", "generate", "--model", str(folder), "--out", str(tmp_path / "out")])
     assert "Loading pipeline components" in shown.stderr  # the probe sees what it holds back
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(saved, folder, dirs_exist_ok=True)  # the config restored; the UNet's weights stored as int32
+    weights = folder / "unet" / "diffusion_pytorch_model.safetensors"
+    save_file({key: tensor.to(torch.int32) for key, tensor in load_file(weights).items()}, weights)
+    done, _ = pasa(["generate", "--model", str(folder), "--out", str(tmp_path / "out")])
+    assert done.returncode == 2 and done.stdout == "" and done.stderr.count("\n") == 1
+    assert done.stderr.startswith(f"pasa generate: error: --model {folder}: component folder {folder / 'unet'}: ")
+    assert "in the weights are integers (int32) where the model holds floating-point values" in done.stderr
 
 
 @pytest.mark.skipif(importlib.util.find_spec("fa3_fwd_interface") is not None, reason="fa3-fwd is installed here")
