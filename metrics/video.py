@@ -132,9 +132,9 @@ def write_video(
     """Write ``frames`` in each of ``formats``: ``<name>.mp4``, ``<name>.gif``, PNGs in ``<name>/``.
 
     The frames, ``fps``, ``formats`` and every target (``limits.video_targets_problem``: no folder where a file goes,
-    a frame folder of frames alone) are checked before anything is written, and every path returned exists. Each file replaces an earlier one of the same name whole, and the frame
-    folder is replaced whole: the folder holds one video, never frames of two. Returns ``{format: path}``; for
-    ``"png"`` the path is the folder of frames.
+    a frame folder of frames alone) are checked before anything is written, and every path returned exists. Each
+    file replaces an earlier one of the same name whole, and the frame folder is replaced whole: the folder holds one
+    video, never frames of two. Returns ``{format: path}``; for ``"png"`` the path is the folder of frames.
     """
     unknown = sorted(set(formats) - set(VIDEO_FORMATS))
     if unknown:

@@ -147,7 +147,8 @@ def check_weights_cover(pipe: Any, root: Path, who: str = "load_svd") -> None:
     """Refuse (``ModelLoadError``) a loaded pipeline where a model component's weights in ``root/<component>``
     do not hold exactly its state dict: a tensor its ``config.json`` makes but the weights lack would run
     randomly initialised (diffusers only logs "newly initialized"), one the weights hold but the model lacks
-    is silently dropped, one stored as integers where the model holds floats (int32 weights) was cast silently.  Tensors a model class declares ignorable (``_keys_to_ignore_on_load_missing`` /
+    is silently dropped, one stored as integers where the model holds floats (int32 weights) was cast silently.
+    Tensors a model class declares ignorable (``_keys_to_ignore_on_load_missing`` /
     ``_unexpected``) and tied copies of a stored tensor are not counted."""
     for name, module in pipe.components.items():
         folder = root / name

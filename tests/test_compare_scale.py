@@ -262,10 +262,9 @@ def test_the_committed_sample_report_is_built_from_its_records_and_the_docs_quot
     report = json.loads((SAMPLE_DIR / "report.json").read_text())
     logged = runlog.read_log(SAMPLE_DIR / runlog.SAMPLES)
     meta = {key: report[key] for key in ("command", "versions", "model", "model_note", "settings", "lpips")}
-    built = metrics.build_report(logged, backends=report["settings"]["backends"], meta=meta,
-                                 worst=compare.CompareConfig.worst,
-                                 video=lambda r: compare._video_name(r) if (SAMPLE_DIR / compare._video_name(r)).is_file()
-                                 else "")
+    built = metrics.build_report(
+        logged, backends=report["settings"]["backends"], meta=meta, worst=compare.CompareConfig.worst,
+        video=lambda r: compare._video_name(r) if (SAMPLE_DIR / compare._video_name(r)).is_file() else "")
     assert json.loads(dumps(built)) == report
     assert metrics.format_markdown(report, ["distributions.png", "psnr_per_frame.png"]) == \
         (SAMPLE_DIR / "report.md").read_text()
@@ -276,7 +275,8 @@ def test_the_committed_sample_report_is_built_from_its_records_and_the_docs_quot
     assert f"the default is {gain['mean']:.1f} dB closer to FP32 than BF16 attention" in readme
     assert "`OMP_NUM_THREADS=1 pasa compare --out samples/compare`" in readme and \
         report["command"] == "pasa compare --out samples/compare"
-    sentence = re.search(r"`(pasa is [\d.]+ dB \(95 % CI .*? over 6 samples\.)`", (ROOT / "docs/METRICS.md").read_text())
+    metrics_doc = (ROOT / "docs/METRICS.md").read_text()
+    sentence = re.search(r"`(pasa is [\d.]+ dB \(95 % CI .*? over 6 samples\.)`", metrics_doc)
     assert sentence and f"- {sentence.group(1)}\n" in (SAMPLE_DIR / "report.md").read_text()
 
 

@@ -320,8 +320,8 @@ def test_integer_weights_where_the_model_holds_floats_are_refused(saved, tmp_pat
     weights = folder / "unet" / "diffusion_pytorch_model.safetensors"
     state = load_file(weights)
     save_file({key: tensor.to(torch.int32) for key, tensor in state.items()}, weights)
-    with pytest.raises(ModelLoadError, match=rf"^load_svd: component folder {folder / 'unet'}: {len(state)} tensor\(s\) "
-                                             r"in the weights are integers \(int32\) where the model holds "
+    with pytest.raises(ModelLoadError, match=rf"^load_svd: component folder {folder / 'unet'}: {len(state)} "
+                                             r"tensor\(s\) in the weights are integers \(int32\) where the model holds "
                                              r"floating-point values \(add_embedding.linear_1.bias, .*, ... "
                                              rf"\({len(state)} in all\)\): not this model's weights; save the "
                                              r"pipeline again with save_pretrained\(\)$"):

@@ -247,9 +247,10 @@ def test_generate_through_the_console_script(tmp_path):
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0].startswith("text encoder replaced by fixed prompt embeddings: unit Gaussians of 512 tokens x 24")
+    written = (("mp4", "pasa.mp4"), ("gif", "pasa.gif"), ("png", "pasa"), ("summary", "pasa.json"))
     assert lines[1:] == ["attention: pasa in 4 layers (PASAAttnProcessor via WanAttnProcessor, in float16); 16 calls, "
-                         "none by a fallback", "all frames finite", *(f"wrote {kind}: {tmp_path / name}" for kind, name in
-                         (("mp4", "pasa.mp4"), ("gif", "pasa.gif"), ("png", "pasa"), ("summary", "pasa.json")))]
+                         "none by a fallback", "all frames finite",
+                         *(f"wrote {kind}: {tmp_path / name}" for kind, name in written)]
     report = json.loads((tmp_path / "pasa.json").read_text())
     assert report["processors"]["video-self"] == report["processors"]["video-cross"] == \
         "PASAAttnProcessor via WanAttnProcessor"

@@ -149,9 +149,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "pipeline such as tiny-wan, tiny-ltx-video, tiny-cogvideox, tiny-hunyuan-video or "
                                    "tiny-mochi, generate from fixed prompt embeddings), its attention "
                                    "computed by --attention, from the initial noise of --seed; write the video as "
-                                   "mp4, gif and PNG frames (--formats) into --out; print the attention in one line (its "
-                                   "processors, calls and fallbacks), whether every frame is finite and the files "
-                                   "written; the summary in full goes to --out/BACKEND.json.")
+                                   "mp4, gif and PNG frames (--formats) into --out; print the attention in one line "
+                                   "(its processors, calls and fallbacks), whether every frame is finite and the "
+                                   "files written; the summary in full goes to --out/BACKEND.json.")
     add_generation_args(p, "out/generate", video=True)
     p.add_argument("--attention", choices=tuple(BACKENDS), default="pasa", metavar="BACKEND",
                    help=f"the attention backend (default pasa): {backend_help(tuple(BACKENDS))}")

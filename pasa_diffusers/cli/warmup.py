@@ -276,7 +276,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    f"generate's, {defaults['height']} for SVD, a video transformer's own)")
     p.add_argument("--width", type=_SIZE, default=None, help="--model: frame width in pixels (default: pasa "
                    f"generate's, {defaults['width']} for SVD, a video transformer's own)")
-    p.add_argument("--image", type=IMAGE, default="builtin:rocket", help="--model: an SVD pipeline's conditioning image, as "
+    p.add_argument("--image", type=IMAGE, default="builtin:rocket",
+                   help="--model: an SVD pipeline's conditioning image, as "
                    "pasa generate takes it (default builtin:rocket; its size is what matters)")
     p.add_argument("--local-files-only", action="store_true", help="never contact the Hugging Face hub")
     p.set_defaults(func=run, svd_defaults=defaults, seed=0, steps=1)
