@@ -320,32 +320,43 @@ def test_a_folder_missing_a_component(saved, tmp_path, capsys):
                     "['image_encoder'] that its model_index.json lists; save the pipeline again with save_pretrained()")
 
 
-def test_a_model_load_error_is_the_one_line_on_stderr(saved, tmp_path):
-    """Through the console script, nothing comes before the error line: diffusers' "Loading pipeline components..." and
-    transformers' "Loading weights" bars are held back while a pipeline loads (``pipelines.quiet``; ``--debug`` shows
-    them). Was: two or three progress bars, then the line. Weights stored as int32 are such an error too (were cast
-    to float without a word: a video of noise, exit 0)."""
+def test_a_model_load_error_is_the_one_line_on_stderr(saved, tmp_path, capsys):
+    """Nothing comes before the error line: diffusers' "Loading pipeline components..." and transformers' "Loading
+    weights" bars are held back while a pipeline loads (``pipelines.quiet``; ``--debug`` shows them). Was: two or
+    three progress bars, then the line. Weights stored as int32 are such an error too (were cast to float without a
+    word: a video of noise, exit 0)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from pasa_diffusers.cli import main
+    from pasa_diffusers.cli.common import UsageError
+    from pasa_diffusers.pipelines import quiet
+
     folder = tmp_path / "tiny"
     shutil.copytree(saved, folder)
     config = folder / "unet" / "config.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), "transformer_layers_per_block": 2}))
-    done, _ = pasa(["generate", "--model", str(folder), "--out", str(tmp_path / "out")])
-    assert done.returncode == 2 and done.stdout == ""
-    assert done.stderr.startswith(f"pasa generate: error: --model {folder}: component folder {folder / 'unet'}: "
-                                  "config.json and weights disagree: 276 tensor(s)") and done.stderr.count("\n") == 1
-    shown, _ = pasa(["--debug", "generate", "--model", str(folder), "--out", str(tmp_path / "out")])
-    assert "Loading pipeline components" in shown.stderr  # the probe sees what it holds back
-
-    import torch
-    from safetensors.torch import load_file, save_file
+    argv = ["generate", "--model", str(folder), "--out", str(tmp_path / "out")]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"pasa generate: error: --model {folder}: component folder {folder / 'unet'}: "
+                                        "config.json and weights disagree: 276 tensor(s)") and err.count("\n") == 1
 
     shutil.copytree(saved, folder, dirs_exist_ok=True)  # the config restored; the UNet's weights stored as int32
     weights = folder / "unet" / "diffusion_pytorch_model.safetensors"
     save_file({key: tensor.to(torch.int32) for key, tensor in load_file(weights).items()}, weights)
-    done, _ = pasa(["generate", "--model", str(folder), "--out", str(tmp_path / "out")])
-    assert done.returncode == 2 and done.stdout == "" and done.stderr.count("\n") == 1
-    assert done.stderr.startswith(f"pasa generate: error: --model {folder}: component folder {folder / 'unet'}: ")
-    assert "in the weights are integers (int32) where the model holds floating-point values" in done.stderr
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err.startswith(f"pasa generate: error: --model {folder}: component folder {folder / 'unet'}: 626 tensor(s) "
+                          "in the weights are integers (int32) where the model holds floating-point values")
+
+    try:
+        with pytest.raises(UsageError):
+            main(["--debug", *argv])
+        assert "Loading pipeline components" in capsys.readouterr().err  # the probe sees what it holds back
+    finally:
+        quiet.show(None)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("fa3_fwd_interface") is not None, reason="fa3-fwd is installed here")
@@ -443,20 +454,21 @@ def test_a_second_generate_of_one_backend_into_one_folder_is_refused_and_a_repla
     generate_frames = video.generate_frames
 
     def others_start_meanwhile(*args, **kwargs):
-        meanwhile["same"] = pasa(argv)
-        meanwhile["other"] = pasa([*argv, "--attention", "bf16"], env={"OMP_NUM_THREADS": "1"})
+        if not meanwhile:  # the first run's generation (the bf16 run below generates too)
+            meanwhile["same"] = pasa(argv)  # another process
+            meanwhile["other"] = main([*argv, "--attention", "bf16"])  # in this one: its own lock file, its own files
         return generate_frames(*args, **kwargs)
 
     monkeypatch.setattr(video, "generate_frames", others_start_meanwhile)
     assert main(argv) == 0
     first = capsys.readouterr()
     assert "replacing" not in first.err and f"wrote gif: {out / 'pasa.gif'}" in first.out
-    (same, seconds), (other, _) = meanwhile["same"], meanwhile["other"]
+    assert f"wrote gif: {out / 'bf16.gif'}" in first.out and meanwhile["other"] == 0
+    same, seconds = meanwhile["same"]
     assert_usage_error(same, "generate", f"--out {out}: another pasa generate is writing the pasa video into this "
                                          f"folder (pid and host {os.getpid()} {socket.gethostname()}); wait for it to "
                                          "end, or choose another --out")
     assert seconds < FAST_S
-    assert other.returncode == 0 and "replacing" not in other.stderr, other.stderr[-2000:]
     assert sorted(p.name for p in out.iterdir()) == ["bf16", "bf16.gif", "bf16.json", "pasa", "pasa.gif", "pasa.json"]
 
     monkeypatch.setattr(video, "generate_frames", generate_frames)
