@@ -42,8 +42,8 @@ from matplotlib.ticker import MaxNLocator
 from . import stats
 from .records import atomic_path, count, dumps, from_json_float, markdown_table, write_synced
 
-__all__ = ["METRICS", "worst_key", "build_report", "write_report", "table_rows", "paired_rows", "verdict",
-           "format_table", "format_markdown"]
+__all__ = ["METRICS", "worst_key", "worst_records", "build_report", "write_report", "table_rows", "paired_rows",
+           "verdict", "format_table", "format_markdown"]
 
 METRICS: dict[str, tuple[str, str]] = {
     "psnr": ("PSNR dB", ".2f"),
@@ -94,11 +94,15 @@ def worst_key(record: dict[str, Any]) -> tuple[int, float] | None:
     return -record["nonfinite_frames"], -math.inf if math.isnan(psnr) else psnr
 
 
+def worst_records(records: Sequence[dict[str, Any]], count: int) -> list[dict[str, Any]]:
+    """The ``count`` worst of one backend's ``records`` (in sample order) by ``worst_key``: those the report lists."""
+    return sorted((r for r in records if worst_key(r) is not None), key=worst_key)[:count]
+
+
 def _worst(records: list[dict[str, Any]], count: int, video: Callable[[dict[str, Any]], str]) -> list[dict]:
-    """The ``count`` worst of ``records`` (in sample order) by ``worst_key``."""
-    ranked = sorted((r for r in records if worst_key(r) is not None), key=worst_key)
+    """The report's entries of the ``count`` worst of ``records`` (``worst_records``)."""
     return [{"sample": r["sample"], "image": r["image"], "seed": r["seed"], "psnr": r["psnr"], "ssim": r["ssim"],
-             "nonfinite_frames": r["nonfinite_frames"], "video": video(r)} for r in ranked[:count]]
+             "nonfinite_frames": r["nonfinite_frames"], "video": video(r)} for r in worst_records(records, count)]
 
 
 def build_report(records: Sequence[dict[str, Any]], *, backends: Sequence[str], meta: dict[str, Any],

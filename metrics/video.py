@@ -9,7 +9,6 @@ that an overflowing backend is visible in every written file.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,7 +18,7 @@ import imageio.v3 as iio
 import numpy as np
 from matplotlib import colormaps
 
-from .limits import VIDEO_FORMATS, fps_problem
+from .limits import VIDEO_FORMATS, fps_problem, frame_folder_problem, video_targets_problem
 from .quality import validate_video
 from .records import atomic_path, write_atomic
 
@@ -68,18 +67,10 @@ def write_png_frames(frames: np.ndarray, out_dir: str | Path, prefix: str = "fra
 
 def check_frame_folder(out_dir: str | Path, prefix: str = "frame") -> None:
     """Refuse (``ValueError``) an ``out_dir`` that exists as something other than a folder of ``<prefix>_NNNN.png``
-    frames: ``write_png_frames`` would replace it whole."""
-    out_dir = Path(out_dir)
-    if not (out_dir.exists() or out_dir.is_symlink()):
-        return
-    if out_dir.is_symlink() or not out_dir.is_dir():
-        raise ValueError(f"the frame folder {out_dir} exists and is not a folder; remove it or choose another --out")
-    frame = re.compile(rf"{re.escape(prefix)}_\d{{4,}}\.png")
-    other = sorted(entry.name for entry in out_dir.iterdir() if not (frame.fullmatch(entry.name) and entry.is_file()))
-    if other:
-        raise ValueError(f"the frame folder {out_dir} holds {other[0]!r}, which is not a {prefix}_NNNN.png frame; a "
-                         "new video replaces that folder whole only when it holds frames alone: remove it or choose "
-                         "another --out")
+    frames: ``write_png_frames`` would replace it whole (``limits.frame_folder_problem``)."""
+    problem = frame_folder_problem(out_dir, prefix)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def write_gif(frames: np.ndarray, path: str | Path, fps: float = 7) -> Path:
@@ -140,10 +131,10 @@ def write_video(
 ) -> dict[str, Path]:
     """Write ``frames`` in each of ``formats``: ``<name>.mp4``, ``<name>.gif``, PNGs in ``<name>/``.
 
-    The frames, ``fps``, ``formats`` and the frame folder (``write_png_frames``) are checked before anything is
-    written, and every path returned exists. Each file replaces an earlier one of the same name whole, and the frame
-    folder is replaced whole: the folder holds one video, never frames of two. Returns ``{format: path}``; for
-    ``"png"`` the path is the folder of frames.
+    The frames, ``fps``, ``formats`` and every target (``limits.video_targets_problem``: no folder where a file goes,
+    a frame folder of frames alone) are checked before anything is written, and every path returned exists. Each
+    file replaces an earlier one of the same name whole, and the frame folder is replaced whole: the folder holds one
+    video, never frames of two. Returns ``{format: path}``; for ``"png"`` the path is the folder of frames.
     """
     unknown = sorted(set(formats) - set(VIDEO_FORMATS))
     if unknown:
@@ -153,8 +144,9 @@ def write_video(
     validate_video(frames, "frames")
     _check_fps(fps)
     out_dir = Path(out_dir)
-    if "png" in formats:
-        check_frame_folder(out_dir / name, "frame")
+    problem = video_targets_problem(out_dir, name, formats)  # every target, before the first file is written
+    if problem is not None:
+        raise ValueError(problem)
     written: dict[str, Path] = {}
     if "mp4" in formats:
         written["mp4"] = write_mp4(frames, out_dir / f"{name}.mp4", fps=fps)

@@ -123,13 +123,20 @@ def index_problem(index: dict[str, Any], pipeline: type, left_out: tuple[str, ..
     return None
 
 
-def _weight_keys(folder: Path) -> set[str]:
-    """The tensor names stored in the safetensors files of one component folder (headers only)."""
-    keys: set[str] = set()
+def _weight_dtypes(folder: Path) -> dict[str, str]:
+    """The tensor names stored in the safetensors files of one component folder, each with its safetensors dtype
+    (``F32``, ``BF16``, ``I32``, ``BOOL``, ...; headers only)."""
+    dtypes: dict[str, str] = {}
     for file in folder.glob("*.safetensors"):
         with safe_open(file, framework="pt") as handle:
-            keys.update(handle.keys())
-    return keys
+            dtypes.update({key: handle.get_slice(key).get_dtype() for key in handle.keys()})
+    return dtypes
+
+
+_INTEGER = re.compile(r"BOOL|U?I\d+")
+"""safetensors dtypes of integers and booleans (``I32``, ``U8``, ``BOOL``, ...)."""
+_DTYPE_NAMES = {"BOOL": "bool", **{f"I{bits}": f"int{bits}" for bits in (8, 16, 32, 64)},
+                **{f"U{bits}": f"uint{bits}" for bits in (8, 16, 32, 64)}}
 
 
 def _key_list(keys: list[str]) -> str:
@@ -140,16 +147,25 @@ def check_weights_cover(pipe: Any, root: Path, who: str = "load_svd") -> None:
     """Refuse (``ModelLoadError``) a loaded pipeline where a model component's weights in ``root/<component>``
     do not hold exactly its state dict: a tensor its ``config.json`` makes but the weights lack would run
     randomly initialised (diffusers only logs "newly initialized"), one the weights hold but the model lacks
-    is silently dropped.  Tensors a model class declares ignorable (``_keys_to_ignore_on_load_missing`` /
+    is silently dropped, one stored as integers where the model holds floats (int32 weights) was cast silently.
+    Tensors a model class declares ignorable (``_keys_to_ignore_on_load_missing`` /
     ``_unexpected``) and tied copies of a stored tensor are not counted."""
     for name, module in pipe.components.items():
         folder = root / name
         if not isinstance(module, torch.nn.Module) or not folder.is_dir():
             continue
-        stored = _weight_keys(folder)
+        stored = _weight_dtypes(folder)
         if not stored:
             continue
         state = module.state_dict()
+        integer = sorted(key for key, dtype in stored.items()
+                         if _INTEGER.fullmatch(dtype) and key in state and state[key].is_floating_point())
+        if integer:
+            kinds = ", ".join(sorted({_DTYPE_NAMES.get(stored[key], stored[key]) for key in integer}))
+            raise ModelLoadError(f"{who}: component folder {folder}: {len(integer)} tensor(s) in the weights are "
+                                 f"integers ({kinds}) where the model holds floating-point values "
+                                 f"({_key_list(integer)}): not this model's weights; save the pipeline again with "
+                                 "save_pretrained()")
         present = {ptr for key, tensor in state.items() if key in stored and (ptr := tensor.data_ptr())}  # not meta
 
         def ignored(key: str, kind: str) -> bool:

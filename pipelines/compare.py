@@ -47,7 +47,7 @@ import torch
 from pasa_diffusers import block_tally, install, metrics
 from pasa_diffusers.backends import COMPARED, DEFAULT_COMPARED, REFERENCE
 from pasa_diffusers.metrics import records
-from pasa_diffusers.metrics.report import worst_key
+from pasa_diffusers.metrics.report import worst_key, worst_records
 
 from . import runlog, svd, video
 from .distributed import Dist
@@ -385,6 +385,13 @@ def _preview(frames: np.ndarray) -> np.ndarray:
     return frames[:, :h, :w].reshape(n, h // f, f, w // f, f, c).mean(axis=(2, 4))
 
 
+def _write_side_by_side(out: Path, record: dict[str, Any], reference: np.ndarray, frames: np.ndarray,
+                        fps: float) -> Path:
+    """Write ``record``'s side-by-side GIF (``_video_name``) of its ``reference`` and backend ``frames``."""
+    return metrics.write_gif(metrics.side_by_side(_preview(reference), _preview(frames)), out / _video_name(record),
+                             fps=fps)
+
+
 class _WorstVideos:
     """The side-by-side GIFs of the ``count`` worst records per backend that this process computed.
 
@@ -406,8 +413,7 @@ class _WorstVideos:
         rank_key = (*key, position)
         if len(kept) == self.count and rank_key >= kept[-1][0]:
             return []
-        path = self.out / _video_name(record)
-        metrics.write_gif(metrics.side_by_side(_preview(reference), _preview(frames)), path, fps=self.fps)
+        path = _write_side_by_side(self.out, record, reference, frames, self.fps)
         kept.append((rank_key, path))
         kept.sort(key=lambda entry: entry[0])
         pushed = [p for _, p in kept[self.count:]]
@@ -448,12 +454,46 @@ def _run_shard(pipe: Any, config: CompareConfig, cond: Conditioning, work: list[
                 bar.set_postfix_str(f"{sample.label} {run.backend}")
 
 
-def _finish(out: Path, config: CompareConfig, order: list[runlog.Key], meta: dict[str, Any]) -> dict[str, Any]:
-    """Rank 0, once every rank is done: merge the logs, build and write the report, then keep only the worst GIFs."""
+def _missing_videos(out: Path, config: CompareConfig, logged: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records the report lists among the worst whose side-by-side GIF is not on disk: a run killed after a
+    record landed in the log and before its GIF was written (the record is never computed again)."""
+    listed = [r for name in config.backends
+              for r in worst_records([r for r in logged if r["backend"] == name], config.worst)]
+    return [r for r in listed if not (out / _video_name(r)).is_file()]
+
+
+def _rebuild_videos(pipe: Any, config: CompareConfig, cond: Conditioning, samples: list[Sample],
+                    missing: list[dict[str, Any]], out: Path, progress: bool) -> None:
+    """Generate again the reference and the backend's video of each record of ``missing`` (its sample's noise and
+    conditioning, as the run did: the same frames) and write its side-by-side GIF."""
+    if progress:
+        print(f"rebuilding {records.count(len(missing), 'side-by-side video')} of results already done (the run "
+              "that logged them ended before writing them)", file=sys.stderr)
+    for sample in samples:
+        names = [r["backend"] for r in missing if (r["image"], r["seed"]) == (sample.image, sample.seed)]
+        if not names:
+            continue
+        runs = compare_sample(pipe, cond.image(sample.image, config.width, config.height), seed=sample.seed,
+                              backends=names, num_frames=config.num_frames,
+                              num_inference_steps=config.num_inference_steps, height=config.height, width=config.width)
+        reference = next(runs)
+        for run in runs:
+            record = next(r for r in missing if runlog.record_key(r) == (sample.image, sample.seed, run.backend))
+            _write_side_by_side(out, record, reference.frames, run.frames, config.fps)
+
+
+def _finish(out: Path, config: CompareConfig, cond: Conditioning, samples: list[Sample], order: list[runlog.Key],
+            meta: dict[str, Any], pipeline: Callable[[], Any], progress: bool) -> dict[str, Any]:
+    """Rank 0, once every rank is done: merge the logs, rebuild the worst samples' GIFs a killed run did not write
+    (``pipeline()`` gives the pipeline, loading it if this process has not), build and write the report, then keep
+    only the worst GIFs."""
     logged = runlog.merge_logs(out, order)
     if len(logged) != len(order):
         missing = [key for key in order if key not in {runlog.record_key(r) for r in logged}]
         raise RuntimeError(f"evaluate: {len(missing)} record(s) missing after every rank finished, e.g. {missing[0]}")
+    unwritten = _missing_videos(out, config, logged)
+    if unwritten:
+        _rebuild_videos(pipeline(), config, cond, samples, unwritten, out, progress)
     report = metrics.build_report(logged, backends=config.backends, meta=meta, worst=config.worst,
                                   video=lambda r: _video_name(r) if (out / _video_name(r)).is_file() else "")
     metrics.write_report(report, logged, out)
@@ -562,7 +602,8 @@ def evaluate(config: CompareConfig, out: str | Path, *, dist: Dist | None = None
             Each rank generates its share of the samples still to do; rank 0 holds the folder's lock and
             writes the report when every rank is done and returns it, the other ranks return None.
         load_pipeline: ``(device, dtype) -> pipeline`` (default: ``svd.load_svd`` or ``video.load_video``, by
-            what ``conditioning`` finds the model is); called only when there is something left to generate.
+            what ``conditioning`` finds the model is); called only when there is something left to generate, or a
+            worst sample's GIF to rebuild (a run killed after logging its record, before writing its GIF).
         progress: a tqdm bar per rank on stderr, and (rank 0) a line saying how much a resume finds done.
         command: the command line, recorded in the manifest and the report.
 
@@ -618,4 +659,5 @@ def _evaluate(config: CompareConfig, cond: Conditioning, samples: list[Sample], 
     if not dist.is_main:
         return None
     with _writing(out, order):
-        return _finish(out, config, order, _meta(config, cond, run, dist, dtype, lpips_note, command))
+        return _finish(out, config, cond, samples, order, _meta(config, cond, run, dist, dtype, lpips_note, command),
+                       lambda: pipe if pipe is not None else _load(config, cond, dist, dtype, load_pipeline), progress)

@@ -373,6 +373,16 @@ def merge_logs(out: str | os.PathLike, order: Sequence[Key]) -> list[dict[str, A
     return records
 
 
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether the open file ``fd`` is the file now at ``path``."""
+    try:
+        now = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino)
+
+
 class FolderLock:
     """One run per folder: an exclusive, non-blocking ``flock`` on ``OUT/.lock`` from ``acquire`` to ``release``.
 
@@ -380,10 +390,19 @@ class FolderLock:
     -9`` included): it never stays stuck.  The file holds the holder's pid and host, for the message of
     the run that is refused; it stays in the folder (``check_folder`` ignores it).  Use as a context
     manager (``release`` on exit); ``acquire`` creates the folder and may be called again.
+
+    ``name`` and ``holder`` make another lock of the folder and say who holds it in the refusal: ``pasa generate``
+    locks ``OUT/.BACKEND.lock`` ("another pasa generate is writing the pasa video into this folder"), so two runs
+    of one backend never write the same files at once, and runs of two backends share the folder.  ``remove``
+    deletes the file on release (``pasa generate`` leaves nothing in its folder but the video); ``acquire`` then
+    checks that the file it locked is still the one at its path, so a process that opened it just before it was
+    removed does not hold a lock of its own beside the next holder's.
     """
 
-    def __init__(self, out: str | os.PathLike) -> None:
+    def __init__(self, out: str | os.PathLike, *, name: str = LOCK,
+                 holder: str = "another pasa compare is running into this folder", remove: bool = False) -> None:
         self.out = Path(out)
+        self.name, self.holder, self.remove = name, holder, remove
         self._fd: int | None = None
 
     def acquire(self) -> None:
@@ -391,21 +410,28 @@ class FolderLock:
         if self._fd is not None:
             return
         self.out.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise FolderInUseError(f"--out {self.out}: another pasa compare is running into this folder (pid and host "
-                                   f"{holder}); wait for it to end, or choose another --out") from None
+        path = self.out / self.name
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise FolderInUseError(f"--out {self.out}: {self.holder} (pid and host {holder}); wait for it to end, "
+                                       "or choose another --out") from None
+            if _same_file(fd, path):
+                break
+            os.close(fd)  # locked a file its holder removed on release (``remove``): lock the one now at ``path``
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
         self._fd = fd
 
     def release(self) -> None:
-        """Drop the lock (a no-op if it is not held)."""
+        """Drop the lock (a no-op if it is not held); with ``remove``, delete its file first, while still holding it."""
         if self._fd is not None:
+            if self.remove:
+                (self.out / self.name).unlink(missing_ok=True)
             os.close(self._fd)
             self._fd = None
 

@@ -20,27 +20,58 @@ from pasa_diffusers.pipelines.names import BUILTIN_MODELS
 SMALL = ["--frames", "2", "--steps", "2", "--height", "32", "--width", "32"]
 
 
-def test_generate_writes_video_and_reports_nonfinite(tmp_path, capsys):
+def test_version_says_what_a_bug_report_needs(capsys):
+    """``pasa --version`` (was: "unrecognized arguments"): the package, then Python, torch with its CUDA build and the
+    GPU it sees, diffusers, transformers and triton, each as installed."""
+    import importlib.metadata
+    import platform
+
+    import diffusers
+
+    assert main(["--version"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"pasa-diffusers {importlib.metadata.version('pasa-diffusers')}"
+    assert lines[1].startswith(f"python {platform.python_version()}, torch {torch.__version__} (")
+    assert f"), diffusers {diffusers.__version__}, " in lines[1] and len(lines) == 2
+    gpu = f"GPU {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "no CUDA device"
+    assert f", {gpu}), " in lines[1]
+
+
+def test_generate_prints_a_few_lines_and_writes_its_summary_beside_the_video(tmp_path, capsys):
+    """stdout is what a user reads: the attention in one line, whether the frames are finite, the files written; the
+    processors' summary goes to OUT/BACKEND.json (was: a 25-line JSON on stdout on every run)."""
     assert main(["generate", *SMALL, "--model", "tiny-resonant", "--attention", "naive-half",
                  "--out", str(tmp_path)]) == 0
-    printed = capsys.readouterr().out
-    assert "NON-FINITE frames: 2" in printed and '"single key"' in printed
-    assert '"attention_dtype": "float16"' in printed  # an fp32 model: naive-half runs on fp16 casts, and says so
-    assert (tmp_path / "naive-half.gif").is_file() and (tmp_path / "naive-half.mp4").is_file()
+    printed = capsys.readouterr().out.splitlines()
+    summary = json.loads((tmp_path / "naive-half.json").read_text())
+    assert printed == [
+        "attention: naive-half in 24 layers (NaiveHalfAttnProcessor, in float16); 48 calls, 24 of them by a documented "
+        "fallback (single key: 24)",
+        "NON-FINITE frames: 2 (first index 0)",
+        f"wrote mp4: {tmp_path / 'naive-half.mp4'}",
+        f"wrote gif: {tmp_path / 'naive-half.gif'}",
+        f"wrote png: {tmp_path / 'naive-half'}",
+        f"wrote summary: {tmp_path / 'naive-half.json'}",
+    ]
+    assert summary["attention_dtype"] == "float16"  # an fp32 model: naive-half runs on fp16 casts, and says so
+    assert summary["fallbacks"] == {"single key": 24} and summary["calls"] == 48 and summary["nonfinite_frames"] == 2
+    assert summary["backend"] == "naive-half" and sum(summary["installed"].values()) == 24
+    assert summary["processors"]["spatial-self"] == "NaiveHalfAttnProcessor"
+    assert summary["settings"] == {"num_frames": 2, "num_inference_steps": 2, "height": 32, "width": 32, "seed": 0}
 
 
 def test_generate_in_bf16_runs_pasa_in_bf16_not_by_fallback(tmp_path, capsys):
     """In a bf16 model every "pasa" call runs the op in bf16: none falls back to SDPA but the single keys."""
     assert main(["generate", *SMALL, "--dtype", "bf16", "--attention", "pasa", "--out", str(tmp_path)]) == 0
-    printed = json.loads(capsys.readouterr().out.split("\nall frames finite")[0])
-    assert printed["attention_dtype"] == "bfloat16"
-    assert printed["fallbacks"] == {"single key": printed["calls"] // 2}  # the cross-attentions only
+    summary = json.loads((tmp_path / "pasa.json").read_text())
+    assert summary["attention_dtype"] == "bfloat16"
+    assert summary["fallbacks"] == {"single key": summary["calls"] // 2}  # the cross-attentions only
 
 
 def test_generate_writes_the_formats_asked_and_refuses_mp4_without_its_encoder_before_any_work(tmp_path, capsys,
                                                                                               monkeypatch):
     assert main(["generate", *SMALL, "--formats", "png,gif", "--out", str(tmp_path)]) == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["pasa", "pasa.gif"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pasa", "pasa.gif", "pasa.json"]
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "imageio_ffmpeg" else object())
     assert main(["generate", *SMALL, "--model", "no/such-model", "--out", str(tmp_path / "b")]) == 2
     err = capsys.readouterr().err
@@ -273,5 +304,5 @@ def test_an_8_bit_backend_runs_from_one_key_past_a_block(tmp_path, capsys):
     the cross-attentions to 128 text tokens fall back, as counted."""
     assert main(["generate", "--model", "tiny-ltx-video", "--height", "224", "--width", "224", "--steps", "2",
                  "--attention", "pasa-int8", "--out", str(tmp_path)]) == 0
-    printed = json.loads(capsys.readouterr().out.split("\nall frames finite")[0].split("\n", 1)[1])
-    assert printed["fallbacks"] == {"one key block": printed["calls"] // 2}
+    summary = json.loads((tmp_path / "pasa-int8.json").read_text())
+    assert summary["fallbacks"] == {"one key block": summary["calls"] // 2}

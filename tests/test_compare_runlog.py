@@ -243,6 +243,30 @@ def test_the_lock_of_a_killed_process_is_free(tmp_path):
         lock.acquire()
 
 
+def test_a_removed_lock_file_is_never_held_twice(tmp_path, monkeypatch):
+    """``remove=True`` (``pasa generate``'s lock) deletes the file on release. A run that opened the file just before
+    its holder removed it, and locks it after a third run has locked the new file, sees that it holds a removed file,
+    and is refused by the third run instead of running beside it."""
+    first = runlog.FolderLock(tmp_path, name=".pasa.lock", holder="another pasa generate", remove=True)
+    first.acquire()
+    third = runlog.FolderLock(tmp_path, name=".pasa.lock", holder="another pasa generate", remove=True)
+    flock, interleaved = runlog.fcntl.flock, []
+
+    def the_others_move_between_open_and_lock(fd, operation):
+        if not interleaved:  # the second run has opened the first run's file, and not locked it yet
+            interleaved.append(True)
+            first.release()
+            assert not (tmp_path / ".pasa.lock").exists()
+            third.acquire()
+        return flock(fd, operation)
+
+    monkeypatch.setattr(runlog.fcntl, "flock", the_others_move_between_open_and_lock)
+    with pytest.raises(runlog.FolderInUseError, match=f"another pasa generate \\(pid and host {os.getpid()} "):
+        runlog.FolderLock(tmp_path, name=".pasa.lock", holder="another pasa generate", remove=True).acquire()
+    third.release()
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_merge_logs_unites_shards_in_order_once_each(tmp_path):
     order = [("a", 0, "pasa"), ("a", 0, "bf16"), ("a", 1, "pasa"), ("a", 1, "bf16")]
     with runlog.LogWriter(runlog.log_path(tmp_path, 0, 1)) as log:

@@ -3,12 +3,14 @@
 mistakes) an answer before torch is imported.  ``docs/ERRORS.md`` tabulates the same probes.
 
 ``{tmp}`` in a probe's arguments stands for a folder holding ``afile`` (a text file), ``empty/`` (an
-empty folder), ``fifo`` (a named pipe), ``dangling`` (a symbolic link to nothing), ``nan.tif`` (a float
+empty folder), ``fifo`` (a named pipe), ``dangling`` (a symbolic link to nothing), ``blocked/`` (a folder
+``pasa.gif/`` and a file ``bf16`` in it: where ``generate`` writes), ``nan.tif`` (a float
 TIFF with NaN pixels), ``cut.png`` (a PNG cut short) and ``rgba.png`` (half of it transparent).
 """
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -52,6 +54,11 @@ PROBES: list[tuple[str, str]] = [
     ("generate --out {tmp}/fifo", "--out {tmp}/fifo: {tmp}/fifo is a named pipe, not a folder"),
     ("generate --out {tmp}/dangling/videos",
      "--out {tmp}/dangling/videos: {tmp}/dangling is a symbolic link to nothing, not a folder"),
+    ("generate --out {tmp}/blocked", "--out {tmp}/blocked: {tmp}/blocked/pasa.gif is a folder, where the gif video is "
+                                     "to be written; remove it or choose another --out"),
+    ("generate --out {tmp}/blocked --attention bf16 --formats png",
+     "--out {tmp}/blocked: the frame folder {tmp}/blocked/bf16 exists and is not a folder; remove it or choose another "
+     "--out"),
     ("generate --image {tmp}/missing.png", "--image {tmp}/missing.png: no such file"),
     ("generate --image {tmp}/afile", "--image {tmp}/afile: not a readable image (UnidentifiedImageError"),
     ("generate --image {tmp}/nan.tif",
@@ -98,6 +105,8 @@ def tmp(tmp_path_factory) -> Path:
     (folder / "empty").mkdir()
     os.mkfifo(folder / "fifo")
     (folder / "dangling").symlink_to(folder / "nothing")
+    (folder / "blocked" / "pasa.gif").mkdir(parents=True)  # a folder where `--out blocked` writes its GIF
+    (folder / "blocked" / "bf16").write_text("a file where --attention bf16 writes its frame folder\n")
     values = np.linspace(0, 1, 64, dtype=np.float32).reshape(8, 8)
     values[2, 5] = np.nan
     PIL.Image.fromarray(values).save(folder / "nan.tif")
@@ -141,6 +150,33 @@ def test_argument_mistakes_are_one_fast_line(args, message, tmp):
     assert_usage_error(done, argv[0], message.format(tmp=tmp))
     assert done.stderr.count("\n") == 1  # nothing else at all: no progress bar, no warning
     assert seconds < FAST_S, f"{seconds:.1f} s: something heavy was imported before the arguments were checked"
+
+
+_MODEL = "a built-in model, a hub id 'org/name' or a saved folder"
+EMPTY: list[tuple[list[str], str]] = [
+    (["generate", "--out", ""], "argument --out: expected a folder, got an empty string"),
+    (["generate", "--model", ""], f"argument --model: expected {_MODEL}, got an empty string"),
+    (["generate", "--image", ""], "argument --image: expected an image file or builtin:NAME, got an empty string"),
+    (["compare", "--out", ""], "argument --out: expected a folder, got an empty string"),
+    (["compare", "--model", ""], f"argument --model: expected {_MODEL}, got an empty string"),
+    (["compare", "--lpips-weights", ""], "argument --lpips-weights: expected a file, got an empty string"),
+    (["diagnose", "--out", ""], "argument --out: expected a folder, got an empty string"),
+    (["numerics", "--out", ""], "argument --out: expected a folder, got an empty string"),
+    (["save-model", "--model", "tiny", ""], "argument DIR: expected a folder, got an empty string"),
+    (["save-model", "--model", "", "new"], f"argument --model: expected {_MODEL}, got an empty string"),
+    (["warmup", "--model", ""], f"argument --model: expected {_MODEL}, got an empty string"),
+    (["warmup", "--model", "tiny", "--image", ""],
+     "argument --image: expected an image file or builtin:NAME, got an empty string"),
+]
+
+
+@pytest.mark.parametrize("argv, message", EMPTY, ids=[" ".join(arg or "''" for arg in a) for a, _ in EMPTY])
+def test_an_empty_path_is_refused_naming_the_flag(argv, message, tmp_path):
+    """An empty string is no path (was: ``--out ''`` wrote into the current folder, ``--model ''`` read it as a
+    pipeline folder); nothing is written into the current folder."""
+    done, seconds = pasa(argv)
+    assert_usage_error(done, argv[0], message)
+    assert seconds < FAST_S and list(tmp_path.iterdir()) == []
 
 
 def test_arguments_are_checked_before_torch_is_imported(tmp):
@@ -284,6 +320,45 @@ def test_a_folder_missing_a_component(saved, tmp_path, capsys):
                     "['image_encoder'] that its model_index.json lists; save the pipeline again with save_pretrained()")
 
 
+def test_a_model_load_error_is_the_one_line_on_stderr(saved, tmp_path, capsys):
+    """Nothing comes before the error line: diffusers' "Loading pipeline components..." and transformers' "Loading
+    weights" bars are held back while a pipeline loads (``pipelines.quiet``; ``--debug`` shows them). Was: two or
+    three progress bars, then the line. Weights stored as int32 are such an error too (were cast to float without a
+    word: a video of noise, exit 0)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from pasa_diffusers.cli import main
+    from pasa_diffusers.cli.common import UsageError
+    from pasa_diffusers.pipelines import quiet
+
+    folder = tmp_path / "tiny"
+    shutil.copytree(saved, folder)
+    config = folder / "unet" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "transformer_layers_per_block": 2}))
+    argv = ["generate", "--model", str(folder), "--out", str(tmp_path / "out")]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"pasa generate: error: --model {folder}: component folder {folder / 'unet'}: "
+                                        "config.json and weights disagree: 276 tensor(s)") and err.count("\n") == 1
+
+    shutil.copytree(saved, folder, dirs_exist_ok=True)  # the config restored; the UNet's weights stored as int32
+    weights = folder / "unet" / "diffusion_pytorch_model.safetensors"
+    save_file({key: tensor.to(torch.int32) for key, tensor in load_file(weights).items()}, weights)
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err.startswith(f"pasa generate: error: --model {folder}: component folder {folder / 'unet'}: 626 tensor(s) "
+                          "in the weights are integers (int32) where the model holds floating-point values")
+
+    try:
+        with pytest.raises(UsageError):
+            main(["--debug", *argv])
+        assert "Loading pipeline components" in capsys.readouterr().err  # the probe sees what it holds back
+    finally:
+        quiet.show(None)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("fa3_fwd_interface") is not None, reason="fa3-fwd is installed here")
 def test_a_peer_whose_package_is_missing_is_one_line():
     done, _ = pasa(["compare", "--backends", "pasa,fa3"])
@@ -331,9 +406,10 @@ def test_fp16_on_the_cpu_prints_no_third_party_warning(saved, tmp_path):
     """``--dtype fp16`` on the CPU from a saved folder runs; diffusers' accelerate advice and its "cannot run with
     cpu device ... will fail" (printed twice) stay out of the terminal unless --debug (``pipelines.quiet``)."""
     argv = ["generate", "--model", str(saved), "--dtype", "fp16", "--frames", "2", "--steps", "1", "--height", "16",
-            "--width", "16", "--out", str(tmp_path)]
-    for debug in (True, False):
-        done, _ = pasa(["--debug", *argv] if debug else argv, env={"OMP_NUM_THREADS": "1"})
+            "--width", "16"]
+    for debug in (True, False):  # a folder each: the second run would say it replaces the first one's video
+        out = ["--out", str(tmp_path / ("debug" if debug else "plain"))]
+        done, _ = pasa(["--debug", *argv, *out] if debug else [*argv, *out], env={"OMP_NUM_THREADS": "1"})
         assert done.returncode == 0, done.stderr
         lines = [line for line in done.stderr.replace("\r", "\n").splitlines() if line.strip() and "%|" not in line]
         if debug and importlib.util.find_spec("accelerate") is None:  # the probe sees what it hides
@@ -358,3 +434,64 @@ def test_generate_on_a_full_disk_is_one_line_and_leaves_no_partial_file(tmp_path
     assert done.stderr.splitlines()[-1].startswith(f"pasa generate: error: --out {out}: cannot write the video (File "
                                                    "too large); the frames were made but not saved")
     assert not [p for p in out.rglob("*") if p.is_file()]
+
+
+def test_a_second_generate_of_one_backend_into_one_folder_is_refused_and_a_replaced_video_is_said(tmp_path, capsys,
+                                                                                                   monkeypatch):
+    """While a ``pasa generate`` is generating (in this process, stopped inside its denoising), a second one of the
+    same backend into the same ``--out`` is refused at the argument checks, naming the holder; one of another
+    backend runs beside it (its files have other names).  A later run says which earlier files it replaces.
+    Was: both exited 0 and printed what they wrote, and one run's video was gone."""
+    import socket
+
+    from pasa_diffusers.cli import main
+    from pasa_diffusers.pipelines import video
+
+    out = tmp_path / "videos"
+    argv = ["generate", "--model", "tiny", "--frames", "2", "--steps", "1", "--height", "16", "--width", "16",
+            "--formats", "gif,png", "--out", str(out)]
+    meanwhile = {}
+    generate_frames = video.generate_frames
+
+    def others_start_meanwhile(*args, **kwargs):
+        if not meanwhile:  # the first run's generation (the bf16 run below generates too)
+            meanwhile["same"] = pasa(argv)  # another process
+            meanwhile["other"] = main([*argv, "--attention", "bf16"])  # in this one: its own lock file, its own files
+        return generate_frames(*args, **kwargs)
+
+    monkeypatch.setattr(video, "generate_frames", others_start_meanwhile)
+    assert main(argv) == 0
+    first = capsys.readouterr()
+    assert "replacing" not in first.err and f"wrote gif: {out / 'pasa.gif'}" in first.out
+    assert f"wrote gif: {out / 'bf16.gif'}" in first.out and meanwhile["other"] == 0
+    same, seconds = meanwhile["same"]
+    assert_usage_error(same, "generate", f"--out {out}: another pasa generate is writing the pasa video into this "
+                                         f"folder (pid and host {os.getpid()} {socket.gethostname()}); wait for it to "
+                                         "end, or choose another --out")
+    assert seconds < FAST_S
+    assert sorted(p.name for p in out.iterdir()) == ["bf16", "bf16.gif", "bf16.json", "pasa", "pasa.gif", "pasa.json"]
+
+    monkeypatch.setattr(video, "generate_frames", generate_frames)
+    assert main(argv) == 0
+    assert f"pasa generate: replacing the earlier pasa video in {out} (pasa.gif, pasa/, pasa.json)\n" in \
+        capsys.readouterr().err
+
+
+def test_a_write_error_that_more_room_cannot_cure_is_not_told_to_free_space(tmp_path, capsys, monkeypatch):
+    """The targets are checked up front (a folder where pasa.gif goes is refused before any work); a write refused
+    afterwards for another reason than room (the folder made read-only meanwhile) says so. Was: "free space or
+    choose another --out" for every OSError."""
+    import errno
+
+    from pasa_diffusers import metrics
+
+    out = tmp_path / "out"
+
+    def read_only(*args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", str(out / "pasa.gif"))
+
+    monkeypatch.setattr(metrics, "write_video", read_only)
+    line = main_error(["generate", "--frames", "2", "--steps", "1", "--height", "16", "--width", "16",
+                       "--out", str(out)], capsys)
+    assert line == (f"pasa generate: error: --out {out}: cannot write the video (Permission denied); the frames were "
+                    "made but not saved: make the folder writable or choose another --out, and run again")

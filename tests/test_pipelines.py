@@ -310,6 +310,24 @@ def test_a_config_its_weights_do_not_cover_is_refused(saved, tmp_path):
         load_svd(str(folder))
 
 
+def test_integer_weights_where_the_model_holds_floats_are_refused(saved, tmp_path):
+    """A UNet's weights stored as int32 were cast to float without a word and the run went on (noise, exit 0):
+    refused, naming the component folder, the dtype and the tensors."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "tiny"
+    shutil.copytree(saved, folder)
+    weights = folder / "unet" / "diffusion_pytorch_model.safetensors"
+    state = load_file(weights)
+    save_file({key: tensor.to(torch.int32) for key, tensor in state.items()}, weights)
+    with pytest.raises(ModelLoadError, match=rf"^load_svd: component folder {folder / 'unet'}: {len(state)} "
+                                             r"tensor\(s\) in the weights are integers \(int32\) where the model holds "
+                                             r"floating-point values \(add_embedding.linear_1.bias, .*, ... "
+                                             rf"\({len(state)} in all\)\): not this model's weights; save the "
+                                             r"pipeline again with save_pretrained\(\)$"):
+        load_svd(str(folder))
+
+
 @pytest.mark.parametrize("name", ["FooPipeline", "WanPipeline"])
 def test_a_model_index_naming_another_pipeline_is_refused(saved, tmp_path, name):
     """An unknown pipeline class, or a video transformer's (SVD's components under WanPipeline): one error."""

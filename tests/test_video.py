@@ -142,6 +142,24 @@ def test_write_video_refuses_a_frame_folder_holding_other_files(tmp_path):
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["notes.txt", "pasa"]  # nothing written
 
 
+@pytest.mark.parametrize("blocked", ["pasa.gif", "pasa.mp4"])
+def test_write_video_refuses_a_folder_where_a_file_goes_before_writing_anything(tmp_path, blocked):
+    """Was: the mp4 written, then an IsADirectoryError at the GIF."""
+    (tmp_path / blocked).mkdir()
+    with pytest.raises(ValueError, match=rf"^{tmp_path / blocked} is a folder, where the {blocked[-3:]} video is to be "
+                                         r"written; remove it or choose another --out$"):
+        write_video(make_video(frames=2), tmp_path, "pasa")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == [blocked]  # nothing written
+
+
+def test_write_video_replaces_a_link_to_an_earlier_file(tmp_path):
+    """A symbolic link where a file goes is replaced (the rename replaces the link, not what it points to)."""
+    (tmp_path / "elsewhere.gif").write_bytes(b"mine")
+    (tmp_path / "pasa.gif").symlink_to(tmp_path / "elsewhere.gif")
+    written = write_video(make_video(frames=2), tmp_path, "pasa", formats=("gif",))
+    assert not written["gif"].is_symlink() and (tmp_path / "elsewhere.gif").read_bytes() == b"mine"
+
+
 def test_a_gif_plays_frames_up_to_its_longest_delay_and_slower_is_refused(tmp_path):
     """A GIF's delay is a 16-bit count of hundredths of a second: 655.35 s a frame at most."""
     path = write_gif(make_video(frames=2, height=16, width=16), tmp_path / "slow.gif", fps=MIN_GIF_FPS)

@@ -247,7 +247,11 @@ def test_generate_through_the_console_script(tmp_path):
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0].startswith("text encoder replaced by fixed prompt embeddings: unit Gaussians of 512 tokens x 24")
-    report = json.loads("\n".join(lines[1:lines.index("all frames finite")]))
+    written = (("mp4", "pasa.mp4"), ("gif", "pasa.gif"), ("png", "pasa"), ("summary", "pasa.json"))
+    assert lines[1:] == ["attention: pasa in 4 layers (PASAAttnProcessor via WanAttnProcessor, in float16); 16 calls, "
+                         "none by a fallback", "all frames finite",
+                         *(f"wrote {kind}: {tmp_path / name}" for kind, name in written)]
+    report = json.loads((tmp_path / "pasa.json").read_text())
     assert report["processors"]["video-self"] == report["processors"]["video-cross"] == \
         "PASAAttnProcessor via WanAttnProcessor"
     assert report["installed"]["video-self"] == report["installed"]["video-cross"] == 2
@@ -437,7 +441,8 @@ def test_generate_ltx_video_through_the_console_script(tmp_path):
     lines = done.stdout.splitlines()
     assert lines[0].startswith("text encoder replaced by fixed prompt embeddings: unit Gaussians of 128 tokens x 24")
     assert "their attention masks keep every token" in lines[0]
-    report = json.loads("\n".join(lines[1:lines.index("all frames finite")]))
+    assert len(lines) == 7 and lines[2] == "all frames finite"
+    report = json.loads((tmp_path / "pasa.json").read_text())
     assert report["processors"]["video-self"] == report["processors"]["video-cross"] == \
         "PASAAttnProcessor via LTXVideoAttnProcessor"
     assert report["installed"]["video-self"] == report["installed"]["video-cross"] == 2
@@ -465,7 +470,8 @@ def test_generate_hunyuan_video_and_mochi_through_the_console_script(name, notic
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == f"{video.NOTICE}: unit Gaussians of {notice}; no tokenizer or text encoder is loaded"
-    report = json.loads("\n".join(lines[1:lines.index("all frames finite")]))
+    assert lines[1].startswith("attention: pasa in ") and lines[2] == "all frames finite"
+    report = json.loads((tmp_path / "pasa.json").read_text())
     assert {kind for kind, count in report["installed"].items() if count} == set(installed)
     assert all(report["installed"][kind] == count for kind, count in installed.items())
     assert all(report["processors"][kind] == ("PASAAttnProcessor" if kind == "other" else

@@ -48,10 +48,14 @@ def test_help_names_what_it_compiles(capsys):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without CUDA")
 def test_on_a_machine_without_cuda_it_refuses_in_one_line(capsys):
+    """The refusal names --device only where it was given (was: "--device cuda: ..." for a flag not given)."""
     line = _error(capsys, ["warmup", "--shapes", "2,4,300,64"])
-    assert line.startswith("pasa warmup: error: --device cuda: no CUDA device on this machine (torch ")
-    assert line.endswith("warmup compiles the kernels for the GPU it runs on")
-    assert _error(capsys, ["warmup", "--model", "tiny"]).startswith("pasa warmup: error: --device cuda: no CUDA")
+    assert line == (f"pasa warmup: error: no CUDA device on this machine (torch {torch.__version__}); warmup compiles "
+                    "the kernels for the GPU it runs on, a CUDA device (--device cuda, the default, or cuda:N)")
+    assert _error(capsys, ["warmup", "--model", "tiny"]).startswith("pasa warmup: error: no CUDA device on this ")
+    assert _error(capsys, ["warmup", "--model", "tiny", "--device", "cuda:1"]) == (
+        f"pasa warmup: error: --device cuda:1: no CUDA device on this machine (torch {torch.__version__}); warmup "
+        "compiles the kernels for the GPU it runs on")
 
 
 @pytest.mark.parametrize("argv, message", [

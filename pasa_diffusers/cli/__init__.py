@@ -9,6 +9,7 @@ a traceback is shown only with ``--debug`` (or ``PASA_DEBUG=1``) or for an inter
 prints ``pasa <command>: interrupted (Ctrl-C)`` and exits 130 (``compare``: how many results are done).  A command
 whose arguments pass starts with a one-line warning when ``TRITON_INTERPRET`` turns Triton's
 interpreter on (every kernel then runs in numpy on the CPU: for tests, far too slow for a real run).
+``pasa --version`` prints the versions a bug report needs (``version_lines``) and exits 0.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from ..pipelines import quiet
 from . import compare, diagnose, generate, numerics, save_model, warmup
 from .common import UsageError
 
-__all__ = ["main", "build_parser", "interpreter_warning"]
+__all__ = ["main", "build_parser", "interpreter_warning", "version_lines"]
 
 _COMMANDS = (numerics, generate, compare, diagnose, save_model, warmup)
 _NAMES = {command.__name__.rsplit(".", 1)[-1].replace("_", "-"): command for command in _COMMANDS}
@@ -43,6 +44,44 @@ def interpreter_warning() -> str | None:
             "(numpy on the CPU, hundreds of times slower; meant for tests); unset it for real runs")
 
 
+PACKAGE = "pasa-diffusers"
+VERSIONED = ("diffusers", "transformers", "triton")
+"""The packages ``pasa --version`` names beside the package, Python and torch (read from their metadata: no import)."""
+
+
+def version_lines() -> list[str]:
+    """What ``pasa --version`` prints, to quote in a bug report: this package's version, then Python's, torch's (with
+    its CUDA build and the GPU it sees, so torch is imported) and those of ``VERSIONED``."""
+    import importlib.metadata
+    import platform
+
+    import torch
+
+    def version(name: str) -> str:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    gpu = (f"GPU {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "no CUDA device")
+    build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU build"
+    return [f"{PACKAGE} {version(PACKAGE)}",
+            f"python {platform.python_version()}, torch {torch.__version__} ({build}, {gpu}), "
+            + ", ".join(f"{name} {version(name)}" for name in VERSIONED)]
+
+
+class _VersionAsked(Exception):
+    """``--version`` was given: ``main`` prints ``version_lines`` and returns 0."""
+
+
+class _Version(argparse.Action):
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, *args: object) -> NoReturn:
+        raise _VersionAsked
+
+
 class _ArgumentError(Exception):
     """An argparse error, raised instead of argparse's usage-and-exit so ``main`` prints one line."""
 
@@ -61,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="pasa", description="PASA: overflow-free FP16 attention for video diffusion")
     parser.add_argument("--debug", action="store_true",
                         help="show the Python traceback of every error (also: environment PASA_DEBUG=1)")
+    parser.add_argument("--version", action=_Version,
+                        help="print the versions of pasa-diffusers, Python, torch (its CUDA, the GPU), diffusers, "
+                             "transformers and triton, for a bug report, and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     for command in _COMMANDS:
         command.add_parser(sub)
@@ -96,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in warmup.ANNOUNCED:
             warmup.announce_compiling()
         return args.func(args)
+    except _VersionAsked:
+        print("\n".join(version_lines()))
+        return 0
     except KeyboardInterrupt:
         if _debug(argv):
             raise

@@ -41,6 +41,11 @@ __all__ = [
     "MAX_SEED",
     "int_range",
     "seed",
+    "nonempty",
+    "FOLDER",
+    "MODEL",
+    "IMAGE",
+    "FILE",
     "device",
     "backend_help",
     "model_help",
@@ -106,6 +111,24 @@ seed = int_range(0, MAX_SEED)
 """An argparse ``type=``: a seed in ``[0, 2**63 - 1]``."""
 
 
+def nonempty(expected: str) -> Callable[[str], str]:
+    """An argparse ``type=`` for a path or a name: any text but the empty string, which a path would read as the
+    current folder (``--out ''`` wrote there, ``--model ''`` loaded it); ``expected`` says what the flag takes."""
+
+    def parse(text: str) -> str:
+        if not text:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got an empty string")
+        return text
+
+    return parse
+
+
+FOLDER = nonempty("a folder")
+MODEL = nonempty("a built-in model, a hub id 'org/name' or a saved folder")
+IMAGE = nonempty("an image file or builtin:NAME")
+FILE = nonempty("a file")
+
+
 def device(text: str) -> str:
     """An argparse ``type=``: ``cpu``, ``cuda`` or ``cuda:N`` (whether CUDA is there is ``check_device``'s job)."""
     if not _DEVICE.fullmatch(text):
@@ -128,7 +151,7 @@ def model_help(default: str | None) -> str:
 def add_model_args(p: argparse.ArgumentParser, default: str | None = "tiny") -> None:
     """``--model`` (``default=None``: required), ``--device``, ``--dtype`` and ``--local-files-only``:
     what loading a pipeline takes (``load_model``)."""
-    p.add_argument("--model", default=default, required=default is None, help=model_help(default))
+    p.add_argument("--model", type=MODEL, default=default, required=default is None, help=model_help(default))
     p.add_argument("--device", type=device, default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], default=None,
                    help="model dtype (default fp16 on CUDA, fp32 on CPU, where the PASA backends cast q, k, v to fp16)")
@@ -154,7 +177,7 @@ def add_generation_args(p: argparse.ArgumentParser, out: str, frames: int = 4, s
                 if video else "")
 
     add_model_args(p)
-    p.add_argument("--image", default="builtin:rocket",
+    p.add_argument("--image", type=IMAGE, default="builtin:rocket",
                    help=f"conditioning image: a file (any mode PIL opens; transparency is composited on white) "
                         f"or builtin:{'|'.join(BUILTIN_IMAGES)} (default builtin:rocket)"
                         + ("; unused by a text-to-video pipeline" if video else ""))
@@ -168,7 +191,7 @@ def add_generation_args(p: argparse.ArgumentParser, out: str, frames: int = 4, s
     if video:
         p.set_defaults(svd_defaults={"num_frames": frames, "height": size, "width": size})
     p.add_argument("--seed", type=seed, default=0, help="seed of the initial noise, in [0, 2**63-1] (default 0)")
-    p.add_argument("--out", default=out, help=f"output folder (created; default {out})")
+    p.add_argument("--out", type=FOLDER, default=out, help=f"output folder (created; default {out})")
 
 
 def validate_generation_args(args: argparse.Namespace) -> None:

@@ -23,9 +23,9 @@ from pasa_diffusers.backends import COMPARED, DEFAULT_COMPARED, REFERENCE, missi
 from pasa_diffusers.metrics.limits import MAX_GIF_FPS, MIN_GIF_FPS, fps_argument
 from pasa_diffusers.pipelines.names import BUILTIN_IMAGES
 
-from .common import (MAX_SEED, SCORED_MIN_SIZE, UsageError, add_generation_args, backend_help, check_device,
-                     check_file, check_image, check_key_blocks, check_model, int_range, load_model, model_dtype,
-                     model_help, path_kind)
+from .common import (FILE, MAX_SEED, MODEL, SCORED_MIN_SIZE, UsageError, add_generation_args, backend_help,
+                     check_device, check_file, check_image, check_key_blocks, check_model, int_range, load_model,
+                     model_dtype, model_help, path_kind)
 
 __all__ = ["add_parser", "validate", "check_out", "check_not_in_use", "run", "seed_list", "image_list", "backend_list"]
 
@@ -230,11 +230,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "video transformer's pipeline (tiny-wan), whose samples are its fixed prompt x --seeds")
     p.add_argument("--seeds", "--seed", type=seed_list, default="0-1", metavar="LIST",
                    help="seeds of the initial noise: 0,1,2 or a range 0-7 (default 0-1)")
-    p.add_argument("--model", default="tiny-resonant", help=model_help("tiny-resonant"))
+    p.add_argument("--model", type=MODEL, default="tiny-resonant", help=model_help("tiny-resonant"))
     p.add_argument("--backends", type=backend_list, default=",".join(DEFAULT_COMPARED),
                    help=f"comma-separated (default {','.join(DEFAULT_COMPARED)}), from: {backend_help(COMPARED)}; "
                         f"{REFERENCE} is the reference")
-    p.add_argument("--lpips-weights", default=None,
+    p.add_argument("--lpips-weights", type=FILE, default=None,
                    help="torchvision AlexNet ImageNet weights (alexnet-owt-7be5be79.pth); default: torch hub cache")
     p.add_argument("--fps", type=fps_argument, default=7.0, help="frame rate of the side-by-side GIFs, in "
                    f"[{MIN_GIF_FPS:.6g}, {MAX_GIF_FPS:g}] (a GIF frame lasts 0.01 to 655.35 s; default 7)")

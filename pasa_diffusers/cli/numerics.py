@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from .common import check_out_dir
+from .common import FOLDER, check_out_dir
 
 __all__ = ["add_parser", "validate", "run"]
 
@@ -81,5 +81,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="a smaller shape (1, 4, 1, 391, 128) instead of the paper's (1, 28, 4, 1407, 128)")
     p.add_argument("--zero-mean-v", action="store_true",
                    help="draw V ~ N(0, 1) instead of like q and k (errors in the weights are not hidden by V's mean)")
-    p.add_argument("--out", default="out/numerics", help="output folder (CSV, JSON, markdown; default out/numerics)")
+    p.add_argument("--out", type=FOLDER, default="out/numerics",
+                   help="output folder (CSV, JSON, markdown; default out/numerics)")
     p.set_defaults(func=run)

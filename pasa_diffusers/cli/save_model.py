@@ -16,7 +16,7 @@ import argparse
 import os
 from pathlib import Path
 
-from .common import UsageError, add_model_args, check_device, check_model, check_out_dir, load_model
+from .common import FOLDER, UsageError, add_model_args, check_device, check_model, check_out_dir, load_model
 
 __all__ = ["add_parser", "validate", "run"]
 
@@ -60,5 +60,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "folder; every command then loads it with --model DIR (a video transformer's "
                                    "pipeline without tokenizer and text encoder).")
     add_model_args(p, default=None)
-    p.add_argument("folder", metavar="DIR", help="the folder to write (created; must be new or empty)")
+    p.add_argument("folder", type=FOLDER, metavar="DIR", help="the folder to write (created; must be new or empty)")
     p.set_defaults(func=run)

@@ -27,8 +27,8 @@ from typing import Any, TextIO
 
 from .. import env
 from ..backends import BACKENDS
-from .common import (UsageError, add_generation_args, backend_help, check_image, check_model, device, int_range,
-                     model_help)
+from .common import (IMAGE, MODEL, UsageError, add_generation_args, backend_help, check_image, check_model, device,
+                     int_range, model_help)
 
 __all__ = ["ANNOUNCED", "OUR_BACKENDS", "CompileNotice", "add_parser", "announce_compiling", "parse_shape", "run",
            "validate", "fewest_steps", "warm_model", "warm_shapes"]
@@ -72,9 +72,12 @@ def _generate_svd_defaults() -> dict[str, int]:
 
 def validate(args: argparse.Namespace) -> None:
     """Refuse, before torch is imported: no work named, a CPU device, the interpreter on; then a machine
-    without the CUDA device and an unknown model or image."""
+    without the CUDA device (naming ``--device`` only where it was given; not given, it is ``cuda``) and an unknown
+    model or image."""
     if args.model is None and not args.shapes:
         raise UsageError("give --model MODEL (a model's attention calls) or --shapes B,H,N,D ... (the op's), or both")
+    given = args.device is not None
+    args.device = args.device or "cuda"
     if not args.device.startswith("cuda"):
         raise UsageError(f"--device {args.device}: warmup compiles the kernels for a CUDA GPU (on the CPU they run "
                          "in Triton's interpreter or the PyTorch reference, nothing to compile); use --device cuda")
@@ -89,7 +92,9 @@ def validate(args: argparse.Namespace) -> None:
     index = int(args.device.partition(":")[2] or 0)
     if not torch.cuda.is_available():
         raise UsageError(f"--device {args.device}: no CUDA device on this machine (torch {torch.__version__}); "
-                         "warmup compiles the kernels for the GPU it runs on")
+                         "warmup compiles the kernels for the GPU it runs on" if given else
+                         f"no CUDA device on this machine (torch {torch.__version__}); warmup compiles the kernels "
+                         "for the GPU it runs on, a CUDA device (--device cuda, the default, or cuda:N)")
     if index >= torch.cuda.device_count():
         raise UsageError(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
                          f"indices 0..{torch.cuda.device_count() - 1}")
@@ -254,13 +259,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "(nothing written) at pasa generate's size flags and defaults, so the same "
                                    "kernels as pasa generate with those flags; --shapes runs the op once per "
                                    "shape. A progress bar counts the kernels compiled and those already cached.")
-    p.add_argument("--model", default=None, help=model_help(None))
+    p.add_argument("--model", type=MODEL, default=None, help=model_help(None))
     p.add_argument("--shapes", nargs="+", type=parse_shape, default=[], metavar="B,H,N,D[,NK[,HK]]",
                    help="attention shapes to compile for: batch, query heads, queries, head dim, and optionally keys "
                         "(default N) and key heads (default H); inputs in diffusers' (B, N, H, D) memory")
     p.add_argument("--attention", choices=OUR_BACKENDS, default="pasa", metavar="BACKEND",
                    help=f"the backend whose kernels to compile (default pasa): {backend_help(OUR_BACKENDS)}")
-    p.add_argument("--device", type=device, default="cuda", help="cuda or cuda:N (default cuda)")
+    p.add_argument("--device", type=device, default=None, help="cuda or cuda:N (default cuda)")
     p.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], default=None,
                    help="--model: the model's dtype (default fp16); --shapes: the inputs' (fp16 or bf16, default fp16)")
     defaults = _generate_svd_defaults()
@@ -271,7 +276,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    f"generate's, {defaults['height']} for SVD, a video transformer's own)")
     p.add_argument("--width", type=_SIZE, default=None, help="--model: frame width in pixels (default: pasa "
                    f"generate's, {defaults['width']} for SVD, a video transformer's own)")
-    p.add_argument("--image", default="builtin:rocket", help="--model: an SVD pipeline's conditioning image, as "
+    p.add_argument("--image", type=IMAGE, default="builtin:rocket",
+                   help="--model: an SVD pipeline's conditioning image, as "
                    "pasa generate takes it (default builtin:rocket; its size is what matters)")
     p.add_argument("--local-files-only", action="store_true", help="never contact the Hugging Face hub")
     p.set_defaults(func=run, svd_defaults=defaults, seed=0, steps=1)
