@@ -5,12 +5,12 @@ import argparse
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+
+from tests.console import PASA
 import torch
 
 from pasa_diffusers import backends
@@ -216,7 +216,7 @@ def test_save_model_writes_a_folder_that_model_loads(tmp_path, capsys):
 def test_a_saved_planted_model_keeps_its_overflow(tmp_path):
     """tiny-resonant saved by the console script and diagnosed from the folder: the same 3 of 24 layers
     overflow as in the built-in model (they were 0 of 24 when from_pretrained dropped the planted biases)."""
-    pasa = shutil.which("pasa") or str(Path(sys.executable).with_name("pasa"))
+    pasa = PASA
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     folder = tmp_path / "resonant"
     saved = subprocess.run([pasa, "save-model", "--model", "tiny-resonant", str(folder)], capture_output=True,

@@ -11,15 +11,15 @@ import resource
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.console import PASA
+
 from pasa_diffusers.pipelines import runlog
 
-PASA = shutil.which("pasa") or str(Path(sys.executable).with_name("pasa"))
 TINY = ["compare", "--model", "tiny", "--height", "16", "--width", "16", "--frames", "2", "--steps", "1",
         "--images", "builtin:rocket"]
 REPORT = ("report.json", "report.md", "distributions.png", "psnr_per_frame.png")

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests.console import PASA
 import torch
 
 from pasa_diffusers import metrics, processors
@@ -30,7 +32,7 @@ SAMPLE_DIR = ROOT / "samples" / "compare"
 
 def pasa_script() -> str:
     """The `pasa` console script of this interpreter's environment."""
-    found = shutil.which("pasa") or str(Path(sys.executable).parent / "pasa")
+    found = PASA
     assert Path(found).is_file(), "the pasa console script is not installed (pip install -e .)"
     return found
 

@@ -11,16 +11,16 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.console import PASA
 
 from pasa_diffusers.pipelines import runlog
 from pasa_diffusers.pipelines.names import TINY_VIDEO_SETTINGS
 from pasa_diffusers.pipelines.video import NOTICE
 
-PASA = shutil.which("pasa") or str(Path(sys.executable).with_name("pasa"))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 BACKENDS = ("pasa", "bf16")
 ARGS = ["compare", "--model", "tiny-wan", "--backends", ",".join(BACKENDS), "--seeds", "0-1", "--frames", "5",

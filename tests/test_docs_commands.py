@@ -29,7 +29,6 @@ import importlib.util
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 import time
@@ -38,8 +37,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.console import PASA
+
 ROOT = Path(__file__).resolve().parents[1]
-PASA = shutil.which("pasa") or str(Path(sys.executable).with_name("pasa"))
 
 DATED = ("docs/HISTORY.md",)
 """Documents whose commands are a dated record, not instructions (module docstring)."""

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-PASA = shutil.which("pasa") or str(Path(sys.executable).with_name("pasa"))
+from tests.console import PASA
+
 
 FAST_S = 2.0
 """An argument mistake is answered well under torch's import time (measured 0.1-0.2 s; torch takes 2-10 s)."""

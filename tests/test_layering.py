@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import ast
 import tomllib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 
@@ -10,6 +9,8 @@ import imageio.v2 as iio2
 import imageio.v3 as iio
 import numpy as np
 import pytest
+
+from tests.console import PASA
 from matplotlib import colormaps
 from PIL import Image
 from skimage import data
@@ -174,7 +175,7 @@ def test_a_gif_plays_frames_up_to_its_longest_delay_and_slower_is_refused(tmp_pa
 @pytest.mark.parametrize("command", ["generate", "compare"])
 def test_the_command_line_refuses_an_fps_a_gif_cannot_play_before_any_work(command):
     """Was: --fps 0.001 passed the checks, and Pillow's struct.error came after every video was made."""
-    done = subprocess.run([shutil.which("pasa"), command, "--fps", "0.001"], capture_output=True, text=True,
+    done = subprocess.run([PASA, command, "--fps", "0.001"], capture_output=True, text=True,
                           timeout=60)
     assert (done.returncode, done.stderr) == (2, f"pasa {command}: error: argument --fps: must be at least 0.0015259 "
                                                  "(a GIF frame lasts at most 655.35 s), got 0.001\n")

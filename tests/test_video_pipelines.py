@@ -16,6 +16,8 @@ import warnings
 
 import numpy as np
 import pytest
+
+from tests.console import PASA
 import torch
 from diffusers import (AutoencoderKLCogVideoX, AutoencoderKLHunyuanVideo, AutoencoderKLLTXVideo, AutoencoderKLMochi,
                        AutoencoderKLWan, CogVideoXDDIMScheduler, CogVideoXPipeline, CogVideoXTransformer3DModel,
@@ -242,7 +244,7 @@ def test_commands_that_take_svd_only_refuse_a_video_model():
 
 
 def test_generate_through_the_console_script(tmp_path):
-    done = subprocess.run([shutil.which("pasa"), "generate", "--model", "tiny-wan", "--attention", "pasa", *FLAGS,
+    done = subprocess.run([PASA, "generate", "--model", "tiny-wan", "--attention", "pasa", *FLAGS,
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
@@ -434,7 +436,7 @@ def test_why_those_settings_are_refused(pipes):
 
 
 def test_generate_ltx_video_through_the_console_script(tmp_path):
-    done = subprocess.run([shutil.which("pasa"), "generate", "--model", "tiny-ltx-video", "--frames", "9", "--steps",
+    done = subprocess.run([PASA, "generate", "--model", "tiny-ltx-video", "--frames", "9", "--steps",
                            "2", "--height", "64", "--width", "64", "--out", str(tmp_path)], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -464,7 +466,7 @@ def test_generate_ltx_video_through_the_console_script(tmp_path):
 def test_generate_hunyuan_video_and_mochi_through_the_console_script(name, notice, processor, installed, calls,
                                                                      fallbacks, tmp_path):
     settings = NEW[name][3]
-    done = subprocess.run([shutil.which("pasa"), "generate", "--model", name, "--frames", str(settings["num_frames"]),
+    done = subprocess.run([PASA, "generate", "--model", name, "--frames", str(settings["num_frames"]),
                            "--steps", "2", "--height", str(settings["height"]), "--width", str(settings["width"]),
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
