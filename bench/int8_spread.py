@@ -241,7 +241,8 @@ def table(rows: Sequence[dict]) -> str:
 
 def criteria_table(criteria: Sequence[dict]) -> str:
     """Table 2 as markdown: the shares at a few of table 1's inputs, the classes flagged, the worst errors."""
-    shown = ["q, k ~ N(0, 1.25^2)", "q, k ~ N(0, 1.5^2)", "q, k ~ N(0, 2^2)", "keys ~ N(0, 2^2)", "keys off q's span, 3"]
+    shown = ["q, k ~ N(0, 1.25^2)", "q, k ~ N(0, 1.5^2)", "q, k ~ N(0, 2^2)", "keys ~ N(0, 2^2)",
+             "keys off q's span, 3"]
     classes = list(input_classes((1, 1, 1, 16, 16)))
     lines = []
     for c in criteria:
