@@ -17,7 +17,7 @@ import torch
 from bench import attention, harness
 
 ENTRY_POINTS = ("attention", "accuracy", "unet", "dit", "overhead", "temporal", "hopper", "cold_start",
-                "video", "accumulation", "context_parallel", "int8_accuracy", "int8_fallback")
+                "video", "accumulation", "context_parallel", "int8_accuracy", "int8_fallback", "int8_spread")
 ROOT = Path(__file__).resolve().parents[1]
 
 
