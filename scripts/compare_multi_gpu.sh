@@ -30,8 +30,7 @@ MODEL=${MODEL:-svd-xt-random}
 DEVICE=${DEVICE:-cuda}
 mkdir -p "$OUT"
 
-# Dependencies missing on the machine (from $PASA_WHEELS), and this package in the layout pyproject.toml's
-# package-dir describes (pipelines/ and metrics/ inside pasa_diffusers), with its `pasa` console script.
+# Dependencies missing on the machine (from $PASA_WHEELS), and this package with its `pasa` console script.
 # Everything goes under $WORK, and this checkout comes first on the path (before any pasa_diffusers wheel).
 WORK=${WORK:-/tmp/compare-multi-gpu}
 SITE=$WORK/site
@@ -42,8 +41,6 @@ if [ -n "${PASA_WHEELS:-}" ]; then
         python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" {} +
 fi
 cp -r pasa_diffusers "$PKG/pasa_diffusers"
-cp -r pipelines "$PKG/pasa_diffusers/pipelines"
-cp -r metrics "$PKG/pasa_diffusers/metrics"
 printf '#!%s\nimport sys\nfrom pasa_diffusers.cli import main\nsys.exit(main())\n' "$(command -v python3)" > "$PKG/bin/pasa"
 chmod +x "$PKG/bin/pasa"
 export PYTHONPATH=$PKG:$SITE PATH=$PKG/bin:$PATH

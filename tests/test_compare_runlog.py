@@ -1,4 +1,4 @@
-"""The run folder of `pasa compare` (pipelines/runlog.py): logs, damaged lines, manifests, the lock; its samples,
+"""The run folder of `pasa compare` (pasa_diffusers/pipelines/runlog.py): logs, damaged lines, manifests, the lock; its samples,
 and the --images/--seeds flags; no model."""
 from __future__ import annotations
 

@@ -16,15 +16,12 @@ name gives one of them a unit of its own).  The rules, with no exceptions:
 Imports are read with ``ast``, relative ones resolved to absolute module names.  A ``from x import y``
 imports the module ``x.y`` when the source tree has one; else, when the package ``x`` re-exports ``y`` (its
 ``__init__`` imports it, also lazily: the PEP 562 packages name their homes under ``TYPE_CHECKING``), the
-module ``y`` comes from; else ``x``.  The folders ``pipelines/`` and ``metrics/`` install as
-``pasa_diffusers.pipelines`` and ``pasa_diffusers.metrics`` (``pyproject.toml``), and are read under those
-names.  Imports made by ``importlib`` at run time (the lazy packages' ``__getattr__``) are seen through the
+module ``y`` comes from; else ``x``.  Imports made by ``importlib`` at run time (the lazy packages' ``__getattr__``) are seen through the
 ``TYPE_CHECKING`` imports that name them.  Each rule reports every violating import by file and line.
 """
 from __future__ import annotations
 
 import ast
-import tomllib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -126,14 +123,11 @@ def within(module: str, prefix: str) -> bool:
 
 def _source_files() -> dict[str, tuple[Path, bool]]:
     """Every module of the installed package: ``name -> (file, is_package)``."""
-    folders = {PACKAGE: PACKAGE,
-               **tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]}
     files = {}
-    for package, folder in folders.items():
-        for path in sorted((ROOT / folder).rglob("*.py")):
-            parts = path.relative_to(ROOT / folder).with_suffix("").parts
-            is_package = parts[-1] == "__init__"
-            files[".".join((package, *(parts[:-1] if is_package else parts)))] = (path, is_package)
+    for path in sorted((ROOT / PACKAGE).rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        is_package = parts[-1] == "__init__"
+        files[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
     return files
 
 

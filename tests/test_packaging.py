@@ -12,13 +12,11 @@ def _setuptools() -> dict:
 
 
 def test_every_source_package_is_installed_under_pasa_diffusers():
+    """The folders are the packages: every package with an ``__init__.py`` under ``pasa_diffusers/`` is listed, and
+    no package is installed from a folder of another name (no ``package-dir`` remap)."""
     config = _setuptools()
-    folders = {"pasa_diffusers": "pasa_diffusers", **config["package-dir"]}
-    found = set()
-    for package, folder in folders.items():
-        for init in (ROOT / folder).rglob("__init__.py"):
-            parts = init.parent.relative_to(ROOT / folder).parts
-            found.add(".".join((package, *parts)))
+    assert "package-dir" not in config
+    found = {".".join(init.parent.relative_to(ROOT).parts) for init in (ROOT / "pasa_diffusers").rglob("__init__.py")}
     assert set(config["packages"]) == found
     assert all(name == "pasa_diffusers" or name.startswith("pasa_diffusers.") for name in config["packages"])
 

@@ -1,4 +1,4 @@
-"""The built-in video-transformer pipelines (``pipelines/video.py``: ``tiny-wan``, ``tiny-ltx-video``,
+"""The built-in video-transformer pipelines (``pasa_diffusers/pipelines/video.py``: ``tiny-wan``, ``tiny-ltx-video``,
 ``tiny-cogvideox``, ``tiny-hunyuan-video``, ``tiny-mochi``) and the commands on them: built offline, generated
 through the console script, diagnosed (attention layers and activations), saved and loaded again (a saved Wan also
 without the package ``accelerate``), and a planted overflow found where it was planted and nowhere else.  Small

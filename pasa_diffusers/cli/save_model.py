@@ -4,7 +4,7 @@ Its use is ``svd-xt-random``: SVD-XT's full-size pipeline with random weights, b
 the dtype given, is saved once and then loaded by every command with the same weights
 (``pasa save-model --model svd-xt-random --device cuda --dtype fp16 DIR``).  Any ``--model`` saves (a
 hub id, another folder, ``tiny``, ``tiny-resonant``: its planted projection biases are parameters its
-UNet's config lists, ``pipelines/resonant.py``, so ``--model DIR`` loads the same model), a video
+UNet's config lists, ``pasa_diffusers/pipelines/resonant.py``, so ``--model DIR`` loads the same model), a video
 transformer's pipeline too (``tiny-wan``, ``tiny-ltx-video``, ``tiny-cogvideox``, ``tiny-hunyuan-video``,
 ``tiny-mochi``, a Wan, LTX-Video, CogVideoX, HunyuanVideo or Mochi hub id or folder): without tokenizers and text
 encoders, as ``pipelines.video.load_video`` loads it, and a built-in model with its small default frames and size

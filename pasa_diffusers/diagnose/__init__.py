@@ -16,7 +16,7 @@ One job per module, in the order the data flows:
 The diagnosis installs no processor class of its own and never imports ``install`` or ``processors``:
 the processor that feeds the recorders, the module kinds, and running a whole generation under the
 diagnosis (the pipeline, its step callback, the timing of a plain run) are the application's
-(``pipelines/diagnose.py``).  The names below are imported on first use (PEP 562), so importing the
+(``pasa_diffusers/pipelines/diagnose.py``).  The names below are imported on first use (PEP 562), so importing the
 package loads none of its modules.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A diagnosis result rendered: the risk table for the terminal, and the files of ``write_diagnosis``.
 
-The result is the dict of ``diagnose`` (the application, ``pipelines/diagnose.py``): ``model``, ``settings``,
+The result is the dict of ``diagnose`` (the application, ``pasa_diffusers/pipelines/diagnose.py``): ``model``, ``settings``,
 ``layers`` (``aggregate.summarize``), ``overhead`` and, for a video transformer, ``activations``
 (``activations.summarize_activations``); the JSON follows ``files.py``' convention.
 """

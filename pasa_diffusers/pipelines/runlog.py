@@ -62,7 +62,7 @@ FORMAT = 1
 RECORD_FIELDS = ("image", "seed", "sample", "backend", "psnr", "ssim", "lpips", "temporal_psnr", "flicker", "frames",
                  "nonfinite_frames", "first_nonfinite", "identical_frames", "psnr_per_frame", "ssim_per_frame",
                  "fallbacks", "seconds", "rank")
-"""The fields of a record of format ``FORMAT`` (``pipelines/compare.py`` says what each holds)."""
+"""The fields of a record of format ``FORMAT`` (``pasa_diffusers/pipelines/compare.py`` says what each holds)."""
 
 Key = tuple[str, int, str]
 """``(image, seed, backend)``: one record."""

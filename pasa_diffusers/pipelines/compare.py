@@ -65,7 +65,7 @@ MODEL_NOTES: dict[str, str] = {
     "tiny": f"a tiny SVD with random weights, {_NOISE}",
     "tiny-resonant": "the tiny SVD with random weights and an FP16 overflow planted in "
                      f"{len(PLANTED_LAYERS)} attention layers (a large query and key bias, in phase along the head "
-                     "dimension: pipelines/resonant.py), so that naive FP16 attention overflows there: its videos look "
+                     "dimension: pasa_diffusers/pipelines/resonant.py), so that naive FP16 attention overflows there: its videos look "
                      "like noise by design, and what counts is how far each backend's video lies from the FP32 one",
     "svd-xt-random": "SVD-XT at full size with seeded random weights, for time and memory at the real sizes: its "
                      "videos look like noise by design, and it plants no overflow",

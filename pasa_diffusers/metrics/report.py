@@ -1,7 +1,7 @@
 """The report of an evaluation over samples: ``report.json``, ``report.md``, two plots and a terminal table.
 
 ``build_report`` turns the records of ``samples.jsonl`` (one per sample and backend, see
-``pipelines/compare.py``) into the report dict; ``write_report`` writes it; ``format_table`` prints it.
+``pasa_diffusers/pipelines/compare.py``) into the report dict; ``write_report`` writes it; ``format_table`` prints it.
 
 Report layout (``report.json``)::
 
