@@ -63,7 +63,6 @@ __all__ = [
     "conditioning_notice",
     "load_condition_image",
     "model_dtype",
-    "most_keys",
     "check_key_blocks",
 ]
 
@@ -377,34 +376,6 @@ def model_dtype(device: str, name: str | None) -> Any:
     return {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[name]
 
 
-_JOINT = ("cogvideox", "hunyuan-video", "mochi")
-"""Video families whose transformer attends over the video and text tokens together (one joint attention); Wan
-and LTX-Video attend over the video (self) and the text (cross) apart."""
-
-
-def most_keys(pipe: Any, *, num_frames: int, height: int, width: int) -> int | None:
-    """The most keys an attention call of ``pipe``'s denoiser takes in a generation of this size, or ``None``
-    where it is not known (an SVD UNet without spatial attention in its down blocks).
-
-    SVD: the spatial self-attention at the finest level that has attention (``(H / vae / 2^level) x (W / ...)``
-    tokens) or the temporal one (one key per frame); a video transformer: its video tokens (latent frames, height
-    and width over the patch) and text tokens (the fixed prompt embeddings), added for a joint attention
-    (CogVideoX, HunyuanVideo, Mochi), the larger of the two for self and cross attentions apart (Wan, LTX-Video)."""
-    from pasa_diffusers.pipelines.video import _family, _latent_size, _patch, is_video_pipeline, prompt_embeddings
-
-    if not is_video_pipeline(pipe):
-        level = next((i for i, name in enumerate(pipe.unet.config.down_block_types) if "CrossAttn" in name), None)
-        if level is None:
-            return None
-        scale = pipe.vae_scale_factor * 2**level
-        return max((height // scale) * (width // scale), num_frames)
-    frames, h, w = _latent_size(pipe, num_frames, height, width)
-    patch_t, patch = _patch(pipe)
-    video = -(-frames // patch_t) * (h // patch) * (w // patch)
-    text = prompt_embeddings(pipe)[0].shape[1]
-    return video + text if _family(pipe) in _JOINT else max(video, text)
-
-
 def check_key_blocks(pipe: Any, settings: dict[str, int], backends: list[str] | tuple[str, ...], flag: str) -> None:
     """Refuse an 8-bit backend (``pasa-int8``, ``pasa-fp8``) for a run whose every attention call takes at most
     one key block (``rules.SHIFT_BLOCK`` keys): the backend computes each such call in 16 bits (its documented
@@ -412,6 +383,7 @@ def check_key_blocks(pipe: Any, settings: dict[str, int], backends: list[str] | 
     once the model is loaded, before any step (``install.fallback_summary(strict=True)`` found it only after the
     whole video)."""
     from pasa_diffusers.backends import BACKENDS
+    from pasa_diffusers.pipelines.video import most_keys
     from pasa_diffusers.rules import SHIFT_BLOCK
     from pasa_diffusers.variants import EIGHT_BIT
 

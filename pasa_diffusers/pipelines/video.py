@@ -51,7 +51,8 @@ from .video_dits import (tiny_cogvideox_vae, tiny_hunyuan_video_vae, tiny_ltx_vi
                          tiny_transformer, tiny_wan_vae)
 
 __all__ = ["VIDEO_PIPELINES", "NOTICE", "PROMPT_SEED", "SETTINGS_KEY", "load_video", "load_pipeline",
-           "is_video_pipeline", "is_video_model", "denoiser", "default_settings", "setting_problem", "prompt_embeddings",
+           "is_video_pipeline", "is_video_model", "denoiser", "most_keys", "JOINT_FAMILIES", "default_settings",
+           "setting_problem", "prompt_embeddings",
            "pooled_prompt_embeddings", "prompt_attention_masks", "make_latents", "generate", "generate_frames"]
 
 VIDEO_PIPELINES: dict[str, str] = {"WanPipeline": "wan", "LTXPipeline": "ltx-video", "CogVideoXPipeline": "cogvideox",
@@ -361,6 +362,32 @@ def _latent_size(pipe: DiffusionPipeline, num_frames: int, height: int, width: i
     """``(frames, height, width)`` of the latents of a video, before any padding or packing."""
     temporal, spatial = _compression(pipe)
     return (num_frames - 1) // temporal + 1, height // spatial, width // spatial
+
+
+JOINT_FAMILIES = ("cogvideox", "hunyuan-video", "mochi")
+"""Video families whose transformer attends over the video and text tokens together (one joint attention); Wan
+and LTX-Video attend over the video (self) and the text (cross) apart."""
+
+
+def most_keys(pipe: DiffusionPipeline, *, num_frames: int, height: int, width: int) -> int | None:
+    """The most keys an attention call of ``pipe``'s denoiser takes in a generation of this size, or ``None``
+    where it is not known (an SVD UNet without spatial attention in its down blocks).
+
+    SVD: the spatial self-attention at the finest level that has attention (``(H / vae / 2^level) x (W / ...)``
+    tokens) or the temporal one (one key per frame); a video transformer: its video tokens (latent frames, height
+    and width over the patch) and text tokens (the fixed prompt embeddings), added for a joint attention
+    (CogVideoX, HunyuanVideo, Mochi), the larger of the two for self and cross attentions apart (Wan, LTX-Video)."""
+    if not is_video_pipeline(pipe):
+        level = next((i for i, name in enumerate(pipe.unet.config.down_block_types) if "CrossAttn" in name), None)
+        if level is None:
+            return None
+        scale = pipe.vae_scale_factor * 2**level
+        return max((height // scale) * (width // scale), num_frames)
+    frames, h, w = _latent_size(pipe, num_frames, height, width)
+    patch_t, patch = _patch(pipe)
+    video = -(-frames // patch_t) * (h // patch) * (w // patch)
+    text = prompt_embeddings(pipe)[0].shape[1]
+    return video + text if _family(pipe) in JOINT_FAMILIES else max(video, text)
 
 
 def default_settings(pipe: DiffusionPipeline) -> dict[str, int]:
