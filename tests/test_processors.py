@@ -533,6 +533,12 @@ def test_pasa_processor_checks_its_options_when_made(options, match):
 def test_models_without_attention_are_rejected(pipe):
     with pytest.raises(ValueError, match="Linear"):
         I.apply(torch.nn.Linear(4, 4))
+    for fn in (I.apply, I.fallback_summary):  # one refusal for both, naming the function and the type
+        with pytest.raises(ValueError, match=rf"^{fn.__name__}: expected a diffusers model with attention processors "
+                                             r"or a pipeline, got object$"):
+            fn(object())
+        with pytest.raises(ValueError, match=rf"^{fn.__name__}: Linear has no attention modules$"):
+            fn(torch.nn.Linear(4, 4))
     vae = AutoencoderKL(block_out_channels=(32,), norm_num_groups=8, mid_block_add_attention=False)
     with pytest.raises(ValueError, match="no attention modules"):
         I.apply(vae)
