@@ -256,7 +256,8 @@ def apply(
             not only their self-attentions (``attn1``, or a joint ``attn``).
         vae: for a pipeline, also act on ``pipe.vae``.  Attention outside transformer blocks (kind
             ``"other"``, e.g. a VAE's mid-block attention) is selected in every model acted on.
-        **options: constructor arguments of the processor, e.g. ``precision="fp64"``, ``beta=0.9``,
+        **options: constructor arguments of the processor, e.g. ``precision="fp64"``, ``beta=0.9`` (PASA's
+            shift only: the ``pasa-paper`` backends),
             ``dtype=torch.float16`` (every backend takes ``dtype``: the dtype q, k, v are cast to).
 
     Modules not selected keep their processor.  The processors found before the first ``apply`` are
