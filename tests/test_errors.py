@@ -81,6 +81,22 @@ PROBES: list[tuple[str, str]] = [
     ("compare --backends pasa,efficient", "--backends pasa,efficient: backend 'efficient' runs on CUDA devices only, "
                                           "not on cpu: pass --device cuda, or choose a backend with a CPU "
                                           "implementation"),
+    # runs that cannot fit in any machine's memory (pipelines/memory.py), refused before any folder or model
+    ("generate --frames 99999999999", "--frames 99999999999 --height 64 --width 64: a video this size needs at least "
+                                      "419 PiB of memory (1.12 KiB a frame pixel: half what tiny was measured to "
+                                      "take), more than the "),
+    ("generate --height 99999992", "--frames 4 --height 99999992 --width 64: a video this size needs at least "
+                                   "26.8 TiB of memory (1.12 KiB a frame pixel: half what tiny was measured to take), "
+                                   "more than the "),
+    ("generate --steps 100000000000", "--steps 100000000000: the scheduler's tables for this many steps need at least "
+                                      "1.46 TiB of memory (16 bytes a step), more than the "),
+    ("diagnose --frames 1000000000", "--frames 1000000000 --height 64 --width 64: a video this size needs at least "
+                                     "4.19 PiB of memory"),
+    ("compare --height 100000 --width 100000", "--frames 4 --height 100000 --width 100000: a video this size needs at "
+                                               "least 62.9 TiB of memory (1.69 KiB a frame pixel: half what "
+                                               "tiny-resonant was measured to take in pasa compare), more than the "),
+    ("compare --frames 100000 --height 480 --width 480", "--frames 100000 --height 480 --width 480: a video this size "
+                                                         "needs at least 36.2 TiB of memory"),
     ("save-model {tmp}/new", "the following arguments are required: --model"),
     ("save-model --model tiny {tmp}", "DIR {tmp}: the folder is not empty; pass a new or empty folder"),
     ("save-model --model tiny {tmp}/afile", "DIR {tmp}/afile: {tmp}/afile is a file, not a folder"),
@@ -237,6 +253,34 @@ def main_error(args: list[str], capsys) -> str:
     lines = [line for line in err.splitlines() if line.startswith("pasa")]
     assert len(lines) == 1, err
     return lines[0]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["compare", "--frames", "100000"], "--frames 100000 --height 48 --width 48: a video this size needs at least "
+                                        "371 GiB of memory (1.69 KiB a frame pixel: half what tiny-resonant was "
+                                        "measured to take in pasa compare), more than the 24 GiB of this machine's "
+                                        "RAM and swap; choose fewer frames or a smaller size"),
+    (["compare", "--height", "100000"], "--frames 4 --height 100000 --width 48: a video this size needs at least "
+                                        "30.9 GiB of memory"),
+    (["generate", "--frames", "100000"], "--frames 100000 --height 64 --width 64: a video this size needs at least "
+                                         "439 GiB of memory"),
+    (["compare", "--model", "tiny-wan", "--frames", "100001"], "--frames 100001 --height 64 --width 64: a video this "
+                                                               "size needs at least 110 GiB of memory (288 B a frame "
+                                                               "pixel: half what tiny-wan was measured to take)"),
+    (["generate", "--model", "org/name", "--frames", "200000000"],  # a model not built in: its frames alone
+     "--frames 200000000 --height 8 --width 8: a video this size needs at least 286 GiB of memory (24 B a frame "
+     "pixel: the decoded frames in float32, twice)"),
+], ids=["compare-frames", "compare-height", "generate-frames", "tiny-wan", "hub-id"])
+def test_a_run_that_cannot_fit_is_refused_before_any_folder(args, message, tmp_path, monkeypatch, capsys):
+    """On a machine of 24 GiB (this one has 23.5 GiB): the issue's compare --frames 100000 and --height 100000 were
+    killed by the OS after minutes, leaving a run folder; now one line before any folder or model."""
+    from pasa_diffusers.pipelines import memory
+
+    monkeypatch.setattr(memory, "host_memory", lambda: (24 * 2**30, "this machine's RAM and swap"))
+    out = tmp_path / "out"
+    line = main_error([*args, "--out", str(out)], capsys)
+    assert line.startswith(f"pasa {args[0]}: error: {message}"), line
+    assert not out.exists()
 
 
 def test_hub_offline_and_not_cached(tmp_path, monkeypatch, capsys):
