@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -342,7 +343,8 @@ def test_ctrl_c_is_one_line_and_status_130_in_every_command(args, tmp_path):
     """SIGINT once the arguments have passed (the interpreter warning is printed just before the command's
     work: the heavy imports, then the run) ends every command with one line and the shell's 130, no
     traceback (``pasa compare`` interrupted in its loop says how many results are done:
-    ``test_compare_reliability.py``)."""
+    ``test_compare_reliability.py``; a SIGINT that lands inside an import is held until the import is done, by
+    which time ``compare`` may have reached its loop)."""
     import signal
 
     env = {**{key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"},
@@ -352,7 +354,50 @@ def test_ctrl_c_is_one_line_and_status_130_in_every_command(args, tmp_path):
     assert process.stderr.readline().startswith("pasa: warning: TRITON_INTERPRET=1 is set")
     process.send_signal(signal.SIGINT)
     out, err = process.communicate(timeout=120)
+    if args[0] == "compare" and err.startswith("pasa compare: interrupted after"):  # held past the imports (below)
+        assert re.fullmatch(r"pasa compare: interrupted after 0 of \d+ results; rerun the same command to resume\n",
+                            err), err
+        err = "pasa compare: interrupted (Ctrl-C)\n"
     assert (process.returncode, err, out) == (130, f"pasa {args[0]}: interrupted (Ctrl-C)\n", "")
+
+
+INTERRUPT_AT_IMPORT = """\
+import importlib.abc, os, pathlib, signal, sys
+
+target, marker = sys.argv[1], pathlib.Path(sys.argv[2])
+
+
+class Interrupter(importlib.abc.MetaPathFinder):  # Ctrl-C at the first import of `target`, inside the import
+    def find_spec(self, name, path, target_module=None):
+        if name == target:
+            sys.meta_path.remove(self)
+            marker.write_text(name)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+
+sys.meta_path.insert(0, Interrupter())
+from pasa_diffusers.cli import main
+
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+@pytest.mark.parametrize("args", [["diagnose", "--model", "tiny", "--out", "out"],
+                                  ["save-model", "--model", "tiny", "saved"]], ids=lambda args: args[0])
+def test_ctrl_c_while_the_libraries_import_is_one_line_and_status_130(args, tmp_path):
+    """SIGINT delivered inside an import of the first seconds (torch's import of ``numpy.linalg``: the
+    ``KeyboardInterrupt`` left numpy half made, and transformers' and diffusers' lazy imports chained what followed
+    into a 176-line traceback, exit 1) is held until the import is done (``cli.held_while_importing``): one line,
+    130."""
+    module = "numpy.linalg"
+    script, marker = tmp_path / "interrupt.py", tmp_path / "interrupted_at"
+    script.write_text(INTERRUPT_AT_IMPORT)
+    env = {**{key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(script), module, str(marker), *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert marker.read_text() == module  # the interrupt came inside that import
+    assert (done.returncode, done.stderr, done.stdout) == (130, f"pasa {args[0]}: interrupted (Ctrl-C)\n", "")
 
 
 def test_a_folder_in_use_is_refused_before_the_heavy_imports(tmp_path):
