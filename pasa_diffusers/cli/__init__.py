@@ -103,9 +103,11 @@ def held_while_importing() -> Iterator[None]:
 
     A ``KeyboardInterrupt`` raised inside a module's top-level code leaves that module half made: numpy's lazy
     ``linalg`` then recursed without end, transformers reported ``Could not import module 'PreTrainedModel'``,
-    and diffusers chained both into a ``RuntimeError`` (exit 1); some libraries even swallowed it.  Outside the
-    main thread (where no signal handler can be set) the block changes nothing."""
-    if threading.current_thread() is not threading.main_thread():
+    and diffusers chained both into a ``RuntimeError`` (exit 1); some libraries even swallowed it.  The block
+    changes nothing outside the main thread (where no signal handler can be set) or where SIGINT is not Python's
+    default (ignored, as in a shell script's background job, or handled by the caller)."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
         yield
         return
     pending: list[threading.Timer] = []  # the one delivery in flight, however many times Ctrl-C is pressed
