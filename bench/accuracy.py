@@ -24,7 +24,8 @@ from collections.abc import Sequence
 
 import torch
 
-from pasa_diffusers import block_tally, numerics
+from pasa_diffusers import numerics
+from pasa_diffusers.kernels import block_tally
 from pasa_diffusers.metrics import records
 from pasa_diffusers.reference import flash_reference, golden_attention
 from pasa_diffusers.rules import PRECISION_DTYPES

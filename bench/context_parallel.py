@@ -14,13 +14,14 @@ the world size), ``ring`` (ring degree = the world size), ``ulysses+ring`` (ring
 rest).  Backends (``--backends``): ``pasa`` (``install.apply(model, "pasa")``: diffusers' schedule with
 ``pasa_attention`` as its local op) and ``sdpa`` (no ``apply``: the model's own processors on diffusers'
 attention backend ``--sdpa-backend``, default ``_native_cudnn`` on CUDA, which has the LSE the ring needs,
-and ``native`` on a CPU, which has none: its ring rows are errors there).  Columns: GPUs, mode, backend,
-forward ms (the timer's median over ``--iters`` forwards after one untimed one; the slowest rank's),
-peak memory of each GPU over the forward (GiB, weights included), the relative RMS difference of the
-output to the same backend on 1 GPU and to SDPA on 1 GPU, finite, and, summed over the row's forwards,
-the fallback calls and the schedules of the context-parallel calls (``parallel.schedule_summary``), or
-the error.  Launch with NCCL on GPUs
-(``pipelines.distributed.session`` picks it), gloo on CPUs; ``docs/PARALLEL.md``.
+and ``native`` on a CPU, which has none: its ring rows are skipped there, saying so, ``NO_LSE``).  Columns:
+GPUs, mode, backend, forward ms (the timer's median over ``--iters`` forwards after one untimed one; the
+slowest rank's), peak memory of each GPU over the forward (GiB, weights included), the relative RMS
+difference of the output to the same backend on 1 GPU and to SDPA on 1 GPU, finite, and, summed over the
+row's forwards, the fallback calls and the schedules of the context-parallel calls
+(``parallel.schedule_summary``), or the error.  On CPUs the table counts processes, not GPUs ("1 process"
+rows), and has no peak-memory column.  Launch with NCCL on GPUs (``pipelines.distributed.session`` picks
+it), gloo on CPUs; ``docs/PARALLEL.md``.
 """
 from __future__ import annotations
 
@@ -137,30 +138,57 @@ def _gathered(dist: Dist, value: Any) -> list[Any]:
     return values
 
 
+def unit(device: str) -> str:
+    """What one rank runs on: ``"GPU"`` for CUDA, ``"process"`` on the CPU (gloo)."""
+    return "GPU" if device.startswith("cuda") else "process"
+
+
+def single_mode(device: str) -> str:
+    """The label of the rows without parallelism (each rank on its own): ``"1 GPU"`` or ``"1 process"``."""
+    return f"1 {unit(device)}"
+
+
+NO_LSE = {"native": "diffusers' native backend has no log-sum-exp"}
+"""Diffusers attention backends that cannot run the ring (which merges chunks by their LSE), and why.  Their ring
+rows are refused before the run: the ring all-gathers the keys first and its first chunk then fails, leaving that
+collective unwaited (torch warned at exit of an unwaited collective on every rank)."""
+
+
+def ring_problem(mode: str, backend: str, sdpa_backend: str) -> str | None:
+    """Why ``backend`` cannot run in ``mode``, or ``None``: an SDPA backend without an LSE in a ring mode."""
+    if backend == "pasa" or "ring" not in mode or sdpa_backend not in NO_LSE:
+        return None
+    return (f"skipped: {NO_LSE[sdpa_backend]}, which the ring merges chunks by (--sdpa-backend {sdpa_backend}; "
+            "on CUDA _native_cudnn has one)")
+
+
 def mode_rows(dist: Dist, mode: str, args, timer: harness.Timer, single: dict[str, torch.Tensor | None]) -> list[dict]:
-    """The rows of one parallel mode (``"1 GPU"``: no parallelism, each rank on its own), every backend."""
+    """The rows of one parallel mode (``single_mode``: no parallelism, each rank on its own), every backend."""
     from diffusers import ContextParallelConfig
 
     model = make_model(args.model, dist.device)
     inputs = make_inputs(args.model, model, args.resolution, args.frames, args.batch, dist.device)
-    gpus = 1
-    if mode != "1 GPU":
-        gpus = dist.world_size
+    ranks_used = 1
+    if mode != single_mode(dist.device):
+        ranks_used = dist.world_size
         model.set_attention_backend(args.sdpa_backend)  # what enable_parallelism checks for context parallelism
         parallel.enable_parallelism(model, ContextParallelConfig(**degrees(mode, dist.world_size)))
     rows = []
     for backend in args.backends:
-        result = run_backend(model, backend, args.sdpa_backend, inputs, timer)
+        problem = ring_problem(mode, backend, args.sdpa_backend)
+        result = run_backend(model, backend, args.sdpa_backend, inputs, timer) if problem is None else {
+            "ms": None, "peak_gib": None, "out": None, "finite": None, "fallback_calls": None, "fallbacks": {},
+            "schedules": {}, "error": problem}
         ranks = _gathered(dist, {k: result[k] for k in ("ms", "peak_gib", "error")})
         out = result.pop("out")
-        if mode == "1 GPU":
+        if mode == single_mode(dist.device):
             single[backend] = out
         ms = [r["ms"] for r in ranks]
-        rows.append({"gpus": gpus, "mode": mode, "backend": backend if backend == "pasa" else f"sdpa ({args.sdpa_backend})",
-                     **result, "ms": None if None in ms else max(ms), "peak_gib_per_gpu": [r["peak_gib"] for r in ranks],
+        rows.append({"ranks": ranks_used, "mode": mode, "backend": backend if backend == "pasa" else f"sdpa ({args.sdpa_backend})",
+                     **result, "ms": None if None in ms else max(ms), "peak_gib_per_rank": [r["peak_gib"] for r in ranks],
                      "errors": sorted({r["error"] for r in ranks if r["error"]}),
-                     "rel_rms_vs_1gpu_same": None if out is None else _rel_rms(out, single.get(backend)),
-                     "rel_rms_vs_1gpu_sdpa": None if out is None else _rel_rms(out, single.get("sdpa"))})
+                     "rel_rms_vs_one_same": None if out is None else _rel_rms(out, single.get(backend)),
+                     "rel_rms_vs_one_sdpa": None if out is None else _rel_rms(out, single.get("sdpa"))})
         label = "" if rows[-1]["ms"] is None else f"{rows[-1]['ms']:.1f} ms"
         if dist.is_main:
             harness.log(f"{mode} {backend}: {label or rows[-1]['errors']}")
@@ -174,16 +202,23 @@ def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
-def report(rows: list[dict], title: str, env: dict, cmd: str) -> str:
-    return harness.header(title, env, cmd) + "\n" + records.markdown_table(
-        ["GPUs", "mode", "backend", "forward ms", "peak GiB per GPU", "rel. RMS vs same, 1 GPU",
-         "rel. RMS vs SDPA, 1 GPU", "finite", "fallback calls", "schedules / error"],
-        [[r["gpus"], r["mode"], r["backend"], _fmt(r["ms"], ".1f"),
-          " / ".join(_fmt(g, ".2f") for g in r["peak_gib_per_gpu"]),
-          _fmt(r["rel_rms_vs_1gpu_same"], ".2e"), _fmt(r["rel_rms_vs_1gpu_sdpa"], ".2e"),
-          "-" if r["finite"] is None else r["finite"], "-" if r["fallback_calls"] is None else r["fallback_calls"],
-          "; ".join(r["errors"]) or ", ".join(f"{k} {v}" for k, v in sorted(r["schedules"].items())) or "-"]
-         for r in rows], align="rllrrrrlrl") + "\n"
+def report(rows: list[dict], title: str, env: dict, cmd: str, device: str = "cuda") -> str:
+    """The markdown report: on CUDA a row per (GPUs, mode, backend) with each GPU's peak memory; on the CPU the
+    same per processes, without the peak (a CPU has no GPU memory to measure)."""
+    one, gpu = single_mode(device), device.startswith("cuda")
+    columns = [f"{unit(device)}{'s' if gpu else 'es'}", "mode", "backend", "forward ms"]
+    columns += ["peak GiB per GPU"] if gpu else []
+    columns += [f"rel. RMS vs same, {one}", f"rel. RMS vs SDPA, {one}", "finite", "fallback calls", "schedules / error"]
+    table = []
+    for r in rows:
+        cells = [r["ranks"], r["mode"], r["backend"], _fmt(r["ms"], ".1f")]
+        cells += [" / ".join(_fmt(g, ".2f") for g in r["peak_gib_per_rank"])] if gpu else []
+        cells += [_fmt(r["rel_rms_vs_one_same"], ".2e"), _fmt(r["rel_rms_vs_one_sdpa"], ".2e"),
+                  "-" if r["finite"] is None else r["finite"], "-" if r["fallback_calls"] is None else r["fallback_calls"],
+                  "; ".join(r["errors"]) or ", ".join(f"{k} {v}" for k, v in sorted(r["schedules"].items())) or "-"]
+        table.append(cells)
+    align = "rllr" + ("r" if gpu else "") + "rrlrl"
+    return harness.header(title, env, cmd) + "\n" + records.markdown_table(columns, table, align=align) + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -218,7 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for mode in args.modes:
                 degrees(mode, dist.world_size)  # a bad mode fails before any work
         single: dict[str, torch.Tensor | None] = {}
-        rows = mode_rows(dist, "1 GPU", args, timer, single)
+        rows = mode_rows(dist, single_mode(device), args, timer, single)
         if dist.world_size > 1:
             for mode in args.modes:
                 rows += mode_rows(dist, mode, args, timer, single)
@@ -226,10 +261,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             harness.log(f"bench.{NAME}: one process: the 1-GPU rows only (launch with torchrun for the parallel ones)")
     if not dist.is_main:
         return 0
-    shape = args.resolution if not args.model.startswith("tiny-") else "its own size"
-    text = report(rows, f"bench.context_parallel: one forward of {args.model} ({shape}, {args.frames} frames, batch "
-                        f"{args.batch}) on 1 and {dist.world_size} {'GPUs' if device == 'cuda' else 'processes'}",
-                  env, cmd)
+    shape = (f"{args.resolution}, {args.frames} frames" if not args.model.startswith("tiny-")
+             else "its own size and frames")  # a tiny model's inputs are its example's, whatever --frames says
+    text = report(rows, f"bench.context_parallel: one forward of {args.model} ({shape}, batch {args.batch}) on 1 and "
+                        f"{dist.world_size} {'GPUs' if device == 'cuda' else 'processes'}", env, cmd, device)
     harness.write_report(args.out, NAME, text, {"bench": NAME, "command": cmd, "environment": env,
                                                 "timer": asdict(timer), "world_size": dist.world_size, "rows": rows})
     print(text)

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pasa_diffusers import block_tally
+from pasa_diffusers.kernels import block_tally
 from pasa_diffusers.shift_matrix import DEFAULT_BETA
 from pasa_diffusers.kernels import dispatch, int8, tuning
 from pasa_diffusers.variants import Variant

@@ -97,15 +97,20 @@ def _components(model_or_pipeline: Any, vae: bool) -> list[tuple[str, torch.nn.M
                 raise ValueError(f"apply: pipeline {type(model_or_pipeline).__name__} has no {prefix.removesuffix('.')}")
     else:
         models = [("", model_or_pipeline)]
+    _check_models("apply", models)
+    return models
+
+
+def _check_models(fn: str, models: list[tuple[str, Any]]) -> None:
+    """Refuse, naming ``fn``, a model that is no ``torch.nn.Module`` or one without attention modules."""
     for _, model in models:
         if not isinstance(model, torch.nn.Module):
             raise ValueError(
-                f"apply: expected a diffusers model with attention processors or a pipeline, "
+                f"{fn}: expected a diffusers model with attention processors or a pipeline, "
                 f"got {type(model).__name__}"
             )
         if not attention_processors(model):
-            raise ValueError(f"apply: {type(model).__name__} has no attention modules")
-    return models
+            raise ValueError(f"{fn}: {type(model).__name__} has no attention modules")
 
 
 def _model_dtype(model: torch.nn.Module) -> torch.dtype:
@@ -251,7 +256,8 @@ def apply(
             not only their self-attentions (``attn1``, or a joint ``attn``).
         vae: for a pipeline, also act on ``pipe.vae``.  Attention outside transformer blocks (kind
             ``"other"``, e.g. a VAE's mid-block attention) is selected in every model acted on.
-        **options: constructor arguments of the processor, e.g. ``precision="fp64"``, ``beta=0.9``,
+        **options: constructor arguments of the processor, e.g. ``precision="fp64"``, ``beta=0.9`` (PASA's
+            shift only: the ``pasa-paper`` backends),
             ``dtype=torch.float16`` (every backend takes ``dtype``: the dtype q, k, v are cast to).
 
     Modules not selected keep their processor.  The processors found before the first ``apply`` are
@@ -345,6 +351,11 @@ def fallback_summary(model_or_pipeline: Any, *, strict: bool = False) -> dict[st
         strict: raise ``AllCallsFellBackError`` when the processors served calls and every one of them
             was a fallback (the output is then not the backend's: not a result to report).
 
+    Raises:
+        ValueError: ``model_or_pipeline`` is neither a pipeline nor a ``torch.nn.Module`` with attention
+            modules (as ``apply`` refuses it).
+        AllCallsFellBackError: with ``strict``, as above.
+
     Returns:
         ``{"backends": sorted names the processors were installed as, "processors", "calls": calls the
         processors received (the calls the backend targets), "fallback_calls", "fallbacks": {reason:
@@ -356,6 +367,7 @@ def fallback_summary(model_or_pipeline: Any, *, strict: bool = False) -> dict[st
         models = [(prefix, model) for prefix, model in _pipeline_models(model_or_pipeline, vae=True) if model is not None]
     else:
         models = [("", model_or_pipeline)]
+        _check_models("fallback_summary", models)
     seen: set[int] = set()
     backends: set[str] = set()
     calls = 0

@@ -155,7 +155,8 @@ def pasa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
             ``"hybrid"``, overflow-free in ``"half"``; ``"pasa"`` (or ``True``) for the paper's PASA
             (pseudo-average shift with global recovering); ``"none"`` (or ``False``) for plain
             FlashAttention (in ``"half"`` the naive control, which overflows above 65504).
-        beta: PASA's shift strength in (0, 1), default ``DEFAULT_BETA`` (0.9375).
+        beta: PASA's shift strength in (0, 1), default ``DEFAULT_BETA`` (0.9375); read by ``shift="pasa"``
+            only, so a ``beta`` with another shift is refused (``ValueError`` naming both).
         layout: ``"bhnd"`` or ``"bnhd"``; the output has the layout of ``q``, contiguous.
         return_lse: also return ``lse = logsumexp(scale q k^T, dim=-1)``, the natural-log log-sum-exp of
             each query row's true logits, as diffusers' ring attention merges partial outputs:
@@ -176,7 +177,8 @@ def pasa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     the variant's result within its bound (``tests/test_kernel_gpu.py``, ``tests/test_int8.py``).
 
     Raises:
-        ValueError: an argument out of ``rules``' ranges (named in the message).
+        ValueError: an argument out of ``rules``' ranges (named in the message), or ``beta`` with a
+            shift other than ``"pasa"``.
         RuntimeError: an input requires grad while grad mode is on: the op is forward-only.
     """
     _validate(q, k, v, scale, precision, shift, beta, layout, return_lse)

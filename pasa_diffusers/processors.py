@@ -279,7 +279,8 @@ class PASAAttnProcessor(CountedAttnProcessor):
         shift: ``"exact"`` for the exact shift (K's block mean removed exactly, the removed ``q . kbar``
             carried in fp32), ``"pasa"`` (or ``True``) for the paper's PASA, ``"none"`` (or ``False``) for
             plain FlashAttention in the same precision.
-        beta: PASA's shift strength in (0, 1); ``None`` uses the op's default.
+        beta: PASA's shift strength in (0, 1), with ``shift="pasa"`` only (refused with another shift);
+            ``None`` uses the op's default.
         dtype: the dtype attention works on (see ``CountedAttnProcessor``).
 
     Falls back (counted, logged once per reason and process) for an attention mask other than a key-padding

@@ -87,7 +87,8 @@ from typing import NamedTuple
 
 import torch
 
-from . import block_tally, rules
+from . import rules
+from .kernels import block_tally
 from .rules import INT8_FALLBACK_TAU, P_SHIFT, SHIFT_BLOCK, gemm_dtype
 
 __all__ = [

@@ -77,16 +77,21 @@ def _is_real(x: Any) -> bool:
 
 def check_options(fn: str, *, precision: str, shift: bool | str, beta: float | None = None,
                   scale: float | None = None, layout: str | None = None, return_lse: bool = False) -> None:
-    """Check the op's options: ``precision``, ``shift``, ``beta`` in (0, 1), ``scale`` positive finite
-    (not a bool), ``layout``, ``return_lse`` a bool.  ``None`` for ``beta``/``scale`` means the default;
+    """Check the op's options: ``precision``, ``shift``, ``beta`` in (0, 1) and only with ``shift="pasa"`` (the
+    one shift that reads it: the exact shift and plain FlashAttention would ignore it), ``scale`` positive
+    finite (not a bool), ``layout``, ``return_lse`` a bool.  ``None`` for ``beta``/``scale`` means the default;
     ``layout=None`` skips it."""
     if not (isinstance(precision, str) and precision in PRECISIONS):
         raise ValueError(f"{fn}: unknown precision={precision!r}; expected one of {PRECISIONS}")
-    problem = combination_problem(shift_mode(shift, fn), precision)
+    mode = shift_mode(shift, fn)
+    problem = combination_problem(mode, precision)
     if problem:
         raise ValueError(f"{fn}: {problem}")
     if beta is not None and not (_is_real(beta) and 0.0 < float(beta) < 1.0):
         raise ValueError(f"{fn}: beta must be a number in (0, 1), got beta={beta!r}")
+    if beta is not None and mode != "pasa":
+        raise ValueError(f"{fn}: beta={beta!r} is the strength of PASA's shift, which shift={mode!r} does not "
+                         "read; pass shift='pasa' with it, or leave beta out")
     if scale is not None and not (_is_real(scale) and math.isfinite(scale) and scale > 0):
         raise ValueError(f"{fn}: scale must be a positive finite number, got scale={scale!r}")
     if layout is not None and layout not in LAYOUTS:

@@ -218,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     group.add_argument("--save", metavar="FILE", help="run every call with the package on sys.path, save outputs")
     group.add_argument("--compare", nargs=2, metavar=("A", "B"), help="compare two saved runs bit for bit")
     args = parser.parse_args(argv)
+    if args.save and not torch.cuda.is_available():
+        print(f"scripts/ab_bits.py --save: needs a CUDA GPU (it runs every kernel path); none on this machine "
+              f"(torch {torch.__version__}); --compare runs anywhere", file=sys.stderr)
+        return 2
     if args.save:
         save(args.save)
         return 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -53,6 +54,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5, help="timing rounds over the methods (default: 5)")
     harness.add_timer_arguments(p)
     args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(f"scripts/ab_key_ranges.py: needs a CUDA GPU (it times the default's launches against cuDNN); none on "
+              f"this machine (torch {torch.__version__})", file=sys.stderr)
+        return 2
     os.makedirs(args.out, exist_ok=True)
     timer = harness.Timer(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
     methods = [harness.sdpa_method("cudnn"), harness.op_method(Variant("exact", "hybrid")), whole_launch()]

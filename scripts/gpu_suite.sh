@@ -5,7 +5,9 @@
 #
 #     OUT=out/gpu_suite SHARDS=4 bash scripts/gpu_suite.sh [extra pytest arguments, e.g. -k temporal]
 #
-# The carried wheels (WHEELS, default .whl: diffusers, the peers) are installed first (device_env.sh).
+# Runs on a GPU machine after `pip install -e .` (docs/DEVELOPING.md); where that cannot fetch, carried wheels
+# (WHEELS, default .whl: diffusers, optionally the peers, whose tests skip without them) are installed first
+# (device_env.sh, which also stops with one line if the package or what it needs does not import).
 # The test ids are split round-robin, so every shard gets a mix of shapes and variants.  Each shard runs
 # under scripts/gpu_shard.py: a test that loses its process's CUDA context (an illegal address) is one
 # failure, and the shard's remaining tests rerun in a new process.  Writes, per shard,

@@ -12,6 +12,7 @@ right after the model itself waits for the GPU.
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 
@@ -26,6 +27,10 @@ SHAPES = (((50, 20, 576, 64), torch.float16), ((1, 24, 6616, 128), torch.bfloat1
 
 
 def main() -> int:
+    if not torch.cuda.is_available():
+        print(f"scripts/host_parts.py: needs a CUDA GPU (it times the host's parts of a call while the GPU sleeps); "
+              f"none on this machine (torch {torch.__version__})", file=sys.stderr)
+        return 2
     for shape, dtype in SHAPES:
         b, h, n, d = shape
         base = [torch.randn(b, n, h, d, device="cuda", dtype=dtype) for _ in range(3)]

@@ -251,5 +251,35 @@ def test_bench_help(capsys):
     assert out.startswith("usage: python -m bench.context_parallel") and "--out DIR" in out
 
 
+def test_bench_on_cpus_counts_processes_and_leaves_no_collective_unwaited(tmp_path):
+    """``torchrun ... -m bench.context_parallel`` on the CPU (2 gloo processes, the tiny Wan, the ring): the table
+    counts processes, not GPUs, and has no peak-memory column (a CPU has no GPU memory); the SDPA ring row, whose
+    diffusers backend (``native``) has no LSE, is skipped saying why, before the ring's all-gather (it ran, failed
+    on its first chunk and left that collective unwaited: torch warned at exit on every rank)."""
+    root = Path(__file__).resolve().parents[1]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+               "bench.context_parallel", "--model", "tiny-wan", "--modes", "ring", "--out", str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(command, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        pytest.fail(f"torchrun ran past {LAUNCH_TIMEOUT} s:\n{log[-4000:]}")
+    assert proc.returncode == 0, log[-4000:]
+    assert "unwaited" not in log, log[-4000:]
+    table = [line for line in (tmp_path / "context_parallel.md").read_text().splitlines() if line.startswith("|")]
+    assert table[0] == ("| processes | mode | backend | forward ms | rel. RMS vs same, 1 process | rel. RMS vs SDPA, "
+                        "1 process | finite | fallback calls | schedules / error |")
+    assert not any("GPU" in line for line in table), table
+    rows = {tuple(cell.strip() for cell in line.split("|")[1:4]): line for line in table[2:]}
+    assert set(rows) == {("1", "1 process", "sdpa (native)"), ("1", "1 process", "pasa"), ("2", "ring", "sdpa (native)"),
+                         ("2", "ring", "pasa")}
+    assert "skipped: diffusers' native backend has no log-sum-exp" in rows["2", "ring", "sdpa (native)"]
+    assert "ring 6" in rows["2", "ring", "pasa"]
+
+
 if __name__ == "__main__":
     _worker(sys.argv[1:])

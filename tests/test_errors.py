@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -89,6 +90,22 @@ PROBES: list[tuple[str, str]] = [
     ("compare --backends pasa,efficient", "--backends pasa,efficient: backend 'efficient' runs on CUDA devices only, "
                                           "not on cpu: pass --device cuda, or choose a backend with a CPU "
                                           "implementation"),
+    # runs that cannot fit in any machine's memory (pipelines/memory.py), refused before any folder or model
+    ("generate --frames 99999999999", "--frames 99999999999 --height 64 --width 64: a video this size needs at least "
+                                      "419 PiB of memory (1.12 KiB a frame pixel: half what tiny was measured to "
+                                      "take), more than the "),
+    ("generate --height 99999992", "--frames 4 --height 99999992 --width 64: a video this size needs at least "
+                                   "26.8 TiB of memory (1.12 KiB a frame pixel: half what tiny was measured to take), "
+                                   "more than the "),
+    ("generate --steps 100000000000", "--steps 100000000000: the scheduler's tables for this many steps need at least "
+                                      "1.46 TiB of memory (16 bytes a step), more than the "),
+    ("diagnose --frames 1000000000", "--frames 1000000000 --height 64 --width 64: a video this size needs at least "
+                                     "4.19 PiB of memory"),
+    ("compare --height 100000 --width 100000", "--frames 4 --height 100000 --width 100000: a video this size needs at "
+                                               "least 62.9 TiB of memory (1.69 KiB a frame pixel: half what "
+                                               "tiny-resonant was measured to take in pasa compare), more than the "),
+    ("compare --frames 100000 --height 480 --width 480", "--frames 100000 --height 480 --width 480: a video this size "
+                                                         "needs at least 36.2 TiB of memory"),
     ("save-model {tmp}/new", "the following arguments are required: --model"),
     ("save-model --model tiny {tmp}", "DIR {tmp}: the folder is not empty; pass a new or empty folder"),
     ("save-model --model tiny {tmp}/afile", "DIR {tmp}/afile: {tmp}/afile is a file, not a folder"),
@@ -276,6 +293,34 @@ def main_error(args: list[str], capsys) -> str:
     return lines[0]
 
 
+@pytest.mark.parametrize("args, message", [
+    (["compare", "--frames", "100000"], "--frames 100000 --height 48 --width 48: a video this size needs at least "
+                                        "371 GiB of memory (1.69 KiB a frame pixel: half what tiny-resonant was "
+                                        "measured to take in pasa compare), more than the 24 GiB of this machine's "
+                                        "RAM and swap; choose fewer frames or a smaller size"),
+    (["compare", "--height", "100000"], "--frames 4 --height 100000 --width 48: a video this size needs at least "
+                                        "30.9 GiB of memory"),
+    (["generate", "--frames", "100000"], "--frames 100000 --height 64 --width 64: a video this size needs at least "
+                                         "439 GiB of memory"),
+    (["compare", "--model", "tiny-wan", "--frames", "100001"], "--frames 100001 --height 64 --width 64: a video this "
+                                                               "size needs at least 110 GiB of memory (288 B a frame "
+                                                               "pixel: half what tiny-wan was measured to take)"),
+    (["generate", "--model", "org/name", "--frames", "200000000"],  # a model not built in: its frames alone
+     "--frames 200000000 --height 8 --width 8: a video this size needs at least 286 GiB of memory (24 B a frame "
+     "pixel: the decoded frames in float32, twice)"),
+], ids=["compare-frames", "compare-height", "generate-frames", "tiny-wan", "hub-id"])
+def test_a_run_that_cannot_fit_is_refused_before_any_folder(args, message, tmp_path, monkeypatch, capsys):
+    """On a machine of 24 GiB (this one has 23.5 GiB): the issue's compare --frames 100000 and --height 100000 were
+    killed by the OS after minutes, leaving a run folder; now one line before any folder or model."""
+    from pasa_diffusers.pipelines import memory
+
+    monkeypatch.setattr(memory, "host_memory", lambda: (24 * 2**30, "this machine's RAM and swap"))
+    out = tmp_path / "out"
+    line = main_error([*args, "--out", str(out)], capsys)
+    assert line.startswith(f"pasa {args[0]}: error: {message}"), line
+    assert not out.exists()
+
+
 def test_hub_offline_and_not_cached(tmp_path, monkeypatch, capsys):
     import huggingface_hub.constants
 
@@ -374,7 +419,8 @@ def test_ctrl_c_is_one_line_and_status_130_in_every_command(args, tmp_path):
     """SIGINT once the arguments have passed (the interpreter warning is printed just before the command's
     work: the heavy imports, then the run) ends every command with one line and the shell's 130, no
     traceback (``pasa compare`` interrupted in its loop says how many results are done:
-    ``test_compare_reliability.py``)."""
+    ``test_compare_reliability.py``; a SIGINT that lands inside an import is held until the import is done, by
+    which time ``compare`` may have reached its loop)."""
     import signal
 
     env = {**{key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"},
@@ -384,7 +430,50 @@ def test_ctrl_c_is_one_line_and_status_130_in_every_command(args, tmp_path):
     assert process.stderr.readline().startswith("pasa: warning: TRITON_INTERPRET=1 is set")
     process.send_signal(signal.SIGINT)
     out, err = process.communicate(timeout=120)
+    if args[0] == "compare" and err.startswith("pasa compare: interrupted after"):  # held past the imports (below)
+        assert re.fullmatch(r"pasa compare: interrupted after 0 of \d+ results; rerun the same command to resume\n",
+                            err), err
+        err = "pasa compare: interrupted (Ctrl-C)\n"
     assert (process.returncode, err, out) == (130, f"pasa {args[0]}: interrupted (Ctrl-C)\n", "")
+
+
+INTERRUPT_AT_IMPORT = """\
+import importlib.abc, os, pathlib, signal, sys
+
+target, marker = sys.argv[1], pathlib.Path(sys.argv[2])
+
+
+class Interrupter(importlib.abc.MetaPathFinder):  # Ctrl-C at the first import of `target`, inside the import
+    def find_spec(self, name, path, target_module=None):
+        if name == target:
+            sys.meta_path.remove(self)
+            marker.write_text(name)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+
+sys.meta_path.insert(0, Interrupter())
+from pasa_diffusers.cli import main
+
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+@pytest.mark.parametrize("args", [["diagnose", "--model", "tiny", "--out", "out"],
+                                  ["save-model", "--model", "tiny", "saved"]], ids=lambda args: args[0])
+def test_ctrl_c_while_the_libraries_import_is_one_line_and_status_130(args, tmp_path):
+    """SIGINT delivered inside an import of the first seconds (torch's import of ``numpy.linalg``: the
+    ``KeyboardInterrupt`` left numpy half made, and transformers' and diffusers' lazy imports chained what followed
+    into a 176-line traceback, exit 1) is held until the import is done (``cli.held_while_importing``): one line,
+    130."""
+    module = "numpy.linalg"
+    script, marker = tmp_path / "interrupt.py", tmp_path / "interrupted_at"
+    script.write_text(INTERRUPT_AT_IMPORT)
+    env = {**{key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(script), module, str(marker), *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert marker.read_text() == module  # the interrupt came inside that import
+    assert (done.returncode, done.stderr, done.stdout) == (130, f"pasa {args[0]}: interrupted (Ctrl-C)\n", "")
 
 
 def test_a_folder_in_use_is_refused_before_the_heavy_imports(tmp_path):

@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from bench.int8_accuracy import input_classes
-from pasa_diffusers import block_tally, numerics
+from pasa_diffusers import numerics
 from pasa_diffusers import reference_int8 as r8
+from pasa_diffusers.kernels import block_tally
 from pasa_diffusers.ops import pasa_attention
 from pasa_diffusers.reference import golden_attention
 from pasa_diffusers.variants import EIGHT_BIT, Variant, pv_bits

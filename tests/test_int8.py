@@ -395,7 +395,7 @@ def test_kernel_16_bit_blocks(case, gen):
     the kernel's flags are the spec's, its output the spec's to one ``g`` ulp, the flagged blocks counted;
     within the quantization bound of what stays in 8 bits (against the golden); without the fallback, the
     spec without it."""
-    from pasa_diffusers import block_tally
+    from pasa_diffusers.kernels import block_tally
 
     name, shape, dtype = FALLBACK_CASES[case]
     q, k, v = _case(name, shape, dtype, gen, 48)
@@ -574,7 +574,7 @@ def test_gpu_kernels_match_the_spec(case, gen):
 def test_gpu_16_bit_blocks(case, gen):
     """On a GPU: the 16-bit blocks' statistics and flags are the spec's (:func:`_assert_fallback_statistics`),
     counted, and the output within one ``g`` ulp of the spec's, with and without the fallback."""
-    from pasa_diffusers import block_tally
+    from pasa_diffusers.kernels import block_tally
 
     name, shape, dtype = FALLBACK_CASES[case]
     q, k, v = _case(name, shape, dtype, gen, 48)
@@ -710,7 +710,7 @@ def test_the_op_runs_the_spec_on_cpu_tensors(gen):
     """``pasa_attention(precision="int8")`` on CPU tensors without the interpreter is ``int8_reference``,
     bit for bit, in both layouts, with its log-sum-exp; the op's call counts its key blocks, the spec's
     does not."""
-    from pasa_diffusers import block_tally
+    from pasa_diffusers.kernels import block_tally
     from pasa_diffusers.ops import pasa_attention
 
     q, k, v = _inputs((1, 4, 2, 50, 300, 64, torch.float16, 16), gen)
@@ -778,7 +778,8 @@ def test_pasa_int8_backend_routes_a_video_transformer(gen):
     is a sanity check, not the accuracy test (that is per call, above, against the error model): each
     call's relative error is at most the issue's 1e-2 on every measured class, and the two blocks'
     residual stream adds a few of them."""
-    from pasa_diffusers import block_tally, install
+    from pasa_diffusers import install
+    from pasa_diffusers.kernels import block_tally
     from pasa_diffusers.pipelines.video_dits import example_inputs, tiny_transformer
 
     if os.environ.get("TRITON_INTERPRET") == "1":

@@ -53,17 +53,17 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     (f"{PACKAGE}.ops", f"{PACKAGE}.numerics", f"{PACKAGE}.diagnose"),
     (f"{PACKAGE}.reference",),
     (f"{PACKAGE}.reference_int8",),
-    # the kernels: router -> kernel files -> shared kernel helpers
+    # the kernels: router -> kernel files (and the 8-bit block tally the router counts into, beside them: a
+    # kernel file cannot reach it, sideways) -> shared kernel helpers
     (f"{KERNELS}.__init__",),
     (f"{KERNELS}.dispatch",),
     (f"{KERNELS}.portable", f"{KERNELS}.packed", f"{KERNELS}.prepass", f"{KERNELS}.int8", f"{KERNELS}.hopper",
-     f"{KERNELS}.hopper_int8"),
+     f"{KERNELS}.hopper_int8", f"{KERNELS}.block_tally"),
     (f"{KERNELS}.gluon_common",),
     (f"{KERNELS}.tuning",),
     (f"{KERNELS}.common",),
     # the spec: constants, names and the few helpers every layer may read
-    (f"{PACKAGE}.shift_matrix", f"{PACKAGE}.block_tally", f"{PACKAGE}.backends", f"{PACKAGE}.attention_modules",
-     f"{PACKAGE}.files"),
+    (f"{PACKAGE}.shift_matrix", f"{PACKAGE}.backends", f"{PACKAGE}.attention_modules", f"{PACKAGE}.files"),
     (f"{PACKAGE}.rules",),
     (f"{PACKAGE}.variants", f"{PACKAGE}.compat", f"{PACKAGE}.env"),
 )
@@ -286,10 +286,22 @@ def test_every_import_goes_down_a_layer():
 
 
 KERNEL_FILES = LAYERS[[f"{KERNELS}.dispatch" in layer for layer in LAYERS].index(True) + 1]
-"""The kernel files: the layer right under the router."""
+"""The kernel files: the layer right under the router (with the router's 8-bit block tally beside them)."""
 SPEC_CONSTANTS = (f"{PACKAGE}.rules", f"{PACKAGE}.shift_matrix")
 """What a kernel file may read outside ``kernels/``: the op's rules and the shift's constants (not the variants'
 names, not the global tallies: those are the router's)."""
+KERNEL_REACH = (*SPEC_CONSTANTS, f"{PACKAGE}.variants", f"{PACKAGE}.compat")
+"""What any module of ``kernels/`` (the router included) may read outside it: the spec constants, the variants'
+names and the version shims; nothing of the library above (the tally the router counts into lives in
+``kernels/``)."""
+
+
+def test_the_kernels_reach_outside_only_the_spec():
+    assert all(unit in MODULES for unit in KERNEL_REACH)
+    bad = [str(edge) for edge in EDGES if within(edge.source, KERNELS) and not within(edge.target, KERNELS)
+           and edge.target not in KERNEL_REACH]
+    assert not bad, (f"{len(bad)} import(s) from kernels/ reach the library beyond "
+                     f"{', '.join(KERNEL_REACH)}:\n" + "\n".join(bad))
 
 
 def test_kernel_files_import_only_the_kernel_helpers_and_the_spec_constants():

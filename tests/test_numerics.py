@@ -85,3 +85,22 @@ def test_stress_study_and_plot(tmp_path):
                                variants=["FA half", "exact hybrid"])
     numerics.plot_error_vs_bias(study, tmp_path / "bias.png")
     assert (tmp_path / "bias.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_every_phase_of_pasa_numerics_shows_progress(tmp_path, monkeypatch, capsys):
+    """``pasa numerics`` showed a bar over the grid only, then nothing for minutes (about 4.5 of a full run's)
+    while the beta sweep and the stress cases ran: each phase now has its own bar, counting its runs (here on
+    tiny shapes: 32 grid cells, 4 x 4 sweep runs, 6 stress cases x 8 variants)."""
+    import functools
+    import re
+
+    from pasa_diffusers.cli import main
+
+    monkeypatch.setattr(numerics, "QUICK_SHAPE", (1, 1, 1, 64, 64))
+    monkeypatch.setattr(numerics, "run_stress", functools.partial(numerics.run_stress, shape=(1, 1, 1, 64, 64)))
+    assert main(["numerics", "--quick", "--out", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    for desc, total, unit in (("numerics", 32, "cell"), ("beta sweep (PASA half)", 16, "run"),
+                              ("stress cases", 6 * len(numerics.VARIANTS), "run")):
+        assert re.search(rf"{re.escape(desc)}: 100%\|[^|]*\| {total}/{total} \[[^\]]*(?:{unit}/s|s/{unit})\]",
+                         err), (desc, err)

@@ -24,6 +24,9 @@ def test_default_is_the_exact_shift_in_hybrid(gen):
     ({"scale": -1.0}, r"scale must be a positive finite number, got scale=-1.0"),
     ({"shift": "bogus"}, r"unknown shift='bogus'"),
     ({"beta": 5.0}, r"beta must be a number in \(0, 1\), got beta=5.0"),
+    ({"beta": 0.5}, r"beta=0.5 is the strength of PASA's shift, which shift='exact' does not read; pass "
+                    r"shift='pasa' with it, or leave beta out$"),
+    ({"beta": 0.5, "shift": False}, r"beta=0.5 is the strength of PASA's shift, which shift='none' does not read"),
     ({"precision": "fp4"}, r"unknown precision='fp4'"),
     ({"layout": "nhd"}, r"unknown layout='nhd'"),
 ])

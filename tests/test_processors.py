@@ -126,7 +126,7 @@ def test_apply_selects_modules_by_kind(pipe, flags):
 
 @pytest.mark.parametrize("backend", sorted(BACKEND_CLASSES))
 def test_apply_installs_each_backend(pipe, backend):
-    options = {"beta": 0.875} if backend.startswith("pasa") else {}
+    options = {"beta": 0.875} if backend.startswith("pasa-paper") else {}  # beta: PASA's shift only
     summary = I.apply(pipe.unet, backend, **options)
 
     modules = attention_modules(pipe.unet)
@@ -136,7 +136,8 @@ def test_apply_installs_each_backend(pipe, backend):
     expected = {"pasa": ("hybrid", "exact"), "pasa-half": ("half", "exact"), "pasa-paper": ("half", "pasa"),
                 "pasa-paper-hybrid": ("hybrid", "pasa")}
     if backend.startswith("pasa"):
-        assert {(p.precision, p.shift, p.beta) for p in processors} == {expected[backend] + (0.875,)}
+        beta = 0.875 if backend.startswith("pasa-paper") else None
+        assert {(p.precision, p.shift, p.beta) for p in processors} == {expected[backend] + (beta,)}
     if backend == "naive-half":
         assert {(p.precision, p.shift) for p in processors} == {("half", "none")}
 
@@ -508,6 +509,9 @@ def test_unknown_backend_lists_valid_ones_and_changes_nothing(pipe):
         ("pasa", {"shift": "bogus"}, r"^apply\(backend='pasa'\): unknown shift='bogus'; expected one of"),
         ("pasa", {"beta": 5.0}, r"^apply\(backend='pasa'\): beta must be a number in \(0, 1\), got beta=5.0"),
         ("pasa-paper", {"beta": True}, r"beta must be a number in \(0, 1\), got beta=True"),
+        ("pasa", {"beta": 0.5}, r"^apply\(backend='pasa'\): beta=0.5 is the strength of PASA's shift, which "
+                                r"shift='exact' does not read; pass shift='pasa' with it, or leave beta out$"),
+        ("pasa-int8", {"beta": 0.5}, r"beta=0.5 is the strength of PASA's shift, which shift='exact' does not read"),
         ("pasa-half", {"dtype": torch.bfloat16},
          r"^apply: backend='pasa-half' \(precision='half'\) takes float16 attention inputs, got dtype=torch.bfloat16"),
         ("naive-half", {"dtype": torch.float32}, r"takes float16 attention inputs, got dtype=torch.float32"),
@@ -533,6 +537,12 @@ def test_pasa_processor_checks_its_options_when_made(options, match):
 def test_models_without_attention_are_rejected(pipe):
     with pytest.raises(ValueError, match="Linear"):
         I.apply(torch.nn.Linear(4, 4))
+    for fn in (I.apply, I.fallback_summary):  # one refusal for both, naming the function and the type
+        with pytest.raises(ValueError, match=rf"^{fn.__name__}: expected a diffusers model with attention processors "
+                                             r"or a pipeline, got object$"):
+            fn(object())
+        with pytest.raises(ValueError, match=rf"^{fn.__name__}: Linear has no attention modules$"):
+            fn(torch.nn.Linear(4, 4))
     vae = AutoencoderKL(block_out_channels=(32,), norm_num_groups=8, mid_block_add_attention=False)
     with pytest.raises(ValueError, match="no attention modules"):
         I.apply(vae)

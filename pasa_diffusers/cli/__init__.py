@@ -6,7 +6,10 @@ One module per subcommand (``numerics``, ``generate``, ``compare``, ``diagnose``
 ``common`` holds the arguments they share.  Every argument is checked before torch or diffusers is
 imported.  A user mistake prints one line ``pasa <command>: error: <message>`` to stderr and exits 2;
 a traceback is shown only with ``--debug`` (or ``PASA_DEBUG=1``) or for an internal error.  Ctrl-C
-prints ``pasa <command>: interrupted (Ctrl-C)`` and exits 130 (``compare``: how many results are done).  A command
+prints ``pasa <command>: interrupted (Ctrl-C)`` and exits 130 (``compare``: how many results are done), at any
+moment: one that lands while a module is being imported (the first seconds import torch, diffusers and
+transformers) takes effect once that import is done (``held_while_importing``), since a ``KeyboardInterrupt``
+raised inside a library's import leaves it half made, and the libraries turn that into import errors.  A command
 whose arguments pass starts with a one-line warning when ``TRITON_INTERPRET`` turns Triton's
 interpreter on (every kernel then runs in numpy on the CPU: for tests, far too slow for a real run).
 ``pasa --version`` prints the versions a bug report needs (``version_lines``) and exits 0.
@@ -14,8 +17,13 @@ interpreter on (every kernel then runs in numpy on the CPU: for tests, far too s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
+from types import FrameType
 from typing import NoReturn
 
 from .. import env
@@ -23,7 +31,7 @@ from ..pipelines import quiet
 from . import compare, diagnose, generate, numerics, save_model, warmup
 from .common import UsageError
 
-__all__ = ["main", "build_parser", "interpreter_warning", "version_lines"]
+__all__ = ["main", "build_parser", "interpreter_warning", "version_lines", "held_while_importing"]
 
 _COMMANDS = (numerics, generate, compare, diagnose, save_model, warmup)
 _NAMES = {command.__name__.rsplit(".", 1)[-1].replace("_", "-"): command for command in _COMMANDS}
@@ -115,9 +123,66 @@ def _debug(argv: list[str]) -> bool:
     return "--debug" in argv or env.flag("PASA_DEBUG")
 
 
+_IMPORT_MACHINERY = ("<frozen importlib._bootstrap>", "<frozen importlib._bootstrap_external>")
+"""The file names of the frames of Python's import system: a frame below one of them is a module being imported."""
+RETRY_S = 0.05
+"""How soon a Ctrl-C held during an import is delivered again (and held again while the import goes on)."""
+
+
+def _importing(frame: FrameType | None) -> bool:
+    """Whether ``frame`` (the one a signal interrupted) runs inside an import."""
+    while frame is not None:
+        if frame.f_code.co_filename in _IMPORT_MACHINERY:
+            return True
+        frame = frame.f_back
+    return False
+
+
+@contextlib.contextmanager
+def held_while_importing() -> Iterator[None]:
+    """Within the block, a Ctrl-C (SIGINT) that lands inside an import is held and delivered again every
+    ``RETRY_S`` until it lands outside one, where it raises ``KeyboardInterrupt`` as usual.
+
+    A ``KeyboardInterrupt`` raised inside a module's top-level code leaves that module half made: numpy's lazy
+    ``linalg`` then recursed without end, transformers reported ``Could not import module 'PreTrainedModel'``,
+    and diffusers chained both into a ``RuntimeError`` (exit 1); some libraries even swallowed it.  The block
+    changes nothing outside the main thread (where no signal handler can be set) or where SIGINT is not Python's
+    default (ignored, as in a shell script's background job, or handled by the caller)."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    pending: list[threading.Timer] = []  # the one delivery in flight, however many times Ctrl-C is pressed
+
+    def deliver_again() -> None:
+        pending.clear()
+        os.kill(os.getpid(), signal.SIGINT)
+
+    def on_sigint(signum: int, frame: FrameType | None) -> None:
+        if not _importing(frame):
+            raise KeyboardInterrupt
+        if not pending:
+            pending.append(threading.Timer(RETRY_S, deliver_again))
+            pending[0].daemon = True
+            pending[0].start()
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        for timer in pending:  # the block is over (its work done): no signal after the handler is gone
+            timer.cancel()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``pasa`` with ``argv`` (default ``sys.argv[1:]``); return the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    with held_while_importing():
+        return _main(argv)
+
+
+def _main(argv: list[str]) -> int:
     prog = "pasa"
     try:
         for name in _FLAGS:

@@ -15,7 +15,10 @@ The limits come from what the pipeline needs:
   multiples of 16 for Wan, CogVideoX, HunyuanVideo and Mochi (VAE 8x, patch 2), of 32 for LTX-Video (VAE 32x,
   patch 1);
 - ``--steps`` >= 1 (LTX-Video and Mochi: >= 2); ``--seed`` in [0, 2**63 - 1] (a CPU ``torch.Generator`` seed);
-  ``--fps`` a rate a GIF can play (``metrics.limits.fps_argument``).
+  ``--fps`` a rate a GIF can play (``metrics.limits.fps_argument``);
+- no upper bound of its own on ``--frames``, ``--height``, ``--width`` and ``--steps``: a run whose video or
+  scheduler tables cannot fit in the memory there is (``pipelines.memory``) is refused, saying how much it
+  needs and how much there is, before any folder is made or model loaded (``check_memory``).
 """
 from __future__ import annotations
 
@@ -64,6 +67,8 @@ __all__ = [
     "load_condition_image",
     "model_dtype",
     "check_key_blocks",
+    "requested_sizes",
+    "check_memory",
 ]
 
 
@@ -195,11 +200,57 @@ def add_generation_args(p: argparse.ArgumentParser, out: str, frames: int = 4, s
 
 def validate_generation_args(args: argparse.Namespace) -> None:
     """Check the flags of ``add_generation_args`` that ``type=`` cannot: the model, the image, the device
-    (torch is imported only for a CUDA device) and, last, the output folder (created here)."""
+    (torch is imported only for a CUDA device), whether the run fits in memory (``check_memory``) and, last,
+    the output folder (created here)."""
     check_model(args.model)
     check_image(args.image)
     check_device(args.device)
+    check_memory(args, requested_sizes(args))
     check_out_dir(args.out)
+
+
+_SMALLEST = {"num_frames": MIN_FRAMES, "height": MIN_SIZE, "width": MIN_SIZE}
+
+
+def requested_sizes(args: argparse.Namespace) -> dict[str, int]:
+    """``num_frames``, ``height`` and ``width`` of the run as far as the flags say before the model is loaded: a
+    flag given, else the built-in model's own (``TINY_VIDEO_SETTINGS``) or the command's SVD default, else (a
+    loaded video pipeline's own default, not known yet) the smallest value accepted: a lower bound."""
+    sizes = {}
+    for name, flag in _FLAGS.items():
+        value = getattr(args, flag.removeprefix("--"), None)
+        if value is None and args.model in TINY_VIDEO_SETTINGS:
+            value = TINY_VIDEO_SETTINGS[args.model][name]
+        elif value is None and args.model in BUILTIN_MODELS:
+            value = getattr(args, "svd_defaults", _SMALLEST)[name]
+        sizes[name] = _SMALLEST[name] if value is None else int(value)
+    return sizes
+
+
+def check_memory(args: argparse.Namespace, sizes: dict[str, int], *, compare: bool = False) -> None:
+    """Refuse a run that cannot fit in the memory of ``--device`` (``pipelines.memory``): its video of ``sizes``
+    (``num_frames``, ``height``, ``width``) and the scheduler's tables for ``--steps`` need more than there is.
+    Call it before any folder is made or model loaded (``--device cuda`` imports torch for the GPU's memory)."""
+    from pasa_diffusers.pipelines import memory
+
+    cuda = args.device.startswith("cuda")
+    dtype_bytes = {"fp16": 2, "bf16": 2, "fp32": 4, None: 2 if cuda else 4}[args.dtype]
+    per_pixel, why = memory.bytes_per_frame_pixel(args.model, dtype_bytes=dtype_bytes, compare=compare)
+    frames, height, width = sizes["num_frames"], sizes["height"], sizes["width"]
+    video = frames * height * width * per_pixel
+    steps = getattr(args, "steps", 1)
+    tables = memory.steps_bytes(steps)
+    there, where = memory.memory_there_is(args.device)
+    if video + tables <= there:
+        return
+    more = f"more than the {memory.size_text(there)} of {where}"
+    if tables > video:
+        raise UsageError(f"--steps {steps}: the scheduler's tables for this many steps need at least "
+                         f"{memory.size_text(tables)} of memory ({memory.SCHEDULER_BYTES_PER_STEP} bytes a step), "
+                         f"{more}")
+    raise UsageError(f"--frames {frames} --height {height} --width {width}: a video this size needs at least "
+                     f"{memory.size_text(video + tables)} of memory ({memory.size_text(per_pixel)} a frame pixel: "
+                     f"{why}), {more}; choose fewer frames or a smaller size")
 
 
 def check_device(name: str, flag: str = "--device") -> None:

@@ -21,11 +21,11 @@ from pathlib import Path
 
 from pasa_diffusers.backends import COMPARED, DEFAULT_COMPARED, REFERENCE, missing
 from pasa_diffusers.metrics.limits import MAX_GIF_FPS, MIN_GIF_FPS, fps_argument
-from pasa_diffusers.pipelines.names import BUILTIN_IMAGES
+from pasa_diffusers.pipelines.names import BUILTIN_IMAGES, TINY_VIDEO_SETTINGS
 
 from .common import (FILE, MAX_SEED, MODEL, SCORED_MIN_SIZE, UsageError, add_generation_args, backend_help,
-                     check_device, check_file, check_image, check_key_blocks, check_model, int_range, load_model,
-                     model_dtype, model_help, path_kind)
+                     check_device, check_file, check_image, check_key_blocks, check_memory, check_model, int_range,
+                     load_model, model_dtype, model_help, path_kind)
 
 __all__ = ["add_parser", "validate", "check_out", "check_not_in_use", "run", "seed_list", "image_list", "backend_list"]
 
@@ -150,8 +150,9 @@ def check_not_in_use(path: str) -> None:
 
 def validate(args: argparse.Namespace) -> None:
     """What ``type=`` cannot check, before any heavy import and before anything is written: model, images,
-    LPIPS weights, device, torchrun, backends that cannot run on the device, output folder (checked, not
-    created; refused while another run holds it)."""
+    LPIPS weights, device, torchrun, backends that cannot run on the device, whether a video of this size fits
+    in memory (``check_memory``; a loaded video pipeline's own size, not known yet, is at least SVD's default),
+    output folder (checked, not created; refused while another run holds it)."""
     check_model(args.model)
     for image in args.images:
         if not image.startswith("builtin:"):
@@ -165,6 +166,10 @@ def validate(args: argparse.Namespace) -> None:
     if absent:
         raise UsageError(f"--backends {','.join(args.backends)}: {'; '.join(absent)}")
     check_device(args.device)
+    check_memory(args, {name: TINY_VIDEO_SETTINGS[args.model][name]
+                        if isinstance(value, _Unset) and args.model in TINY_VIDEO_SETTINGS else int(value)
+                        for name, value in (("num_frames", args.frames), ("height", args.height),
+                                            ("width", args.width))}, compare=True)
     check_out(args.out)
     check_not_in_use(args.out)
 

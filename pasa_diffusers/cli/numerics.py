@@ -13,10 +13,11 @@ from .common import FOLDER, check_out_dir
 __all__ = ["add_parser", "validate", "run"]
 
 
-def _progress(desc: str):
+def _progress(desc: str, unit: str = "cell"):
+    """A progress bar on stderr over a phase's items (each phase of the run has one: none is silent)."""
     from tqdm.auto import tqdm
 
-    return lambda items: tqdm(list(items), desc=desc, unit="cell", file=sys.stderr)
+    return lambda items: tqdm(list(items), desc=desc, unit=unit, file=sys.stderr)
 
 
 def _write_rows(rows: list[dict], out: Path, stem: str) -> None:
@@ -44,8 +45,9 @@ def run(args: argparse.Namespace) -> int:
     rows = numerics.run_study(shape=shape, v_mean=v_mean, progress=_progress("numerics"))
     betas = [0.5] + [optimal_beta(start=1 - 2.0 ** -e) for e in (4, 5, 6)]
     sweep_cells = [("uniform", 0.0, 5.0), ("uniform", 10.0, 0.5), ("uniform", 30.0, 0.5), ("hybrid", 30.0, 10.0)]
-    sweep = numerics.beta_sweep(betas, sweep_cells, shape=shape, v_mean=v_mean)
-    stress = numerics.run_stress()
+    sweep = numerics.beta_sweep(betas, sweep_cells, shape=shape, v_mean=v_mean,
+                                progress=_progress("beta sweep (PASA half)", "run"))
+    stress = numerics.run_stress(progress=_progress("stress cases", "run"))
     seconds = time.perf_counter() - start
 
     _write_rows([r.as_dict() for r in rows], out, "numerics")

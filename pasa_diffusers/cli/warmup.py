@@ -27,8 +27,8 @@ from typing import Any, TextIO
 
 from .. import env
 from ..backends import BACKENDS
-from .common import (IMAGE, MODEL, UsageError, add_generation_args, backend_help, check_image, check_model, device,
-                     int_range, model_help)
+from .common import (IMAGE, MODEL, UsageError, add_generation_args, backend_help, check_image, check_memory,
+                     check_model, device, int_range, model_help, requested_sizes)
 
 __all__ = ["ANNOUNCED", "OUR_BACKENDS", "CompileNotice", "add_parser", "announce_compiling", "parse_shape", "run",
            "validate", "fewest_steps", "warm_model", "warm_shapes"]
@@ -101,6 +101,7 @@ def validate(args: argparse.Namespace) -> None:
     if args.model is not None:
         check_model(args.model)
         check_image(args.image)
+        check_memory(args, requested_sizes(args))
 
 
 class CompileNotice:

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import block_tally
+from . import block_tally
 from ..shift_matrix import shift_constants
 from ..rules import SHIFT_BLOCK
 from ..variants import KERNEL_PRECISIONS, Variant, eight_bit

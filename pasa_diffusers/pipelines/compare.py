@@ -44,8 +44,9 @@ import numpy as np
 import PIL.Image
 import torch
 
-from pasa_diffusers import block_tally, install, metrics
+from pasa_diffusers import install, metrics
 from pasa_diffusers.backends import COMPARED, DEFAULT_COMPARED, REFERENCE
+from pasa_diffusers.kernels import block_tally
 from pasa_diffusers.metrics import records
 from pasa_diffusers.metrics.report import worst_key, worst_records
 

@@ -1,0 +1,75 @@
+"""The GPU scripts of ``scripts/`` on a machine without a GPU: one line saying so, exit status 2, nothing written.
+
+They are run as ``scripts/README.md`` runs them (``PYTHONPATH=$PWD python scripts/<name>.py``), with
+``CUDA_VISIBLE_DEVICES=""`` so that a GPU machine sees none either.  (Each was a torch CUDA traceback: the
+driver's or "Found no NVIDIA driver", from its first tensor on ``cuda``.)
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("script, args, message", [
+    ("ab_key_ranges.py", ["--out", "{out}"], "scripts/ab_key_ranges.py: needs a CUDA GPU (it times the default's "
+                                             "launches against cuDNN); none on this machine (torch "),
+    ("ab_bits.py", ["--save", "{out}/new.pt"], "scripts/ab_bits.py --save: needs a CUDA GPU (it runs every kernel "
+                                               "path); none on this machine (torch "),
+    ("host_parts.py", [], "scripts/host_parts.py: needs a CUDA GPU (it times the host's parts of a call while the GPU "
+                          "sleeps); none on this machine (torch "),
+], ids=["ab_key_ranges", "ab_bits", "host_parts"])
+def test_a_gpu_script_without_a_gpu_is_one_line(script, args, message, tmp_path):
+    out = tmp_path / "out"
+    env = {**{key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"},
+           "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *(a.format(out=out) for a in args)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert (done.returncode, done.stdout) == (2, ""), done.stderr[-3000:]
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith(message), done.stderr[-3000:]
+    assert not out.exists()
+
+
+def _suite(tmp_path: Path, *pytest_args: str, path: str | None = None, **extra: str) -> subprocess.CompletedProcess:
+    """``bash scripts/gpu_suite.sh`` from the checkout in one shard, this interpreter's folder first on PATH (as
+    ``python`` after ``pip install -e .``), ``WHEELS`` unset unless ``extra`` sets it."""
+    env = {key: value for key, value in os.environ.items() if key not in ("WHEELS", "TRITON_INTERPRET")}
+    env.update(PATH=path or f"{Path(sys.executable).parent}:{env.get('PATH', '')}", SHARDS="1",
+               OUT=str(tmp_path / "suite"), **extra)
+    return subprocess.run(["bash", str(ROOT / "scripts" / "gpu_suite.sh"), *pytest_args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_the_gpu_suite_needs_no_wheel_folder(tmp_path):
+    """docs/DEVELOPING.md: after ``pip install -e .``, ``bash scripts/gpu_suite.sh`` (it stopped asking for a
+    ``.whl/`` folder the page never mentions).  Here the selected GPU tests skip (no CUDA); on a GPU they run."""
+    if any((ROOT / ".whl").glob("*.whl")):
+        pytest.skip("this checkout carries wheels in .whl/: the suite would install them")
+    done = _suite(tmp_path, "-k", "test_gpu_ring_merge_of_the_default")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.splitlines()[0] == "2 tests in 1 shards"
+    assert done.stdout.splitlines()[1].startswith("shard 0: ") and " in " in done.stdout.splitlines()[1]
+
+
+def test_the_gpu_suite_says_what_it_lacks_in_one_line(tmp_path):
+    """A ``WHEELS`` named that holds no wheels, or a package that does not import: one line, exit 2, no pytest."""
+    done = _suite(tmp_path, WHEELS=str(tmp_path))
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (f"{ROOT / 'scripts' / 'gpu_suite.sh'}: WHEELS={tmp_path} holds no wheels (*.whl); leave "
+                           "WHEELS unset to use what is installed\n")
+    bin_dir = tmp_path / "bin"  # a python whose import of the package fails, as before pip install -e .
+    bin_dir.mkdir()
+    (bin_dir / "python").write_text("#!/bin/sh\necho \"ModuleNotFoundError: No module named 'diffusers'\" >&2\nexit 1\n")
+    (bin_dir / "python").chmod(0o755)
+    if any((ROOT / ".whl").glob("*.whl")):
+        pytest.skip("this checkout carries wheels in .whl/: the suite would install them")
+    done = _suite(tmp_path, path=f"{bin_dir}:/usr/bin:/bin")
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (f"{ROOT / 'scripts' / 'gpu_suite.sh'}: the package or what it needs does not import "
+                           "(ModuleNotFoundError: No module named 'diffusers'): pip install -e . first "
+                           "(docs/DEVELOPING.md), or put the wheels it lacks in .whl/ (scripts/README.md)\n")
