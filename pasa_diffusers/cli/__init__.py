@@ -125,7 +125,7 @@ def _debug(argv: list[str]) -> bool:
 
 _IMPORT_MACHINERY = ("<frozen importlib._bootstrap>", "<frozen importlib._bootstrap_external>")
 """The file names of the frames of Python's import system: a frame below one of them is a module being imported."""
-RETRY_S = 0.05
+RETRY_S = 0.01
 """How soon a Ctrl-C held during an import is delivered again (and held again while the import goes on)."""
 
 
