@@ -85,6 +85,7 @@ def test_attention_needs_the_interpreter_on_a_cpu(tmp_path, monkeypatch, capsys)
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 def test_attention_tiny(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the op takes the interpreted kernel, not the reference
     assert attention.main(["--shapes", "tiny", "--out", str(tmp_path), "--warmup-ms", "0", "--rep-ms", "0"]) == 0
@@ -183,6 +184,7 @@ def test_unet_table_has_a_line_per_row():
     assert "| 344.4 |" in lines[2] and "| 28 % |" in lines[2] and "| - |" in lines[3]
 
 
+@pytest.mark.slow
 def test_dit_compiles_each_block_and_puts_the_originals_back(tmp_path, monkeypatch):
     """``bench.dit --compile`` on a tiny Wan: each backend's compiled row is regional (every
     ``WanTransformerBlock`` compiled with ``fullgraph=True``; dynamo's eager backend here, inductor would

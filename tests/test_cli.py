@@ -78,6 +78,7 @@ def test_generate_writes_the_formats_asked_and_refuses_mp4_without_its_encoder_b
     assert "--formats mp4,gif,png: writing mp4 needs the imageio-ffmpeg package" in err and "--model" not in err
 
 
+@pytest.mark.slow
 def test_diagnose_names_the_planted_layers(tmp_path):
     assert main(["diagnose", *SMALL, "--model", "tiny-resonant", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "diagnosis.json").read_text())
@@ -213,6 +214,7 @@ def test_save_model_writes_a_folder_that_model_loads(tmp_path, capsys):
                  "--width", "16", "--attention", "sdpa", "--out", str(tmp_path / "video")]) == 0
 
 
+@pytest.mark.slow
 def test_a_saved_planted_model_keeps_its_overflow(tmp_path):
     """tiny-resonant saved by the console script and diagnosed from the folder: the same 3 of 24 layers
     overflow as in the built-in model (they were 0 of 24 when from_pretrained dropped the planted biases)."""
@@ -299,6 +301,7 @@ def test_an_8_bit_backend_of_one_key_block_is_refused_before_any_step(model, siz
     assert list(out.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_an_8_bit_backend_runs_from_one_key_past_a_block(tmp_path, capsys):
     """The bound is exact: 3 x 7 x 7 = 147 video tokens (two key blocks) run in 8 bits in the self-attentions, while
     the cross-attentions to 128 text tokens fall back, as counted."""

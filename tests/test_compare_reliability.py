@@ -85,6 +85,7 @@ def finished(tmp_path_factory) -> tuple[Path, list[str], str]:
     return out, args, err.getvalue()
 
 
+@pytest.mark.slow
 def test_a_model_that_cannot_be_loaded_writes_nothing(finished):
     out, _, first_attempt = finished
     assert first_attempt.count("\n") == 1 and first_attempt.startswith(
@@ -103,6 +104,7 @@ def test_the_report_says_what_was_compared_on_what_model(finished):
     assert "| CPU time s |" in md and "CPU times say nothing about GPU speed" in md
 
 
+@pytest.mark.slow
 def test_a_damaged_line_stops_the_run_and_keeps_the_report(finished, tmp_path, capsys):
     from pasa_diffusers.cli import main
 
@@ -136,6 +138,7 @@ def test_a_damaged_line_stops_the_run_and_keeps_the_report(finished, tmp_path, c
     assert logged(out) == 4 and (out / "report.json").read_bytes() != before["report.json"]
 
 
+@pytest.mark.slow
 def test_one_run_per_folder_then_ctrl_c_says_how_to_resume(tmp_path):
     out = tmp_path / "run"
     args = [*TINY, "--seeds", "0-9", "--backends", "pasa,bf16", "--out", str(out)]
@@ -173,6 +176,7 @@ def test_one_run_per_folder_then_ctrl_c_says_how_to_resume(tmp_path):
     assert (out / runlog.SAMPLES).read_text().startswith(before), "the interrupted run's records are kept as they are"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a CUDA machine may have the GPU")
 def test_cuda_without_a_gpu_creates_no_folder(tmp_path):
     out = tmp_path / "run"
@@ -187,6 +191,7 @@ def _file_size_limit(limit: int):
     return set_limit
 
 
+@pytest.mark.slow
 def test_a_full_disk_is_one_line_and_keeps_the_record_without_a_truncated_gif(tmp_path):
     """Files stop at 2000 bytes: the manifest (about 1 kB) and the record (0.5 kB) fit, the side-by-side GIF (2.6 kB)
     does not. One line, no traceback; the record is on disk (it is written before its GIF), and no GIF, whole or

@@ -61,6 +61,7 @@ def one_process(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_a_run_logs_every_record_and_writes_the_report(one_process):
     records = log_lines(one_process)
     images = ("builtin:rocket", "builtin:coffee")
@@ -96,6 +97,7 @@ sys.exit(main(sys.argv[2:]))
 point, not a moment guessed after a sleep."""
 
 
+@pytest.mark.slow
 def test_resume_after_a_kill_loses_nothing_duplicates_nothing_and_rebuilds_the_gif(tmp_path):
     """Killed right after a record lands, before its side-by-side GIF is written; the resume lists that sample among
     the worst with its GIF, the one an uninterrupted run makes (was: an empty video in the report, no GIF)."""
@@ -183,6 +185,7 @@ def test_a_backend_whose_calls_all_fell_back_is_an_error(tmp_path, monkeypatch, 
     assert [r["backend"] for r in log_lines(tmp_path / "run")] == ["pasa"], "no bf16 row may be written"
 
 
+@pytest.mark.slow
 def test_two_gloo_processes_equal_one(one_process, tmp_path):
     out = tmp_path / "two"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--no-python",
@@ -282,6 +285,7 @@ def test_the_committed_sample_report_is_built_from_its_records_and_the_docs_quot
     assert sentence and f"- {sentence.group(1)}\n" in (SAMPLE_DIR / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_a_committed_sample_is_what_the_code_generates_now():
     """The first sample of samples/compare (astronaut, seed 0; every backend, 5 videos: about 8 s), generated again
     on one thread as the sample was, gives its records bit for bit. The whole run (6 samples) takes a minute; the

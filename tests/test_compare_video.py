@@ -53,6 +53,7 @@ def finished(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     return out, done
 
 
+@pytest.mark.slow
 def test_a_sample_is_a_prompt_and_a_seed_with_the_records_of_an_svd_run(finished):
     out, done = finished
     records = runlog.read_log(out / runlog.SAMPLES)
@@ -90,6 +91,7 @@ def test_the_report_says_what_tiny_wan_is_and_what_replaced_its_text_encoder(fin
     assert gifs and all(name.startswith("prompt0-seed") for name in gifs)
 
 
+@pytest.mark.slow
 def test_a_rerun_resumes_from_what_is_logged(finished, tmp_path):
     source, _ = finished
     out = tmp_path / "run"

@@ -199,6 +199,7 @@ def single(seed) -> dict[tuple[str, str], torch.Tensor]:
     return outs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_equals_one_process(name, results, single):
     family, _, backend = CASES[name]
@@ -251,6 +252,7 @@ def test_bench_help(capsys):
     assert out.startswith("usage: python -m bench.context_parallel") and "--out DIR" in out
 
 
+@pytest.mark.slow
 def test_bench_on_cpus_counts_processes_and_leaves_no_collective_unwaited(tmp_path):
     """``torchrun ... -m bench.context_parallel`` on the CPU (2 gloo processes, the tiny Wan, the ring): the table
     counts processes, not GPUs, and has no peak-memory column (a CPU has no GPU memory); the SDPA ring row, whose

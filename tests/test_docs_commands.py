@@ -288,6 +288,7 @@ def _environment(folder: Path) -> dict[str, str]:
 RUN_DOCS = [doc for doc in DOCS if run_commands(doc)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("doc", RUN_DOCS)
 def test_every_bash_command_runs_as_written(doc, tmp_path):
     """Each ``bash`` command of ``doc`` exits 0, run in order in one scratch folder."""

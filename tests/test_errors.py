@@ -243,6 +243,7 @@ def test_an_image_notice_comes_before_any_work(tmp):
     assert done.returncode == 2 and seconds < FAST_S
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("value", ["1", "true", "ON"])
 def test_triton_interpret_is_announced_at_the_start_of_a_command(value, tmp_path):
     """Triton's interpreter runs every kernel in numpy (minutes per tiny-model step): one line says so."""
@@ -259,6 +260,7 @@ def test_a_mistake_stays_one_line_under_triton_interpret(tmp):
     assert done.stderr == f"pasa generate: error: --out {tmp}/afile: {tmp}/afile is a file, not a folder\n"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a CUDA machine may have the GPU")
 def test_cuda_without_a_gpu():
     done, _ = pasa(["generate", "--device", "cuda"])
@@ -270,6 +272,7 @@ def test_cuda_without_a_gpu():
 # 8 s); the others call ``main`` in this process, where torch is already imported, to keep the suite fast.
 
 
+@pytest.mark.slow
 def test_hub_id_not_cached_and_no_downloads(tmp_path):
     """Says what happened and what to do, and never advises local_files_only=False."""
     env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_CACHE": str(tmp_path / "hf" / "hub")}
@@ -412,6 +415,7 @@ def test_a_peer_whose_package_is_missing_is_one_line():
                                         "fa3_fwd_interface), which is not installed: pip install fa3-fwd")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [["generate", "--model", "tiny"], ["numerics", "--quick"], ["diagnose"],
                                   ["save-model", "--model", "tiny", "saved"], ["compare"]],
                          ids=lambda args: args[0])
@@ -462,6 +466,7 @@ sys.exit(main(sys.argv[3:]))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [["diagnose", "--model", "tiny", "--out", "out"],
                                   ["save-model", "--model", "tiny", "saved"]], ids=lambda args: args[0])
 def test_ctrl_c_while_the_libraries_import_is_one_line_and_status_130(args, tmp_path):
@@ -495,6 +500,7 @@ def test_a_folder_in_use_is_refused_before_the_heavy_imports(tmp_path):
     assert seconds < FAST_S and sorted(p.name for p in out.iterdir()) == [".lock"]
 
 
+@pytest.mark.slow
 def test_fp16_on_the_cpu_prints_no_third_party_warning(saved, tmp_path):
     """``--dtype fp16`` on the CPU from a saved folder runs; diffusers' accelerate advice and its "cannot run with
     cpu device ... will fail" (printed twice) stay out of the terminal unless --debug (``pipelines.quiet``)."""
@@ -511,6 +517,7 @@ def test_fp16_on_the_cpu_prints_no_third_party_warning(saved, tmp_path):
             assert all(line.startswith("PASAAttnProcessor: single key in ") for line in lines), lines
 
 
+@pytest.mark.slow
 def test_generate_on_a_full_disk_is_one_line_and_leaves_no_partial_file(tmp_path):
     """Files stop at 1000 bytes (the tiny video's GIF is larger): one ``--out`` line, exit 2, no traceback, and
     neither a cut GIF nor a half-written frame folder left behind. Was: an OSError traceback."""

@@ -89,6 +89,7 @@ def test_the_op_runs_the_spec_on_cpu_tensors(gen):
     assert not torch.equal(out, pasa_attention(q, k, v, precision="int8"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype,d", [(torch.float16, 64), (torch.bfloat16, 128)], ids=["fp16-64", "bf16-128"])
 def test_the_op_within_its_published_bound_on_every_class(dtype, d, gen):
     """Every class of ``bench.int8_accuracy.input_classes``: relative RMSE against the golden at most

@@ -32,6 +32,7 @@ def test_d(): pass
 '''
 
 
+@pytest.mark.slow
 def test_shard_reruns_the_tests_left_after_a_lost_context(tmp_path):
     (tmp_path / "conftest.py").write_text(LOSING_CONFTEST)
     (tmp_path / "test_sim.py").write_text(TESTS)

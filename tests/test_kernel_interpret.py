@@ -443,6 +443,7 @@ def test_dispatch_refuses_unknown_options(gen):
         dispatch.forward(q, k, v, out, scale=0.2, variant=Variant("none", "half"), beta=0.9, block_n=64)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [(3, 4, 2, 130, 257, 64), (4, 1, 1, 130, 130, 32), (1, 6, 6, 70, 300, 80)],
                          ids=["gqa,head-ranges", "batch-ranges", "head-ranges,d80"])
 @pytest.mark.parametrize("kind,precision", [("exact", "hybrid"), ("exact", "half"), ("pasa", "hybrid")],

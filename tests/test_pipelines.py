@@ -134,6 +134,7 @@ def test_tiny_resonant_saved_and_loaded_is_the_same_model(tmp_path):
         assert min(state(loaded)[key].abs().max() for key in planted) > 80
 
 
+@pytest.mark.slow
 def test_a_planted_folder_without_its_module_is_refused_not_dropped(tmp_path):
     """Plain diffusers in a fresh process, without pasa_diffusers imported: an error naming the module to
     import (diffusers 0.42's custom-component rule), never the UNet without its biases."""

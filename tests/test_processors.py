@@ -346,6 +346,7 @@ def test_single_key_fallback_counted_and_logged_once(pipe, caplog, gen, monkeypa
     assert "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn2;" in message  # the first one called
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend,options", [("sdpa", {}), ("pasa", {"precision": "fp64"})], ids=["sdpa", "pasa"])
 def test_compiled_unet_traces_once_and_matches_eager(pipe, gen, backend, options):
     """``torch.compile(fullgraph=True)`` traces the processors once: new inputs do not recompile the

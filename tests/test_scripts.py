@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
     ("host_parts.py", [], "scripts/host_parts.py: needs a CUDA GPU (it times the host's parts of a call while the GPU "
                           "sleeps); none on this machine (torch "),
 ], ids=["ab_key_ranges", "ab_bits", "host_parts"])
+@pytest.mark.slow
 def test_a_gpu_script_without_a_gpu_is_one_line(script, args, message, tmp_path):
     out = tmp_path / "out"
     env = {**{key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"},

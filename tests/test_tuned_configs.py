@@ -90,6 +90,7 @@ def _write(path: Path, table: dict) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_table_is_written_with_every_kernel_picked(tuned):
     out, picks, _ = tuned
     table = tuning.load_table(out / TABLE)
@@ -221,6 +222,7 @@ BAD_CONFIGS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(BAD_CONFIGS))
 def test_a_bad_entry_warns_once_and_is_ignored(tuned, monkeypatch, tmp_path, case):
     out, picks, outputs = tuned

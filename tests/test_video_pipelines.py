@@ -243,6 +243,7 @@ def test_commands_that_take_svd_only_refuse_a_video_model():
         common.load_model(args)
 
 
+@pytest.mark.slow
 def test_generate_through_the_console_script(tmp_path):
     done = subprocess.run([PASA, "generate", "--model", "tiny-wan", "--attention", "pasa", *FLAGS,
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
@@ -435,6 +436,7 @@ def test_why_those_settings_are_refused(pipes):
     assert len(linear_quadratic_schedule(2, 0.025)) == 2
 
 
+@pytest.mark.slow
 def test_generate_ltx_video_through_the_console_script(tmp_path):
     done = subprocess.run([PASA, "generate", "--model", "tiny-ltx-video", "--frames", "9", "--steps",
                            "2", "--height", "64", "--width", "64", "--out", str(tmp_path)], capture_output=True,
@@ -463,6 +465,7 @@ def test_generate_ltx_video_through_the_console_script(tmp_path):
                                "masks keep every token", "MochiAttnProcessor2_0", {"video-self": 2}, 2 * 2 * 2, {},
                  id="tiny-mochi"),
 ])
+@pytest.mark.slow
 def test_generate_hunyuan_video_and_mochi_through_the_console_script(name, notice, processor, installed, calls,
                                                                      fallbacks, tmp_path):
     settings = NEW[name][3]
@@ -555,6 +558,7 @@ def test_save_model_of_tiny_wan_and_its_reload(wan, tmp_path, capsys):
                                video.generate(wan, progress=False, **SMALL), rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NEW)
 def test_save_model_of_the_other_builtins_loads_the_same_pipeline(pipes, name, tmp_path, capsys):
     folder = tmp_path / name

@@ -334,6 +334,7 @@ def test_full_size_inputs_refuse_a_size_or_frame_count_the_pipeline_does_not_tak
     assert full_size_inputs("ltx-video", model, frames=81)["num_frames"] == 11
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("backend,options", [("sdpa", {}), ("pasa", {"precision": "fp64"})], ids=["sdpa", "pasa"])
 def test_compiled_transformer_traces_once_and_matches_eager(family, backend, options, gen):

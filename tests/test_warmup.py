@@ -168,6 +168,7 @@ def test_the_notice_is_one_line_at_the_first_kernel_of_ours_compiled():
     assert "exact_fwd_gluon_kernel" in lines[0] and "`pasa warmup` compiles them ahead" in lines[0]
 
 
+@pytest.mark.slow
 def test_the_compile_listener_and_cache_count_on_this_triton(tmp_path):
     """A toy kernel compiled for sm_90 (no GPU: Triton's ptxas) in a fresh process and cache: the listener hears
     one compile then one cache hit, each with the kernel's module and name; the cache then holds one kernel."""
