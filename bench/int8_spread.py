@@ -14,9 +14,9 @@ The PyTorch spec (``reference_int8.int8_reference``: ``pasa-int8`` with ``pv_bit
 
 Table 1, per input at the spec's own criterion (``rules.INT8_FALLBACK_TAU``): the share of key blocks computed in
 16 bits; ``eta``, the largest predicted RMS logit error among the (batch, head, block)s left in 8 bits
-(:func:`logit_error`: the criterion's own statistic, so ``eta <= tau``; 0 where every block is in 16 bits);
+(``reference_int8.logit_error``: the criterion's own statistic, so ``eta <= tau``; 0 where every block is in 16 bits);
 the 16-bit default's error ``e16`` (``exact_shift_reference``); per ``pv_bits`` the spec's error, the first-order
-prediction (``reference_int8.error_model``) and the stated bound (:func:`stated_bound`).
+prediction (``reference_int8.error_model``) and the stated bound (``reference_int8.stated_bound``).
 
 Table 2, per criterion threshold ``tau`` of :data:`TAUS` (the spec's ``fallback_blocks(..., tau)``; the kernels
 use ``rules.INT8_FALLBACK_TAU`` only): the share of blocks in 16 bits (the speed cost: they run in a slower
@@ -57,19 +57,6 @@ TAUS = (2e-2, 1.5e-2, 1.2e-2, 1e-2, 9.5e-3, 9e-3)
 THRESHOLD_SHARE = 0.98
 """The threshold inputs' largest block ``eta`` as a share of ``tau``."""
 
-C_CODES = 1.15
-"""The stated bound's factor on the codes' (and e4m3's) predicted error: to first order the relative error is at
-most ``eta`` (``sqrt(2) eps`` for e4m3's), times ``sqrt(rho)`` with ``rho <= 1 + sum_j p_ij^2``; the factor covers
-what that leaves out (measured, docs/NUMERICS.md: up to 1.03 on the codes' error, from the weights' correlation
-with the rows' norms; up to 1.08 on e4m3's, whose significands are not uniform)."""
-K16 = 2.0
-"""The stated bound's factor on the 16-bit default's error (the 16-bit roundings: FlashAttention's rule, as
-``tests/test_int8.py`` holds them)."""
-FP8_REL = math.sqrt(2.0) * r8.E4M3_REL_RMS
-"""e4m3's rounding of ``P`` and of V, each ``E4M3_REL_RMS`` relative, at most this together for V with
-independent zero-mean rows (3.6e-2)."""
-
-
 def spread_inputs(shape: tuple[int, int, int, int], s_q: float, s_k: float, *, seed: int, dtype: torch.dtype,
                   off_span: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(q, k, v)`` of ``shape`` (B, H, N, D) in ``dtype``: q ~ N(0, s_q^2), k ~ N(0, s_k^2), v ~ N(0, 1); with
@@ -85,42 +72,6 @@ def spread_inputs(shape: tuple[int, int, int, int], s_q: float, s_k: float, *, s
     else:
         q, k = q * s_q, k * s_k
     return q.to(dtype), k.to(dtype), v.to(dtype)
-
-
-def logit_error(q: torch.Tensor, k: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """``eta`` (B, Hq, blocks) fp64: the predicted RMS logit error (natural units) of each (batch, query head, key
-    block) from the codes' rounding, ``(scale / Dp) sqrt((SQ2 W2_b + SK2_b Y2) / 12)`` (``reference_int8`` step
-    4b: the statistic the criterion compares with ``tau``)."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    qq = r8.quantize_queries(q)
-    kq = r8.quantize_keys(k, qq.qbar)
-    return scale / kq.codes.shape[-1] * (r8.fallback_noise(qq, kq) / 12.0).sqrt()
-
-
-def coded_logit_error(q: torch.Tensor, k: torch.Tensor, tau: float = INT8_FALLBACK_TAU) -> tuple[float, float]:
-    """``(eta, share)``: the largest :func:`logit_error` among the blocks the criterion at ``tau`` leaves in 8 bits
-    (0 where it leaves none), and the share of blocks it computes in 16 bits.  (``eta > tau`` flags a block up
-    to the fp32 rounding of ``tau`` and the scale: :func:`r8.fallback_blocks` decides.)"""
-    flags = flags_at(q, k, tau)
-    eta = logit_error(q, k)
-    coded = eta[~flags]
-    return (coded.max().item() if coded.numel() else 0.0), flags.double().mean().item()
-
-
-def stated_bound(eta: float, e16: float, pv_bits: int, rows: int | None = None) -> float:
-    """The bound ``reference_int8`` states for its relative RMSE against the exact output, V with independent
-    zero-mean rows (docs/NUMERICS.md, "The bound as a function of the input"):
-
-        pv_bits 16:  sqrt(C^2 eta^2 s + K16^2 e16^2)
-        pv_bits 8:   sqrt(C^2 (eta^2 + 2 eps^2) s + K16^2 e16^2),   eps = E4M3_REL_RMS
-
-    ``eta`` from :func:`coded_logit_error` (<= tau), ``e16`` the 16-bit default's error on the same input,
-    ``C`` = :data:`C_CODES`, ``K16`` = :data:`K16`; ``s = 1 + 3 sqrt(2 / rows)`` the scatter of a realised error
-    over ``rows`` query rows (three standard deviations of a chi-square of one degree per row), 1 with ``rows``
-    None (the expectation)."""
-    codes = eta * eta + (FP8_REL * FP8_REL if pv_bits == 8 else 0.0)
-    scatter = 1.0 if rows is None else 1.0 + 3.0 * math.sqrt(2.0 / rows)
-    return math.sqrt(C_CODES * C_CODES * codes * scatter + K16 * K16 * e16 * e16)
 
 
 def spec(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, pv_bits: int, tau: float,
@@ -166,10 +117,10 @@ def threshold_inputs(dtype: torch.dtype, d: int, seed: int, tau: float
     for name, s_k, off, keys_only in (("q, k ~ N(0, s^2)", 1.0, False, False), ("keys ~ N(0, s^2)", 1.0, False, True),
                                       ("keys off q's span, 3", 3.0, True, False)):
         q, k, v = spread_inputs(shape, 1.0, s_k, seed=seed + 300, dtype=torch.float64, off_span=off)
-        f = target / logit_error(q.to(dtype), k.to(dtype)).max().item()
+        f = target / r8.logit_error(q.to(dtype), k.to(dtype)).max().item()
         for _ in range(3):  # the inputs' rounding to dtype moves eta a little
             qs, ks = (q, k * f) if keys_only else (q * math.sqrt(f), k * math.sqrt(f))
-            eta = logit_error(qs.to(dtype), ks.to(dtype)).max().item()
+            eta = r8.logit_error(qs.to(dtype), ks.to(dtype)).max().item()
             f *= target / eta
         found[f"{name} at {THRESHOLD_SHARE:g} x {tau:g}"] = (qs.to(dtype), ks.to(dtype), v.to(dtype))
     return found
@@ -195,13 +146,13 @@ def measure(dtype: torch.dtype, d: int, seed: int) -> dict:
     for case, (q, k, v) in inputs.items():
         golds[case] = golden_attention(q, k, v)
         e16 = _err(exact_shift_reference(q, k, v), golds[case])
-        eta, share = coded_logit_error(q, k)
-        row = {"case": case, "16-bit blocks": share, "eta": eta, "eta all": logit_error(q, k).max().item(),
+        eta, share = r8.coded_logit_error(q, k)
+        row = {"case": case, "16-bit blocks": share, "eta": eta, "eta all": r8.logit_error(q, k).max().item(),
                "e16": e16}
         for pv_bits in r8.PV_BITS:
             row[f"err {pv_bits}"] = error(case, q, k, v, pv_bits, INT8_FALLBACK_TAU)[0]
             row[f"model {pv_bits}"] = r8.error_model(q, k, v, pv_bits=pv_bits).rel_rmse
-            row[f"bound {pv_bits}"] = stated_bound(eta, e16, pv_bits)
+            row[f"bound {pv_bits}"] = r8.stated_bound(eta, e16, pv_bits)
         rows.append(row)
         harness.log(f"{NAME}: {case}: eta {eta:.2e}, int8 {row['err 16']:.2e} (bound {row['bound 16']:.2e}), "
                     f"fp8 {row['err 8']:.2e} (bound {row['bound 8']:.2e})")
@@ -209,7 +160,7 @@ def measure(dtype: torch.dtype, d: int, seed: int) -> dict:
     big = spread_inputs((2, 8, 4096, d), 1.0, 1.0, seed=seed + 400, dtype=dtype)
     criteria = []
     for tau in TAUS:
-        crit = {"tau": tau, "N(0, 1) share": coded_logit_error(big[0], big[1], tau)[1], "shares": {},
+        crit = {"tau": tau, "N(0, 1) share": r8.coded_logit_error(big[0], big[1], tau)[1], "shares": {},
                 "worst 16": (0.0, ""), "worst 8": (0.0, "")}
         extra = threshold_inputs(dtype, d, seed, tau)
         for case, (q, k, v) in {**inputs, **extra}.items():

@@ -114,6 +114,9 @@ __all__ = [
     "int8_reference",
     "ErrorModel",
     "error_model",
+    "logit_error",
+    "coded_logit_error",
+    "stated_bound",
 ]
 
 QMAX = 127.0
@@ -511,3 +514,53 @@ def error_model(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float 
     unit = var / peak if peak > 0 else var  # (sum E)^2 / sum E^2 without underflow
     rows = unit.sum().item() ** 2 / unit.pow(2).sum().item() if peak > 0 else float(var.numel())
     return ErrorModel(math.sqrt(max(var.mean().item(), 0.0) / max(o.pow(2).sum(-1).mean().item(), 1e-300)), rows)
+
+
+BOUND_CODES_FACTOR = 1.15
+""":func:`stated_bound`'s factor on the codes' (and e4m3's) predicted error: to first order the relative error is
+at most ``eta`` (``sqrt(2) eps`` for e4m3's), times ``sqrt(rho)`` with ``rho <= 1 + sum_j p_ij^2``; the factor
+covers what that leaves out (measured, docs/NUMERICS.md: up to 1.03 on the codes' error, from the weights'
+correlation with the rows' norms; up to 1.08 on e4m3's, whose significands are not uniform)."""
+BOUND_16_FACTOR = 2.0
+""":func:`stated_bound`'s factor on the 16-bit default's error (the 16-bit roundings: FlashAttention's rule, as
+``tests/test_int8.py`` holds them)."""
+FP8_REL_RMS = math.sqrt(2.0) * E4M3_REL_RMS
+"""e4m3's rounding of ``P`` and of V, each ``E4M3_REL_RMS`` relative, at most this together for V with
+independent zero-mean rows (3.6e-2)."""
+
+
+def logit_error(q: torch.Tensor, k: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """``eta`` (B, Hq, blocks) fp64: the predicted RMS logit error (natural units) of each (batch, query head, key
+    block) from the codes' rounding, ``(scale / Dp) sqrt((SQ2 W2_b + SK2_b Y2) / 12)`` (step 4b: the statistic
+    the criterion compares with ``tau``)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    qq = quantize_queries(q)
+    kq = quantize_keys(k, qq.qbar)
+    return scale / kq.codes.shape[-1] * (fallback_noise(qq, kq) / 12.0).sqrt()
+
+
+def coded_logit_error(q: torch.Tensor, k: torch.Tensor, tau: float = INT8_FALLBACK_TAU) -> tuple[float, float]:
+    """``(eta, share)``: the largest :func:`logit_error` among the blocks the criterion at ``tau`` leaves in 8 bits
+    (0 where it leaves none), and the share of blocks it computes in 16 bits.  (``eta > tau`` flags a block up
+    to the fp32 rounding of ``tau`` and the scale: :func:`fallback_blocks` decides.)"""
+    qq = quantize_queries(q)
+    flags = fallback_blocks(qq, quantize_keys(k, qq.qbar), q.shape[-1] ** -0.5, tau)
+    coded = logit_error(q, k)[~flags]
+    return (coded.max().item() if coded.numel() else 0.0), flags.double().mean().item()
+
+
+def stated_bound(eta: float, e16: float, pv_bits: int, rows: int | None = None) -> float:
+    """The bound this module's docstring states for its relative RMSE against the exact output, V with
+    independent zero-mean rows (docs/NUMERICS.md, "The bound as a function of the input"):
+
+        pv_bits 16:  sqrt(C^2 eta^2 s + K16^2 e16^2)
+        pv_bits 8:   sqrt(C^2 (eta^2 + 2 eps^2) s + K16^2 e16^2),   eps = E4M3_REL_RMS
+
+    ``eta`` from :func:`coded_logit_error` (<= tau), ``e16`` the 16-bit default's error on the same input,
+    ``C`` = :data:`BOUND_CODES_FACTOR`, ``K16`` = :data:`BOUND_16_FACTOR`; ``s = 1 + 3 sqrt(2 / rows)`` the
+    scatter of a realised error over ``rows`` query rows (three standard deviations of a chi-square of one degree
+    per row), 1 with ``rows`` None (the expectation)."""
+    codes = eta * eta + (FP8_REL_RMS * FP8_REL_RMS if pv_bits == 8 else 0.0)
+    scatter = 1.0 if rows is None else 1.0 + 3.0 * math.sqrt(2.0 / rows)
+    return math.sqrt(BOUND_CODES_FACTOR * BOUND_CODES_FACTOR * codes * scatter
+                     + BOUND_16_FACTOR * BOUND_16_FACTOR * e16 * e16)

@@ -32,7 +32,7 @@ bf16 128): err / sqrt(model^2 + e16^2) between 0.7 and 1.15.  And from below, wh
 dominates (model > 4 e16, and above one ulp of ``g``, below which an error can round away: one-hot
 attention) and comes from enough rows (3 sqrt(2 / rows) < 1/2): ``err >= model / 2 sqrt(1 - 3 sqrt(2 /
 rows))`` (the spec does round to 8 bits).  The bound the spec states as a function of the input (its module
-docstring: ``bench.int8_spread.stated_bound``, from the criterion's own statistic) is held on q and k of a larger
+docstring: ``reference_int8.stated_bound``, from the criterion's own statistic) is held on q and k of a larger
 spread than N(0, 1), where the flat 1e-2 does not hold.
 
 Kernels against the spec.  The pre-pass rounds exactly where the spec does, with the same operations
@@ -58,7 +58,7 @@ import pytest
 import torch
 
 from bench.int8_accuracy import input_classes
-from bench.int8_spread import coded_logit_error, spread_inputs, stated_bound
+from bench.int8_spread import spread_inputs
 from pasa_diffusers import numerics
 from pasa_diffusers import reference_int8 as r8
 from pasa_diffusers.reference import exact_shift_reference, golden_attention
@@ -238,7 +238,7 @@ SPREAD_CASES = {"q, k ~ N(0, 1.5^2)": (1.5, 1.5, False), "q, k ~ N(0, 2^2)": (2.
 @pytest.mark.parametrize("pv_bits", r8.PV_BITS)
 @pytest.mark.parametrize("dtype,d", [(torch.float16, 64), (torch.bfloat16, 128)], ids=["fp16-64", "bf16-128"])
 def test_reference_within_its_stated_bound_on_larger_spreads(case, pv_bits, dtype, d, gen):
-    """The bound the module docstring states as a function of the input (``bench.int8_spread.stated_bound``:
+    """The bound the module docstring states as a function of the input (``reference_int8.stated_bound``:
     ``C eta`` from the largest predicted RMS logit error ``eta`` among the blocks left in 8 bits, with e4m3's
     ``sqrt(2) eps`` beside it in 8 bits, and twice the 16-bit default's error), with the scatter of a realised
     error over 512 query rows, on fresh draws of a larger spread than N(0, 1).  Where blocks stay in 8 bits the
@@ -250,8 +250,8 @@ def test_reference_within_its_stated_bound_on_larger_spreads(case, pv_bits, dtyp
     gold = golden_attention(q, k, v)
     err = numerics.rel_rmse(r8.int8_reference(q, k, v, pv_bits=pv_bits), gold)
     e16 = numerics.rel_rmse(exact_shift_reference(q, k, v), gold)
-    eta, share = coded_logit_error(q, k)
-    bound = stated_bound(eta, e16, pv_bits, rows=q.shape[1] * q.shape[2])
+    eta, share = r8.coded_logit_error(q, k)
+    bound = r8.stated_bound(eta, e16, pv_bits, rows=q.shape[1] * q.shape[2])
     assert err <= bound, f"{case}: error {err:.3e} > {bound:.3e} (eta {eta:.3e}, 16-bit {e16:.3e}, {share:.0%} flagged)"
     if pv_bits == 16 and share == 0 and eta > 4 * max(e16, _ulp(dtype)):  # every block from the codes
         assert err >= eta / 2, f"{case}: error {err:.3e} < eta / 2 = {eta / 2:.3e}: no 8-bit rounding?"
