@@ -51,7 +51,7 @@ __all__ = ["Shape", "svd_spatial", "svd_temporal", "DIT", "DIT_CALLS", "PAPER", 
            "make_inputs", "Call", "Method", "Prepared", "Skip", "SDPA_BACKENDS", "sdpa_method", "peer_methods",
            "VARIANTS", "op_method", "KERNELS", "kernel_methods", "config_methods", "METHOD_GROUPS", "parse_methods",
            "select_methods", "runs_ours", "Timer", "synchronize", "free_memory", "Row", "error_text", "measure",
-           "fmt", "device", "cpu_problem", "environment", "header", "write_report", "rows_payload", "parser",
+           "fmt", "device", "cpu_problem", "environment", "header", "write_report", "settings_study", "rows_payload", "parser",
            "add_shape_arguments", "add_timer_arguments", "add_method_arguments", "command", "progress", "log"]
 
 
@@ -873,6 +873,32 @@ def add_method_arguments(p: argparse.ArgumentParser, default: str) -> None:
     """``--methods``: names and groups of :data:`METHOD_GROUPS`, comma-separated."""
     p.add_argument("--methods", type=parse_methods, default=parse_methods(default),
                    help=f"comma-separated method names and groups {tuple(METHOD_GROUPS)} (default: {default})")
+
+
+def settings_study(name: str, doc: str, title: str, settings: dict[str, tuple[torch.dtype, int]],
+                   measure: Callable[[torch.dtype, int, int], Any],
+                   section: Callable[[str, torch.dtype, int, Any], str], argv: Sequence[str] | None) -> int:
+    """The ``main`` of a CPU study run once per (dtype, head dim) setting (``--settings``, ``--seed``): per setting
+    ``measure(dtype, d, seed)`` and its markdown ``section(name, dtype, d, result)``, then the report (the total
+    time last) as :func:`write_report` writes it, printed too."""
+    p = parser(name, doc)
+    p.add_argument("--settings", nargs="+", choices=list(settings), default=list(settings),
+                   help="dtype and head dim settings (default: all)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the inputs (default: 0)")
+    args = p.parse_args(argv)
+    cmd, env = command(name, argv), environment()
+    text = header(title, env, cmd)
+    results = {}
+    t0 = time.time()
+    with torch.no_grad():
+        for setting in args.settings:
+            dtype, d = settings[setting]
+            results[setting] = measure(dtype, d, args.seed)
+            text += section(setting, dtype, d, results[setting])
+    text += f"\n{time.time() - t0:.0f} s\n"
+    write_report(args.out, name, text, {"bench": name, "command": cmd, "environment": env, "results": results})
+    print(text)
+    return 0
 
 
 def command(name: str, argv: Sequence[str] | None, package: str = "bench") -> str:

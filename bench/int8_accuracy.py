@@ -26,7 +26,6 @@ Runs on the CPU (pure PyTorch; no kernel), in float64 for the golden and the mod
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import torch
@@ -187,28 +186,12 @@ def table(rows: Sequence[dict]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = harness.parser(NAME, __doc__)
-    p.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS),
-                   help="dtype and head dim settings (default: all)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the input classes (default: 0)")
-    args = p.parse_args(argv)
-    cmd, env = harness.command(NAME, argv), harness.environment()
-    text = harness.header("bench.int8_accuracy: the 8-bit exact shift's designs, relative RMSE against the "
-                          "float64 golden", env, cmd)
-    results = {}
-    t0 = time.time()
-    with torch.no_grad():
-        for name in args.settings:
-            dtype, d = SETTINGS[name]
-            results[name] = measure(dtype, d, args.seed)
-            text += (f"\n\n## {name}: (1, {HEADS}, {QUERIES} queries, {KEYS} keys, {d}), "
-                     f"{str(dtype).removeprefix('torch.')}\n\n{table(results[name])}\n")
-    text += f"\n{time.time() - t0:.0f} s\n"
-    harness.write_report(args.out, NAME, text, {"bench": NAME, "command": cmd, "environment": env,
-                                                "results": results})
-    print(text)
-    return 0
+    def section(name, dtype, d, rows):
+        return (f"\n\n## {name}: (1, {HEADS}, {QUERIES} queries, {KEYS} keys, {d}), "
+                f"{str(dtype).removeprefix('torch.')}\n\n{table(rows)}\n")
 
+    return harness.settings_study(NAME, __doc__, "bench.int8_accuracy: the 8-bit exact shift's designs, relative "
+                                  "RMSE against the float64 golden", SETTINGS, measure, section, argv)
 
 if __name__ == "__main__":
     raise SystemExit(main())
