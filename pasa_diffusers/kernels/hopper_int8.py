@@ -45,10 +45,9 @@ Partitions (``gl.warp_specialize``; one program = ``64 NUM_CONSUMERS`` query row
   :func:`_key_loop_fp8`): per tile ``i`` the INT8 wgmma of ``I_i`` is issued, then tile ``i - 1``'s ``P V``,
   both async; tile ``i``'s dequantisation and softmax run while ``P V`` is on the tensor cores.  Then the
   flagged tiles (:func:`_sixteen_bit_loop`), synchronous: nothing is in flight while their 16-bit wgmmas run
-  (a flag branch inside the overlapped loop, as this kernel had before, corrupted the in-flight ``P V``'s
-  registers: wrong outputs, NaN, illegal addresses).  FP8 ``P`` goes through shared
-  memory (two (64, BLOCK_N) e4m3 tiles per consumer, alternating), since Triton 3.6's wgmma wait takes no
-  8-bit register operand as a dependency.
+  (the overlapped loop holds no branch around a wgmma: docs/notes/int8_kernel.md says why).  FP8 ``P`` goes
+  through shared memory (two (64, BLOCK_N) e4m3 tiles per consumer, alternating), since Triton 3.6's wgmma wait
+  takes no 8-bit register operand as a dependency.
 
 Shared memory per program: q codes (64, DP) int8 and q (64, DP) ``g`` per consumer, and two ``P8`` tiles per
 consumer with FP8 (16-column dummies without); the rings k codes (NUM_STAGES, BLOCK_N, DP) int8, centres
