@@ -17,8 +17,8 @@ The convention for a fenced block of commands (its info string):
 In a command block a leading ``pip install ... &&`` is dropped (the package is installed), a ``pytest`` command
 is not run (it is this suite), comments after ``#`` are dropped and lines ending in ``\\`` are joined.
 
-``DATED`` lists the documents left out: docs/HISTORY.md records what was run on its day, with the code of
-that day (scripts since renamed; its blocks are marked ``text``), not commands to run now.  ``TOO_SLOW`` lists the ``bash`` commands listed but
+``DATED`` lists the documents left out, those that record what was run on their day rather than commands to run
+now (none since the journal left docs/ for git history: ``git show 426b706:docs/HISTORY.md``).  ``TOO_SLOW`` lists the ``bash`` commands listed but
 not run because one run takes minutes on the 2-core CPU machine (each is parsed like a GPU one; the test fails
 when one of them is no longer in the documents, so the list cannot go stale).
 """
@@ -41,7 +41,7 @@ from tests.console import PASA
 
 ROOT = Path(__file__).resolve().parents[1]
 
-DATED = ("docs/HISTORY.md",)
+DATED: tuple[str, ...] = ()
 """Documents whose commands are a dated record, not instructions (module docstring)."""
 
 TOO_SLOW = {
