@@ -23,8 +23,8 @@ Partitions (``gl.warp_specialize``; one program = ``BLOCK_M = 64 NUM_CONSUMERS``
   q tile, then per key tile ``i`` into stage ``i % NUM_STAGES`` of the rings: k_c and the centre tile
   (one barrier), then v (its own barrier, so that ``S = q k_c^T`` starts before v lands);
 - ``NUM_CONSUMERS`` (config ``consumers``) consumer warpgroups, worker partitions of 4 warps with most of
-  the registers: 3 at the 64 head-dim tile (FA3's count at head dim 64; one or two measured slower,
-  docs/BENCHMARKS.md), 2 at the 128 tile (240 registers each for a (64, 128) accumulator), each with
+  the registers: 3 at the 64 head-dim tile, 2 at the 128 tile (240 registers each for a (64, 128)
+  accumulator; why these counts: docs/notes/hopper.md), each with
   its own 64 query rows: both GEMMs (``warpgroup_mma``, async, then ``warpgroup_mma_wait``), the softmax
   in registers and the output (registers -> shared memory -> TMA store).  They share the K/V ring and
   never wait on each other.  ``OVERLAP`` (config ``overlap``) adds FA3's intra-warpgroup pipelining:
@@ -55,20 +55,9 @@ Barrier protocol (an mbarrier's phase ``k`` completes at its ``k``-th count of a
   wgmma reading that buffer has completed (``warpgroup_mma_wait``); the producer waits parity
   ``((i // NUM_STAGES) & 1) ^ 1`` before refilling, so its first pass over the ring does not wait.
 
-Gluon 3.6 notes.  ``warp_specialize(functions_and_args, worker_num_warps, worker_num_regs)``: the
-default partition runs with the kernel's ``num_warps`` and gets the registers the workers leave from
-``maxnreg`` (which the launch sets: the 256 default is more than an SM has for 3-4 warpgroups), worker
-partitions cannot take distributed tensors, and the list of partitions is written out for two and for
-three consumers: a tuple bound to a name turns the constexprs in it into int32 scalars ("int32[] used as
-tl.static_range start value is not a constexpr"), so the partitions' argument tuples are literals and
-the partitions read tile sizes from the buffers' shapes.  Host descriptors
-are 4-d (B, H, N, D) boxes ``[1, 1, rows, D]`` (TMA bounds every
-dim, so any 16-byte-aligned strides serve: diffusers' (B, N, H, D) views too); the shared tiles are
-4-d and ``reshape``d to 2-d for the wgmma.  ``q . c_j`` is a wgmma rather than FMAs: the FMA form
-needs an fp32 copy of q in a blocked layout and a layout conversion (through shared memory, with a
-barrier) of every ``r_j`` into the scores' row layout; the wgmma's rows already sit where the
-scores' do.  ``p`` goes to bf16 through inline ``cvt.rn.bf16x2.f32`` (``gluon_common.round_p``): Triton's own
-lowering gave one ``F2F`` per value, which made bf16 run at 0.80x of fp16's speed.
+Host descriptors are 4-d (B, H, N, D) boxes ``[1, 1, rows, D]``; the shared tiles are 4-d and ``reshape``d to
+2-d for the wgmma.  What Gluon 3.6 imposes on the source (partitions written out per consumer count, ``maxnreg``)
+and the measurements behind the configs: docs/notes/hopper.md.
 """
 from __future__ import annotations
 
@@ -401,14 +390,11 @@ DEFAULT_CONFIG = {"BLOCK_N": 128, "num_stages": 3, "overlap": False, "consumers"
 """The config for long key sequences at head dim 64: the fastest at 2304 and 9216 keys on the H200 (``bench.hopper``)."""
 SHORT_KEYS_CONFIG = {"BLOCK_N": 64, "num_stages": 4, "overlap": True, "consumers": 3, "pingpong": True}
 """The config for at most ``SHORT_KEYS`` keys at head dim 64, the fastest at 576 keys: smaller key tiles, a
-deeper ring, the softmax under ``P V`` and the consumers in turns (0.282 against 0.289 ms without, H200)."""
+deeper ring, the softmax under ``P V`` and the consumers in turns (docs/notes/hopper.md)."""
 WIDE_CONFIG = {"BLOCK_N": 128, "num_stages": 2, "overlap": True, "consumers": 2, "pingpong": True}
 """The config for head dims above 64 (the 128 tile): FA3's two consumer warpgroups, so that each has the
 registers (240) for a (64, 128) fp32 accumulator beside its (64, 128) scores and the previous tile's p,
-FA3's overlap and ping-pong.  Measured on the H200 (bf16, kernel alone, ``bench.hopper``, one run): at
-(2, 12, 32760, 128) 23.1 ms against 23.6 serial, at (1, 24, 45000, 128) 41.8 against 44.7; 64-key tiles
-27.8 / 51.0.  The overlap fits the registers since the key mask runs on the last tile only (before, it
-spilled 340 B and ran at 0.30x cuDNN)."""
+FA3's overlap and ping-pong (measured: docs/notes/hopper.md)."""
 WIDE_SHORT_KEYS_CONFIG = {"BLOCK_N": 64, "num_stages": 3, "overlap": True, "consumers": 2, "pingpong": False}
 """The config for at most ``SHORT_KEYS`` keys at head dims above 64."""
 SHORT_KEYS = 1024
