@@ -29,8 +29,8 @@ and ``out = round_g(acc (1 / l_i))`` (FP8: ``acc (1 / l_i) vs``, V's per-channel
 (m_i + log2 l_i [- P_SHIFT])``.  Loop invariant: ``acc / l_i == softmax(scale q K^T) V`` over the keys seen so
 far up to the codes' rounding, ``m_i`` the running maximum of the true logits in log2 units.  With ``LAZY``
 (config ``lazy``, 16-bit ``P V``; FlashAttention-4's lazy rescale) ``m_new`` stays ``m_i`` on a tile where no row
-of the warpgroup grows by more than ``LAZY_RESCALE``, and ``acc`` is then not touched (measured slower: the
-warpgroup-wide maximum costs a reduction through shared memory per tile; :data:`CONFIGS`).
+of the warpgroup grows by more than ``LAZY_RESCALE``, and ``acc`` is then not touched (off in :data:`CONFIGS`;
+why: docs/notes/int8_kernel.md).
 
 Partitions (``gl.warp_specialize``; one program = ``64 NUM_CONSUMERS`` query rows of one (batch, head)):
 
@@ -90,13 +90,10 @@ RNE_MAGIC_BITS = tl.constexpr(0x4B400000)
 """The bits of 1.5 * 2^23: ``bits(1.5 2^23) + I`` read as fp32 is ``1.5 2^23 + I`` for ``|I| < 2^22``."""
 CONFIGS = {64: {"BLOCK_N": 128, "num_stages": 2, "consumers": 2, "lazy": False},
            128: {"BLOCK_N": 128, "num_stages": 2, "consumers": 2, "lazy": False}}
-"""The config per DP for more than :data:`SHORT_KEYS` keys: 128-key tiles, two consumers, the eager rescale.
-Measured on the H200 (``bench.int8_fallback``, 2026-12-03, fallback on, bf16, ms): Wan 2.1 1.3B 28.8 against
-31.8 with (64, 4, 2) and 31.6 with the lazy rescale; CogVideoX-5B 26.1 against 35.3 with (64, 3, 3), whose
-16-bit blocks' branch spills (docs/BENCHMARKS.md).  The lazy rescale's warpgroup-wide maximum (a reduction
-through shared memory and a barrier per tile) costs more than the rescale it saves."""
+"""The config per DP for more than :data:`SHORT_KEYS` keys: 128-key tiles, two consumers, the eager rescale
+(the fastest on the H200; the measurements: docs/notes/int8_kernel.md)."""
 SHORT_KEYS_CONFIG = {"BLOCK_N": 64, "num_stages": 3, "consumers": 3, "lazy": False}
-"""The config at DP 64 for at most :data:`SHORT_KEYS` keys (SVD's 576: 0.77 ms against 0.88 with 128-key tiles)."""
+"""The config at DP 64 for at most :data:`SHORT_KEYS` keys: 64-key tiles, three consumers (docs/notes/int8_kernel.md)."""
 SHORT_KEYS = 1024
 
 
