@@ -1,6 +1,6 @@
 """Which design of the 8-bit exact shift meets 1e-2: relative RMSE against the float64 golden, per input class (CPU).
 
-    python -m bench.int8_accuracy --out DIR                      # the design table of docs/NUMERICS.md (~15 min)
+    python -m bench.int8_accuracy --out DIR                      # the design tables of docs/notes/int8_spec.md (~15 min)
     python -m bench.int8_accuracy --settings fp16-64 --out DIR   # one setting
 
 The PyTorch spec (reference_int8.int8_reference) and the designs it was chosen from, each quantizing

@@ -1,6 +1,6 @@
 """The 8-bit spec's error as a function of the input: q and k of a larger spread, the bound it states (CPU).
 
-    python -m bench.int8_spread --out DIR                        # the tables of docs/NUMERICS.md (~8 min, 1 thread)
+    python -m bench.int8_spread --out DIR                        # docs/NUMERICS.md, docs/notes/int8_spec.md (~8 min)
     python -m bench.int8_spread --settings fp16-64 --out DIR     # one setting
 
 The PyTorch spec (``reference_int8.int8_reference``: ``pasa-int8`` with ``pv_bits=16``, ``pasa-fp8`` with
