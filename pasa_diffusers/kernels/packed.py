@@ -12,7 +12,7 @@ Same result as ``portable.pasa_fwd_kernel`` with ``SHIFT="exact"`` on one key bl
 only the summation order inside the tile products may differ.
 
 Configs: sequences per program (``SEQS``) and warps, pruned to the fewest warps whose tiles fit the
-registers (``TILE_PER_WARP``); one warp per program wins on the H200 (docs/BENCHMARKS.md).
+registers (``TILE_PER_WARP``); one warp per program wins on the H200 (docs/notes/did_not_help.md).
 ``CENTRE_IN_G`` is tuned too.  No loop, so one stage.
 """
 from __future__ import annotations
