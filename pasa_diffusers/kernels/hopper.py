@@ -55,8 +55,8 @@ Barrier protocol (an mbarrier's phase ``k`` completes at its ``k``-th count of a
   wgmma reading that buffer has completed (``warpgroup_mma_wait``); the producer waits parity
   ``((i // NUM_STAGES) & 1) ^ 1`` before refilling, so its first pass over the ring does not wait.
 
-Host descriptors are 4-d (B, H, N, D) boxes ``[1, 1, rows, D]``; the shared tiles are 4-d and ``reshape``d to
-2-d for the wgmma.  What Gluon 3.6 imposes on the source (partitions written out per consumer count, ``maxnreg``)
+Host descriptors are 4-d (B, H, N, D) boxes ``[1, 1, rows, D]`` (TMA bounds every dim, so any 16-byte-aligned
+strides serve: diffusers' (B, N, H, D) views too); the shared tiles are 4-d and ``reshape``d to 2-d for the wgmma.  What Gluon 3.6 imposes on the source (partitions written out per consumer count, ``maxnreg``)
 and the measurements behind the configs: docs/notes/hopper.md.
 """
 from __future__ import annotations
