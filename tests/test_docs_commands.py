@@ -18,9 +18,9 @@ In a command block a leading ``pip install ... &&`` is dropped (the package is i
 is not run (it is this suite), comments after ``#`` are dropped and lines ending in ``\\`` are joined.
 
 ``DATED`` lists the documents left out, those that record what was run on their day rather than commands to run
-now (none since the journal left docs/ for git history: ``git show 426b706:docs/HISTORY.md``).  ``TOO_SLOW`` lists the ``bash`` commands listed but
-not run because one run takes minutes on the 2-core CPU machine (each is parsed like a GPU one; the test fails
-when one of them is no longer in the documents, so the list cannot go stale).
+now (none since the journal left docs/ for git history: ``git show 426b706:docs/HISTORY.md``).  ``TOO_SLOW``
+lists the ``bash`` commands listed but not run because one run takes minutes on the 2-core CPU machine (each is
+parsed like a GPU one; the test fails when one of them is no longer in the documents, so the list cannot go stale).
 """
 from __future__ import annotations
 
