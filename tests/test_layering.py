@@ -63,7 +63,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     (f"{KERNELS}.tuning",),
     (f"{KERNELS}.common",),
     # the spec: constants, names and the few helpers every layer may read
-    (f"{PACKAGE}.shift_matrix", f"{PACKAGE}.backends", f"{PACKAGE}.attention_modules", f"{PACKAGE}.files"),
+    (f"{PACKAGE}.shift_matrix", f"{PACKAGE}.backends", f"{PACKAGE}.attention_modules", f"{PACKAGE}.files",
+     f"{PACKAGE}.block_sparse"),
     (f"{PACKAGE}.rules",),
     (f"{PACKAGE}.variants", f"{PACKAGE}.compat", f"{PACKAGE}.env"),
 )
