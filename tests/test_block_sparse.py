@@ -311,3 +311,14 @@ def test_coverage_full_empty_and_monotone(tmp_path):
     table = coverage_table({"block.0": (q, k), "block.1": (q, k)}, mask, sample_rows=10)
     assert len(table) == 2 * SHAPE["hq"] and all(0.0 <= r["worst"] <= r["coverage"] <= 1.0 for r in table)
     assert plot_coverage(table, tmp_path / "coverage.png").stat().st_size > 0
+
+
+def test_the_docs_python_blocks_run():
+    """docs/SPARSE.md's python blocks run as written."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "SPARSE.md").read_text()
+    blocks = [b.split("\n```", 1)[0] for b in text.split("```python\n")[1:]]
+    assert blocks
+    for code in blocks:
+        exec(compile(code, "docs/SPARSE.md", "exec"), {})
