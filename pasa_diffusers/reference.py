@@ -28,6 +28,7 @@ import math
 import torch
 
 from . import rules
+from .block_sparse import BlockSparseMask
 from .shift_matrix import DEFAULT_BETA, shift_entries
 from .shift_matrix import gamma as recovery_gamma
 from .reference_int8 import int8_reference
@@ -114,16 +115,67 @@ def _lse_buffer(q: torch.Tensor, wide: torch.dtype = torch.float32) -> torch.Ten
     return torch.empty(q.shape[:3], dtype=wide, device=q.device)
 
 
+def _kept(block_mask: BlockSparseMask | None, q: torch.Tensor, k: torch.Tensor, fn: str,
+          block_n: int) -> torch.Tensor | None:
+    """The mask's kept blocks (B, Hq, nq, nk) bool after checking it fits the call; None without a mask."""
+    if block_mask is None:
+        return None
+    if not isinstance(block_mask, BlockSparseMask):
+        raise ValueError(f"{fn}: block_mask must be a BlockSparseMask or None, got {type(block_mask).__name__}")
+    block_mask.check_call(q, k, fn, block_n=block_n)
+    return block_mask.kept_blocks(q.shape[0], q.shape[1])
+
+
+def _taken(kept: torch.Tensor | None, qi: int, kj: int) -> torch.Tensor | None:
+    """(B, Hq, 1, 1) bool: which (batch, head)s visit key block ``kj`` from query block ``qi``; None: all."""
+    return None if kept is None else kept[:, :, qi, kj, None, None]
+
+
+def _keep(taken: torch.Tensor | None, new: tuple, old: tuple) -> tuple:
+    """The state after a key block: ``new`` where the block was visited, ``old`` (untouched) elsewhere."""
+    if taken is None:
+        return new
+    return tuple(torch.where(taken, n, o) for n, o in zip(new, old))
+
+
+def _empty(kept: torch.Tensor | None, qi: int) -> torch.Tensor | None:
+    """(B, Hq, 1, 1) bool: the (batch, head)s whose query block ``qi`` visits no key block; None: no mask."""
+    return None if kept is None else ~kept[:, :, qi].any(-1)[:, :, None, None]
+
+
+def _zero_empty(out: torch.Tensor, lse: torch.Tensor | None, empty: torch.Tensor | None) -> tuple:
+    """An empty row's defined result: output zeros, log-sum-exp ``-inf`` (``out`` (..., rows, D), ``lse``
+    (..., rows))."""
+    if empty is None:
+        return out, lse
+    out = torch.where(empty, torch.zeros_like(out), out)
+    if lse is not None:
+        lse = torch.where(empty[..., 0], torch.full_like(lse, -math.inf), lse)
+    return out, lse
+
+
 def golden_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, *,
-                     return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                     return_lse: bool = False, block_mask: BlockSparseMask | None = None
+                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact softmax attention ``softmax(scale q k^T) v`` in float64 (returns float64); with
-    ``return_lse`` also ``logsumexp(scale q k^T)`` per row, (B, Hq, Nq) float64."""
+    ``return_lse`` also ``logsumexp(scale q k^T)`` per row, (B, Hq, Nq) float64.  ``block_mask``
+    (:class:`~pasa_diffusers.block_sparse.BlockSparseMask`): the skipped keys' logits are ``-inf``; a row that
+    keeps no key gives zeros and ``lse = -inf``."""
     validate_qkv(q, k, v, "golden_attention")
     scale = _default_scale(q, scale, "golden_attention")
     q64, k64, v64 = q.double(), _expand_kv(k.double(), q.shape[1]), _expand_kv(v.double(), q.shape[1])
     logits = scale * (q64 @ k64.transpose(-1, -2))
-    out = torch.softmax(logits, dim=-1) @ v64
-    return (out, torch.logsumexp(logits, dim=-1)) if return_lse else out
+    if block_mask is None:
+        out = torch.softmax(logits, dim=-1) @ v64
+        return (out, torch.logsumexp(logits, dim=-1)) if return_lse else out
+    block_mask.check_call(q, k, "golden_attention")
+    keep = block_mask.element_mask()
+    if keep.shape[1] not in (1, q.shape[1]):
+        keep = keep.repeat_interleave(q.shape[1] // keep.shape[1], dim=1)
+    logits = logits.masked_fill(~keep, -math.inf)
+    lse = torch.logsumexp(logits, dim=-1)
+    out = torch.softmax(logits, dim=-1).nan_to_num(nan=0.0) @ v64
+    return (out, lse) if return_lse else out
 
 
 def _row_chunks(n: int, block_m: int):
@@ -138,7 +190,8 @@ def _key_blocks(n: int, block_n: int):
 
 def flash_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, *,
                     block_m: int = 128, block_n: int = rules.SHIFT_BLOCK, precision: str = "hybrid",
-                    return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                    return_lse: bool = False, block_mask: BlockSparseMask | None = None
+                    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Online-softmax FlashAttention over key blocks of ``block_n``.
 
     ``"hybrid"``: scores ``fp32(q k^T) * scale``, softmax state and accumulator in fp32, ``P`` rounded to
@@ -148,38 +201,47 @@ def flash_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     fully-FP16 kernel, which returns NaN once a score overflows.
     Output in ``q.dtype``.  ``return_lse``: also ``lse = m + log(l)`` (B, Hq, Nq) fp32 from the final
     state (``m`` the running maximum of the logits, fp16 in ``"half"``: inf where a score overflowed).
+    ``block_mask`` (:class:`~pasa_diffusers.block_sparse.BlockSparseMask`, its ``block_k`` equal to ``block_n``;
+    the query blocks then are its ``block_q`` rows): each (batch, head, query block) visits only its kept key
+    blocks, in ascending order, on one running state; a query block that visits none gives zeros and
+    ``lse = -inf``.  None (or every block kept): the dense loop, bit for bit.
     """
     fn = "flash_reference"
     scale = _check_call(fn, q, k, v, scale, precision, _FLASH_PRECISIONS, block_m, block_n)
+    kept = _kept(block_mask, q, k, fn, block_n)
+    block_m = block_m if kept is None else block_mask.block_q
     g = gemm_dtype(q.dtype)
     st = torch.float32 if precision == "hybrid" else torch.float16
     qg = q.to(g)
     kg, vg = _expand_kv(k.to(g), q.shape[1]), _expand_kv(v.to(g), q.shape[1])
     out = torch.empty(q.shape[:3] + (v.shape[-1],), dtype=q.dtype, device=q.device)
     lse = _lse_buffer(q) if return_lse else None
-    for rows in _row_chunks(q.shape[2], block_m):
+    for qi, rows in enumerate(_row_chunks(q.shape[2], block_m)):
         q_blk = qg[:, :, rows]
         m_i = torch.full(q_blk.shape[:3] + (1,), -math.inf, dtype=st, device=q.device)
         l_i = torch.zeros_like(m_i)
         acc = torch.zeros(q_blk.shape[:3] + (v.shape[-1],), dtype=st, device=q.device)
-        for start, stop in _key_blocks(k.shape[2], block_n):
+        for kj, (start, stop) in enumerate(_key_blocks(k.shape[2], block_n)):
+            taken = _taken(kept, qi, kj)
+            if taken is not None and not taken.any():
+                continue
             s = _gemm(q_blk, kg[:, :, start:stop].transpose(-1, -2), st) * torch.tensor(scale, dtype=st)
             m_new = torch.maximum(m_i, s.amax(-1, keepdim=True))
             p = torch.exp(s - m_new).to(g)
             alpha = torch.exp(m_i - m_new)
-            l_i = alpha * l_i + _rowsum(p, st)
-            acc = alpha * acc + _gemm(p, vg[:, :, start:stop], st)
-            m_i = m_new
-        out[:, :, rows] = (acc.float() / l_i.float()).to(q.dtype)
+            m_i, l_i, acc = _keep(taken, (m_new, alpha * l_i + _rowsum(p, st),
+                                          alpha * acc + _gemm(p, vg[:, :, start:stop], st)), (m_i, l_i, acc))
+        out[:, :, rows], lse_blk = _zero_empty((acc.float() / l_i.float()).to(q.dtype),
+                                               _lse_rows(m_i, l_i) if return_lse else None, _empty(kept, qi))
         if return_lse:
-            lse[:, :, rows] = _lse_rows(m_i, l_i)
+            lse[:, :, rows] = lse_blk
     return (out, lse) if return_lse else out
 
 
 def pasa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, *,
                    beta: float | None = None, block_m: int = 128, block_n: int = rules.SHIFT_BLOCK,
-                   precision: str = "half",
-                   return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                   precision: str = "half", return_lse: bool = False, block_mask: BlockSparseMask | None = None
+                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """PASA (Online Pseudo-Average Shifting Attention), step by step as the paper's algorithm.
 
     Per key block ``j`` of ``n_j`` keys (the last, ragged block uses only its ``n_j`` valid keys and its
@@ -215,9 +277,18 @@ def pasa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     unrounded mean (``mu_J`` before its rounding to the state's dtype; ``delta_J`` as the merge used
     it): exact for block ``J``'s own logits, and the earlier blocks carry the recovery's rounding
     exactly as the output does.
+
+    ``block_mask`` (:class:`~pasa_diffusers.block_sparse.BlockSparseMask`, its ``block_k`` equal to ``block_n``;
+    the query blocks then are its ``block_q`` rows): each (batch, head, query block) visits only its kept key
+    blocks, in ascending order, on one running state; a query block that visits none gives zeros and
+    ``lse = -inf``.  None (or every block kept): the dense loop, bit for bit.
+    Under a mask ``j`` counts the *visited* blocks of the (batch, head, query block): step 3's average runs over
+    the kept blocks only (the kernels' shift count is the visit count, not ``start // block_n + 1``).
     """
     fn = "pasa_reference"
     scale = _check_call(fn, q, k, v, scale, precision, _PASA_PRECISIONS, block_m, block_n)
+    kept = _kept(block_mask, q, k, fn, block_n)
+    block_m = block_m if kept is None else block_mask.block_q
     beta = DEFAULT_BETA if beta is None else beta
     rules.check_options(fn, precision=precision, shift="pasa", beta=beta)
     if precision == "fp64":
@@ -235,13 +306,19 @@ def pasa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     out_dtype = torch.float64 if precision == "fp64" else q.dtype
     out = torch.empty(q.shape[:3] + (v.shape[-1],), dtype=out_dtype, device=q.device)
     lse = _lse_buffer(q, wide) if return_lse else None
-    for rows in _row_chunks(q.shape[2], block_m):
+    for qi, rows in enumerate(_row_chunks(q.shape[2], block_m)):
         q_blk = qg[:, :, rows]
         m_i = torch.full(q_blk.shape[:3] + (1,), -math.inf, dtype=st, device=q.device)
         l_i = torch.zeros_like(m_i)
         acc = torch.zeros(q_blk.shape[:3] + (v.shape[-1],), dtype=st, device=q.device)
         avg_j = offset = None
+        if kept is not None:  # per (batch, head): the pseudo-average, the lse offset and the visit count
+            avg_j, offset = torch.zeros_like(m_i), torch.zeros_like(m_i, dtype=wide)
+            visits = torch.zeros(q_blk.shape[:2] + (1, 1), dtype=torch.int64, device=q.device)
         for j, (start, stop) in enumerate(_key_blocks(k.shape[2], block_n), start=1):
+            taken = _taken(kept, qi, j - 1)
+            if taken is not None and not taken.any():
+                continue
             n_j = stop - start
             diag, off = shift_entries(beta, n_j, g, scale)
             a, c = diag - off, -off
@@ -252,41 +329,57 @@ def pasa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
             mu_j = mu_wide.to(st)
             tail_ratio = recovery_gamma(beta, n_j, g, scale) / gam_full
             mu_hat = mu_j * torch.tensor(tail_ratio, dtype=st)
-            if avg_j is None:
-                avg_prev = avg_j = mu_hat
-            else:
-                avg_prev, avg_j = avg_j, avg_j + (mu_hat - avg_j) / torch.tensor(j, dtype=st)
-            delta = gam * (mu_hat - avg_j)
-            eps = gam * (avg_prev - avg_j)
+            if taken is None:
+                if avg_j is None:
+                    avg_prev = avg_new = mu_hat
+                else:
+                    avg_prev, avg_new = avg_j, avg_j + (mu_hat - avg_j) / torch.tensor(j, dtype=st)
+            else:  # j = the visits so far, this one included
+                visits = visits + taken
+                first = visits == 1
+                avg_prev = torch.where(first, mu_hat, avg_j)
+                avg_new = torch.where(first, mu_hat, avg_j + (mu_hat - avg_j) / visits.to(st))
+            delta = gam * (mu_hat - avg_new)
+            eps = gam * (avg_prev - avg_new)
+            offset_new = offset
             if return_lse:  # o_j = gamma_j mu_j - delta_j, the last block's kept
                 removed = torch.tensor(gam_full, dtype=wide) * (mu_wide * torch.tensor(tail_ratio, dtype=wide))
-                offset = removed - delta.to(wide)
+                offset_new = removed - delta.to(wide)
             logits = s + delta
             m_prev = m_i + eps
             m_new = torch.maximum(m_prev, logits.amax(-1, keepdim=True))
             p = torch.exp(logits - m_new).to(g)
             alpha = torch.exp(m_prev - m_new)
-            l_i = alpha * l_i + _rowsum(p, st)
-            acc = alpha * acc + _gemm(p, vg[:, :, start:stop], st)
-            m_i = m_new
-        out[:, :, rows] = (acc.to(wide) / l_i.to(wide)).to(out_dtype)
+            l_new = alpha * l_i + _rowsum(p, st)
+            acc_new = alpha * acc + _gemm(p, vg[:, :, start:stop], st)
+            if return_lse:
+                m_i, l_i, acc, avg_j, offset = _keep(taken, (m_new, l_new, acc_new, avg_new, offset_new),
+                                                     (m_i, l_i, acc, avg_j, offset))
+            else:
+                m_i, l_i, acc, avg_j = _keep(taken, (m_new, l_new, acc_new, avg_new), (m_i, l_i, acc, avg_j))
+        out[:, :, rows], lse_blk = _zero_empty((acc.to(wide) / l_i.to(wide)).to(out_dtype),
+                                               _lse_rows(m_i, l_i, wide, offset) if return_lse else None,
+                                               _empty(kept, qi))
         if return_lse:
-            lse[:, :, rows] = _lse_rows(m_i, l_i, wide, offset)
+            lse[:, :, rows] = lse_blk
     return (out, lse) if return_lse else out
 
 
 def smooth_k_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, *,
-                       block_m: int = 128, block_n: int = rules.SHIFT_BLOCK, precision: str = "half") -> torch.Tensor:
+                       block_m: int = 128, block_n: int = rules.SHIFT_BLOCK, precision: str = "half",
+                       block_mask: BlockSparseMask | None = None) -> torch.Tensor:
     """SageAttention's smooth-K, then :func:`flash_reference`.
 
     ``k - mean_tokens(k)`` (per batch, head and channel; computed in fp32 and rounded back to the
     input's GEMM dtype) changes every score of a row by the same ``q . k_mean``, so softmax is unchanged
-    in exact arithmetic while the sequence bias of K is gone.
+    in exact arithmetic while the sequence bias of K is gone (also within any set of kept key blocks:
+    ``block_mask`` goes to :func:`flash_reference`; the mean is over all keys).
     """
     validate_qkv(q, k, v, "smooth_k_reference")
     k_wide = k.to(torch.float64 if k.dtype == torch.float64 else torch.float32)
     k_smooth = (k_wide - k_wide.mean(dim=-2, keepdim=True)).to(k.dtype)
-    return flash_reference(q, k_smooth, v, scale, block_m=block_m, block_n=block_n, precision=precision)
+    return flash_reference(q, k_smooth, v, scale, block_m=block_m, block_n=block_n, precision=precision,
+                           block_mask=block_mask)
 
 
 def _binade(x: torch.Tensor) -> torch.Tensor:
@@ -325,7 +418,8 @@ def exact_centre(k_blk: torch.Tensor, g: torch.dtype) -> torch.Tensor:
 
 def exact_shift_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, *,
                           block_m: int = 128, block_n: int = rules.SHIFT_BLOCK, precision: str = "hybrid",
-                          return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                          return_lse: bool = False, block_mask: BlockSparseMask | None = None
+                          ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The exact shift: each key block's mean is removed exactly and its logit carried in fp32.
 
     Per key block ``j`` of ``n_j`` valid keys (the ragged last block uses its ``n_j``):
@@ -354,9 +448,16 @@ def exact_shift_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
     ``return_lse``: also ``lse = m + log(l)`` (B, Hq, Nq) fp32.  ``m`` is the running maximum of the
     logits ``s + r_j``, i.e. of the true logits with the removed ``r_j`` already added back, so no
     offset remains (its rounding: ``r_j``'s fp32 sum, ``s``'s, and ``p`` rounded before ``l`` sums it).
+
+    ``block_mask`` (:class:`~pasa_diffusers.block_sparse.BlockSparseMask`, its ``block_k`` equal to ``block_n``;
+    the query blocks then are its ``block_q`` rows): each (batch, head, query block) visits only its kept key
+    blocks, in ascending order, on one running state; a query block that visits none gives zeros and
+    ``lse = -inf``.  None (or every block kept): the dense loop, bit for bit.
     """
     fn = "exact_shift_reference"
     scale = _check_call(fn, q, k, v, scale, precision, _EXACT_PRECISIONS, block_m, block_n)
+    kept = _kept(block_mask, q, k, fn, block_n)
+    block_m = block_m if kept is None else block_mask.block_q
     g = gemm_dtype(q.dtype)
     half = precision == "half"
     f32 = torch.float32
@@ -365,12 +466,15 @@ def exact_shift_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
     kg, vg = _expand_kv(k.to(g), q.shape[1]), _expand_kv(v.to(g), q.shape[1])
     out = torch.empty(q.shape[:3] + (v.shape[-1],), dtype=q.dtype, device=q.device)
     lse = _lse_buffer(q) if return_lse else None
-    for rows in _row_chunks(q.shape[2], block_m):
+    for qi, rows in enumerate(_row_chunks(q.shape[2], block_m)):
         q_blk = qg[:, :, rows]
         m_i = torch.full(q_blk.shape[:3] + (1,), -math.inf, dtype=f32, device=q.device)
         l_i = torch.zeros_like(m_i)
         acc = torch.zeros(q_blk.shape[:3] + (v.shape[-1],), dtype=torch.float16 if half else f32, device=q.device)
-        for start, stop in _key_blocks(k.shape[2], block_n):
+        for kj, (start, stop) in enumerate(_key_blocks(k.shape[2], block_n)):
+            taken = _taken(kept, qi, kj)
+            if taken is not None and not taken.any():
+                continue
             k32 = kg[:, :, start:stop].to(f32)
             kbar = k32.mean(dim=-2, keepdim=True).to(g).to(f32)
             c = kbar if half else exact_centre(k32, g)
@@ -386,35 +490,38 @@ def exact_shift_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
             alpha = torch.exp(m_i - m_new)
             if half:
                 p = p.to(torch.float16)
-                l_i = alpha * l_i + _rowsum(p, f32)
-                acc = (acc.to(f32) * alpha.to(torch.float16).to(f32)).to(torch.float16)
-                acc = (acc.to(f32) + p.to(f32) @ vg[:, :, start:stop].to(f32)).to(torch.float16)
+                l_new = alpha * l_i + _rowsum(p, f32)
+                acc_new = (acc.to(f32) * alpha.to(torch.float16).to(f32)).to(torch.float16)
+                acc_new = (acc_new.to(f32) + p.to(f32) @ vg[:, :, start:stop].to(f32)).to(torch.float16)
             else:
                 p = p.to(g)
-                l_i = alpha * l_i + _rowsum(p, f32)
-                acc = alpha * acc + _gemm(p, vg[:, :, start:stop], f32)
-            m_i = m_new
-        out[:, :, rows] = (acc.to(f32) / l_i).to(q.dtype)
+                l_new = alpha * l_i + _rowsum(p, f32)
+                acc_new = alpha * acc + _gemm(p, vg[:, :, start:stop], f32)
+            m_i, l_i, acc = _keep(taken, (m_new, l_new, acc_new), (m_i, l_i, acc))
+        out[:, :, rows], lse_blk = _zero_empty((acc.to(f32) / l_i).to(q.dtype),
+                                               _lse_rows(m_i, l_i) if return_lse else None, _empty(kept, qi))
         if return_lse:
-            lse[:, :, rows] = _lse_rows(m_i, l_i)
+            lse[:, :, rows] = lse_blk
     return (out, lse) if return_lse else out
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, variant: Variant,
-              beta: float | None, *, return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+              beta: float | None, *, return_lse: bool = False, block_mask: BlockSparseMask | None = None
+              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The reference of ``variant``: what the op computes for CPU tensors (``fp64``: the unrounded math,
     float64 out; the exact shift in ``fp64`` is the golden attention, exact in real arithmetic).
     ``scale=None``: ``1/sqrt(D)``; ``beta=None``: ``DEFAULT_BETA`` (read by PASA only).  ``return_lse``:
     ``(out, lse)``, ``lse`` (B, Hq, Nq) the log-sum-exp of the true logits per row, fp32 (float64 in
-    ``fp64``)."""
+    ``fp64``).  ``block_mask``: the block-sparse mask every variant honours (:func:`flash_reference`)."""
+    bm = {"return_lse": return_lse, "block_mask": block_mask}
     if variant.precision == "fp64":
         if variant.shift == "pasa":
-            return pasa_reference(q, k, v, scale, beta=beta, precision="fp64", return_lse=return_lse)
-        return golden_attention(q, k, v, scale, return_lse=return_lse)
+            return pasa_reference(q, k, v, scale, beta=beta, precision="fp64", **bm)
+        return golden_attention(q, k, v, scale, **bm)
     if eight_bit(variant.precision):
-        return int8_reference(q, k, v, scale, pv_bits=pv_bits(variant.precision), tally=True, return_lse=return_lse)
+        return int8_reference(q, k, v, scale, pv_bits=pv_bits(variant.precision), tally=True, **bm)
     if variant.shift == "exact":
-        return exact_shift_reference(q, k, v, scale, precision=variant.precision, return_lse=return_lse)
+        return exact_shift_reference(q, k, v, scale, precision=variant.precision, **bm)
     if variant.shift == "pasa":
-        return pasa_reference(q, k, v, scale, beta=beta, precision=variant.precision, return_lse=return_lse)
-    return flash_reference(q, k, v, scale, precision=variant.precision, return_lse=return_lse)
+        return pasa_reference(q, k, v, scale, beta=beta, precision=variant.precision, **bm)
+    return flash_reference(q, k, v, scale, precision=variant.precision, **bm)

@@ -88,6 +88,7 @@ from typing import NamedTuple
 import torch
 
 from . import rules
+from .block_sparse import BlockSparseMask
 from .kernels import block_tally
 from .rules import INT8_FALLBACK_TAU, P_SHIFT, SHIFT_BLOCK, gemm_dtype
 
@@ -327,12 +328,18 @@ def _f32(x: float) -> torch.Tensor:
 def attention_from_codes(q: torch.Tensor, qq: QuantizedQueries, kq: QuantizedKeys, vq: QuantizedValues,
                          scale: float, *, out_dtype: torch.dtype, block_m: int = 128, block_n: int = SHIFT_BLOCK,
                          fallback: torch.Tensor | None = None, k: torch.Tensor | None = None,
-                         return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                         return_lse: bool = False, block_mask: BlockSparseMask | None = None
+                         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Steps 4 and 5 of the module docstring: the attention kernel's part, from the pre-pass's outputs and
     the queries ``q`` (for ``r = u q . c_b``).  ``fallback`` (B, Hq, blocks) bool (:func:`fallback_blocks`)
     marks the key blocks computed in 16 bits from the keys ``k`` (step 4b); None: none.  Output (B, Hq, Nq,
     D) in ``out_dtype``; with ``return_lse`` also each row's natural-log log-sum-exp ``(m + log2(l) (-
-    P_SHIFT in 8 bits)) ln 2`` (B, Hq, Nq) fp32, from the final state as the kernel stores it."""
+    P_SHIFT in 8 bits)) ln 2`` (B, Hq, Nq) fp32, from the final state as the kernel stores it.
+
+    ``block_mask`` (:class:`~pasa_diffusers.block_sparse.BlockSparseMask`, ``block_k == block_n``; the query
+    blocks then are its ``block_q`` rows): step 4c restricted to the kept blocks, i.e. per (batch, head, query
+    block) the kept coded tiles ascending, then the kept 16-bit tiles ascending; a query block that keeps none
+    gives zeros and ``lse = -inf``.  None (or every block kept): bit for bit the dense loop."""
     g = gemm_dtype(q.dtype)
     batch, h_q, n_q, d = q.shape
     h_k, n_k = kq.codes.shape[1], kq.codes.shape[2]
@@ -355,6 +362,10 @@ def attention_from_codes(q: torch.Tensor, qq: QuantizedQueries, kq: QuantizedKey
         if k is None:
             raise ValueError("attention_from_codes: fallback blocks need the keys k")
         k32 = kv(k.to(g).to(_F32))
+    kept = None
+    if block_mask is not None:
+        block_mask.check_call(q, kq.codes, "attention_from_codes", block_n=block_n)
+        kept, block_m = block_mask.kept_blocks(batch, h_q), block_mask.block_q
     out = torch.empty(batch, h_q, n_q, d, dtype=out_dtype)
     lse = torch.empty(batch, h_q, n_q)
     for r0 in range(0, n_q, block_m):
@@ -369,8 +380,11 @@ def attention_from_codes(q: torch.Tensor, qq: QuantizedQueries, kq: QuantizedKey
                 taken = None
                 if fallback is not None:  # this pass takes the (batch, head)s whose block is of its kind
                     taken = (fallback[:, :, start // SHIFT_BLOCK] == sixteen)[:, :, None, None]
-                    if not taken.any():
-                        continue
+                if kept is not None:  # ... and that keep the block
+                    visit = kept[:, :, r0 // block_m, start // block_n, None, None]
+                    taken = visit if taken is None else taken & visit
+                if taken is not None and not taken.any():
+                    continue
                 keys = slice(start, min(start + block_n, n_k))
                 c_b = centres[:, :, start // SHIFT_BLOCK, None, :]
                 r = (q32[:, :, rows] * c_b).sum(-1, keepdim=True) * u
@@ -402,6 +416,10 @@ def attention_from_codes(q: torch.Tensor, qq: QuantizedQueries, kq: QuantizedKey
                 m_i, l_i, acc = m_new, l_new, acc_new
         out[:, :, rows] = (acc * (1.0 / l_i)).to(out_dtype)
         lse[:, :, rows] = ((m_i + torch.log2(l_i) - (P_SHIFT if fp8 else 0.0)) * math.log(2.0))[..., 0]
+        if kept is not None:  # an empty row: zeros, lse -inf
+            empty = ~kept[:, :, r0 // block_m].any(-1)[:, :, None, None]
+            out[:, :, rows] = torch.where(empty, torch.zeros((), dtype=out_dtype), out[:, :, rows])
+            lse[:, :, rows] = torch.where(empty[..., 0], -math.inf, lse[:, :, rows])
     return (out, lse) if return_lse else out
 
 
@@ -422,7 +440,7 @@ def _check(fn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
 def int8_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, *,
                    pv_bits: int = 16, fallback: bool = True, tally: bool = False, block_m: int = 128,
-                   block_n: int = SHIFT_BLOCK, return_lse: bool = False
+                   block_n: int = SHIFT_BLOCK, return_lse: bool = False, block_mask: BlockSparseMask | None = None
                    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The exact shift in 8 bits (the module docstring), for (B, H, N, D) fp16 or bf16 tensors with
     ``Hq`` a multiple of ``Hk``, any ``Nq``, ``Nk >= 1``.  ``pv_bits``: ``P V`` in the GEMM dtype (16)
@@ -430,7 +448,9 @@ def int8_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     False: every block from the codes.  ``tally``: count them in ``block_tally`` (the op's CPU path does;
     the spec used as a spec leaves the counters alone).  ``block_n`` (the key tile) divides
     ``SHIFT_BLOCK``.  Output in ``q.dtype``; ``return_lse`` also returns the rows' log-sum-exp (B, Hq,
-    Nq) fp32 (:func:`attention_from_codes`)."""
+    Nq) fp32 (:func:`attention_from_codes`).  ``block_mask``: the kept key blocks (:func:`attention_from_codes`;
+    the codes, centres and 16-bit flags are those of the dense call: a mask changes which tiles are visited, not
+    how one is coded)."""
     scale = _check("int8_reference", q, k, v, scale, pv_bits, block_m, block_n)
     qq = quantize_queries(q)
     kq = quantize_keys(k, qq.qbar)
@@ -441,7 +461,7 @@ def int8_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
         if tally:
             block_tally.count(flags)
     return attention_from_codes(q, qq, kq, vq, scale, out_dtype=q.dtype, block_m=block_m, block_n=block_n,
-                                fallback=flags, k=k, return_lse=return_lse)
+                                fallback=flags, k=k, return_lse=return_lse, block_mask=block_mask)
 
 
 E4M3_REL_RMS = math.sqrt(0.5 / 3.0) * 2.0 ** -4

@@ -50,7 +50,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     (f"{PACKAGE}.masks",),
     # the op and its spec in PyTorch; beside them the numerical study and the overflow diagnosis (which records
     # through its own processors: it needs neither the op nor ours)
-    (f"{PACKAGE}.ops", f"{PACKAGE}.numerics", f"{PACKAGE}.diagnose"),
+    # (and the block-sparse masks of video DiTs and their coverage report: issue 46)
+    (f"{PACKAGE}.ops", f"{PACKAGE}.numerics", f"{PACKAGE}.diagnose", f"{PACKAGE}.video_masks",
+     f"{PACKAGE}.mask_coverage"),
     (f"{PACKAGE}.reference",),
     (f"{PACKAGE}.reference_int8",),
     # the kernels: router -> kernel files (and the 8-bit block tally the router counts into, beside them: a
@@ -63,7 +65,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     (f"{KERNELS}.tuning",),
     (f"{KERNELS}.common",),
     # the spec: constants, names and the few helpers every layer may read
-    (f"{PACKAGE}.shift_matrix", f"{PACKAGE}.backends", f"{PACKAGE}.attention_modules", f"{PACKAGE}.files"),
+    (f"{PACKAGE}.shift_matrix", f"{PACKAGE}.backends", f"{PACKAGE}.attention_modules", f"{PACKAGE}.files",
+     f"{PACKAGE}.block_sparse"),
     (f"{PACKAGE}.rules",),
     (f"{PACKAGE}.variants", f"{PACKAGE}.compat", f"{PACKAGE}.env"),
 )
