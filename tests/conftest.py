@@ -81,6 +81,16 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True)
+def _pasa_debug_as_the_environment_says():
+    """``cli.main`` in this process sets the third-party log switch (``quiet.show``) from its argv: put it back to
+    "as the environment says" after each test, so that an in-process ``--debug`` run does not leak into the next."""
+    yield
+    quiet = sys.modules.get("pasa_diffusers.pipelines.quiet")
+    if quiet is not None:
+        quiet.show(None)
+
+
 @pytest.fixture
 def pipe():
     """A fresh tiny SVD pipeline (fp32, CPU)."""

@@ -94,6 +94,7 @@ def test_a_model_that_cannot_be_loaded_writes_nothing(finished):
     assert logged(out) == 4, "the retry into the same --out was not refused as another run"
 
 
+@pytest.mark.slow
 def test_the_report_says_what_was_compared_on_what_model(finished):
     out, _, _ = finished
     md = (out / "report.md").read_text()

@@ -71,6 +71,7 @@ def test_a_sample_is_a_prompt_and_a_seed_with_the_records_of_an_svd_run(finished
     assert done.stdout.startswith(NOTICE), "the output opens with what replaced the text encoder"
 
 
+@pytest.mark.slow
 def test_the_report_says_what_tiny_wan_is_and_what_replaced_its_text_encoder(finished):
     out, done = finished
     report = json.loads((out / "report.json").read_text())

@@ -216,6 +216,7 @@ def test_equals_one_process(name, results, single):
         assert diff <= bound, (name, rank, diff, bound)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_every_call_is_the_backends_own(name, results):
     for result in results[name]["ranks"]:

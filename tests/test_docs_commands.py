@@ -290,14 +290,44 @@ RUN_DOCS = [doc for doc in DOCS if run_commands(doc)]
 
 @pytest.mark.slow
 @pytest.mark.parametrize("doc", RUN_DOCS)
-def test_every_bash_command_runs_as_written(doc, tmp_path):
+def test_every_bash_command_runs_as_written(doc, tmp_path, monkeypatch, capsys):
     """Each ``bash`` command of ``doc`` exits 0, run in order in one scratch folder."""
     env = _environment(tmp_path)
     for command, text in run_commands(doc):
         start = time.perf_counter()
-        done = subprocess.run(["bash", "-c", text], cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=COMMAND_TIMEOUT_S)
+        if _in_process(text):
+            done = _run_pasa_here(_words(text)[1:], tmp_path, monkeypatch, capsys)
+        else:
+            done = subprocess.run(["bash", "-c", text], cwd=tmp_path, env=env, capture_output=True, text=True,
+                                  timeout=COMMAND_TIMEOUT_S)
         seconds = time.perf_counter() - start
         print(f"{seconds:6.1f} s  {command.where()}")
         assert done.returncode == 0, (f"{command.where()}\nexited {done.returncode} after {seconds:.1f} s; "
                                       f"stderr ends:\n{done.stderr[-3000:]}\nstdout ends:\n{done.stdout[-1000:]}")
+
+
+def _in_process(text: str) -> bool:
+    """A plain ``pasa ...`` command (no settings before it, no shell operator): run as ``cli.main`` in this
+    process, which parses the same argv the console script does (the console script itself is tested in
+    test_errors and test_cli); ``python -m``, ``torchrun`` and anything the shell must interpret stay processes."""
+    return _words(text)[:1] == ["pasa"] and not re.search(r"[|&;<>$`(){}*?]", text)
+
+
+def _run_pasa_here(argv: list[str], folder: Path, monkeypatch, capsys) -> subprocess.CompletedProcess:
+    """``pasa ARGV`` through ``cli.main`` in ``folder``, without network (the hub's offline switch, read at its
+    import, set on its constants) and without Triton's interpreter, as ``_environment`` gives a process."""
+    import huggingface_hub.constants
+
+    from pasa_diffusers.cli import main
+
+    monkeypatch.chdir(folder)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    capsys.readouterr()
+    try:
+        status = main(argv)
+    except SystemExit as exc:
+        status = exc.code if isinstance(exc.code, int) else 1
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["pasa", *argv], status, out, err)

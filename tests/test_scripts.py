@@ -46,6 +46,7 @@ def _suite(tmp_path: Path, *pytest_args: str, path: str | None = None, **extra: 
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_the_gpu_suite_needs_no_wheel_folder(tmp_path):
     """docs/DEVELOPING.md: after ``pip install -e .``, ``bash scripts/gpu_suite.sh`` (it stopped asking for a
     ``.whl/`` folder the page never mentions).  Here the selected GPU tests skip (no CUDA); on a GPU they run."""
