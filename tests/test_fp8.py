@@ -25,6 +25,7 @@ from pasa_diffusers.kernels import block_tally
 from pasa_diffusers.ops import pasa_attention
 from pasa_diffusers.reference import golden_attention
 from pasa_diffusers.variants import EIGHT_BIT, Variant, pv_bits
+from tests.eight_bit import assert_spec_to_one_ulp
 
 FP8 = Variant("exact", "fp8")
 INT8 = Variant("exact", "int8")
@@ -181,11 +182,6 @@ interpreted = pytest.mark.skipif(not INTERPRET, reason="kernels built for the GP
                                  "before pytest starts to run them on the CPU")
 
 
-def _ulp(dtype):
-    """One ulp of ``dtype`` relative (at 1): 2^-10 for fp16, 2^-7 for bf16."""
-    return 2.0 ** -(10 if dtype == torch.float16 else 7)
-
-
 @interpreted
 @pytest.mark.parametrize("shape", [(1, 4, 2, 70, 200, 64, torch.float16), (1, 2, 2, 20, 129, 32, torch.bfloat16)],
                          ids=["gqa,ragged,fp16", "bf16,d32"])
@@ -199,9 +195,7 @@ def test_kernel_matches_the_spec(shape, gen):
     out = torch.full_like(q, float("nan"))
     assert dispatch.forward(q, k, v, out, scale=scale, variant=FP8, beta=DEFAULT_BETA) is out
     spec = r8.int8_reference(q, k, v, pv_bits=8, block_n=int8.INTERPRET_CONFIG["BLOCK_N"])
-    assert torch.isfinite(out).all()
-    diff = numerics.rel_rmse(out, spec)
-    assert diff <= _ulp(q.dtype), f"kernel vs spec {diff:.3e} > {_ulp(q.dtype):.3e}"
+    assert_spec_to_one_ulp(out, spec, v, 8)
     as_int8 = dispatch.forward(q, k, v, torch.empty_like(q), scale=scale, variant=INT8, beta=DEFAULT_BETA, pv_bits=8)
     assert torch.equal(out, as_int8)
 
