@@ -253,7 +253,7 @@ def coverage_run(pipe: Any, masks: Sequence[MaskChoice], *, num_frames: int, num
     Raises:
         ValueError: a pipeline that is not a video transformer's, repeated mask kinds, an unknown ``order``,
             ``block`` or ``sample_rows`` out of range (naming the argument); ``CoverageLayoutError`` from a call
-            that is not the self-attention of the video's tokens.
+            that is not the self-attention of the video's tokens, or a self-attention layer with no call measured.
 
     Returns:
         ``{"model", "settings", "tokens", "masks": [{"name", "label", "parameters"}], "table":
@@ -290,6 +290,10 @@ def coverage_run(pipe: Any, masks: Sequence[MaskChoice], *, num_frames: int, num
             bar.set_postfix_str(f"{clock.calls} self-attention calls measured")
 
         _timed_generate(pipe, None, settings, "coverage", progress, on_step)
+    silent = [r.name for r in recorders if not r.calls]
+    if silent:
+        raise CoverageLayoutError(f"{', '.join(silent)} made no attention call the coverage could measure (a causal, "
+                                  "dropout or keyword-argument call goes to a fallback, not to the recorder)")
     table = summarize_coverage(recorders)
     return {
         "model": model or pipe.name_or_path or f"unnamed {type(pipe).__name__}",
