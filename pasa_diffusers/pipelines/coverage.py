@@ -42,9 +42,9 @@ from .diagnose import DiagnosticAttnProcessor, _timed_generate, recorders_on
 from .names import COVERAGE_MASKS
 from .video import NOTICE, denoiser, is_video_pipeline, self_attention_text, token_grid
 
-__all__ = ["SELF_KIND", "DEFAULT_ROWS", "ORDERS", "MIN_BLOCKS", "MaskChoice", "CoverageLayoutError", "CoverageRecorder",
-           "CoverageAttnProcessor", "default_block", "self_attention_tokens", "coverage_recording", "summarize_coverage",
-           "coverage_run", "coverage_markdown", "summary_lines", "write_coverage"]
+__all__ = ["SELF_KIND", "DEFAULT_ROWS", "ORDERS", "MIN_BLOCKS", "MaskChoice", "CoverageLayoutError",
+           "CoverageRecorder", "CoverageAttnProcessor", "default_block", "self_attention_tokens", "coverage_recording",
+           "summarize_coverage", "coverage_run", "coverage_markdown", "summary_lines", "write_coverage"]
 
 SELF_KIND = "video-self"
 """The module kind (``install.module_kind``) whose calls are measured: a video transformer's self-attention."""
