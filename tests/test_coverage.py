@@ -210,7 +210,7 @@ def test_the_command_writes_the_report(tmp_path, capsys):
                         "2x4x4 video tokens; 16 of 32 query rows sampled per call, blocks of 4, tile order; cpu "
                         "float32)")
     assert [line.split(":")[0] for line in lines if not line.startswith(" ")][1:] == [
-        "tile-window (window 1,3,3)", "radial (spatial window the frame's larger side, 1 sink frame(s))",
+        "tile-window (window 1,3,3)", "radial (spatial window 4, 1 sink frame(s))",
         "pooled (keep 0.9 of the estimated mass)", "wrote json", "wrote markdown", "wrote plot tile-window",
         "wrote plot radial", "wrote plot pooled"]
     assert sum(line.startswith("  worst: blocks.") for line in lines) == 9
