@@ -39,14 +39,14 @@ def row_coverage(q: torch.Tensor, k: torch.Tensor, mask: BlockSparseMask, *, sam
     mask.check_call(q, k, "coverage")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     rows = sample_rows_of(q.shape[2], sample_rows, seed).to(q.device)
-    kept = mask.kept_blocks(q.shape[0], q.shape[1])[:, :, rows // mask.block_q]  # (B, Hq, rows, nk)
-    kept = kept.repeat_interleave(mask.block_k, dim=-1)[..., :k.shape[2]]
+    blocks = mask.kept_blocks(q.shape[0], q.shape[1])[:, :, rows // mask.block_q]  # (B, Hq, rows, nk)
     group = q.shape[1] // k.shape[1]
     out = torch.empty(q.shape[0], q.shape[1], rows.numel(), dtype=torch.float64, device=q.device)
-    for h in range(q.shape[1]):
+    for h in range(q.shape[1]):  # one head's (B, rows, Nk) at a time: 0.2 GB at 75 000 keys and 256 rows
+        kept = blocks[:, h].repeat_interleave(mask.block_k, dim=-1)[..., :k.shape[2]]
         logits = scale * (q[:, h, rows].double() @ k[:, h // group].double().transpose(-1, -2))
         weights = torch.exp(logits - logits.amax(-1, keepdim=True))
-        out[:, h] = (weights * kept[:, h]).sum(-1) / weights.sum(-1)
+        out[:, h] = (weights * kept).sum(-1) / weights.sum(-1)
     return out, rows
 
 
