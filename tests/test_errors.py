@@ -106,6 +106,23 @@ PROBES: list[tuple[str, str]] = [
                                                "tiny-resonant was measured to take in pasa compare), more than the "),
     ("compare --frames 100000 --height 480 --width 480", "--frames 100000 --height 480 --width 480: a video this size "
                                                          "needs at least 36.2 TiB of memory"),
+    ("coverage --model tiny", "--model tiny: an SVD pipeline (a UNet), not a video transformer; pasa coverage "
+                              "measures a video transformer's self-attention: tiny-wan, tiny-ltx-video, "
+                              "tiny-cogvideox, tiny-hunyuan-video, tiny-mochi, or a Wan, LTX-Video, CogVideoX, "
+                              "HunyuanVideo or Mochi hub id or folder"),
+    ("coverage --mask bogus", "argument --mask: unknown mask 'bogus'; expected a comma-separated list of tile-window, "
+                              "radial, pooled"),
+    ("coverage --mask radial,radial", "argument --mask: a mask named twice in 'radial,radial'"),
+    ("coverage --mask radial --window 1,1,1", "--window: sets the tile-window mask, which --mask radial does not "
+                                              "measure; add tile-window to --mask or leave --window out"),
+    ("coverage --mask tile-window --keep 0.5", "--keep: sets the pooled mask, which --mask tile-window does not "
+                                               "measure; add pooled to --mask or leave --keep out"),
+    ("coverage --window 1,2", "argument --window: expected F,H,W: three integers >= 0 (frames, rows, columns of video "
+                              "tokens), got '1,2'"),
+    ("coverage --keep 1.5", "argument --keep: must be a number in (0, 1], got 1.5"),
+    ("coverage --rows 0", "argument --rows: must be an integer >= 1, got 0"),
+    ("coverage --block 0", "argument --block: must be an integer >= 1, got 0"),
+    ("coverage --out {tmp}/afile", "--out {tmp}/afile: {tmp}/afile is a file, not a folder"),
     ("save-model {tmp}/new", "the following arguments are required: --model"),
     ("save-model --model tiny {tmp}", "DIR {tmp}: the folder is not empty; pass a new or empty folder"),
     ("save-model --model tiny {tmp}/afile", "DIR {tmp}/afile: {tmp}/afile is a file, not a folder"),
@@ -209,6 +226,7 @@ EMPTY: list[tuple[list[str], str]] = [
     (["compare", "--model", ""], f"argument --model: expected {_MODEL}, got an empty string"),
     (["compare", "--lpips-weights", ""], "argument --lpips-weights: expected a file, got an empty string"),
     (["diagnose", "--out", ""], "argument --out: expected a folder, got an empty string"),
+    (["coverage", "--out", ""], "argument --out: expected a folder, got an empty string"),
     (["numerics", "--out", ""], "argument --out: expected a folder, got an empty string"),
     (["save-model", "--model", "tiny", ""], "argument DIR: expected a folder, got an empty string"),
     (["save-model", "--model", "", "new"], f"argument --model: expected {_MODEL}, got an empty string"),
@@ -392,6 +410,13 @@ def saved(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("saved") / "tiny"
     load_svd("tiny").save_pretrained(folder)
     return folder
+
+
+def test_coverage_refuses_an_svd_folder(saved, tmp_path, capsys):
+    """A folder (or hub id) is known to hold SVD only once loaded: refused then, naming --model."""
+    line = main_error(["coverage", "--model", str(saved), "--out", str(tmp_path / "out")], capsys)
+    assert line == (f"pasa coverage: error: --model {saved}: a StableVideoDiffusionPipeline, not a video transformer's "
+                    "pipeline; pasa coverage measures Wan, LTX-Video, CogVideoX, HunyuanVideo and Mochi")
 
 
 @pytest.mark.parametrize("damage, detail", [("truncated", "incomplete metadata, file not fully covered"),

@@ -1,7 +1,7 @@
 """``pasa`` command line: parse arguments, call library functions, print.
 
-One module per subcommand (``numerics``, ``generate``, ``compare``, ``diagnose``, ``save_model`` for
-``save-model``, ``warmup``), each with ``add_parser`` and ``run`` and optionally ``validate`` (raises
+One module per subcommand (``numerics``, ``generate``, ``compare``, ``diagnose``, ``coverage``, ``save_model``
+for ``save-model``, ``warmup``), each with ``add_parser`` and ``run`` and optionally ``validate`` (raises
 ``UsageError``, called before ``run``);
 ``common`` holds the arguments they share.  Every argument is checked before torch or diffusers is
 imported.  A user mistake prints one line ``pasa <command>: error: <message>`` to stderr and exits 2;
@@ -28,12 +28,12 @@ from typing import NoReturn
 
 from .. import env
 from ..pipelines import quiet
-from . import compare, diagnose, generate, numerics, save_model, warmup
+from . import compare, coverage, diagnose, generate, numerics, save_model, warmup
 from .common import UsageError
 
 __all__ = ["main", "build_parser", "interpreter_warning", "version_lines", "held_while_importing"]
 
-_COMMANDS = (numerics, generate, compare, diagnose, save_model, warmup)
+_COMMANDS = (numerics, generate, compare, diagnose, coverage, save_model, warmup)
 _NAMES = {command.__name__.rsplit(".", 1)[-1].replace("_", "-"): command for command in _COMMANDS}
 """Command name (``save-model`` for the module ``save_model``) -> its module."""
 

@@ -86,19 +86,24 @@ class LayerRecorder:
 
 
 @contextmanager
-def recording(model: Any, processor: Callable[[LayerRecorder], Any], *, clock: StepClock | None = None,
-              max_elements: int = 2 ** 26) -> Iterator[list[LayerRecorder]]:
+def recording(model: Any, processor: Callable[[Any], Any], *, clock: StepClock | None = None,
+              max_elements: int = 2 ** 26,
+              recorder: Callable[[str, StepClock], Any] | None = None) -> Iterator[list[Any]]:
     """Record every attention call of ``model`` while the ``with`` block runs.
 
-    Builds one ``LayerRecorder`` per attention module (``attention_modules.attention_processors``: named by the module path, sharing
-    ``clock``), installs ``processor(recorder)`` on its module (a diffusers attention processor that
-    calls ``recorder.record`` on every call), yields the recorders in the model's module order, and
-    restores the previous processor objects on exit (also when the block raises).
+    Builds one recorder per attention module (``attention_modules.attention_processors``: named by the module
+    path, sharing ``clock``): a ``LayerRecorder``, or ``recorder(name, clock)`` where the caller records something
+    else (``pipelines.coverage``: a mask's coverage), any object with ``name`` and ``record(query, key, scale)``;
+    installs ``processor(recorder)`` on its module (a diffusers attention processor that calls
+    ``recorder.record`` on every call), yields the recorders in the model's module order, and restores the
+    previous processor objects on exit (also when the block raises).
     """
     previous = attention_processors(model)
     clock = clock or StepClock()
-    recorders = {key: LayerRecorder(key.removesuffix(".processor"), clock=clock, max_elements=max_elements)
-                 for key in previous}
+    if recorder is None:
+        def recorder(name: str, clock: StepClock) -> LayerRecorder:
+            return LayerRecorder(name, clock=clock, max_elements=max_elements)
+    recorders = {key: recorder(key.removesuffix(".processor"), clock) for key in previous}
     set_processors(model, {key: processor(recorder) for key, recorder in recorders.items()})
     try:
         yield list(recorders.values())

@@ -52,14 +52,16 @@ class DiagnosticAttnProcessor(SDPAAttnProcessor):
         return super().attention(query, key, value, scale, attention_mask)
 
 
-def recorders_on(model: Any) -> Callable[[LayerRecorder], Any]:
-    """A processor factory for ``recording``: each layer's ``DiagnosticAttnProcessor`` installed as
-    ``install.apply`` installs a backend (``install.replacement``): in place of SVD's ``AttnProcessor2_0``,
-    and behind a video transformer's own processor (QK norms, RoPE), its attention call routed to it."""
+def recorders_on(model: Any, processor: type[DiagnosticAttnProcessor] = DiagnosticAttnProcessor
+                 ) -> Callable[[LayerRecorder], Any]:
+    """A processor factory for ``recording``: each layer's ``processor`` (a ``DiagnosticAttnProcessor``)
+    installed as ``install.apply`` installs a backend (``install.replacement``): in place of SVD's
+    ``AttnProcessor2_0``, and behind a video transformer's own processor (QK norms, RoPE), its attention call
+    routed to it."""
     stock = attention_processors(model)
 
     def make(recorder: LayerRecorder) -> Any:
-        return replacement(stock[f"{recorder.name}.processor"], DiagnosticAttnProcessor(recorder))
+        return replacement(stock[f"{recorder.name}.processor"], processor(recorder))
 
     return make
 

@@ -6,7 +6,8 @@ exactly when the command line accepts it.
 """
 from __future__ import annotations
 
-__all__ = ["BUILTIN_MODELS", "BUILTIN_VIDEO_MODELS", "TINY_VIDEO_PIPELINES", "TINY_VIDEO_SETTINGS", "ALL_BUILTIN_MODELS", "BUILTIN_IMAGES", "is_hub_id"]
+__all__ = ["BUILTIN_MODELS", "BUILTIN_VIDEO_MODELS", "TINY_VIDEO_PIPELINES", "TINY_VIDEO_SETTINGS",
+           "ALL_BUILTIN_MODELS", "BUILTIN_IMAGES", "is_hub_id", "COVERAGE_MASKS"]
 
 BUILTIN_MODELS: dict[str, str] = {
     "tiny": "an embedded random SVD built from configs: runs on a CPU in seconds",
@@ -50,3 +51,10 @@ def is_hub_id(model: str) -> bool:
     and not a path (starting with ``.``, ``/`` or ``~``).  Whether it exists is the hub's answer."""
     org, slash, name = model.partition("/")
     return bool(slash and org and name) and "/" not in name and not model.startswith((".", "~"))
+
+COVERAGE_MASKS: dict[str, str] = {
+    "tile-window": "static: the key blocks within a (frames, rows, columns) window of the query block's tokens",
+    "radial": "static: Radial Attention's energy decay, the spatial window halving as the temporal distance doubles",
+    "pooled": "dynamic: per query block the key blocks of largest pooled q.k score, up to a share of the mass",
+}
+"""The block-sparse masks ``pasa coverage`` measures (``pipelines.coverage.MaskChoice``), with what each keeps."""

@@ -51,8 +51,8 @@ from .video_dits import (tiny_cogvideox_vae, tiny_hunyuan_video_vae, tiny_ltx_vi
                          tiny_transformer, tiny_wan_vae)
 
 __all__ = ["VIDEO_PIPELINES", "NOTICE", "PROMPT_SEED", "SETTINGS_KEY", "load_video", "load_pipeline",
-           "is_video_pipeline", "is_video_model", "denoiser", "most_keys", "JOINT_FAMILIES", "default_settings",
-           "setting_problem", "prompt_embeddings",
+           "is_video_pipeline", "is_video_model", "denoiser", "most_keys", "JOINT_FAMILIES", "JOINT_TEXT_AT",
+           "token_grid", "self_attention_text", "default_settings", "setting_problem", "prompt_embeddings",
            "pooled_prompt_embeddings", "prompt_attention_masks", "make_latents", "generate", "generate_frames"]
 
 VIDEO_PIPELINES: dict[str, str] = {"WanPipeline": "wan", "LTXPipeline": "ltx-video", "CogVideoXPipeline": "cogvideox",
@@ -388,6 +388,30 @@ def most_keys(pipe: DiffusionPipeline, *, num_frames: int, height: int, width: i
     video = -(-frames // patch_t) * (h // patch) * (w // patch)
     text = prompt_embeddings(pipe)[0].shape[1]
     return video + text if _family(pipe) in JOINT_FAMILIES else max(video, text)
+
+
+JOINT_TEXT_AT: dict[str, str] = {"cogvideox": "first", "hunyuan-video": "last", "mochi": "last"}
+"""Family -> where its joint attention puts the text tokens: before the video tokens (CogVideoX joins
+``[text, video]``) or after them (HunyuanVideo's dual- and single-stream blocks and Mochi join ``[video, text]``)."""
+
+
+def token_grid(pipe: DiffusionPipeline, *, num_frames: int, height: int, width: int) -> tuple[int, int, int]:
+    """``(frames, rows, columns)`` of the video tokens of a generation of this size: the latent grid over the
+    transformer's patch (latent frames padded to a multiple of the temporal patch, as ``most_keys`` counts them);
+    the tokens run row-major over it (frame, then row, then column) in every family's patch embedding."""
+    frames, h, w = _latent_size(pipe, num_frames, height, width)
+    patch_t, patch = _patch(pipe)
+    return -(-frames // patch_t), h // patch, w // patch
+
+
+def self_attention_text(pipe: DiffusionPipeline) -> tuple[int, str]:
+    """``(tokens, where)``: the text tokens a video pipeline's self-attention joins to the video tokens (the fixed
+    prompt embeddings' length, every token kept) and where (``JOINT_TEXT_AT``: ``"first"`` or ``"last"``);
+    ``(0, "first")`` where text is attended apart, by cross-attention (Wan, LTX-Video)."""
+    family = _family(pipe)
+    if family not in JOINT_FAMILIES:
+        return 0, "first"
+    return prompt_embeddings(pipe)[0].shape[1], JOINT_TEXT_AT[family]
 
 
 def default_settings(pipe: DiffusionPipeline) -> dict[str, int]:
