@@ -53,12 +53,14 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     (f"{PACKAGE}.ops", f"{PACKAGE}.numerics", f"{PACKAGE}.diagnose"),
     (f"{PACKAGE}.reference",),
     (f"{PACKAGE}.reference_int8",),
-    # the kernels: router -> kernel files (and the 8-bit block tally the router counts into, beside them: a
-    # kernel file cannot reach it, sideways) -> shared kernel helpers
+    # the kernels: router -> kernel files (the entries of ``dispatch.TABLE``; beside them the pre-passes the
+    # router runs and the 8-bit block tally it counts into: a kernel file cannot reach them, sideways) -> the
+    # call object and the entry type every kernel file fills in -> shared kernel helpers
     (f"{KERNELS}.__init__",),
     (f"{KERNELS}.dispatch",),
     (f"{KERNELS}.portable", f"{KERNELS}.packed", f"{KERNELS}.prepass", f"{KERNELS}.int8", f"{KERNELS}.hopper",
      f"{KERNELS}.hopper_int8", f"{KERNELS}.block_tally"),
+    (f"{KERNELS}.call",),
     (f"{KERNELS}.gluon_common",),
     (f"{KERNELS}.tuning",),
     (f"{KERNELS}.common",),
@@ -315,6 +317,21 @@ def test_kernel_files_import_only_the_kernel_helpers_and_the_spec_constants():
            and unit(edge.target) not in helpers | set(SPEC_CONSTANTS)]
     assert not bad, (f"{len(bad)} import(s) of a kernel file reach beyond the kernel helpers "
                      f"({', '.join(sorted(helpers))}) and {', '.join(SPEC_CONSTANTS)}:\n" + "\n".join(bad))
+
+
+def test_the_router_table_holds_one_entry_per_kernel_file():
+    """Every module of ``kernels/`` that ends with an ``ENTRY`` is in ``dispatch.TABLE`` once, in the kernel-file
+    layer, and every entry of the table comes from such a file, under a name of its own."""
+    from pasa_diffusers.kernels import dispatch
+
+    declaring = {module for module in MODULES if within(module, KERNELS)
+                 and any(isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "ENTRY" for t in node.targets)
+                         for node in ast.parse(FILES[module][0].read_text()).body)}
+    homes = [entry.launch.__module__ for entry in dispatch.TABLE]
+    assert sorted(homes) == sorted(declaring), (homes, declaring)
+    assert all(home in KERNEL_FILES for home in homes), homes
+    names = [entry.name for entry in dispatch.TABLE]
+    assert len(set(names)) == len(names) and dispatch.KERNELS == ("auto", *names)
 
 
 def test_no_module_imports_itself_back():

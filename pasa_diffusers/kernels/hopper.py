@@ -73,11 +73,13 @@ lowering gave one ``F2F`` per value, which made bf16 run at 0.80x of fp16's spee
 from __future__ import annotations
 
 import math
+from types import MappingProxyType
 
 import torch
 
 from ..rules import SHIFT_BLOCK
-from .common import LN2, cdiv, lse_arg
+from .call import Call, Kernel, Plan
+from .common import INTERPRET, LN2, cdiv, lse_arg
 from .gluon_common import (CENTRE_ROWS, PRODUCER_WARPS, ROWS_PER_CONSUMER, descriptor,
                            descriptor_layout_problem, fence_async_shared, gl, gluon_jit, head_dim_tile, kept_config,
                            mbarrier, operand_problem, registers, release, round_p, row_shift, sm90_problem, tma,
@@ -536,3 +538,23 @@ def forward(q: torch.Tensor, k_c: torch.Tensor, v: torch.Tensor, centres: torch.
     grid, args, meta = kernel_call(q, k_c, v, centres, out, scale=scale, config=config, lse=lse)
     exact_fwd_gluon_kernel[grid](*args, **meta)
     return out
+
+
+def unsuitable(call: Call) -> str | None:
+    """Why the Gluon kernel cannot run ``call`` (an exact-shift call in the hybrid precision), or ``None``."""
+    if not (not call.one_block if call.prepass is None else call.prepass):
+        return "all keys form one block, centred inside the kernel (no pre-pass)"
+    if call.kernel == "auto" and call.config is not None:
+        return "a config tunes the portable kernel"
+    if INTERPRET:
+        return "Triton's interpreter runs no Gluon"
+    return unsuitable_reason(call.q, call.v, call.out, precision=call.variant.precision, block_n=call.shift_block)
+
+
+def launch(call: Call, plan: Plan) -> None:
+    """:func:`forward` on the centre pre-pass's keys and centres."""
+    forward(call.q, call.keys, call.v, call.centres, call.out, scale=call.scale, config=call.config, lse=call.lse)
+
+
+ENTRY = Kernel("gluon", ("hybrid",), ("exact",), launch, unsuitable, prepass="centre",
+               prepass_options=MappingProxyType({"centres_in_keys_dtype": True}))

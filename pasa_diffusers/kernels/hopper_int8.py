@@ -68,12 +68,14 @@ from __future__ import annotations
 
 import functools
 import math
+from types import MappingProxyType
 
 import torch
 import triton.language as tl
 
 from ..rules import SHIFT_BLOCK
-from .common import LN2, P_SHIFT, cdiv
+from .call import Call, Kernel, Plan
+from .common import INTERPRET, LN2, P_SHIFT, cdiv
 from .gluon_common import (CENTRE_ROWS, PRODUCER_WARPS, ROWS_PER_CONSUMER, TensorDescriptor, descriptor,
                            descriptor_layout_problem, fence_async_shared, gl, gluon_jit, kept_config, kept_descriptor,
                            mbarrier, operand_problem, registers, release, round_p, row_shift, sm90_problem, tma,
@@ -802,3 +804,32 @@ def forward(q: torch.Tensor, prep, out: torch.Tensor, *, scale: float, config: d
     grid, args, meta = kernel_call(q, prep, out, scale=scale, config=config, lse=lse)
     int8_fwd_gluon_kernel[grid](*args, **meta)
     return out
+
+
+AUTO_MIN_KEYS = 256
+"""``kernel="auto"`` attends on the 8-bit codes with the portable kernel below this many keys, where it is
+the faster one on the H200 (``bench.int8_fallback``; docs/notes/int8_kernel.md has the numbers)."""
+
+
+def unsuitable(call: Call) -> str | None:
+    """Why this kernel cannot run ``call`` (an 8-bit call), or ``None``; ``kernel="auto"`` also leaves it for a
+    given config (a config names one kernel's tiles) and for fewer than :data:`AUTO_MIN_KEYS` keys."""
+    if INTERPRET:
+        return "Triton's interpreter runs no Gluon"
+    reason = unsuitable_reason(call.q, call.v, call.out, pv_bits=call.bits)
+    if reason is None and call.kernel == "auto":
+        if call.config is not None:
+            return "a config tunes the portable-int8 kernel"
+        if call.v.shape[2] < AUTO_MIN_KEYS:
+            return (f"below {AUTO_MIN_KEYS} keys the portable-int8 kernel is the faster one, got "
+                    f"{call.v.shape[2]} keys")
+    return reason
+
+
+def launch(call: Call, plan: Plan) -> None:
+    """:func:`forward` on the quantizing pre-pass's outputs (``call.prep``, with the split keys)."""
+    forward(call.q, call.prep, call.out, scale=call.scale, config=call.config, lse=call.lse)
+
+
+ENTRY = Kernel("gluon-int8", ("int8", "fp8"), ("exact",), launch, unsuitable, prepass="quantize",
+               prepass_options=MappingProxyType({"split": True}))

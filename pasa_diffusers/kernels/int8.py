@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from ..rules import INT8_FALLBACK_TAU, SHIFT_BLOCK
+from .call import Call, Kernel, Plan
 from .common import INTERPRET, LN2, LOG2E, P_SHIFT, binade, cdiv, mma, round_to, strides3
 from .tuning import SMEM_LIMIT, autotuned, bucket, interpreter_autotunes, pow2_tile
 
@@ -880,3 +881,16 @@ def attend(q: torch.Tensor, prep: Prepared, out: torch.Tensor, *, scale: float, 
     else:
         _fwd_tuned[grid](*args, **meta)
     return out
+
+
+def unsuitable(call: Call) -> str | None:
+    """The portable 8-bit kernel runs every 8-bit call the router lets through."""
+    return None
+
+
+def launch(call: Call, plan: Plan) -> None:
+    """:func:`attend` on the quantizing pre-pass's outputs (``call.prep``)."""
+    attend(call.q, call.prep, call.out, scale=call.scale, config=call.config, lse=call.lse)
+
+
+ENTRY = Kernel("portable-int8", ("int8", "fp8"), ("exact",), launch, unsuitable, prepass="quantize")
