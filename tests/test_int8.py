@@ -272,7 +272,7 @@ def test_reference_rejects_bad_arguments():
 triton = pytest.importorskip("triton")
 
 from pasa_diffusers.shift_matrix import DEFAULT_BETA  # noqa: E402
-from pasa_diffusers.kernels import dispatch, int8  # noqa: E402
+from pasa_diffusers.kernels import dispatch, hopper_int8, int8  # noqa: E402
 from pasa_diffusers.kernels.common import INTERPRET  # noqa: E402
 from pasa_diffusers.variants import Variant  # noqa: E402
 
@@ -680,7 +680,7 @@ def test_gpu_auto_takes_the_gluon_kernel_on_hopper(gen):
     """``kernel="auto"``: the Gluon kernel on sm_90 from ``GLUON_MIN_KEYS`` keys, ``P V`` in 16 bits or FP8 (the
     same output as ``kernel="gluon-int8"``), the portable one for fewer keys or a given portable config."""
     _gluon_or_skip()
-    q, k, v = (t.cuda() for t in _inputs((1, 4, 2, 70, dispatch.INT8_GLUON_MIN_KEYS, 64, torch.float16, 16), gen))
+    q, k, v = (t.cuda() for t in _inputs((1, 4, 2, 70, hopper_int8.AUTO_MIN_KEYS, 64, torch.float16, 16), gen))
 
     def chosen(n_k=k.shape[2], **options):
         keys, values = k[:, :, :n_k], v[:, :, :n_k]

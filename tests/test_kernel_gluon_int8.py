@@ -37,7 +37,7 @@ def test_unsuitable_reason_names_what_is_missing():
     assert found.kernel == "portable-int8" and found.rejected["gluon-int8"] == why
     with pytest.raises(ValueError, match=r"kernel='gluon-int8' cannot run this call: " + re.escape(why)):
         dispatch.plan(q, q, v, q, variant=INT8, kernel="gluon-int8")
-    with pytest.raises(ValueError, match=r"unknown kernel='fast'; expected one of \('auto', 'portable'"):
+    with pytest.raises(ValueError, match=r"unknown kernel='fast'; expected one of \('auto', 'packed'"):
         dispatch.plan(q, q, v, q, variant=INT8, kernel="fast")
 
 
@@ -95,11 +95,11 @@ def fresh_plans():
 
 
 def test_auto_takes_the_gluon_kernel_from_its_minimum_keys(monkeypatch, fresh_plans):
-    """Where the Gluon kernel could run, ``kernel="auto"`` takes it from ``INT8_GLUON_MIN_KEYS`` keys, and the
+    """Where the Gluon kernel could run, ``kernel="auto"`` takes it from ``hopper_int8.AUTO_MIN_KEYS`` keys, and the
     portable one for fewer keys or a given config (the rule alone; the GPU test runs both kernels)."""
-    monkeypatch.setattr(dispatch, "INTERPRET", False)
+    monkeypatch.setattr(hopper_int8, "INTERPRET", False)
     monkeypatch.setattr(hopper_int8, "unsuitable_reason", lambda *args, **kwargs: None)
-    q, _, v = _inputs(n=dispatch.INT8_GLUON_MIN_KEYS)
+    q, _, v = _inputs(n=hopper_int8.AUTO_MIN_KEYS)
 
     def chosen(values, **options):
         return dispatch.plan(q, values, values, q, variant=INT8, **options)
@@ -107,8 +107,8 @@ def test_auto_takes_the_gluon_kernel_from_its_minimum_keys(monkeypatch, fresh_pl
     assert chosen(v).kernel == "gluon-int8"
     fewer = chosen(v[:, :, 1:])
     assert fewer.kernel == "portable-int8"
-    assert fewer.rejected["gluon-int8"] == (f"below {dispatch.INT8_GLUON_MIN_KEYS} keys the portable-int8 kernel is "
-                                            f"the faster one, got {dispatch.INT8_GLUON_MIN_KEYS - 1} keys")
+    assert fewer.rejected["gluon-int8"] == (f"below {hopper_int8.AUTO_MIN_KEYS} keys the portable-int8 kernel is "
+                                            f"the faster one, got {hopper_int8.AUTO_MIN_KEYS - 1} keys")
     assert chosen(v, config={"BLOCK_N": 64}).kernel == "portable-int8"
     assert chosen(v[:, :, 1:], kernel="gluon-int8").kernel == "gluon-int8"
 
