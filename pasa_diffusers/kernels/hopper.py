@@ -1,7 +1,8 @@
 """The exact shift in hybrid precision for Hopper (sm_90), by hand in Gluon: FA3's warp-specialised structure.
 
 One Gluon kernel, :func:`exact_fwd_gluon_kernel`, its launch wrapper :func:`forward`, its configs and
-:func:`unsuitable_reason` (what ``dispatch.py`` asks before choosing it).  The variant is
+:func:`unsuitable_reason` (what its entry's :func:`unsuitable` asks before the router chooses it), and its
+``ENTRY`` in ``dispatch.TABLE``.  The variant is
 ``shift="exact"``, ``precision="hybrid"`` with the portable kernel's arithmetic, from the key pre-pass's
 outputs (``prepass.centre_keys``): the centred keys ``k_c`` and the centres ``c_j``, one per 128 keys.  Per key tile of ``BLOCK_N`` keys inside block ``j`` (``qk_scale = scale log2(e)``):
 
