@@ -32,6 +32,18 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "pasa_diffusers"
 KERNELS = f"{PACKAGE}.kernels"
 
+def _declares_entry(path: Path) -> bool:
+    """Whether a module ends with a kernel entry: a top-level ``ENTRY = ...`` (the kernel files of ``dispatch.TABLE``)."""
+    return any(isinstance(node, ast.Assign) and any(getattr(target, "id", None) == "ENTRY" for target in node.targets)
+               for node in ast.parse(path.read_text()).body)
+
+
+ENTRY_FILES = tuple(f"{KERNELS}.{path.stem}" for path in sorted((ROOT / PACKAGE / "kernels").glob("*.py"))
+                    if _declares_entry(path))
+"""The kernel files, read from the source: each module of ``kernels/`` that declares its ``ENTRY`` (a new kernel
+file joins its layer without an edit here; ``test_the_router_table_holds_one_entry_per_kernel_file`` checks
+that the router's table holds exactly these)."""
+
 LAYERS: tuple[tuple[str, ...], ...] = (
     # the applications
     (f"{PACKAGE}.__main__",),
@@ -58,8 +70,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # call object and the entry type every kernel file fills in -> shared kernel helpers
     (f"{KERNELS}.__init__",),
     (f"{KERNELS}.dispatch",),
-    (f"{KERNELS}.portable", f"{KERNELS}.packed", f"{KERNELS}.prepass", f"{KERNELS}.int8", f"{KERNELS}.hopper",
-     f"{KERNELS}.hopper_int8", f"{KERNELS}.block_tally"),
+    (*ENTRY_FILES, f"{KERNELS}.prepass", f"{KERNELS}.block_tally"),
     (f"{KERNELS}.call",),
     (f"{KERNELS}.gluon_common",),
     (f"{KERNELS}.tuning",),
@@ -324,9 +335,8 @@ def test_the_router_table_holds_one_entry_per_kernel_file():
     layer, and every entry of the table comes from such a file, under a name of its own."""
     from pasa_diffusers.kernels import dispatch
 
-    declaring = {module for module in MODULES if within(module, KERNELS)
-                 and any(isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "ENTRY" for t in node.targets)
-                         for node in ast.parse(FILES[module][0].read_text()).body)}
+    declaring = {module for module in MODULES if within(module, KERNELS) and _declares_entry(FILES[module][0])}
+    assert declaring and declaring == set(ENTRY_FILES)
     homes = [entry.launch.__module__ for entry in dispatch.TABLE]
     assert sorted(homes) == sorted(declaring), (homes, declaring)
     assert all(home in KERNEL_FILES for home in homes), homes

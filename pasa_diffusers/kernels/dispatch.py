@@ -8,9 +8,9 @@ and ``launch(call, plan)``), and :data:`TABLE` lists them in ``kernel="auto"``'s
 
 | kernel            | file             | runs                                                            |
 | ----------------- | ---------------- | --------------------------------------------------------------- |
-| ``portable``      | ``portable.py``  | every 16-bit variant, any CUDA GPU and the interpreter: FlashAttention-2's loop |
 | ``packed``        | ``packed.py``    | the exact shift on short one-block sequences (temporal attention): several whole sequences per program |
 | ``gluon``         | ``hopper.py``    | the exact shift in hybrid on sm_90, fp16/bf16, head dims 64 and 80-128, keys of several blocks: FA3's structure |
+| ``portable``      | ``portable.py``  | every 16-bit variant, any CUDA GPU and the interpreter: FlashAttention-2's loop |
 | ``gluon-int8``    | ``hopper_int8.py`` | the 8-bit precisions on sm_90: the 8-bit codes in ``hopper.py``'s structure |
 | ``portable-int8`` | ``int8.py``      | the 8-bit precisions on any CUDA GPU with INT8 ``tl.dot`` and the interpreter |
 
