@@ -65,12 +65,14 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     (f"{PACKAGE}.ops", f"{PACKAGE}.numerics", f"{PACKAGE}.diagnose"),
     (f"{PACKAGE}.reference",),
     (f"{PACKAGE}.reference_int8",),
-    # the kernels: router -> kernel files (the entries of ``dispatch.TABLE``; beside them the pre-passes the
-    # router runs and the 8-bit block tally it counts into: a kernel file cannot reach them, sideways) -> the
-    # call object and the entry type every kernel file fills in -> shared kernel helpers
+    # the kernels: router -> kernel files (the entries of ``dispatch.TABLE``; beside them the 8-bit block tally
+    # the router counts into: a kernel file cannot reach it, sideways) -> the pre-passes the router runs (the
+    # 8-bit kernels share the quantizer's jitted helpers) -> the call object and the entry type every kernel
+    # file fills in -> shared kernel helpers
     (f"{KERNELS}.__init__",),
     (f"{KERNELS}.dispatch",),
-    (*ENTRY_FILES, f"{KERNELS}.prepass", f"{KERNELS}.block_tally"),
+    (*ENTRY_FILES, f"{KERNELS}.block_tally"),
+    (f"{KERNELS}.prepass", f"{KERNELS}.quantize"),
     (f"{KERNELS}.call",),
     (f"{KERNELS}.gluon_common",),
     (f"{KERNELS}.tuning",),

@@ -20,7 +20,7 @@ __all__ = ["Call", "Plan", "Kernel", "PREPASSES", "KEY_COPYING_PREPASSES", "NO_S
 PREPASSES = ("centre", "shift", "quantize")
 """The pre-passes a kernel may ask for: ``"centre"`` (the exact shift: each block's centre removed once per head,
 ``prepass.centre_keys``), ``"shift"`` (PASA: the shifted keys once per head, ``prepass.shift_keys``) and
-``"quantize"`` (q, k, v to the 8-bit codes, ``int8.prepare``)."""
+``"quantize"`` (q, k, v to the 8-bit codes, ``quantize.prepare``)."""
 
 KEY_COPYING_PREPASSES = ("centre", "shift")
 """The pre-passes that write a copy of the keys: their calls may run in ranges (``dispatch.key_chunks``)."""
@@ -42,7 +42,7 @@ class Call:
 
     Written by the pre-pass (what ``launch`` reads): ``keys`` (``k``, or the centred / shifted copy),
     ``centres`` (the centre pre-pass's block centres), ``constants`` (PASA's shift constants), ``prep`` (the
-    quantizing pre-pass's ``int8.Prepared``).
+    quantizing pre-pass's ``quantize.Prepared``).
     """
 
     q: torch.Tensor

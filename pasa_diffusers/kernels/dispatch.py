@@ -20,7 +20,7 @@ The 8-bit precisions (``variants.EIGHT_BIT``) share their kernels: ``precision="
 and the pre-passes: ``"centre"`` (``prepass.py``; the exact shift: each block's centre removed once per
 head, for the portable kernel on keys of several blocks and for the Gluon kernel), ``"shift"`` (PASA: the
 shifted keys once per head, for the portable kernel where several query blocks reuse them) and
-``"quantize"`` (``int8.prepare``: q, k, v to the 8-bit codes, which both 8-bit kernels read); the router runs
+``"quantize"`` (``quantize.prepare``: q, k, v to the 8-bit codes, which both 8-bit kernels read); the router runs
 the plan's pre-pass (:data:`PREPASS_RUNS`), then the entry's ``launch``.
 
 A call whose key pre-pass would copy more than a fifth of the output's bytes (:data:`KEY_COPY_SHARE`) runs
@@ -43,7 +43,7 @@ from ..shift_matrix import shift_constants
 from ..rules import SHIFT_BLOCK
 from ..variants import KERNEL_PRECISIONS, Variant, eight_bit
 from ..variants import pv_bits as precision_pv_bits
-from . import hopper, hopper_int8, int8, packed, portable
+from . import hopper, hopper_int8, int8, packed, portable, quantize
 from .call import KEY_COPYING_PREPASSES, Call, Kernel, Plan
 from .common import cdiv
 from .prepass import centre_keys, shift_keys
@@ -128,8 +128,8 @@ def _eight_bit_pv_bits(fn: str, precision: str, pv_bits: int | None) -> int:
     own = precision_pv_bits(precision)
     if pv_bits is None:
         return own
-    if pv_bits not in int8.PV_BITS:
-        raise ValueError(f"{fn}: unknown pv_bits={pv_bits!r}; expected one of {int8.PV_BITS}")
+    if pv_bits not in quantize.PV_BITS:
+        raise ValueError(f"{fn}: unknown pv_bits={pv_bits!r}; expected one of {quantize.PV_BITS}")
     if precision == "fp8" and pv_bits != own:
         raise ValueError(f"{fn}: precision='fp8' computes P V in FP8 e4m3 (pv_bits=8), got pv_bits={pv_bits!r}; "
                          "for P V in 16 bits use precision='int8'")
@@ -371,12 +371,12 @@ def _shift(call: Call, plan: Plan, entry: Kernel) -> bool:
 
 
 def _quantize(call: Call, plan: Plan, entry: Kernel) -> bool:
-    """The 8-bit pre-pass: ``call.prep`` (``int8.prepare``; the 16-bit blocks' ``hi``/``lo`` keys where the entry
+    """The 8-bit pre-pass: ``call.prep`` (``quantize.prepare``; the 16-bit blocks' ``hi``/``lo`` keys where the entry
     asks, ``split``, and the fallback is on); ``False`` (nothing to launch) for an empty output."""
     if call.out.numel() == 0:
         return False
     fallback = call.fallback
-    call.prep = int8.prepare(call.q, call.k, call.v, scale=call.scale, pv_bits=plan.pv_bits, fallback=fallback,
+    call.prep = quantize.prepare(call.q, call.k, call.v, scale=call.scale, pv_bits=plan.pv_bits, fallback=fallback,
                              split=entry.prepass_options.get("split", False) and fallback,
                              tally=block_tally.counter(call.q.device) if fallback else None)
     return True

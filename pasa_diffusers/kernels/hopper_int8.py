@@ -2,7 +2,7 @@
 ``precision="fp8"`` in the warp-specialised structure of ``hopper.py``.
 
 One Gluon kernel, :func:`int8_fwd_gluon_kernel`, its launch wrapper :func:`forward` and
-:func:`unsuitable_reason`.  It reads the pre-pass's outputs (``int8.prepare``: the codes, their scales and
+:func:`unsuitable_reason`.  It reads the pre-pass's outputs (``quantize.prepare``: the codes, their scales and
 corrections, the centres, V8^T with its channel scales for FP8 ``P V``, the flags of the 16-bit blocks and
 those blocks' ``hi``/``lo`` keys) and computes ``reference_int8.attention_from_codes`` as ``int8.int8_fwd_kernel``
 does, up to fp32 rounding (FMA contraction, ``ex2.approx``, the tensor cores' sums; under the lazy rescale the
@@ -734,7 +734,7 @@ def _row_descriptor(t: torch.Tensor, block_n: int) -> TensorDescriptor:
     row's, which the kernel masks."""
     batch, heads, n_k = t.shape
     if t.stride() != (heads * t.stride(1), t.stride(1), 1) or t.stride(1) % 4 or t.stride(1) < n_k:
-        raise ValueError(f"hopper_int8: per-key vectors must be rows padded to 16 bytes (int8.allocate), got "
+        raise ValueError(f"hopper_int8: per-key vectors must be rows padded to 16 bytes (quantize.allocate), got "
                          f"strides {t.stride()} for shape {tuple(t.shape)}")
     flat = torch.as_strided(t, (batch * heads * t.stride(1),), (1,), t.storage_offset())
     return kept_descriptor(flat, (block_n,), _row_layout())
@@ -755,7 +755,7 @@ def _row_layout():
 
 def kernel_call(q: torch.Tensor, prep, out: torch.Tensor, *, scale: float, config: dict | None = None,
                 lse: torch.Tensor | None = None) -> tuple[tuple[int], tuple, dict]:
-    """``(grid, args, meta)`` of ``int8_fwd_gluon_kernel[grid](*args, **meta)`` on ``prep`` (``int8.Prepared``,
+    """``(grid, args, meta)`` of ``int8_fwd_gluon_kernel[grid](*args, **meta)`` on ``prep`` (``quantize.Prepared``,
     with ``k_split`` where it has flags); split from :func:`forward` so that a compile check builds exactly
     this launch from meta tensors."""
     batch, h_q, n_q, _ = q.shape
@@ -763,7 +763,7 @@ def kernel_call(q: torch.Tensor, prep, out: torch.Tensor, *, scale: float, confi
     fallback = prep.flags is not None
     pv_bits = 16 if prep.v_scale is None else 8
     if fallback and prep.k_split is None:
-        raise ValueError("hopper_int8.forward: prep has flags but no k_split (int8.prepare(..., split=True) writes "
+        raise ValueError("hopper_int8.forward: prep has flags but no k_split (quantize.prepare(..., split=True) writes "
                          "the 16-bit blocks' hi and lo)")
     element_size = q.element_size()
     cfg = kept_config(_CONFIGS, config, (dp, n_k <= SHORT_KEYS, element_size, fallback, pv_bits),
@@ -794,7 +794,7 @@ def kernel_call(q: torch.Tensor, prep, out: torch.Tensor, *, scale: float, confi
 
 def forward(q: torch.Tensor, prep, out: torch.Tensor, *, scale: float, config: dict | None = None,
             lse: torch.Tensor | None = None) -> torch.Tensor:
-    """Write ``softmax(scale q k^T) v`` of the 8-bit exact shift into ``out`` from ``int8.prepare``'s outputs
+    """Write ``softmax(scale q k^T) v`` of the 8-bit exact shift into ``out`` from ``quantize.prepare``'s outputs
     (with ``split=True`` where the 16-bit blocks are on) and return it.
 
     q: (B, Hq, Nq, D), out: (B, Hq, Nq, D), ``prep.v`` (B, Hk, Nk, D): fp16 or bf16 on an sm_90 GPU, head dim
