@@ -2,7 +2,7 @@
 ``precision="fp8"`` in the warp-specialised structure of ``hopper.py``.
 
 One Gluon kernel, :func:`int8_fwd_gluon_kernel`, its launch wrapper :func:`forward` and
-:func:`unsuitable_reason`.  It reads the pre-pass's outputs (``int8.prepare``: the codes, their scales and
+:func:`unsuitable_reason`.  It reads the pre-pass's outputs (``quantize.prepare``: the codes, their scales and
 corrections, the centres, V8^T with its channel scales for FP8 ``P V``, the flags of the 16-bit blocks and
 those blocks' ``hi``/``lo`` keys) and computes ``reference_int8.attention_from_codes`` as ``int8.int8_fwd_kernel``
 does, up to fp32 rounding (FMA contraction, ``ex2.approx``, the tensor cores' sums; under the lazy rescale the
@@ -68,12 +68,14 @@ from __future__ import annotations
 
 import functools
 import math
+from types import MappingProxyType
 
 import torch
 import triton.language as tl
 
 from ..rules import SHIFT_BLOCK
-from .common import LN2, P_SHIFT, cdiv
+from .call import Call, Kernel, Plan
+from .common import INTERPRET, LN2, P_SHIFT, cdiv
 from .gluon_common import (CENTRE_ROWS, PRODUCER_WARPS, ROWS_PER_CONSUMER, TensorDescriptor, descriptor,
                            descriptor_layout_problem, fence_async_shared, gl, gluon_jit, kept_config, kept_descriptor,
                            mbarrier, operand_problem, registers, release, round_p, row_shift, sm90_problem, tma,
@@ -729,7 +731,7 @@ def _row_descriptor(t: torch.Tensor, block_n: int) -> TensorDescriptor:
     row's, which the kernel masks."""
     batch, heads, n_k = t.shape
     if t.stride() != (heads * t.stride(1), t.stride(1), 1) or t.stride(1) % 4 or t.stride(1) < n_k:
-        raise ValueError(f"hopper_int8: per-key vectors must be rows padded to 16 bytes (int8.allocate), got "
+        raise ValueError(f"hopper_int8: per-key vectors must be rows padded to 16 bytes (quantize.allocate), got "
                          f"strides {t.stride()} for shape {tuple(t.shape)}")
     flat = torch.as_strided(t, (batch * heads * t.stride(1),), (1,), t.storage_offset())
     return kept_descriptor(flat, (block_n,), _row_layout())
@@ -750,7 +752,7 @@ def _row_layout():
 
 def kernel_call(q: torch.Tensor, prep, out: torch.Tensor, *, scale: float, config: dict | None = None,
                 lse: torch.Tensor | None = None) -> tuple[tuple[int], tuple, dict]:
-    """``(grid, args, meta)`` of ``int8_fwd_gluon_kernel[grid](*args, **meta)`` on ``prep`` (``int8.Prepared``,
+    """``(grid, args, meta)`` of ``int8_fwd_gluon_kernel[grid](*args, **meta)`` on ``prep`` (``quantize.Prepared``,
     with ``k_split`` where it has flags); split from :func:`forward` so that a compile check builds exactly
     this launch from meta tensors."""
     batch, h_q, n_q, _ = q.shape
@@ -758,7 +760,7 @@ def kernel_call(q: torch.Tensor, prep, out: torch.Tensor, *, scale: float, confi
     fallback = prep.flags is not None
     pv_bits = 16 if prep.v_scale is None else 8
     if fallback and prep.k_split is None:
-        raise ValueError("hopper_int8.forward: prep has flags but no k_split (int8.prepare(..., split=True) writes "
+        raise ValueError("hopper_int8.forward: prep has flags but no k_split (quantize.prepare(..., split=True) writes "
                          "the 16-bit blocks' hi and lo)")
     element_size = q.element_size()
     cfg = kept_config(_CONFIGS, config, (dp, n_k <= SHORT_KEYS, element_size, fallback, pv_bits),
@@ -789,7 +791,7 @@ def kernel_call(q: torch.Tensor, prep, out: torch.Tensor, *, scale: float, confi
 
 def forward(q: torch.Tensor, prep, out: torch.Tensor, *, scale: float, config: dict | None = None,
             lse: torch.Tensor | None = None) -> torch.Tensor:
-    """Write ``softmax(scale q k^T) v`` of the 8-bit exact shift into ``out`` from ``int8.prepare``'s outputs
+    """Write ``softmax(scale q k^T) v`` of the 8-bit exact shift into ``out`` from ``quantize.prepare``'s outputs
     (with ``split=True`` where the 16-bit blocks are on) and return it.
 
     q: (B, Hq, Nq, D), out: (B, Hq, Nq, D), ``prep.v`` (B, Hk, Nk, D): fp16 or bf16 on an sm_90 GPU, head dim
@@ -799,3 +801,32 @@ def forward(q: torch.Tensor, prep, out: torch.Tensor, *, scale: float, config: d
     grid, args, meta = kernel_call(q, prep, out, scale=scale, config=config, lse=lse)
     int8_fwd_gluon_kernel[grid](*args, **meta)
     return out
+
+
+AUTO_MIN_KEYS = 256
+"""``kernel="auto"`` attends on the 8-bit codes with the portable kernel below this many keys, where it is
+the faster one on the H200 (``bench.int8_fallback``; docs/notes/int8_kernel.md has the numbers)."""
+
+
+def unsuitable(call: Call) -> str | None:
+    """Why this kernel cannot run ``call`` (an 8-bit call), or ``None``; ``kernel="auto"`` also leaves it for a
+    given config (a config names one kernel's tiles) and for fewer than :data:`AUTO_MIN_KEYS` keys."""
+    if INTERPRET:
+        return "Triton's interpreter runs no Gluon"
+    reason = unsuitable_reason(call.q, call.v, call.out, pv_bits=call.bits)
+    if reason is None and call.kernel == "auto":
+        if call.config is not None:
+            return "a config tunes the portable-int8 kernel"
+        if call.v.shape[2] < AUTO_MIN_KEYS:
+            return (f"below {AUTO_MIN_KEYS} keys the portable-int8 kernel is the faster one, got "
+                    f"{call.v.shape[2]} keys")
+    return reason
+
+
+def launch(call: Call, plan: Plan) -> None:
+    """:func:`forward` on the quantizing pre-pass's outputs (``call.prep``, with the split keys)."""
+    forward(call.q, call.prep, call.out, scale=call.scale, config=call.config, lse=call.lse)
+
+
+ENTRY = Kernel("gluon-int8", ("int8", "fp8"), ("exact",), launch, unsuitable, prepass="quantize",
+               prepass_options=MappingProxyType({"split": True}))

@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .call import NO_SHIFT, Call, Kernel, Plan
 from .common import INTERPRET, LN2, LOG2E, cdiv, centre_tile, lse_arg, mma, round_to, strides3
 from .tuning import SMEM_LIMIT, autotuned, bucket, interpreter_autotunes, pow2_tile
 
@@ -501,9 +502,6 @@ _shift_fwd_tuned = autotuned(pasa_fwd_kernel, _pool(_SHIFT_CONFIGS), AUTOTUNE_KE
 _tiled_fwd_tuned = autotuned(pasa_fwd_kernel, _pool(_TILED_CONFIGS), AUTOTUNE_KEY[:-1], _prune, name="portable.tiled")
 
 
-NO_SHIFT = (0.0, 0.0, 0.0, 0.0, 0.0, 1.0)
-
-
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, scale: float, shift: str,
             precision: str, block_n: int, one_block: bool, keys_prepared: bool, centres: torch.Tensor | None = None,
             shift_constants: tuple[float, ...] = NO_SHIFT, config: dict | None = None,
@@ -567,3 +565,43 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
     else:  # the shift block is BLOCK_N: not tuned
         _shift_fwd_tuned[grid](*args, **meta)
     return out
+
+
+PASA_PREPASS_ROWS = 128
+"""PASA shifts its keys by the pre-pass when a head has more query rows than this (several query blocks
+then reuse every shifted tile) or the head dim's tile is above 128 (an fp32 key tile of 128 x 256 does
+not fit the registers)."""
+
+
+def prepass(call: Call) -> str | None:
+    """The pre-pass this kernel runs ``call`` with: the exact shift centres keys of several blocks first
+    (``prepass=None``) or as ``prepass`` says; PASA shifts them first above :data:`PASA_PREPASS_ROWS` query rows
+    or a head dim's tile above 128 (or as ``prepass`` says); plain FlashAttention has none."""
+    shift, asked = call.variant.shift, call.prepass
+    if shift == "exact":
+        return "centre" if (not call.one_block if asked is None else asked) else None
+    if shift == "pasa":
+        if asked is None:
+            asked = call.q.shape[2] > PASA_PREPASS_ROWS or pow2_tile(call.q.shape[-1]) > 128
+        return "shift" if asked else None
+    return None
+
+
+def unsuitable(call: Call) -> str | None:
+    """Why the portable kernel cannot run ``call``, or ``None``: only the exact shift with ``prepass=False``
+    on keys of several blocks."""
+    if call.variant.shift == "exact" and call.prepass is False and not call.one_block:
+        return (f"prepass=False: it centres keys inside the loop only when all {call.k.shape[2]} keys form one "
+                f"block of at most {call.shift_block}")
+    return None
+
+
+def launch(call: Call, plan: Plan) -> None:
+    """:func:`forward` on ``call``'s keys (raw, or the pre-pass's centred / shifted copy)."""
+    forward(call.q, call.keys, call.v, call.out, scale=call.scale, shift=call.variant.shift,
+            precision=call.variant.precision, block_n=plan.block_n, one_block=plan.one_block,
+            keys_prepared=plan.prepass is not None, centres=call.centres, shift_constants=call.constants,
+            config=call.config, lse=call.lse)
+
+
+ENTRY = Kernel("portable", ("hybrid", "half"), ("exact", "pasa", "none"), launch, unsuitable, prepass=prepass)
