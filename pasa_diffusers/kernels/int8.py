@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from ..rules import INT8_FALLBACK_TAU, SHIFT_BLOCK
-from .common import INTERPRET, LN2, LOG2E, P_SHIFT, binade, cdiv, mma, round_to, strides3
+from .common import INTERPRET, LN2, LOG2E, P_SHIFT, binade, cdiv, log2_units, mma, round_to, strides3
 from .tuning import SMEM_LIMIT, autotuned, bucket, interpreter_autotunes, pow2_tile
 
 __all__ = ["colstats_kernel", "colstats_reduce_kernel", "quantize_kernel", "fallback_flags_kernel", "int8_fwd_kernel",
@@ -223,8 +223,8 @@ def _quantize_queries(q_ptr, qbar_ptr, qc_ptr, qs_ptr, mu_ptr, qstat_ptr, task,
 
 
 @triton.jit
-def _quantize_keys(k_ptr, v_ptr, qbar_ptr, v_inv_ptr, kc_ptr, ks_ptr, sig_ptr, a_ptr, c_ptr, v8_ptr, kstat_ptr,
-                   split_ptr, task,
+def _quantize_keys(k_ptr, v_ptr, qbar_ptr, v_inv_ptr, kc_ptr, ks_ptr, sig_ptr, au_ptr, c_ptr, v8_ptr, kstat_ptr,
+                   split_ptr, task, u,
                    stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
                    stride_cz, stride_ch, stride_cn, stride_sz, stride_sh, stride_az, stride_ah,
                    stride_oz, stride_oh, stride_oj, stride_v8z, stride_v8h, stride_v8d, split_half,
@@ -234,8 +234,9 @@ def _quantize_keys(k_ptr, v_ptr, qbar_ptr, v_inv_ptr, kc_ptr, ks_ptr, sig_ptr, a
                    INTERPRET_FP8: tl.constexpr):
     """One block ``b`` of ``BLOCK_R`` (= the centre block) keys: ``c_b = round_g(round_fp32(colsum_fp64 /
     n_b))``, ``kc = k - c_b`` (fp32, 0 past ``N_K`` and ``HEAD_DIM``), ``w = fwht(kc)``, ``sigma = w[:, 0]``,
-    ``w[:, 0] = 0``, :func:`_codes`; ``A_h = fp32(sum_d fp64(fp32(qbar_h kc)))`` for each of the
-    ``KV_GROUP`` query heads reading this key head; the block's means of ``s_k^2`` and ``|w|^2`` (fp64, the
+    ``w[:, 0] = 0``, :func:`_codes`; ``u A_h`` with ``A_h = fp32(sum_d fp64(fp32(qbar_h kc)))`` and ``u`` the fp32
+    ``common.log2_units(scale)`` (as the portable attention kernel forms it from its argument) for each of the ``KV_GROUP`` query heads reading this key
+    head (the bias term both attention kernels add as is); the block's means of ``s_k^2`` and ``|w|^2`` (fp64, the
     fallback's statistics, (B, Hk, blocks, 2)); with ``PV_FP8`` the block's V as ``e4m3(v (448 / amax))``,
     stored transposed (B, Hk, DP, Nk) for the ``P V`` dot; with ``SPLIT`` the 16-bit blocks' keys ``hi =
     round_g(kc)``, ``lo = round_g(kc - hi)`` (``g``; (2, B, Hk, Nk, DP) contiguous, ``split_half`` elements
@@ -262,7 +263,8 @@ def _quantize_keys(k_ptr, v_ptr, qbar_ptr, v_inv_ptr, kc_ptr, ks_ptr, sig_ptr, a
     for g in range(0, KV_GROUP):
         qbar = tl.load(qbar_ptr + (h_q0 + g).to(tl.int64) * DP + offs_c)
         a = tl.sum((kc * qbar[None, :]).to(tl.float64), axis=1).to(tl.float32)
-        tl.store(a_ptr + off_z * stride_az + (off_h * KV_GROUP + g) * stride_ah + offs_r, a, mask=r_valid)
+        tl.store(au_ptr + off_z * stride_az + (off_h * KV_GROUP + g) * stride_ah + offs_r, a * u,
+                 mask=r_valid)
     w = _fwht(kc, BLOCK_R, DP, LOG2_DP)
     if SPLIT:
         hi, lo = _split(kc, k_blk.dtype, INTERPRET_BF16)
@@ -291,8 +293,8 @@ def _quantize_keys(k_ptr, v_ptr, qbar_ptr, v_inv_ptr, kc_ptr, ks_ptr, sig_ptr, a
 
 @triton.jit(do_not_specialize=["N_Q", "N_K"])
 def quantize_kernel(q_ptr, k_ptr, v_ptr, qbar_ptr, v_inv_ptr,
-                    qc_ptr, qs_ptr, mu_ptr, qstat_ptr, kc_ptr, ks_ptr, sig_ptr, a_ptr, c_ptr, v8_ptr, kstat_ptr,
-                    split_ptr,
+                    qc_ptr, qs_ptr, mu_ptr, qstat_ptr, kc_ptr, ks_ptr, sig_ptr, au_ptr, c_ptr, v8_ptr, kstat_ptr,
+                    split_ptr, u,
                     stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
                     stride_qcz, stride_qch, stride_qcm, stride_qsz, stride_qsh,
                     stride_kcz, stride_kch, stride_kcn, stride_ksz, stride_ksh, stride_az, stride_ah,
@@ -310,8 +312,8 @@ def quantize_kernel(q_ptr, k_ptr, v_ptr, qbar_ptr, v_inv_ptr,
                           stride_qz, stride_qh, stride_qm, stride_qcz, stride_qch, stride_qcm, stride_qsz, stride_qsh,
                           H_Q, N_Q, q_blocks, HEAD_DIM, DP, LOG2_DP, BLOCK_R)
     else:
-        _quantize_keys(k_ptr, v_ptr, qbar_ptr, v_inv_ptr, kc_ptr, ks_ptr, sig_ptr, a_ptr, c_ptr, v8_ptr, kstat_ptr,
-                       split_ptr, pid - q_tasks,
+        _quantize_keys(k_ptr, v_ptr, qbar_ptr, v_inv_ptr, kc_ptr, ks_ptr, sig_ptr, au_ptr, c_ptr, v8_ptr, kstat_ptr,
+                       split_ptr, pid - q_tasks, u,
                        stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
                        stride_kcz, stride_kch, stride_kcn, stride_ksz, stride_ksh, stride_az, stride_ah,
                        stride_oz, stride_oh, stride_oj, stride_v8z, stride_v8h, stride_v8d, split_half,
@@ -378,22 +380,22 @@ def fallback_flags_kernel(qpart_ptr, qstat_ptr, kstat_ptr, flag_ptr, order_ptr, 
 # ---- 5: the attention kernel ----------------------------------------------------------------------------
 
 @triton.jit
-def _coded_logits(q_codes, a_i, mu_u, kc_base, ks_base, sig_base, a_base, stride_kcn, offs_n, n_valid, offs_c,
-                  qk_scale, MASKED: tl.constexpr):
-    """``z = (I ks_j) a_i + (mu_u_i sigma_j + qk_scale A_j)`` with ``I = Q K^T`` (int8 x int8 -> exact int32)."""
+def _coded_logits(q_codes, a_i, mu_u, kc_base, ks_base, sig_base, au_base, stride_kcn, offs_n, n_valid, offs_c,
+                  MASKED: tl.constexpr):
+    """``z = (I ks_j) a_i + (mu_u_i sigma_j + uA_j)`` with ``I = Q K^T`` (int8 x int8 -> exact int32); ``uA_j =
+    qk_scale A_j`` from the pre-pass."""
     if MASKED:
         k_codes = tl.load(kc_base + offs_n[:, None] * stride_kcn + offs_c[None, :], mask=n_valid[:, None], other=0)
         ks = tl.load(ks_base + offs_n, mask=n_valid, other=0.0)
         sig = tl.load(sig_base + offs_n, mask=n_valid, other=0.0)
-        a_j = tl.load(a_base + offs_n, mask=n_valid, other=0.0)
+        ua_j = tl.load(au_base + offs_n, mask=n_valid, other=0.0)
     else:
         k_codes = tl.load(kc_base + offs_n[:, None] * stride_kcn + offs_c[None, :])
         ks = tl.load(ks_base + offs_n)
         sig = tl.load(sig_base + offs_n)
-        a_j = tl.load(a_base + offs_n)
+        ua_j = tl.load(au_base + offs_n)
     i_sum = tl.dot(q_codes, tl.trans(k_codes))  # int32
-    return (i_sum.to(tl.float32) * ks[None, :]) * a_i[:, None] + (mu_u[:, None] * sig[None, :]
-                                                                + (a_j * qk_scale)[None, :])
+    return (i_sum.to(tl.float32) * ks[None, :]) * a_i[:, None] + (mu_u[:, None] * sig[None, :] + ua_j[None, :])
 
 
 @triton.jit
@@ -412,7 +414,7 @@ def _logits_16(q, k_base, stride_kn, c_b, offs_n, n_valid, offs_d, d_valid, qk_s
 
 
 @triton.jit
-def _logits(q_codes, q, a_i, mu_u, m_i, kc_base, ks_base, sig_base, a_base, c_base, k_base, stride_kcn,
+def _logits(q_codes, q, a_i, mu_u, m_i, kc_base, ks_base, sig_base, au_base, c_base, k_base, stride_kcn,
             stride_cj, stride_kn, start_n, offs_j, offs_c, offs_d, d_valid, N_K, qk_scale,
             BLOCK_N: tl.constexpr, CENTRE_BLOCK_: tl.constexpr, SIXTEEN: tl.constexpr, MASKED: tl.constexpr,
             INTERPRET_BF16: tl.constexpr):
@@ -436,8 +438,8 @@ def _logits(q_codes, q, a_i, mu_u, m_i, kc_base, ks_base, sig_base, a_base, c_ba
     if SIXTEEN:
         z = _logits_16(q, k_base, stride_kn, c_b, offs_n, n_valid, offs_d, d_valid, qk_scale, MASKED, INTERPRET_BF16)
     else:
-        z = _coded_logits(q_codes, a_i, mu_u, kc_base, ks_base, sig_base, a_base, stride_kcn, offs_n, n_valid, offs_c,
-                          qk_scale, MASKED)
+        z = _coded_logits(q_codes, a_i, mu_u, kc_base, ks_base, sig_base, au_base, stride_kcn, offs_n, n_valid, offs_c,
+                          MASKED)
     if MASKED:
         z = tl.where(n_valid[None, :], z, float("-inf"))
     m_s = tl.max(z, axis=1)
@@ -498,7 +500,7 @@ def _tile_start(order_base, first, j, BLOCK_N: tl.constexpr, CENTRE_BLOCK_: tl.c
 
 
 @triton.jit
-def _attn_inner(acc, l_i, m_i, q_codes, q, a_i, mu_u, kc_base, ks_base, sig_base, a_base, c_base, k_base, order_base,
+def _attn_inner(acc, l_i, m_i, q_codes, q, a_i, mu_u, kc_base, ks_base, sig_base, au_base, c_base, k_base, order_base,
                 v_base, v8_base, vs, stride_kcn, stride_cj, stride_kn, stride_vn, stride_v8d, first, lo, hi, N_K,
                 offs_j, offs_c, offs_d, d_valid, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_N: tl.constexpr, CENTRE_BLOCK_: tl.constexpr, FALLBACK: tl.constexpr, SIXTEEN: tl.constexpr,
@@ -508,7 +510,7 @@ def _attn_inner(acc, l_i, m_i, q_codes, q, a_i, mu_u, kc_base, ks_base, sig_base
     for j in range(lo, hi):
         start_n = _tile_start(order_base, first, j, BLOCK_N, CENTRE_BLOCK_, FALLBACK)
         x, alpha, m_new, offs_n, n_valid = _logits(
-            q_codes, q, a_i, mu_u, m_i, kc_base, ks_base, sig_base, a_base, c_base, k_base, stride_kcn,
+            q_codes, q, a_i, mu_u, m_i, kc_base, ks_base, sig_base, au_base, c_base, k_base, stride_kcn,
             stride_cj, stride_kn, start_n, offs_j, offs_c, offs_d, d_valid, N_K, qk_scale, BLOCK_N, CENTRE_BLOCK_,
             SIXTEEN, MASKED, INTERPRET_BF16)
         acc, l_i = _merge(acc, l_i, x, alpha, v_base, v8_base, vs, stride_vn, stride_v8d, offs_n, n_valid, offs_d,
@@ -604,7 +606,7 @@ def int8_fwd_kernel(
     kc_base = kc_ptr + off_z * stride_kcz + off_hk * stride_kch
     ks_base = ks_ptr + off_z * stride_ksz + off_hk * stride_ksh
     sig_base = sig_ptr + off_z * stride_ksz + off_hk * stride_ksh
-    a_base = a_ptr + off_z * stride_az + off_hq * stride_ah
+    au_base = a_ptr + off_z * stride_az + off_hq * stride_ah
     c_base = c_ptr + off_z * stride_cz + off_hk * stride_ch
     k_base = k_ptr + off_z * stride_kz + off_hk * stride_kh
     flag_base = flag_ptr + pid_bh.to(tl.int64) * tl.cdiv(N_K, CENTRE_BLOCK_)
@@ -625,12 +627,12 @@ def int8_fwd_kernel(
         first = coded_blocks * sixteen
         n_pass = n_16 if sixteen else n_coded
         full = full_16 if sixteen else coded_full
-        acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q_codes, q, a_i, mu_u, kc_base, ks_base, sig_base, a_base, c_base,
+        acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q_codes, q, a_i, mu_u, kc_base, ks_base, sig_base, au_base, c_base,
                                     k_base, order_base, v_base, v8_base, vs, stride_kcn, stride_cj, stride_kn,
                                     stride_vn, stride_v8d, first, 0, full, N_K, offs_j, offs_c, offs_d, d_valid,
                                     qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CENTRE_BLOCK_, FALLBACK, sixteen == 1,
                                     PV_FP8, INTERPRET_FP8, False, INTERPRET_BF16)
-        acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q_codes, q, a_i, mu_u, kc_base, ks_base, sig_base, a_base, c_base,
+        acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q_codes, q, a_i, mu_u, kc_base, ks_base, sig_base, au_base, c_base,
                                     k_base, order_base, v_base, v8_base, vs, stride_kcn, stride_cj, stride_kn,
                                     stride_vn, stride_v8d, first, full, n_pass, N_K, offs_j, offs_c, offs_d, d_valid,
                                     qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CENTRE_BLOCK_, FALLBACK, sixteen == 1,
@@ -684,7 +686,8 @@ class Prepared(NamedTuple):
     """The pre-pass's outputs (:func:`prepare`), as ``reference_int8``'s quantizers write them.
 
     ``q_codes`` (B, Hq, Nq, DP) int8, ``q_scale``, ``mu`` (B, Hq, Nq) fp32, ``qbar`` (B, Hq, DP) fp32;
-    ``k_codes`` (B, Hk, Nk, DP) int8, ``k_scale``, ``sigma`` (B, Hk, Nk) fp32, ``a`` (B, Hq, Nk) fp32 (views
+    ``k_codes`` (B, Hk, Nk, DP) int8, ``k_scale``, ``sigma`` (B, Hk, Nk) fp32, ``au`` (B, Hq, Nk) fp32 (``u A``, the bias
+    term in log2 units of ``reference_int8``; views
     of rows padded to a multiple of 4 keys),
     ``centres`` (B, Hk, blocks, DP) fp32; ``v`` the values ``P V`` reads: the input V (16 bits) or V8^T
     (B, Hk, DP, Nk) e4m3 (a view of rows padded to 16 keys: the Gluon kernel copies its tiles by TMA), with
@@ -702,7 +705,7 @@ class Prepared(NamedTuple):
     k_codes: torch.Tensor
     k_scale: torch.Tensor
     sigma: torch.Tensor
-    a: torch.Tensor
+    au: torch.Tensor
     centres: torch.Tensor
     v: torch.Tensor
     v_scale: torch.Tensor | None
@@ -752,7 +755,7 @@ def allocate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, pv_bits: int 
     prep = Prepared(
         q_codes=empty(batch, h_q, n_q, dp, dtype=torch.int8), q_scale=empty(batch, h_q, n_q), mu=empty(batch, h_q, n_q),
         qbar=empty(batch, h_q, dp), k_codes=empty(batch, h_k, n_k, dp, dtype=torch.int8),
-        k_scale=per_key(h_k), sigma=per_key(h_k), a=per_key(h_q),
+        k_scale=per_key(h_k), sigma=per_key(h_k), au=per_key(h_q),
         centres=empty(batch, h_k, k_blocks, dp),
         v=empty(batch, h_k, dp, -(-n_k // 16) * 16, dtype=torch.float8_e4m3fn)[..., :n_k] if fp8 else v,
         v_scale=empty(batch, h_k, dp) if fp8 else None, k=k, q_stats=empty(batch, h_q, 2, dtype=torch.float64),
@@ -767,8 +770,8 @@ def allocate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, pv_bits: int 
     return prep, scratch
 
 
-def quantize_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prep: Prepared, scratch: Scratch
-                  ) -> tuple[tuple[int], tuple, dict]:
+def quantize_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prep: Prepared, scratch: Scratch, *,
+                  scale: float) -> tuple[tuple[int], tuple, dict]:
     """``(grid, args, meta)`` of :func:`quantize_kernel` (launch 3) writing ``prep``."""
     batch, h_q, n_q, d = q.shape
     h_k, n_k = k.shape[1], k.shape[2]
@@ -780,10 +783,10 @@ def quantize_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prep: Prepa
     split = prep.k_split is not None
     q_tasks = batch * h_q * q_blocks
     args = (q, k, v, prep.qbar, v_inv, prep.q_codes, prep.q_scale, prep.mu, scratch.q_stat_part, prep.k_codes,
-            prep.k_scale, prep.sigma, prep.a, prep.centres, v8, prep.k_stats,
-            prep.k_split if split else k,
+            prep.k_scale, prep.sigma, prep.au, prep.centres, v8, prep.k_stats,
+            prep.k_split if split else k, log2_units(scale),
             *strides3(q), *strides3(k), *strides3(v), *strides3(prep.q_codes), *prep.q_scale.stride()[:2],
-            *strides3(prep.k_codes), *prep.k_scale.stride()[:2], *prep.a.stride()[:2], *strides3(prep.centres),
+            *strides3(prep.k_codes), *prep.k_scale.stride()[:2], *prep.au.stride()[:2], *strides3(prep.centres),
             *strides3(v8), prep.k_split[0].numel() if split else 0, h_q, h_k, n_q, n_k, q_blocks, k_blocks, q_tasks)
     meta = dict(HEAD_DIM=d, DP=dp, LOG2_DP=dp.bit_length() - 1, BLOCK_R=SHIFT_BLOCK, PV_FP8=fp8, SPLIT=split,
                 INTERPRET_BF16=INTERPRET and q.dtype == torch.bfloat16, INTERPRET_FP8=INTERPRET,
@@ -825,7 +828,7 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, 
                                                  DP=dp, BLOCK_R=SHIFT_BLOCK, AMAX=True, num_warps=warps)
         colstats_reduce_kernel[(batch * h_k,)](scratch.v_part, prep.v_scale, scratch.v_inv, n_k, k_blocks, DP=dp,
                                                AMAX=True, G_BF16=bf16, INTERPRET_BF16=INTERPRET and bf16)
-    grid, args, meta = quantize_call(q, k, v, prep, scratch)
+    grid, args, meta = quantize_call(q, k, v, prep, scratch, scale=scale)
     quantize_kernel[grid](*args, **meta)
     if fallback:
         if tally is None:
@@ -845,10 +848,10 @@ def attention_call(q: torch.Tensor, prep: Prepared, out: torch.Tensor, *, scale:
     vs = prep.v_scale if fp8 else prep.q_scale
     lse_buf = prep.q_scale if lse is None else lse
     flags = (prep.k_codes,) * 3 if prep.flags is None else (prep.flags, prep.order, prep.coded)  # unread without
-    args = (q, prep.q_codes, prep.q_scale, prep.mu, prep.k_codes, prep.k_scale, prep.sigma, prep.a, prep.centres,
+    args = (q, prep.q_codes, prep.q_scale, prep.mu, prep.k_codes, prep.k_scale, prep.sigma, prep.au, prep.centres,
             prep.k, *flags, v, v8, vs, out, lse_buf,
             *strides3(q), *strides3(prep.q_codes), *prep.q_scale.stride()[:2],
-            *strides3(prep.k_codes), *prep.k_scale.stride()[:2], *prep.a.stride()[:2], *strides3(prep.centres),
+            *strides3(prep.k_codes), *prep.k_scale.stride()[:2], *prep.au.stride()[:2], *strides3(prep.centres),
             *strides3(prep.k), *strides3(v), *strides3(v8), *strides3(out),
             h_q, h_q // h_k, n_q, n_k, bucket(n_q), bucket(n_k), float(scale))
     meta = dict(HEAD_DIM=d, BLOCK_D=prep.k_codes.shape[-1], CENTRE_BLOCK_=SHIFT_BLOCK, FALLBACK=prep.flags is not None,
