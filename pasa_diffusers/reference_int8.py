@@ -98,6 +98,7 @@ __all__ = [
     "P_SHIFT",
     "PV_BITS",
     "rotation_size",
+    "log2_units",
     "fwht",
     "quantize_rows",
     "query_mean",
@@ -325,6 +326,12 @@ def _f32(x: float) -> torch.Tensor:
     return torch.tensor(x, dtype=_F32)
 
 
+def log2_units(scale: float) -> torch.Tensor:
+    """``u = fp32(scale) fp32(log2 e)`` in fp32: the logits' scale in the kernels' log2 units (the pre-pass
+    stores the keys' bias term as ``u A``)."""
+    return _f32(scale) * _f32(LOG2E)
+
+
 def attention_from_codes(q: torch.Tensor, qq: QuantizedQueries, kq: QuantizedKeys, vq: QuantizedValues,
                          scale: float, *, out_dtype: torch.dtype, block_m: int = 128, block_n: int = SHIFT_BLOCK,
                          fallback: torch.Tensor | None = None, k: torch.Tensor | None = None,
@@ -346,7 +353,7 @@ def attention_from_codes(q: torch.Tensor, qq: QuantizedQueries, kq: QuantizedKey
     dp = kq.codes.shape[-1]
     group = h_q // h_k
     fp8 = vq.scale is not None
-    u = _f32(scale) * _f32(LOG2E)
+    u = log2_units(scale)
     a_row = qq.scale * (u / dp)  # (B, Hq, Nq)
     mu_u = qq.mu * u
     au = kq.a * u  # (B, Hq, Nk)

@@ -332,7 +332,8 @@ def test_prepass_is_the_spec_bit_for_bit(case, gen):
     _assert_fallback_statistics(prep, qq, kq, d ** -0.5)
     assert torch.equal(prep.qbar[..., :d], qq.qbar[:, :, 0]) and not prep.qbar[..., d:].any()
     for got, want in ((prep.q_codes, qq.codes), (prep.q_scale, qq.scale), (prep.mu, qq.mu),
-                      (prep.k_codes, kq.codes), (prep.k_scale, kq.scale), (prep.sigma, kq.sigma), (prep.a, kq.a),
+                      (prep.k_codes, kq.codes), (prep.k_scale, kq.scale), (prep.sigma, kq.sigma),
+                      (prep.au, kq.a * r8.log2_units(d ** -0.5)),
                       (prep.centres[..., :d], kq.centres)):
         assert got.dtype == want.dtype and torch.equal(got, want)
     if pv_bits == 8:
@@ -559,7 +560,7 @@ def test_gpu_kernels_match_the_spec(case, gen):
     _assert_fallback_statistics(prep, qq, kq, d ** -0.5)
     for got, want in ((prep.qbar[..., :d], qq.qbar[:, :, 0]), (prep.q_codes, qq.codes), (prep.q_scale, qq.scale),
                       (prep.mu, qq.mu), (prep.k_codes, kq.codes), (prep.k_scale, kq.scale), (prep.sigma, kq.sigma),
-                      (prep.a, kq.a), (prep.centres[..., :d], kq.centres)):
+                      (prep.au, kq.a * r8.log2_units(d ** -0.5)), (prep.centres[..., :d], kq.centres)):
         assert torch.equal(got.cpu(), want)
     out = torch.full_like(qc, float("nan"))
     _int8(qc, kc, vc, out, scale=q.shape[-1] ** -0.5, pv_bits=pv_bits, config=GPU_CONFIG)

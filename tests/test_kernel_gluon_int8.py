@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from pasa_diffusers.kernels import dispatch, gluon_common, hopper_int8, int8, quantize  # noqa: E402
+from pasa_diffusers.kernels import dispatch, gluon_common, hopper_int8, quantize  # noqa: E402
 from pasa_diffusers.kernels.common import INTERPRET  # noqa: E402
 from pasa_diffusers.kernels.tuning import SMEM_LIMIT  # noqa: E402
 from pasa_diffusers.variants import Variant  # noqa: E402
@@ -68,7 +68,7 @@ def test_per_key_vectors_are_padded_rows_for_tma(n_k):
     """The pre-pass's per-key vectors are views of rows padded to 16 bytes: what the 1-d TMA copies need."""
     q, k, v = _inputs(n=n_k)
     prep, _ = quantize.allocate(q, k, v)
-    for t in (prep.k_scale, prep.sigma, prep.a):
+    for t in (prep.k_scale, prep.sigma, prep.au):
         assert t.shape[-1] == n_k and t.stride(1) % 4 == 0 and t.stride(1) >= n_k and t.stride(2) == 1
     with pytest.raises(ValueError, match="per-key vectors must be rows padded to 16 bytes"):
         hopper_int8._row_descriptor(torch.empty(1, 2, 203), 64)

@@ -114,7 +114,7 @@ def _launch(case: dict):
         meta.update(BLOCK_M=block_m, BLOCK_N=block_n)
         return int8.int8_fwd_kernel, args, meta, {"num_warps": warps, "num_stages": stages}
     if case["kernel"] == "quantize":
-        _, args, meta = quantize.quantize_call(q, k, v, prep, scratch)
+        _, args, meta = quantize.quantize_call(q, k, v, prep, scratch, scale=d ** -0.5)
         return quantize.quantize_kernel, args, meta, {"num_warps": meta.pop("num_warps")}
     if case["kernel"] == "flags":
         tally = torch.empty(2, dtype=torch.int64, device="meta")

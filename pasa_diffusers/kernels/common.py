@@ -6,13 +6,16 @@ Importing this module imports ``triton``; for CPU tensors set ``TRITON_INTERPRET
 """
 from __future__ import annotations
 
+import functools
+import struct
+
 import torch
 import triton
 import triton.language as tl
 
 from .. import rules
 
-__all__ = ["LOG2E", "LN2", "P_SHIFT", "INTERPRET", "round_to", "mma", "binade", "centre_tile", "cdiv", "strides3",
+__all__ = ["LOG2E", "LN2", "P_SHIFT", "INTERPRET", "log2_units", "round_to", "mma", "binade", "centre_tile", "cdiv", "strides3",
            "lse_arg"]
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -20,6 +23,18 @@ LN2 = tl.constexpr(0.6931471805599453)
 """ln 2: a log2-unit log-sum-exp times ``LN2`` is the natural-log one."""
 P_SHIFT = tl.constexpr(rules.P_SHIFT)
 """``rules.P_SHIFT`` as the kernels' constexpr."""
+
+
+def _f32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+@functools.lru_cache(maxsize=64)
+def log2_units(scale: float) -> float:
+    """``u = fp32(fp32(scale) fp32(log2 e))``: the log2-unit scale of the logits as ``reference_int8`` and a
+    kernel that forms ``scale * LOG2E`` from its fp32 argument compute it (the product of two fp32 values is
+    exact in a double), for a launch that passes ``u`` itself."""
+    return _f32(_f32(scale) * _f32(LOG2E.value))
 
 
 @triton.jit

@@ -35,22 +35,22 @@ __all__ = ["int8_fwd_kernel", "attention_call", "attend", "INTERPRET_CONFIG", "C
 # ---- 5: the attention kernel ----------------------------------------------------------------------------
 
 @triton.jit
-def _coded_logits(q_codes, a_i, mu_u, kc_base, ks_base, sig_base, a_base, stride_kcn, offs_n, n_valid, offs_c,
-                  qk_scale, MASKED: tl.constexpr):
-    """``z = (I ks_j) a_i + (mu_u_i sigma_j + qk_scale A_j)`` with ``I = Q K^T`` (int8 x int8 -> exact int32)."""
+def _coded_logits(q_codes, a_i, mu_u, kc_base, ks_base, sig_base, au_base, stride_kcn, offs_n, n_valid, offs_c,
+                  MASKED: tl.constexpr):
+    """``z = (I ks_j) a_i + (mu_u_i sigma_j + uA_j)`` with ``I = Q K^T`` (int8 x int8 -> exact int32); ``uA_j =
+    qk_scale A_j`` from the pre-pass."""
     if MASKED:
         k_codes = tl.load(kc_base + offs_n[:, None] * stride_kcn + offs_c[None, :], mask=n_valid[:, None], other=0)
         ks = tl.load(ks_base + offs_n, mask=n_valid, other=0.0)
         sig = tl.load(sig_base + offs_n, mask=n_valid, other=0.0)
-        a_j = tl.load(a_base + offs_n, mask=n_valid, other=0.0)
+        ua_j = tl.load(au_base + offs_n, mask=n_valid, other=0.0)
     else:
         k_codes = tl.load(kc_base + offs_n[:, None] * stride_kcn + offs_c[None, :])
         ks = tl.load(ks_base + offs_n)
         sig = tl.load(sig_base + offs_n)
-        a_j = tl.load(a_base + offs_n)
+        ua_j = tl.load(au_base + offs_n)
     i_sum = tl.dot(q_codes, tl.trans(k_codes))  # int32
-    return (i_sum.to(tl.float32) * ks[None, :]) * a_i[:, None] + (mu_u[:, None] * sig[None, :]
-                                                                + (a_j * qk_scale)[None, :])
+    return (i_sum.to(tl.float32) * ks[None, :]) * a_i[:, None] + (mu_u[:, None] * sig[None, :] + ua_j[None, :])
 
 
 @triton.jit
@@ -69,7 +69,7 @@ def _logits_16(q, k_base, stride_kn, c_b, offs_n, n_valid, offs_d, d_valid, qk_s
 
 
 @triton.jit
-def _logits(q_codes, q, a_i, mu_u, m_i, kc_base, ks_base, sig_base, a_base, c_base, k_base, stride_kcn,
+def _logits(q_codes, q, a_i, mu_u, m_i, kc_base, ks_base, sig_base, au_base, c_base, k_base, stride_kcn,
             stride_cj, stride_kn, start_n, offs_j, offs_c, offs_d, d_valid, N_K, qk_scale,
             BLOCK_N: tl.constexpr, CENTRE_BLOCK_: tl.constexpr, SIXTEEN: tl.constexpr, MASKED: tl.constexpr,
             INTERPRET_BF16: tl.constexpr):
@@ -93,8 +93,8 @@ def _logits(q_codes, q, a_i, mu_u, m_i, kc_base, ks_base, sig_base, a_base, c_ba
     if SIXTEEN:
         z = _logits_16(q, k_base, stride_kn, c_b, offs_n, n_valid, offs_d, d_valid, qk_scale, MASKED, INTERPRET_BF16)
     else:
-        z = _coded_logits(q_codes, a_i, mu_u, kc_base, ks_base, sig_base, a_base, stride_kcn, offs_n, n_valid, offs_c,
-                          qk_scale, MASKED)
+        z = _coded_logits(q_codes, a_i, mu_u, kc_base, ks_base, sig_base, au_base, stride_kcn, offs_n, n_valid, offs_c,
+                          MASKED)
     if MASKED:
         z = tl.where(n_valid[None, :], z, float("-inf"))
     m_s = tl.max(z, axis=1)
@@ -155,7 +155,7 @@ def _tile_start(order_base, first, j, BLOCK_N: tl.constexpr, CENTRE_BLOCK_: tl.c
 
 
 @triton.jit
-def _attn_inner(acc, l_i, m_i, q_codes, q, a_i, mu_u, kc_base, ks_base, sig_base, a_base, c_base, k_base, order_base,
+def _attn_inner(acc, l_i, m_i, q_codes, q, a_i, mu_u, kc_base, ks_base, sig_base, au_base, c_base, k_base, order_base,
                 v_base, v8_base, vs, stride_kcn, stride_cj, stride_kn, stride_vn, stride_v8d, first, lo, hi, N_K,
                 offs_j, offs_c, offs_d, d_valid, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_N: tl.constexpr, CENTRE_BLOCK_: tl.constexpr, FALLBACK: tl.constexpr, SIXTEEN: tl.constexpr,
@@ -165,7 +165,7 @@ def _attn_inner(acc, l_i, m_i, q_codes, q, a_i, mu_u, kc_base, ks_base, sig_base
     for j in range(lo, hi):
         start_n = _tile_start(order_base, first, j, BLOCK_N, CENTRE_BLOCK_, FALLBACK)
         x, alpha, m_new, offs_n, n_valid = _logits(
-            q_codes, q, a_i, mu_u, m_i, kc_base, ks_base, sig_base, a_base, c_base, k_base, stride_kcn,
+            q_codes, q, a_i, mu_u, m_i, kc_base, ks_base, sig_base, au_base, c_base, k_base, stride_kcn,
             stride_cj, stride_kn, start_n, offs_j, offs_c, offs_d, d_valid, N_K, qk_scale, BLOCK_N, CENTRE_BLOCK_,
             SIXTEEN, MASKED, INTERPRET_BF16)
         acc, l_i = _merge(acc, l_i, x, alpha, v_base, v8_base, vs, stride_vn, stride_v8d, offs_n, n_valid, offs_d,
@@ -261,7 +261,7 @@ def int8_fwd_kernel(
     kc_base = kc_ptr + off_z * stride_kcz + off_hk * stride_kch
     ks_base = ks_ptr + off_z * stride_ksz + off_hk * stride_ksh
     sig_base = sig_ptr + off_z * stride_ksz + off_hk * stride_ksh
-    a_base = a_ptr + off_z * stride_az + off_hq * stride_ah
+    au_base = a_ptr + off_z * stride_az + off_hq * stride_ah
     c_base = c_ptr + off_z * stride_cz + off_hk * stride_ch
     k_base = k_ptr + off_z * stride_kz + off_hk * stride_kh
     flag_base = flag_ptr + pid_bh.to(tl.int64) * tl.cdiv(N_K, CENTRE_BLOCK_)
@@ -282,12 +282,12 @@ def int8_fwd_kernel(
         first = coded_blocks * sixteen
         n_pass = n_16 if sixteen else n_coded
         full = full_16 if sixteen else coded_full
-        acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q_codes, q, a_i, mu_u, kc_base, ks_base, sig_base, a_base, c_base,
+        acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q_codes, q, a_i, mu_u, kc_base, ks_base, sig_base, au_base, c_base,
                                     k_base, order_base, v_base, v8_base, vs, stride_kcn, stride_cj, stride_kn,
                                     stride_vn, stride_v8d, first, 0, full, N_K, offs_j, offs_c, offs_d, d_valid,
                                     qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CENTRE_BLOCK_, FALLBACK, sixteen == 1,
                                     PV_FP8, INTERPRET_FP8, False, INTERPRET_BF16)
-        acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q_codes, q, a_i, mu_u, kc_base, ks_base, sig_base, a_base, c_base,
+        acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q_codes, q, a_i, mu_u, kc_base, ks_base, sig_base, au_base, c_base,
                                     k_base, order_base, v_base, v8_base, vs, stride_kcn, stride_cj, stride_kn,
                                     stride_vn, stride_v8d, first, full, n_pass, N_K, offs_j, offs_c, offs_d, d_valid,
                                     qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CENTRE_BLOCK_, FALLBACK, sixteen == 1,
@@ -348,10 +348,10 @@ def attention_call(q: torch.Tensor, prep: Prepared, out: torch.Tensor, *, scale:
     vs = prep.v_scale if fp8 else prep.q_scale
     lse_buf = prep.q_scale if lse is None else lse
     flags = (prep.k_codes,) * 3 if prep.flags is None else (prep.flags, prep.order, prep.coded)  # unread without
-    args = (q, prep.q_codes, prep.q_scale, prep.mu, prep.k_codes, prep.k_scale, prep.sigma, prep.a, prep.centres,
+    args = (q, prep.q_codes, prep.q_scale, prep.mu, prep.k_codes, prep.k_scale, prep.sigma, prep.au, prep.centres,
             prep.k, *flags, v, v8, vs, out, lse_buf,
             *strides3(q), *strides3(prep.q_codes), *prep.q_scale.stride()[:2],
-            *strides3(prep.k_codes), *prep.k_scale.stride()[:2], *prep.a.stride()[:2], *strides3(prep.centres),
+            *strides3(prep.k_codes), *prep.k_scale.stride()[:2], *prep.au.stride()[:2], *strides3(prep.centres),
             *strides3(prep.k), *strides3(v), *strides3(v8), *strides3(out),
             h_q, h_q // h_k, n_q, n_k, bucket(n_q), bucket(n_k), float(scale))
     meta = dict(HEAD_DIM=d, BLOCK_D=prep.k_codes.shape[-1], CENTRE_BLOCK_=SHIFT_BLOCK, FALLBACK=prep.flags is not None,

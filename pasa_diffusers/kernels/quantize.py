@@ -1,5 +1,5 @@
 """The 8-bit precisions' pre-pass: q, k, v to the codes both 8-bit attention kernels read (``int8.py``'s
-``portable-int8`` and ``hopper_int8.py``'s ``gluon-int8``), portable Triton; moved verbatim out of ``int8.py``.
+``portable-int8`` and ``hopper_int8.py``'s ``gluon-int8``), portable Triton.
 
 It computes ``reference_int8``'s quantizers (its module docstring states the math and why each step) in four
 launches (:func:`prepare`):
@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ..rules import INT8_FALLBACK_TAU, SHIFT_BLOCK
-from .common import INTERPRET, binade, cdiv, round_to, strides3
+from .common import INTERPRET, binade, cdiv, log2_units, round_to, strides3
 from .tuning import pow2_tile
 
 __all__ = ["colstats_kernel", "colstats_reduce_kernel", "quantize_kernel", "fallback_flags_kernel", "Prepared",
@@ -211,8 +211,8 @@ def _quantize_queries(q_ptr, qbar_ptr, qc_ptr, qs_ptr, mu_ptr, qstat_ptr, task,
 
 
 @triton.jit
-def _quantize_keys(k_ptr, v_ptr, qbar_ptr, v_inv_ptr, kc_ptr, ks_ptr, sig_ptr, a_ptr, c_ptr, v8_ptr, kstat_ptr,
-                   split_ptr, task,
+def _quantize_keys(k_ptr, v_ptr, qbar_ptr, v_inv_ptr, kc_ptr, ks_ptr, sig_ptr, au_ptr, c_ptr, v8_ptr, kstat_ptr,
+                   split_ptr, task, u,
                    stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
                    stride_cz, stride_ch, stride_cn, stride_sz, stride_sh, stride_az, stride_ah,
                    stride_oz, stride_oh, stride_oj, stride_v8z, stride_v8h, stride_v8d, split_half,
@@ -222,8 +222,9 @@ def _quantize_keys(k_ptr, v_ptr, qbar_ptr, v_inv_ptr, kc_ptr, ks_ptr, sig_ptr, a
                    INTERPRET_FP8: tl.constexpr):
     """One block ``b`` of ``BLOCK_R`` (= the centre block) keys: ``c_b = round_g(round_fp32(colsum_fp64 /
     n_b))``, ``kc = k - c_b`` (fp32, 0 past ``N_K`` and ``HEAD_DIM``), ``w = fwht(kc)``, ``sigma = w[:, 0]``,
-    ``w[:, 0] = 0``, :func:`_codes`; ``A_h = fp32(sum_d fp64(fp32(qbar_h kc)))`` for each of the
-    ``KV_GROUP`` query heads reading this key head; the block's means of ``s_k^2`` and ``|w|^2`` (fp64, the
+    ``w[:, 0] = 0``, :func:`_codes`; ``u A_h`` with ``A_h = fp32(sum_d fp64(fp32(qbar_h kc)))`` and ``u`` the fp32
+    ``common.log2_units(scale)`` (as the portable attention kernel forms it from its argument) for each of the
+    ``KV_GROUP`` query heads reading this key head (the bias term both attention kernels add as is); the block's means of ``s_k^2`` and ``|w|^2`` (fp64, the
     fallback's statistics, (B, Hk, blocks, 2)); with ``PV_FP8`` the block's V as ``e4m3(v (448 / amax))``,
     stored transposed (B, Hk, DP, Nk) for the ``P V`` dot; with ``SPLIT`` the 16-bit blocks' keys ``hi =
     round_g(kc)``, ``lo = round_g(kc - hi)`` (``g``; (2, B, Hk, Nk, DP) contiguous, ``split_half`` elements
@@ -250,7 +251,8 @@ def _quantize_keys(k_ptr, v_ptr, qbar_ptr, v_inv_ptr, kc_ptr, ks_ptr, sig_ptr, a
     for g in range(0, KV_GROUP):
         qbar = tl.load(qbar_ptr + (h_q0 + g).to(tl.int64) * DP + offs_c)
         a = tl.sum((kc * qbar[None, :]).to(tl.float64), axis=1).to(tl.float32)
-        tl.store(a_ptr + off_z * stride_az + (off_h * KV_GROUP + g) * stride_ah + offs_r, a, mask=r_valid)
+        tl.store(au_ptr + off_z * stride_az + (off_h * KV_GROUP + g) * stride_ah + offs_r, a * u,
+                 mask=r_valid)
     w = _fwht(kc, BLOCK_R, DP, LOG2_DP)
     if SPLIT:
         hi, lo = _split(kc, k_blk.dtype, INTERPRET_BF16)
@@ -279,8 +281,8 @@ def _quantize_keys(k_ptr, v_ptr, qbar_ptr, v_inv_ptr, kc_ptr, ks_ptr, sig_ptr, a
 
 @triton.jit(do_not_specialize=["N_Q", "N_K"])
 def quantize_kernel(q_ptr, k_ptr, v_ptr, qbar_ptr, v_inv_ptr,
-                    qc_ptr, qs_ptr, mu_ptr, qstat_ptr, kc_ptr, ks_ptr, sig_ptr, a_ptr, c_ptr, v8_ptr, kstat_ptr,
-                    split_ptr,
+                    qc_ptr, qs_ptr, mu_ptr, qstat_ptr, kc_ptr, ks_ptr, sig_ptr, au_ptr, c_ptr, v8_ptr, kstat_ptr,
+                    split_ptr, u,
                     stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
                     stride_qcz, stride_qch, stride_qcm, stride_qsz, stride_qsh,
                     stride_kcz, stride_kch, stride_kcn, stride_ksz, stride_ksh, stride_az, stride_ah,
@@ -298,8 +300,8 @@ def quantize_kernel(q_ptr, k_ptr, v_ptr, qbar_ptr, v_inv_ptr,
                           stride_qz, stride_qh, stride_qm, stride_qcz, stride_qch, stride_qcm, stride_qsz, stride_qsh,
                           H_Q, N_Q, q_blocks, HEAD_DIM, DP, LOG2_DP, BLOCK_R)
     else:
-        _quantize_keys(k_ptr, v_ptr, qbar_ptr, v_inv_ptr, kc_ptr, ks_ptr, sig_ptr, a_ptr, c_ptr, v8_ptr, kstat_ptr,
-                       split_ptr, pid - q_tasks,
+        _quantize_keys(k_ptr, v_ptr, qbar_ptr, v_inv_ptr, kc_ptr, ks_ptr, sig_ptr, au_ptr, c_ptr, v8_ptr, kstat_ptr,
+                       split_ptr, pid - q_tasks, u,
                        stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
                        stride_kcz, stride_kch, stride_kcn, stride_ksz, stride_ksh, stride_az, stride_ah,
                        stride_oz, stride_oh, stride_oj, stride_v8z, stride_v8h, stride_v8d, split_half,
@@ -367,7 +369,8 @@ class Prepared(NamedTuple):
     """The pre-pass's outputs (:func:`prepare`), as ``reference_int8``'s quantizers write them.
 
     ``q_codes`` (B, Hq, Nq, DP) int8, ``q_scale``, ``mu`` (B, Hq, Nq) fp32, ``qbar`` (B, Hq, DP) fp32;
-    ``k_codes`` (B, Hk, Nk, DP) int8, ``k_scale``, ``sigma`` (B, Hk, Nk) fp32, ``a`` (B, Hq, Nk) fp32 (views
+    ``k_codes`` (B, Hk, Nk, DP) int8, ``k_scale``, ``sigma`` (B, Hk, Nk) fp32, ``au`` (B, Hq, Nk) fp32 (``u A``, the bias
+    term in log2 units of ``reference_int8``; views
     of rows padded to a multiple of 4 keys),
     ``centres`` (B, Hk, blocks, DP) fp32; ``v`` the values ``P V`` reads: the input V (16 bits) or V8^T
     (B, Hk, DP, Nk) e4m3 (a view of rows padded to 16 keys: the Gluon kernel copies its tiles by TMA), with
@@ -385,7 +388,7 @@ class Prepared(NamedTuple):
     k_codes: torch.Tensor
     k_scale: torch.Tensor
     sigma: torch.Tensor
-    a: torch.Tensor
+    au: torch.Tensor
     centres: torch.Tensor
     v: torch.Tensor
     v_scale: torch.Tensor | None
@@ -435,7 +438,7 @@ def allocate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, pv_bits: int 
     prep = Prepared(
         q_codes=empty(batch, h_q, n_q, dp, dtype=torch.int8), q_scale=empty(batch, h_q, n_q), mu=empty(batch, h_q, n_q),
         qbar=empty(batch, h_q, dp), k_codes=empty(batch, h_k, n_k, dp, dtype=torch.int8),
-        k_scale=per_key(h_k), sigma=per_key(h_k), a=per_key(h_q),
+        k_scale=per_key(h_k), sigma=per_key(h_k), au=per_key(h_q),
         centres=empty(batch, h_k, k_blocks, dp),
         v=empty(batch, h_k, dp, -(-n_k // 16) * 16, dtype=torch.float8_e4m3fn)[..., :n_k] if fp8 else v,
         v_scale=empty(batch, h_k, dp) if fp8 else None, k=k, q_stats=empty(batch, h_q, 2, dtype=torch.float64),
@@ -450,8 +453,8 @@ def allocate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, pv_bits: int 
     return prep, scratch
 
 
-def quantize_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prep: Prepared, scratch: Scratch
-                  ) -> tuple[tuple[int], tuple, dict]:
+def quantize_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prep: Prepared, scratch: Scratch, *,
+                  scale: float) -> tuple[tuple[int], tuple, dict]:
     """``(grid, args, meta)`` of :func:`quantize_kernel` (launch 3) writing ``prep``."""
     batch, h_q, n_q, d = q.shape
     h_k, n_k = k.shape[1], k.shape[2]
@@ -463,10 +466,10 @@ def quantize_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prep: Prepa
     split = prep.k_split is not None
     q_tasks = batch * h_q * q_blocks
     args = (q, k, v, prep.qbar, v_inv, prep.q_codes, prep.q_scale, prep.mu, scratch.q_stat_part, prep.k_codes,
-            prep.k_scale, prep.sigma, prep.a, prep.centres, v8, prep.k_stats,
-            prep.k_split if split else k,
+            prep.k_scale, prep.sigma, prep.au, prep.centres, v8, prep.k_stats,
+            prep.k_split if split else k, log2_units(scale),
             *strides3(q), *strides3(k), *strides3(v), *strides3(prep.q_codes), *prep.q_scale.stride()[:2],
-            *strides3(prep.k_codes), *prep.k_scale.stride()[:2], *prep.a.stride()[:2], *strides3(prep.centres),
+            *strides3(prep.k_codes), *prep.k_scale.stride()[:2], *prep.au.stride()[:2], *strides3(prep.centres),
             *strides3(v8), prep.k_split[0].numel() if split else 0, h_q, h_k, n_q, n_k, q_blocks, k_blocks, q_tasks)
     meta = dict(HEAD_DIM=d, DP=dp, LOG2_DP=dp.bit_length() - 1, BLOCK_R=SHIFT_BLOCK, PV_FP8=fp8, SPLIT=split,
                 INTERPRET_BF16=INTERPRET and q.dtype == torch.bfloat16, INTERPRET_FP8=INTERPRET,
@@ -508,7 +511,7 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, 
                                                  DP=dp, BLOCK_R=SHIFT_BLOCK, AMAX=True, num_warps=warps)
         colstats_reduce_kernel[(batch * h_k,)](scratch.v_part, prep.v_scale, scratch.v_inv, n_k, k_blocks, DP=dp,
                                                AMAX=True, G_BF16=bf16, INTERPRET_BF16=INTERPRET and bf16)
-    grid, args, meta = quantize_call(q, k, v, prep, scratch)
+    grid, args, meta = quantize_call(q, k, v, prep, scratch, scale=scale)
     quantize_kernel[grid](*args, **meta)
     if fallback:
         if tally is None:
