@@ -308,10 +308,10 @@ KERNEL_FILES = LAYERS[[f"{KERNELS}.dispatch" in layer for layer in LAYERS].index
 SPEC_CONSTANTS = (f"{PACKAGE}.rules", f"{PACKAGE}.shift_matrix")
 """What a kernel file may read outside ``kernels/``: the op's rules and the shift's constants (not the variants'
 names, not the global tallies: those are the router's)."""
-KERNEL_REACH = (*SPEC_CONSTANTS, f"{PACKAGE}.variants", f"{PACKAGE}.compat")
+KERNEL_REACH = (*SPEC_CONSTANTS, f"{PACKAGE}.variants", f"{PACKAGE}.compat", f"{PACKAGE}.block_sparse")
 """What any module of ``kernels/`` (the router included) may read outside it: the spec constants, the variants'
-names and the version shims; nothing of the library above (the tally the router counts into lives in
-``kernels/``)."""
+names, the version shims and the block-sparse mask the call carries (``call.Call.block_mask``); nothing of the
+library above (the tally the router counts into lives in ``kernels/``)."""
 
 
 def test_the_kernels_reach_outside_only_the_spec():

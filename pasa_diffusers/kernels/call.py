@@ -13,6 +13,7 @@ from types import MappingProxyType
 
 import torch
 
+from ..block_sparse import BlockSparseMask
 from ..variants import Variant
 
 __all__ = ["Call", "Plan", "Kernel", "PREPASSES", "KEY_COPYING_PREPASSES", "NO_SHIFT"]
@@ -35,7 +36,9 @@ class Call:
 
     Asked (checked by ``ops``): ``q`` ``(B, Hq, Nq, D)``, ``k``, ``v`` ``(B, Hk, Nk, D)``, ``out``; ``variant``,
     ``scale``, ``beta``, ``block_n`` (``None``: the default), ``kernel`` (``"auto"`` or a name), ``prepass``
-    (``None`` / ``True`` / ``False``), ``config``, ``lse``, ``pv_bits``, ``fallback``.
+    (``None`` / ``True`` / ``False``), ``config``, ``lse``, ``pv_bits``, ``fallback``, ``block_mask`` (a
+    ``block_sparse.BlockSparseMask`` whose missing key blocks the kernel skips, checked against the call by the
+    op, or ``None``: every block).
 
     Resolved by the router while it plans (what ``unsuitable`` reads): ``shift_block`` (the shift block the
     kernels see, 0 for plain FlashAttention), ``one_block`` (all keys in one block), ``bits`` (``P V``'s bits).
@@ -59,6 +62,7 @@ class Call:
     lse: torch.Tensor | None = None
     pv_bits: int | None = None
     fallback: bool = True
+    block_mask: BlockSparseMask | None = None
     shift_block: int = 0
     one_block: bool = False
     bits: int = 16
@@ -68,14 +72,19 @@ class Call:
     prep: object = None
 
     def part(self, batches: tuple[int, int], heads: tuple[int, int]) -> Call:
-        """This call on batch elements ``[b0, b1)`` and kv heads ``[h0, h1)`` (their query heads): views, and
-        nothing the pre-pass wrote."""
+        """This call on batch elements ``[b0, b1)`` and kv heads ``[h0, h1)`` (their query heads): views (the
+        mask's too: its rows of those query or key heads), and nothing the pre-pass wrote."""
         (b0, b1), (h0, h1) = batches, heads
         group = self.q.shape[1] // self.k.shape[1]
         hq = slice(h0 * group, h1 * group)
         k = self.k[b0:b1, h0:h1]
+        mask = self.block_mask
+        if mask is not None:
+            per_query_head = mask.kv_counts.shape[1] == self.q.shape[1]
+            mask = mask.select((b0, b1), (hq.start, hq.stop) if per_query_head else (h0, h1))
         return replace(self, q=self.q[b0:b1, hq], k=k, v=self.v[b0:b1, h0:h1], out=self.out[b0:b1, hq],
-                       lse=None if self.lse is None else self.lse[b0:b1, hq], keys=k, centres=None, prep=None)
+                       lse=None if self.lse is None else self.lse[b0:b1, hq], block_mask=mask, keys=k, centres=None,
+                       prep=None)
 
 
 @dataclass(frozen=True)

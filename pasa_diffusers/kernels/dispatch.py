@@ -39,8 +39,9 @@ from __future__ import annotations
 import torch
 
 from . import block_tally
+from ..block_sparse import BlockSparseMask
 from ..shift_matrix import shift_constants
-from ..rules import SHIFT_BLOCK
+from ..rules import MASK_QUERY_TILE, SHIFT_BLOCK
 from ..variants import KERNEL_PRECISIONS, Variant, eight_bit
 from ..variants import pv_bits as precision_pv_bits
 from . import hopper, hopper_int8, int8, packed, portable, quantize
@@ -210,9 +211,25 @@ def _plan(call: Call) -> Plan:
         _resolve_sixteen_bit(fn, call)
     if asked is not None and shift not in asked.shifts:
         raise ValueError(f"{fn}: kernel={kernel!r} is the {' / '.join(asked.shifts)} shift's; got shift={shift!r}")
+    if call.block_mask is not None:
+        _check_mask_blocks(fn, call)
     reasons = {entry.name: _variant_reason(entry, precision, shift) or entry.unsuitable(call) for entry in TABLE}
     chosen, rejected = _choose(fn, reasons, kernel, precision)
     return Plan(chosen, _BY_NAME[chosen].prepass_of(call), call.shift_block, call.one_block, rejected, call.bits)
+
+
+def _check_mask_blocks(fn: str, call: Call) -> None:
+    """A block mask's blocks must be those the kernels walk: ``block_k`` the call's shift block as asked
+    (``block_n``, default ``SHIFT_BLOCK``; the 8-bit kernels' centre block; plain FlashAttention's key tiles
+    divide ``SHIFT_BLOCK``), and ``block_q`` a multiple of ``rules.MASK_QUERY_TILE``."""
+    mask = call.block_mask
+    key_block = SHIFT_BLOCK if call.block_n is None else int(call.block_n)
+    if mask.block_k != key_block:
+        raise ValueError(f"{fn}: block_mask.block_k={mask.block_k} must be the kernels' key block {key_block} "
+                         f"(the shift block, block_n)")
+    if mask.block_q % MASK_QUERY_TILE:
+        raise ValueError(f"{fn}: block_mask.block_q={mask.block_q} must be a multiple of {MASK_QUERY_TILE} "
+                         f"(the kernels' largest query tile)")
 
 
 _PLANS: dict[tuple, Plan] = {}
@@ -228,15 +245,16 @@ def _signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Ten
 
 def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, variant: Variant,
          block_n: int | None = None, kernel: str = "auto", prepass: bool | None = None,
-         config: dict | None = None, pv_bits: int | None = None, fallback: bool = True) -> Plan:
+         config: dict | None = None, pv_bits: int | None = None, fallback: bool = True,
+         block_mask: BlockSparseMask | None = None) -> Plan:
     """The plan of ``forward`` for these arguments (see :func:`forward`); ``ValueError`` naming the argument
-    for a kernel, pre-pass, ``block_n`` or 8-bit option that cannot serve the call.
+    for a kernel, pre-pass, ``block_n``, 8-bit option or block mask that cannot serve the call.
 
     Plans are kept per call signature (:func:`_signature`: everything the routing reads), so a repeated call
     returns the same ``Plan`` object without routing again; :func:`forget_plans` empties the cache (a test
     that changes what a kernel can take, or the GPU, between calls)."""
     return _planned(Call(q, k, v, out, variant, block_n=block_n, kernel=kernel, prepass=prepass, config=config,
-                         pv_bits=pv_bits, fallback=fallback))
+                         pv_bits=pv_bits, fallback=fallback, block_mask=block_mask))
 
 
 def _planned(call: Call) -> Plan:
@@ -244,8 +262,10 @@ def _planned(call: Call) -> Plan:
     try:
         config = call.config
         config_key = None if config is None else tuple(sorted(config.items()))
+        mask = call.block_mask
+        mask_key = None if mask is None else (mask.block_q, mask.block_k)
         key = _signature(call.q, call.k, call.v, call.out, (call.variant, call.block_n, call.kernel, call.prepass,
-                                                            config_key, call.pv_bits, call.fallback))
+                                                            config_key, call.pv_bits, call.fallback, mask_key))
         found = _PLANS.get(key)
     except TypeError:  # an unhashable option value: planned, not kept
         return _plan(call)
@@ -266,7 +286,8 @@ def forget_plans() -> None:
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, scale: float,
             variant: Variant, beta: float, block_n: int | None = None, kernel: str = "auto",
             prepass: bool | None = None, config: dict | None = None, lse: torch.Tensor | None = None,
-            pv_bits: int | None = None, fallback: bool = True) -> torch.Tensor:
+            pv_bits: int | None = None, fallback: bool = True,
+            block_mask: BlockSparseMask | None = None) -> torch.Tensor:
     """Write ``softmax(scale q k^T) v`` of ``variant`` into ``out`` (and, given ``lse``, each row's
     log-sum-exp into it) and return ``out``.
 
@@ -294,8 +315,14 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
             explicitly (``"int8"`` takes either, ``"fp8"`` only 8: ``ValueError`` naming both otherwise).
             ``fallback``: the key blocks whose codes cannot hold their range computed in 16 bits and counted
             in ``block_tally`` (``True``, the default) or every block from the codes.
+        block_mask: ``None`` (every key block), or a ``block_sparse.BlockSparseMask`` that fits the call
+            (``check_call``, done by the op) with ``block_k`` the shift block and ``block_q`` a multiple of
+            ``rules.MASK_QUERY_TILE``: the kernel visits only each query block's kept key blocks (the kernels that
+            cannot say so in their ``unsuitable`` reason); a query block that keeps none gives zeros and, with
+            ``lse``, ``-inf``.
     """
-    call = Call(q, k, v, out, variant, scale, beta, block_n, kernel, prepass, config, lse, pv_bits, fallback, keys=k)
+    call = Call(q, k, v, out, variant, scale, beta, block_n, kernel, prepass, config, lse, pv_bits, fallback,
+                block_mask, keys=k)
     chosen = _planned(call)
     if lse is not None:
         _check_lse(q, lse)

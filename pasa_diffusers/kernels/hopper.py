@@ -529,6 +529,8 @@ def forward(q: torch.Tensor, k_c: torch.Tensor, v: torch.Tensor, centres: torch.
 
 def unsuitable(call: Call) -> str | None:
     """Why the Gluon kernel cannot run ``call`` (an exact-shift call in the hybrid precision), or ``None``."""
+    if call.block_mask is not None:
+        return "it takes no block_mask yet"
     if not (not call.one_block if call.prepass is None else call.prepass):
         return "all keys form one block, centred inside the kernel (no pre-pass)"
     if call.kernel == "auto" and call.config is not None:

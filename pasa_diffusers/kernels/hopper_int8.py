@@ -809,6 +809,8 @@ the faster one on the H200 (``bench.int8_fallback``; docs/notes/int8_kernel.md h
 def unsuitable(call: Call) -> str | None:
     """Why this kernel cannot run ``call`` (an 8-bit call), or ``None``; ``kernel="auto"`` also leaves it for a
     given config (a config names one kernel's tiles) and for fewer than :data:`AUTO_MIN_KEYS` keys."""
+    if call.block_mask is not None:
+        return "it takes no block_mask yet"
     if INTERPRET:
         return "Triton's interpreter runs no Gluon"
     reason = unsuitable_reason(call.q, call.v, call.out, pv_bits=call.bits)

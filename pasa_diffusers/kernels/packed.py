@@ -205,6 +205,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
 
 def unsuitable(call: Call) -> str | None:
     """Why the packed kernel cannot run ``call`` (an exact-shift call), or ``None``."""
+    if call.block_mask is not None:
+        return "it takes no block_mask yet"
     n_q, n_k = call.q.shape[2], call.k.shape[2]
     if not (call.one_block and packs(n_q, n_k)):
         return (f"it takes sequences of at most {MAX_TOKENS} queries and keys in one key block; "
