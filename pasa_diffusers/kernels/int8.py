@@ -26,7 +26,7 @@ import triton.language as tl
 
 from ..rules import SHIFT_BLOCK
 from .call import Call, Kernel, Plan
-from .common import INTERPRET, LN2, LOG2E, P_SHIFT, cdiv, mma, round_to, strides3
+from .common import INTERPRET, LN2, LOG2E, P_SHIFT, cdiv, kept_blocks, mask_args, mma, round_to, strides3
 from .quantize import Prepared, _split, _to_e4m3
 from .tuning import SMEM_LIMIT, autotuned, bucket, interpreter_autotunes
 
@@ -195,10 +195,57 @@ def tile_counts(flag_base, coded_ptr, N_K, BLOCK_N: tl.constexpr, CENTRE_BLOCK_:
     return n_tiles, n_tiles, 0, n_tiles - ragged, 0
 
 
-@triton.jit(do_not_specialize=["N_Q", "N_K"])
+@triton.jit
+def _sparse_passes(acc, l_i, m_i, q_codes, q, a_i, mu_u, kc_base, ks_base, sig_base, au_base, c_base, k_base,
+                   flag_base, v_base, v8_base, vs, stride_kcn, stride_cj, stride_kn, stride_vn, stride_v8d, mc_ptr,
+                   mi_ptr, off_z, off_hq, pid_m, stride_mcz, stride_mch, stride_mcq, stride_miz, stride_mih,
+                   stride_miq, stride_mij, MASK_GROUP, MASK_BLOCK_Q, N_K, offs_j, offs_c, offs_d, d_valid, qk_scale,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   CENTRE_BLOCK_: tl.constexpr, FALLBACK: tl.constexpr, PV_FP8: tl.constexpr,
+                   INTERPRET_FP8: tl.constexpr, INTERPRET_BF16: tl.constexpr):
+    """Step 4c on the kept key blocks of this program's query block (``common.kept_blocks``): per pass (the
+    coded blocks, then with ``FALLBACK`` the 16-bit ones) the full tiles of each kept block of the pass's kind,
+    ascending (tiles ``blk * per_block`` up to the full tiles' end; a block of the other kind: an empty range),
+    then the ragged last tile (masked) if its block is kept and of the pass's kind.  Returns the state and the
+    kept blocks' count."""
+    count, indices = kept_blocks(mc_ptr, mi_ptr, off_z, off_hq, pid_m, stride_mcz, stride_mch, stride_mcq,
+                                 stride_miz, stride_mih, stride_miq, MASK_GROUP, MASK_BLOCK_Q, BLOCK_M)
+    per_block: tl.constexpr = CENTRE_BLOCK_ // BLOCK_N
+    n_tiles = tl.cdiv(N_K, BLOCK_N)
+    full_tiles = N_K // BLOCK_N
+    last = tl.load(indices + (count - 1) * stride_mij, mask=count > 0, other=-1)
+    ragged_kept = (last + 1) * per_block > full_tiles  # the last kept block holds the ragged tile
+    if FALLBACK:
+        last_kind = tl.load(flag_base + last, mask=count > 0, other=0).to(tl.int32)
+    else:
+        last_kind = 0
+    for sixteen in tl.static_range(2 if FALLBACK else 1):
+        for i in range(0, count):
+            blk = tl.load(indices + i * stride_mij)
+            lo = blk * per_block
+            hi = tl.minimum(lo + per_block, full_tiles)
+            if FALLBACK:
+                hi = tl.where(tl.load(flag_base + blk).to(tl.int32) == sixteen, hi, lo)
+            acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q_codes, q, a_i, mu_u, kc_base, ks_base, sig_base, au_base,
+                                        c_base, k_base, flag_base, v_base, v8_base, vs, stride_kcn, stride_cj,
+                                        stride_kn, stride_vn, stride_v8d, 0, lo, hi, N_K, offs_j, offs_c, offs_d,
+                                        d_valid, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CENTRE_BLOCK_, False,
+                                        sixteen == 1, PV_FP8, INTERPRET_FP8, False, INTERPRET_BF16)
+        tail = tl.where(ragged_kept & (last_kind == sixteen), full_tiles, n_tiles)
+        acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q_codes, q, a_i, mu_u, kc_base, ks_base, sig_base, au_base,
+                                    c_base, k_base, flag_base, v_base, v8_base, vs, stride_kcn, stride_cj,
+                                    stride_kn, stride_vn, stride_v8d, 0, tail, n_tiles, N_K, offs_j, offs_c, offs_d,
+                                    d_valid, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CENTRE_BLOCK_, False,
+                                    sixteen == 1, PV_FP8, INTERPRET_FP8, True, INTERPRET_BF16)
+    return acc, l_i, m_i, count
+
+
+@triton.jit(do_not_specialize=["N_Q", "N_K", "MASK_GROUP", "MASK_BLOCK_Q"])
 def int8_fwd_kernel(
     q_ptr, qc_ptr, qs_ptr, mu_ptr, kc_ptr, ks_ptr, sig_ptr, a_ptr, c_ptr, k_ptr, flag_ptr, order_ptr, coded_ptr, v_ptr,
     v8_ptr, vs_ptr, o_ptr, lse_ptr,
+    mc_ptr, mi_ptr, stride_mcz, stride_mch, stride_mcq, stride_miz, stride_mih, stride_miq, stride_mij,
+    MASK_GROUP, MASK_BLOCK_Q,
     stride_qz, stride_qh, stride_qm, stride_qcz, stride_qch, stride_qcm, stride_qsz, stride_qsh,
     stride_kcz, stride_kch, stride_kcn, stride_ksz, stride_ksh, stride_az, stride_ah,
     stride_cz, stride_ch, stride_cj, stride_kz, stride_kh, stride_kn,
@@ -207,7 +254,7 @@ def int8_fwd_kernel(
     H_Q, KV_GROUP, N_Q, N_K, NQ_BUCKET, NK_BUCKET, scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CENTRE_BLOCK_: tl.constexpr, FALLBACK: tl.constexpr, PV_FP8: tl.constexpr, INTERPRET_FP8: tl.constexpr,
-    STORE_LSE: tl.constexpr, INTERPRET_BF16: tl.constexpr,
+    STORE_LSE: tl.constexpr, SPARSE: tl.constexpr, INTERPRET_BF16: tl.constexpr,
 ):
     """``out = softmax(scale q k^T) v`` for one block of ``BLOCK_M`` query rows of one (batch, head), from
     the pre-pass's codes (``reference_int8.attention_from_codes``).
@@ -229,7 +276,14 @@ def int8_fwd_kernel(
     Without ``FALLBACK`` the key loop runs over the full tiles unmasked, then the ragged last one masked.  With
     it, in the spec's order (step 4c): that pair of loops over the coded blocks' tiles, ``order`` (B, Hq, blocks)
     int32 naming the blocks and ``coded`` (B, Hq) int32 their count (:func:`tile_counts`), then again over the
-    flagged blocks' tiles in 16 bits; no tile of either loop branches on a flag.  With
+    flagged blocks' tiles in 16 bits; no tile of either loop branches on a flag.  With ``SPARSE`` (a block mask,
+    ``block_sparse.BlockSparseMask``: ``kv_counts`` at ``mc_ptr``, ``kv_indices`` at ``mi_ptr``, key blocks of
+    ``CENTRE_BLOCK_`` keys, query blocks of ``MASK_BLOCK_Q`` rows, a multiple of ``BLOCK_M``;
+    ``common.kept_blocks``) each pass walks the kept blocks of its query block instead, ascending: the tiles of
+    those of its kind (a block of the other kind gives an empty range, no branch), the ragged last tile last if
+    its block is kept: step 4c restricted to the kept blocks (``reference_int8.attention_from_codes``); the
+    other keys are neither loaded nor multiplied.  A query block that keeps none stores zeros and ``lse = -inf``
+    (``l_i`` read as 1).  With
     ``STORE_LSE`` each row's natural-log log-sum-exp ``(m_i + log2(l_i) - P_SHIFT if FP8) ln 2`` goes to
     ``lse`` (B, Hq, Nq) fp32.  Grid: one program per (query block, batch x head) on axis 0, query blocks
     fastest.
@@ -276,22 +330,31 @@ def int8_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    coded_blocks, n_coded, n_16, coded_full, full_16 = tile_counts(flag_base, coded_ptr + pid_bh, N_K, BLOCK_N,
-                                                                   CENTRE_BLOCK_, FALLBACK)
-    for sixteen in tl.static_range(2 if FALLBACK else 1):  # step 4c: the coded tiles, then the 16-bit ones
-        first = coded_blocks * sixteen
-        n_pass = n_16 if sixteen else n_coded
-        full = full_16 if sixteen else coded_full
-        acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q_codes, q, a_i, mu_u, kc_base, ks_base, sig_base, au_base, c_base,
-                                    k_base, order_base, v_base, v8_base, vs, stride_kcn, stride_cj, stride_kn,
-                                    stride_vn, stride_v8d, first, 0, full, N_K, offs_j, offs_c, offs_d, d_valid,
-                                    qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CENTRE_BLOCK_, FALLBACK, sixteen == 1,
-                                    PV_FP8, INTERPRET_FP8, False, INTERPRET_BF16)
-        acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q_codes, q, a_i, mu_u, kc_base, ks_base, sig_base, au_base, c_base,
-                                    k_base, order_base, v_base, v8_base, vs, stride_kcn, stride_cj, stride_kn,
-                                    stride_vn, stride_v8d, first, full, n_pass, N_K, offs_j, offs_c, offs_d, d_valid,
-                                    qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CENTRE_BLOCK_, FALLBACK, sixteen == 1,
-                                    PV_FP8, INTERPRET_FP8, True, INTERPRET_BF16)
+    if SPARSE:
+        acc, l_i, m_i, count = _sparse_passes(
+            acc, l_i, m_i, q_codes, q, a_i, mu_u, kc_base, ks_base, sig_base, au_base, c_base, k_base, flag_base,
+            v_base, v8_base, vs, stride_kcn, stride_cj, stride_kn, stride_vn, stride_v8d, mc_ptr, mi_ptr, off_z, off_hq,
+            pid_m, stride_mcz, stride_mch, stride_mcq, stride_miz, stride_mih, stride_miq, stride_mij, MASK_GROUP,
+            MASK_BLOCK_Q, N_K, offs_j, offs_c, offs_d, d_valid, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
+            CENTRE_BLOCK_, FALLBACK, PV_FP8, INTERPRET_FP8, INTERPRET_BF16)
+        l_i = tl.where(count > 0, l_i, 1.0)  # an empty query block: acc = 0, m_i = -inf
+    else:
+        coded_blocks, n_coded, n_16, coded_full, full_16 = tile_counts(flag_base, coded_ptr + pid_bh, N_K, BLOCK_N,
+                                                                       CENTRE_BLOCK_, FALLBACK)
+        for sixteen in tl.static_range(2 if FALLBACK else 1):  # step 4c: the coded tiles, then the 16-bit ones
+            first = coded_blocks * sixteen
+            n_pass = n_16 if sixteen else n_coded
+            full = full_16 if sixteen else coded_full
+            acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q_codes, q, a_i, mu_u, kc_base, ks_base, sig_base, au_base,
+                                        c_base, k_base, order_base, v_base, v8_base, vs, stride_kcn, stride_cj,
+                                        stride_kn, stride_vn, stride_v8d, first, 0, full, N_K, offs_j, offs_c, offs_d,
+                                        d_valid, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CENTRE_BLOCK_, FALLBACK,
+                                        sixteen == 1, PV_FP8, INTERPRET_FP8, False, INTERPRET_BF16)
+            acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q_codes, q, a_i, mu_u, kc_base, ks_base, sig_base, au_base,
+                                        c_base, k_base, order_base, v_base, v8_base, vs, stride_kcn, stride_cj,
+                                        stride_kn, stride_vn, stride_v8d, first, full, n_pass, N_K, offs_j, offs_c,
+                                        offs_d, d_valid, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CENTRE_BLOCK_,
+                                        FALLBACK, sixteen == 1, PV_FP8, INTERPRET_FP8, True, INTERPRET_BF16)
 
     inv_l = 1.0 / l_i
     out = round_to(acc * inv_l[:, None], o_ptr.dtype.element_ty, INTERPRET_BF16)
@@ -339,8 +402,10 @@ _fwd_tuned = autotuned(int8_fwd_kernel, _CONFIGS, AUTOTUNE_KEY, _prune, name="in
 
 
 def attention_call(q: torch.Tensor, prep: Prepared, out: torch.Tensor, *, scale: float,
-                   lse: torch.Tensor | None = None) -> tuple[tuple, dict]:
-    """``(args, meta)`` of :func:`int8_fwd_kernel` (launch 5) on ``prep``, without the tile config."""
+                   lse: torch.Tensor | None = None, block_mask=None) -> tuple[tuple, dict]:
+    """``(args, meta)`` of :func:`int8_fwd_kernel` (launch 5) on ``prep``, without the tile config; ``block_mask``:
+    ``None`` or a ``block_sparse.BlockSparseMask`` fitting the call (``block_k`` the centre block ``SHIFT_BLOCK``,
+    ``block_q`` a multiple of every ``BLOCK_M``)."""
     batch, h_q, n_q, d = q.shape
     h_k, n_k = prep.k_codes.shape[1], prep.k_codes.shape[2]
     fp8 = prep.v_scale is not None
@@ -349,26 +414,27 @@ def attention_call(q: torch.Tensor, prep: Prepared, out: torch.Tensor, *, scale:
     lse_buf = prep.q_scale if lse is None else lse
     flags = (prep.k_codes,) * 3 if prep.flags is None else (prep.flags, prep.order, prep.coded)  # unread without
     args = (q, prep.q_codes, prep.q_scale, prep.mu, prep.k_codes, prep.k_scale, prep.sigma, prep.au, prep.centres,
-            prep.k, *flags, v, v8, vs, out, lse_buf,
+            prep.k, *flags, v, v8, vs, out, lse_buf, *mask_args(block_mask, q),
             *strides3(q), *strides3(prep.q_codes), *prep.q_scale.stride()[:2],
             *strides3(prep.k_codes), *prep.k_scale.stride()[:2], *prep.au.stride()[:2], *strides3(prep.centres),
             *strides3(prep.k), *strides3(v), *strides3(v8), *strides3(out),
             h_q, h_q // h_k, n_q, n_k, bucket(n_q), bucket(n_k), float(scale))
     meta = dict(HEAD_DIM=d, BLOCK_D=prep.k_codes.shape[-1], CENTRE_BLOCK_=SHIFT_BLOCK, FALLBACK=prep.flags is not None,
-                PV_FP8=fp8, INTERPRET_FP8=INTERPRET, STORE_LSE=lse is not None,
+                PV_FP8=fp8, INTERPRET_FP8=INTERPRET, STORE_LSE=lse is not None, SPARSE=block_mask is not None,
                 INTERPRET_BF16=INTERPRET and q.dtype == torch.bfloat16)
     return args, meta
 
 
 def attend(q: torch.Tensor, prep: Prepared, out: torch.Tensor, *, scale: float, config: dict | None = None,
-           lse: torch.Tensor | None = None) -> torch.Tensor:
+           lse: torch.Tensor | None = None, block_mask=None) -> torch.Tensor:
     """The attention kernel (launch 5) on ``quantize.prepare``'s outputs; writes ``out`` (B, Hq, Nq, D) (any
     strides, unit stride in D) and, given ``lse`` (a contiguous fp32 (B, Hq, Nq) tensor), each row's
     log-sum-exp.  ``config``: ``BLOCK_M``, ``BLOCK_N`` (a power of two >= 32 dividing 128), ``num_warps``,
     ``num_stages`` instead of autotuning (under the interpreter: over ``INTERPRET_CONFIG``, unless inside
-    ``tuning.interpreter_autotuning``)."""
+    ``tuning.interpreter_autotuning``).  ``block_mask``: only its kept key blocks are visited
+    (:func:`attention_call`; the config tuned for the dense call runs: ``SPARSE`` is not in the tuning key)."""
     batch, h_q, n_q = q.shape[:3]
-    args, meta = attention_call(q, prep, out, scale=scale, lse=lse)
+    args, meta = attention_call(q, prep, out, scale=scale, lse=lse, block_mask=block_mask)
 
     def grid(meta_):
         return (cdiv(n_q, meta_["BLOCK_M"]) * batch * h_q,)
@@ -392,7 +458,7 @@ def unsuitable(call: Call) -> str | None:
 
 def launch(call: Call, plan: Plan) -> None:
     """:func:`attend` on the quantizing pre-pass's outputs (``call.prep``)."""
-    attend(call.q, call.prep, call.out, scale=call.scale, config=call.config, lse=call.lse)
+    attend(call.q, call.prep, call.out, scale=call.scale, config=call.config, lse=call.lse, block_mask=call.block_mask)
 
 
 ENTRY = Kernel("portable-int8", ("int8", "fp8"), ("exact",), launch, unsuitable, prepass="quantize")
