@@ -445,6 +445,10 @@ def attend(q: torch.Tensor, prep: Prepared, out: torch.Tensor, *, scale: float, 
         if not (isinstance(tile, int) and 32 <= tile <= SHIFT_BLOCK and SHIFT_BLOCK % tile == 0):
             raise ValueError(f"int8.attend: config['BLOCK_N']={tile!r} must be a power of two >= 32 (an 8-bit MMA's "
                              f"depth) dividing the centre block {SHIFT_BLOCK}")
+        if block_mask is not None and not (isinstance(fixed.get("BLOCK_M"), int)
+                                           and block_mask.block_q % fixed["BLOCK_M"] == 0):
+            raise ValueError(f"int8.attend: config['BLOCK_M']={fixed.get('BLOCK_M')!r} must divide "
+                             f"block_mask.block_q={block_mask.block_q}")
         int8_fwd_kernel[grid](*args, **meta, **fixed)
     else:
         _fwd_tuned[grid](*args, **meta)

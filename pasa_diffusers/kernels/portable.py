@@ -48,7 +48,7 @@ from .call import NO_SHIFT, Call, Kernel, Plan
 from .common import INTERPRET, LN2, LOG2E, cdiv, centre_tile, kept_blocks, lse_arg, mask_args, mma, round_to, strides3
 from .tuning import SMEM_LIMIT, autotuned, bucket, interpreter_autotunes, pow2_tile
 
-__all__ = ["pasa_fwd_kernel", "forward", "INTERPRET_CONFIG", "NO_SHIFT"]
+__all__ = ["pasa_fwd_kernel", "forward", "kernel_call", "INTERPRET_CONFIG", "NO_SHIFT"]
 
 
 @triton.jit
@@ -566,6 +566,51 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
             dense call's bits.
     """
     fn = "portable.forward"
+    batch, h_q, n_q = q.shape[:3]
+    args, meta, tiled = kernel_call(q, k, v, out, scale=scale, shift=shift, precision=precision, block_n=block_n,
+                                    one_block=one_block, keys_prepared=keys_prepared, centres=centres,
+                                    shift_constants=shift_constants, lse=lse, block_mask=block_mask)
+
+    def grid(meta_):
+        return (cdiv(n_q, meta_["BLOCK_M"]) * batch * h_q,)
+
+    if config is not None or (INTERPRET and not interpreter_autotunes()):
+        fixed = {**INTERPRET_CONFIG, **(config or {})} if INTERPRET else dict(config)
+        if shift == "none":
+            fixed.setdefault("BLOCK_N", 64)
+        elif tiled:
+            tile = fixed.setdefault("BLOCK_N", block_n)
+            if not (isinstance(tile, int) and tile >= 16 and block_n % tile == 0):
+                raise ValueError(f"{fn}: config['BLOCK_N']={tile!r} must be a power of two >= 16 that divides the "
+                                 f"exact shift's centre block block_n={block_n}")
+        elif fixed.pop("BLOCK_N", block_n) != block_n:
+            raise ValueError(f"{fn}: this variant's BLOCK_N is its shift block; pass block_n, not config['BLOCK_N']")
+        if block_mask is not None:
+            _check_mask_tiles(fn, block_mask, fixed.get("BLOCK_M"), fixed.get("BLOCK_N", block_n))
+        pasa_fwd_kernel[grid](*args, **meta, **fixed)
+    elif tiled:
+        _tiled_fwd_tuned[grid](*args, **meta)
+    else:  # the shift block is BLOCK_N: not tuned
+        _shift_fwd_tuned[grid](*args, **meta)
+    return out
+
+
+def _check_mask_tiles(fn: str, block_mask, block_m, block_n) -> None:
+    """A fixed config's tiles must lie inside the mask's blocks: ``BLOCK_M`` divides ``block_q``, ``BLOCK_N``
+    divides ``block_k`` (the autotuned pools' tiles always do: at most ``rules.MASK_QUERY_TILE`` and the shift
+    block)."""
+    if not (isinstance(block_m, int) and block_mask.block_q % block_m == 0):
+        raise ValueError(f"{fn}: config['BLOCK_M']={block_m!r} must divide block_mask.block_q={block_mask.block_q}")
+    if not (isinstance(block_n, int) and block_mask.block_k % block_n == 0):
+        raise ValueError(f"{fn}: config['BLOCK_N']={block_n!r} must divide block_mask.block_k={block_mask.block_k}")
+
+
+def kernel_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, scale: float, shift: str,
+                precision: str, block_n: int, one_block: bool, keys_prepared: bool,
+                centres: torch.Tensor | None = None, shift_constants: tuple[float, ...] = NO_SHIFT,
+                lse: torch.Tensor | None = None, block_mask=None) -> tuple[tuple, dict, bool]:
+    """``(args, meta, tiled)`` of :func:`pasa_fwd_kernel` for :func:`forward`'s arguments, without the tile
+    config (``BLOCK_N`` in ``meta`` where it is the shift block; ``tiled``: the config tunes it)."""
     batch, h_q, n_q, head_dim = q.shape
     h_k, n_k = k.shape[1], k.shape[2]
     meta = dict(HEAD_DIM=head_dim, BLOCK_D=pow2_tile(head_dim), SHIFT=shift, PRECISION=precision,
@@ -584,27 +629,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
             centres, *strides3(centres), *mask_args(block_mask, q),
             h_q, h_q // h_k, n_q, n_k, bucket(n_q), bucket(n_k), float(scale), *shift_constants,
             torch.finfo(q.dtype).eps)
-
-    def grid(meta_):
-        return (cdiv(n_q, meta_["BLOCK_M"]) * batch * h_q,)
-
-    if config is not None or (INTERPRET and not interpreter_autotunes()):
-        fixed = {**INTERPRET_CONFIG, **(config or {})} if INTERPRET else dict(config)
-        if shift == "none":
-            fixed.setdefault("BLOCK_N", 64)
-        elif tiled:
-            tile = fixed.setdefault("BLOCK_N", block_n)
-            if not (isinstance(tile, int) and tile >= 16 and block_n % tile == 0):
-                raise ValueError(f"{fn}: config['BLOCK_N']={tile!r} must be a power of two >= 16 that divides the "
-                                 f"exact shift's centre block block_n={block_n}")
-        elif fixed.pop("BLOCK_N", block_n) != block_n:
-            raise ValueError(f"{fn}: this variant's BLOCK_N is its shift block; pass block_n, not config['BLOCK_N']")
-        pasa_fwd_kernel[grid](*args, **meta, **fixed)
-    elif tiled:
-        _tiled_fwd_tuned[grid](*args, **meta)
-    else:  # the shift block is BLOCK_N: not tuned
-        _shift_fwd_tuned[grid](*args, **meta)
-    return out
+    return args, meta, tiled
 
 
 PASA_PREPASS_ROWS = 128
