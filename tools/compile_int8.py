@@ -5,7 +5,8 @@
 
 Every kernel of pasa_diffusers/kernels/int8.py and quantize.py (its pre-pass) is compiled for
 GPUTarget("cuda", 90, 32), each (kernel, config, head dim, P V precision, dtype) in its own process
-(PYTHON -m tools.compile_int8 --one CASE) so that a compiler crash is a row: the attention kernel over its autotune pool (int8.AUTOTUNE configs), and
+(PYTHON -m tools.compile_int8 --one CASE) so that a compiler crash is a row: the attention kernel over its autotune
+pool (int8.AUTOTUNE configs), dense and with a block mask (a per-key-head BlockSparseMask of meta tensors), and
 the pre-pass (the fused quantize kernel, the column statistics and their reduction, the 16-bit blocks'
 flags), from meta tensors
 in diffusers' (B, N, H, D) layout viewed as (B, H, N, D), through the launchers' own argument builders
@@ -41,14 +42,17 @@ KV_HEADS = 4
 
 def cases() -> list[dict]:
     """The compile matrix: the attention kernel over its pool at head dims 64 and 128, P V in 16 and 8 bits
-    (fp16 inputs; bf16 once per head dim), and every pre-pass kernel at both head dims."""
+    (fp16 inputs; bf16 once per head dim), each also with a block mask (``sparse``: the walk over the kept key
+    blocks), and every pre-pass kernel at both head dims."""
     from pasa_diffusers.kernels import int8
 
     found = []
     for d in (64, 128):
         for pv_bits in (16, 8):
             for cfg in int8.CONFIG_POOL:
-                found.append({"kernel": "attention", "d": d, "pv_bits": pv_bits, "dtype": "float16", "config": cfg})
+                for sparse in (False, True):
+                    found.append({"kernel": "attention", "d": d, "pv_bits": pv_bits, "dtype": "float16",
+                                  "config": cfg, "sparse": sparse})
             found.append({"kernel": "quantize", "d": d, "pv_bits": pv_bits, "dtype": "float16"})
         found.append({"kernel": "attention", "d": d, "pv_bits": 16, "dtype": "bfloat16",
                       "config": int8.CONFIG_POOL[0]})
@@ -109,7 +113,8 @@ def _launch(case: dict):
     dp = prep.k_codes.shape[-1]
     if case["kernel"] == "attention":
         out = bnhd(h)
-        args, meta = int8.attention_call(q, prep, out, scale=d ** -0.5)
+        args, meta = int8.attention_call(q, prep, out, scale=d ** -0.5,
+                                         block_mask=_key_head_mask(n, b) if case.get("sparse") else None)
         block_m, block_n, warps, stages = case["config"]
         meta.update(BLOCK_M=block_m, BLOCK_N=block_n)
         return int8.int8_fwd_kernel, args, meta, {"num_warps": warps, "num_stages": stages}
@@ -133,6 +138,20 @@ def _launch(case: dict):
     args = (part, out, scratch.v_inv if amax else out, n, part.shape[1])
     meta = dict(DP=dp, AMAX=amax, G_BF16=dtype == torch.bfloat16, INTERPRET_BF16=False)
     return quantize.colstats_reduce_kernel, args, meta, {"num_warps": 4}
+
+
+def _key_head_mask(n: int, batch: int):
+    """A block mask of meta tensors for ``n`` queries and keys, per batch element and key head (as
+    ``BlockSparseMask.from_dense`` lays it out: contiguous, int32)."""
+    import torch
+
+    from pasa_diffusers.block_sparse import BlockSparseMask
+    from pasa_diffusers.rules import SHIFT_BLOCK
+
+    blocks = -(-n // SHIFT_BLOCK)
+    counts = torch.empty(batch, KV_HEADS, blocks, dtype=torch.int32, device="meta")
+    indices = torch.empty(batch, KV_HEADS, blocks, blocks, dtype=torch.int32, device="meta")
+    return BlockSparseMask.from_checked(counts, indices, n, n, SHIFT_BLOCK, SHIFT_BLOCK)
 
 
 def mma_report(ptx: str) -> dict:
@@ -177,7 +196,8 @@ def probe() -> dict:
 def _what(row: dict) -> str:
     if row["kernel"] == "attention":
         bm, bn, w, s = row["config"]
-        return f"attention BLOCK_M {bm}, BLOCK_N {bn}, {w} warps, {s} stages, P V {row['pv_bits']}-bit"
+        mask = ", block mask" if row.get("sparse") else ""
+        return f"attention BLOCK_M {bm}, BLOCK_N {bn}, {w} warps, {s} stages, P V {row['pv_bits']}-bit{mask}"
     if row["kernel"] == "gluon":
         bn, s, c = row["config"]
         return (f"Gluon attention BLOCK_N {bn}, {s} stages, {c} consumers, "

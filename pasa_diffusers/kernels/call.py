@@ -16,7 +16,7 @@ import torch
 from ..block_sparse import BlockSparseMask
 from ..variants import Variant
 
-__all__ = ["Call", "Plan", "Kernel", "PREPASSES", "KEY_COPYING_PREPASSES", "NO_SHIFT"]
+__all__ = ["Call", "Plan", "Kernel", "PREPASSES", "KEY_COPYING_PREPASSES", "NO_SHIFT", "BlockSparseMask"]
 
 PREPASSES = ("centre", "shift", "quantize")
 """The pre-passes a kernel may ask for: ``"centre"`` (the exact shift: each block's centre removed once per head,

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from .. import rules
+from ..block_sparse import BlockSparseMask
 
 __all__ = ["LOG2E", "LN2", "P_SHIFT", "INTERPRET", "log2_units", "round_to", "mma", "binade", "centre_tile", "cdiv", "strides3",
            "lse_arg", "kept_blocks", "mask_args"]
@@ -157,7 +158,7 @@ def lse_arg(lse: torch.Tensor | None, device: torch.device) -> torch.Tensor:
 _NO_MASK: dict[torch.device, torch.Tensor] = {}
 
 
-def mask_args(mask, q: torch.Tensor) -> tuple:
+def mask_args(mask: BlockSparseMask | None, q: torch.Tensor) -> tuple:
     """The block mask's kernel arguments for queries ``q`` (B, Hq, Nq, D): ``kv_counts``, ``kv_indices``, their
     strides (0 along a shared batch or head), the query heads per mask head, ``block_q`` (what
     :func:`kept_blocks` reads); without a mask (``None``) an empty int32 tensor in place of both (read by no

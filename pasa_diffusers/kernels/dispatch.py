@@ -23,6 +23,11 @@ shifted keys once per head, for the portable kernel where several query blocks r
 ``"quantize"`` (``quantize.prepare``: q, k, v to the 8-bit codes, which both 8-bit kernels read); the router runs
 the plan's pre-pass (:data:`PREPASS_RUNS`), then the entry's ``launch``.
 
+A block-sparse mask (``block_mask``, a ``block_sparse.BlockSparseMask`` in ``call.Call.block_mask``) reaches the
+kernels through the call: the portable kernels visit only its kept key blocks; a kernel that cannot says so in
+``unsuitable`` ("it takes no block_mask yet"), so ``"auto"`` passes it over and a request by name is refused.
+Its blocks must be those the kernels walk (:func:`_check_mask_blocks`).
+
 A call whose key pre-pass would copy more than a fifth of the output's bytes (:data:`KEY_COPY_SHARE`) runs
 in ranges of batch and kv head, one after the other (:func:`key_chunks`), so that its peak memory stays
 within 1.25x of cuDNN's, as long as each range keeps the GPU busy for much longer than the host takes to

@@ -6,7 +6,9 @@ CPU tensors under ``TRITON_INTERPRET=1``, from the quantizing pre-pass's outputs
 launches, which the router runs first; ``hopper_int8.py``'s Gluon kernel reads the same): this file's
 :func:`int8_fwd_kernel` (:func:`attend`; the ``portable-int8`` entry of ``dispatch.TABLE``) is the fifth
 launch: INT8 ``q k^T`` with int32 sums, the removed logits added in fp32 (a flagged block: ``q . (k - c_b)`` by
-two 16-bit MMAs instead), online softmax in fp32, ``P V`` in the GEMM dtype or FP8 (``PV_FP8``).
+two 16-bit MMAs instead), online softmax in fp32, ``P V`` in the GEMM dtype or FP8 (``PV_FP8``).  With a block
+mask (``SPARSE``, ``block_sparse.BlockSparseMask``) each query block visits only its kept key blocks
+(:func:`_sparse_passes`); the pre-pass is the dense call's.
 
 Head dims are padded to ``DP``, a power of two >= 32 (an INT8 MMA reduces over 32).  The kernel rounds where
 the spec does but contracts products into FMAs and sums in its own order, so it matches the spec to fp32
@@ -25,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ..rules import SHIFT_BLOCK
-from .call import Call, Kernel, Plan
+from .call import BlockSparseMask, Call, Kernel, Plan
 from .common import INTERPRET, LN2, LOG2E, P_SHIFT, cdiv, kept_blocks, mask_args, mma, round_to, strides3
 from .quantize import Prepared, _split, _to_e4m3
 from .tuning import SMEM_LIMIT, autotuned, bucket, interpreter_autotunes
@@ -402,7 +404,7 @@ _fwd_tuned = autotuned(int8_fwd_kernel, _CONFIGS, AUTOTUNE_KEY, _prune, name="in
 
 
 def attention_call(q: torch.Tensor, prep: Prepared, out: torch.Tensor, *, scale: float,
-                   lse: torch.Tensor | None = None, block_mask=None) -> tuple[tuple, dict]:
+                   lse: torch.Tensor | None = None, block_mask: BlockSparseMask | None = None) -> tuple[tuple, dict]:
     """``(args, meta)`` of :func:`int8_fwd_kernel` (launch 5) on ``prep``, without the tile config; ``block_mask``:
     ``None`` or a ``block_sparse.BlockSparseMask`` fitting the call (``block_k`` the centre block ``SHIFT_BLOCK``,
     ``block_q`` a multiple of every ``BLOCK_M``)."""
@@ -426,7 +428,7 @@ def attention_call(q: torch.Tensor, prep: Prepared, out: torch.Tensor, *, scale:
 
 
 def attend(q: torch.Tensor, prep: Prepared, out: torch.Tensor, *, scale: float, config: dict | None = None,
-           lse: torch.Tensor | None = None, block_mask=None) -> torch.Tensor:
+           lse: torch.Tensor | None = None, block_mask: BlockSparseMask | None = None) -> torch.Tensor:
     """The attention kernel (launch 5) on ``quantize.prepare``'s outputs; writes ``out`` (B, Hq, Nq, D) (any
     strides, unit stride in D) and, given ``lse`` (a contiguous fp32 (B, Hq, Nq) tensor), each row's
     log-sum-exp.  ``config``: ``BLOCK_M``, ``BLOCK_N`` (a power of two >= 32 dividing 128), ``num_warps``,

@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .call import NO_SHIFT, Call, Kernel, Plan
+from .call import NO_SHIFT, BlockSparseMask, Call, Kernel, Plan
 from .common import INTERPRET, LN2, LOG2E, cdiv, centre_tile, kept_blocks, lse_arg, mask_args, mma, round_to, strides3
 from .tuning import SMEM_LIMIT, autotuned, bucket, interpreter_autotunes, pow2_tile
 
@@ -539,7 +539,7 @@ _tiled_fwd_tuned = autotuned(pasa_fwd_kernel, _pool(_TILED_CONFIGS), AUTOTUNE_KE
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, scale: float, shift: str,
             precision: str, block_n: int, one_block: bool, keys_prepared: bool, centres: torch.Tensor | None = None,
             shift_constants: tuple[float, ...] = NO_SHIFT, config: dict | None = None,
-            lse: torch.Tensor | None = None, block_mask=None) -> torch.Tensor:
+            lse: torch.Tensor | None = None, block_mask: BlockSparseMask | None = None) -> torch.Tensor:
     """Write ``softmax(scale q k^T) v`` into ``out`` (and each row's log-sum-exp into ``lse``) and return ``out``.
 
     Resolved arguments (``dispatch.forward`` checks and plans the call):
@@ -595,7 +595,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
     return out
 
 
-def _check_mask_tiles(fn: str, block_mask, block_m, block_n) -> None:
+def _check_mask_tiles(fn: str, block_mask: BlockSparseMask, block_m: object, block_n: object) -> None:
     """A fixed config's tiles must lie inside the mask's blocks: ``BLOCK_M`` divides ``block_q``, ``BLOCK_N``
     divides ``block_k`` (the autotuned pools' tiles always do: at most ``rules.MASK_QUERY_TILE`` and the shift
     block)."""
@@ -608,7 +608,8 @@ def _check_mask_tiles(fn: str, block_mask, block_m, block_n) -> None:
 def kernel_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, scale: float, shift: str,
                 precision: str, block_n: int, one_block: bool, keys_prepared: bool,
                 centres: torch.Tensor | None = None, shift_constants: tuple[float, ...] = NO_SHIFT,
-                lse: torch.Tensor | None = None, block_mask=None) -> tuple[tuple, dict, bool]:
+                lse: torch.Tensor | None = None,
+                block_mask: BlockSparseMask | None = None) -> tuple[tuple, dict, bool]:
     """``(args, meta, tiled)`` of :func:`pasa_fwd_kernel` for :func:`forward`'s arguments, without the tile
     config (``BLOCK_N`` in ``meta`` where it is the shift block; ``tiled``: the config tunes it)."""
     batch, h_q, n_q, head_dim = q.shape
