@@ -177,6 +177,21 @@ def test_the_other_key_paths_with_a_mask(shift, precision, n_k, options, gen):
     _check_variant(shift, precision, "drift", "per-head", shape, gen, **options)
 
 
+@interpreted
+def test_query_blocks_of_two_tiles_and_more(gen):
+    """A mask whose query blocks are 256 rows: each 64-row query tile reads its enclosing block's row."""
+    shape = (1, 2, 1, 300, 300, 32)
+    q, k, v = _inputs(shape, "drift", gen)
+    dense = torch.rand(1, 2, 2, 3, generator=gen) < 0.5
+    dense[..., 0, 1] = True
+    dense[:, 1, 1] = False  # head 1's second query block (rows 256-299) keeps nothing
+    mask = BlockSparseMask.from_dense(dense, 300, 300, block_q=256)
+    out, lse = _kernel(q, k, v, Variant("exact", "hybrid"), block_mask=mask)
+    ref, ref_lse = _reference(q, k, v, "exact", "hybrid", mask)
+    gold, gold_lse = R.golden_attention(q, k, v, return_lse=True, block_mask=mask)
+    _assert_masked_bound(out, lse, ref, ref_lse, gold, gold_lse, mask, "exact", "hybrid")
+
+
 # --- bit for bit ----------------------------------------------------------------------------------------------
 EIGHT_BIT = [("exact", "int8"), ("exact", "fp8")]
 
