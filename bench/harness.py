@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Shape", "svd_spatial", "svd_temporal", "DIT", "DIT_CALLS", "PAPER", "TINY", "SHAPE_SETS", "FRAMES", "shapes",
            "make_inputs", "Call", "Method", "Prepared", "Skip", "SDPA_BACKENDS", "sdpa_method", "peer_methods",
-           "VARIANTS", "op_method", "KERNELS", "kernel_methods", "config_methods", "METHOD_GROUPS", "parse_methods",
+           "VARIANTS", "op_method", "kernel_names", "kernel_methods", "config_methods", "METHOD_GROUPS", "parse_methods",
            "select_methods", "runs_ours", "Timer", "synchronize", "free_memory", "Row", "error_text", "measure",
            "fmt", "device", "cpu_problem", "environment", "header", "write_report", "settings_study", "rows_payload", "parser",
            "add_shape_arguments", "add_timer_arguments", "add_method_arguments", "command", "progress", "log"]
@@ -307,7 +307,11 @@ def op_method(variant: Variant) -> Method:
     return Method(variant.name, "ours", build)
 
 
-KERNELS = ("portable", "packed", "gluon", "gluon-int8", "portable-int8")
+def kernel_names() -> tuple[str, ...]:
+    """Our kernels by name, in the router's order of preference (``dispatch.TABLE``: one entry per kernel file)."""
+    from pasa_diffusers.kernels import dispatch
+
+    return dispatch.kernel_names()
 
 
 def _plan_name(variant: Variant, plan: Plan) -> str:
@@ -344,7 +348,7 @@ def kernel_methods(variant: Variant, q: torch.Tensor, k: torch.Tensor, v: torch.
 
     out = torch.empty_like(q)
     found: dict[str, Method] = {}
-    for kernel in KERNELS:
+    for kernel in dispatch.kernel_names():
         for prepass in (None, True, False):
             try:
                 plan = dispatch.plan(q, k, v, out, variant=variant, kernel=kernel, prepass=prepass)

@@ -27,7 +27,7 @@ import torch
 
 from pasa_diffusers.kernels import block_tally
 from pasa_diffusers.shift_matrix import DEFAULT_BETA
-from pasa_diffusers.kernels import dispatch, int8, tuning
+from pasa_diffusers.kernels import dispatch, int8, quantize, tuning
 from pasa_diffusers.variants import Variant
 from pasa_diffusers.metrics import records
 
@@ -71,11 +71,11 @@ def _int8_method(fallback: bool, kernel: str, config: dict | None = None, pv_bit
 
 
 def _prepass_method(split: bool) -> harness.Method:
-    """The pre-pass alone (``int8.prepare`` with the fallback's flags; ``split``: the Gluon kernel's hi/lo too),
+    """The pre-pass alone (``quantize.prepare`` with the fallback's flags; ``split``: the Gluon kernel's hi/lo too),
     so that a row's attention time is the kernel's minus this."""
     def build(q, k, v):
         scale = q.shape[-1] ** -0.5
-        return harness.Prepared(lambda: int8.prepare(q, k, v, scale=scale, split=split).q_scale, "", {})
+        return harness.Prepared(lambda: quantize.prepare(q, k, v, scale=scale, split=split).q_scale, "", {})
     return harness.Method(f"int8 pre-pass alone{' (with hi/lo)' if split else ''}", "ours", build)
 
 
@@ -95,8 +95,8 @@ def _pv_bits(text: str) -> list[int]:
         found = [int(x) for x in text.split(",") if x]
     except ValueError:
         found = []
-    if not found or any(bits not in int8.PV_BITS for bits in found):
-        raise argparse.ArgumentTypeError(f"--pv-bits {text!r}: expected a comma-separated list of {int8.PV_BITS}")
+    if not found or any(bits not in quantize.PV_BITS for bits in found):
+        raise argparse.ArgumentTypeError(f"--pv-bits {text!r}: expected a comma-separated list of {quantize.PV_BITS}")
     return found
 
 
@@ -146,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "(default: none)")
     p.add_argument("--prepass", action="store_true", help="also time the pre-pass alone")
     p.add_argument("--pv-bits", type=_pv_bits, default="16",
-                   help=f"P V precisions, comma-separated, of {int8.PV_BITS} (default: 16; 8 is FP8 e4m3)")
+                   help=f"P V precisions, comma-separated, of {quantize.PV_BITS} (default: 16; 8 is FP8 e4m3)")
     p.add_argument("--inputs", type=_inputs, default=",".join(INPUTS),
                    help=f"the inputs, comma-separated, of {INPUTS} (default: both)")
     args = p.parse_args(argv)

@@ -41,9 +41,9 @@ GOLDEN_SEQUENCES = 256
 def parse_config(text: str) -> tuple[str, dict]:
     """``KERNEL:JSON`` -> ``(kernel, config)``; ``argparse.ArgumentTypeError`` naming what is wrong."""
     kernel, sep, body = text.partition(":")
-    if not sep or kernel not in harness.KERNELS:
+    if not sep or kernel not in harness.kernel_names():
         raise argparse.ArgumentTypeError(
-            f"--config {text!r}: expected KERNEL:JSON with KERNEL one of {harness.KERNELS}")
+            f"--config {text!r}: expected KERNEL:JSON with KERNEL one of {harness.kernel_names()}")
     try:
         config = json.loads(body)
     except json.JSONDecodeError as e:

@@ -12,13 +12,13 @@ SpargeAttn kernels read:
 A size 1 in the batch or head dimension is shared by every batch or head; ``H`` may also be the number of key
 heads under grouped-query attention (query head ``h`` reads mask head ``h // (Hq / H)``).  A skipped key block
 contributes nothing; a query block that visits no key block (``kv_counts == 0``) is a defined result: zeros, and
-log-sum-exp ``-inf``.  Every exact reference (``reference``, ``reference_int8``) takes ``block_mask=``; the
-kernels do not yet.
+log-sum-exp ``-inf``.  Every exact reference (``reference``, ``reference_int8``) takes ``block_mask=``, and so
+does the op (``pasa_attention``): its portable kernels skip the missing key blocks (docs/SPARSE.md).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -42,9 +42,13 @@ class BlockSparseMask:
     kv_len: int
     block_q: int = DEFAULT_BLOCK
     block_k: int = DEFAULT_BLOCK
+    keeps_all: bool = field(init=False, default=False)
+    """Every query block keeps every key block (found by :meth:`validate`'s reading of the counts; ``False`` for
+    a mask made by :meth:`from_checked`, which reads nothing): the op then runs without the mask."""
 
     def __post_init__(self) -> None:
         self.validate()
+        object.__setattr__(self, "keeps_all", bool((self.kv_counts == self.n_k_blocks).all()))
 
     # --- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -92,6 +96,27 @@ class BlockSparseMask:
             dense = dense | _flex_dense(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
         nq, nk = _blocks(q_len, block_q), _blocks(kv_len, block_k)
         return cls.from_dense(dense[..., :nq, :nk], q_len, kv_len, block_q=block_q, block_k=block_k)
+
+    @classmethod
+    def from_checked(cls, kv_counts: torch.Tensor, kv_indices: torch.Tensor, q_len: int, kv_len: int,
+                     block_q: int, block_k: int) -> BlockSparseMask:
+        """The fields of a mask already validated, taken as they are: :meth:`validate` reads the tensors on the
+        host (a device sync), which a CUDA graph capture forbids; the op's registered form rebuilds its mask
+        from the fields this way (``keeps_all`` is then ``False``: not known)."""
+        mask = object.__new__(cls)
+        for name, value in (("kv_counts", kv_counts), ("kv_indices", kv_indices), ("q_len", q_len),
+                            ("kv_len", kv_len), ("block_q", block_q), ("block_k", block_k)):
+            object.__setattr__(mask, name, value)
+        return mask
+
+    def select(self, batches: tuple[int, int], heads: tuple[int, int]) -> BlockSparseMask:
+        """This mask on batch elements ``[b0, b1)`` and mask heads ``[h0, h1)``: views, not validated again
+        (:meth:`from_checked`); a shared (size 1) batch or head dimension stays whole."""
+        (b0, b1), (h0, h1) = batches, heads
+        rows = slice(None) if self.kv_counts.shape[0] == 1 else slice(b0, b1)
+        cols = slice(None) if self.kv_counts.shape[1] == 1 else slice(h0, h1)
+        return self.from_checked(self.kv_counts[rows, cols], self.kv_indices[rows, cols], self.q_len, self.kv_len,
+                                 self.block_q, self.block_k)
 
     def to_flex(self):
         """This mask as a FlexAttention ``BlockMask`` (every kept block a partial block with the default

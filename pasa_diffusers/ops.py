@@ -29,6 +29,7 @@ import math
 import torch
 
 from . import env, reference, rules
+from .block_sparse import BlockSparseMask
 from .shift_matrix import DEFAULT_BETA
 from .variants import DEFAULT_PRECISION, DEFAULT_SHIFT, VARIANTS
 
@@ -41,7 +42,8 @@ def _interpreting() -> bool:
 
 
 def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, precision: str,
-              shift: bool | str, beta: float | None, layout: str, return_lse: bool) -> None:
+              shift: bool | str, beta: float | None, layout: str, return_lse: bool,
+              block_mask: BlockSparseMask | None) -> None:
     fn = "pasa_attention"
     rules.check_options(fn, precision=precision, shift=shift, beta=beta, scale=scale, layout=layout,
                         return_lse=return_lse)
@@ -56,6 +58,23 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         raise RuntimeError(f"{fn}: the op has no backward (forward-only, for inference); q, k or v requires grad. "
                            "Call it under torch.no_grad() / torch.inference_mode(), or detach the inputs")
+    if block_mask is not None:
+        _check_block_mask(fn, block_mask, q, k)
+
+
+def _check_block_mask(fn: str, block_mask: BlockSparseMask, q: torch.Tensor, k: torch.Tensor) -> None:
+    """``block_mask`` against ``q``, ``k`` (B, H, N, D): its type, lengths, device, batch and heads
+    (``BlockSparseMask.check_call``), and the blocks the kernels walk (key blocks of ``rules.SHIFT_BLOCK``,
+    query blocks a multiple of ``rules.MASK_QUERY_TILE``); one-line ``ValueError``s naming it."""
+    if not isinstance(block_mask, BlockSparseMask):
+        raise ValueError(f"{fn}: block_mask must be a BlockSparseMask or None, got {type(block_mask).__name__}")
+    block_mask.check_call(q, k, fn)
+    if block_mask.block_k != rules.SHIFT_BLOCK:
+        raise ValueError(f"{fn}: block_mask.block_k={block_mask.block_k} must be {rules.SHIFT_BLOCK}, the kernels' "
+                         "key block (the shift block)")
+    if block_mask.block_q % rules.MASK_QUERY_TILE:
+        raise ValueError(f"{fn}: block_mask.block_q={block_mask.block_q} must be a multiple of "
+                         f"{rules.MASK_QUERY_TILE}, the kernels' largest query tile")
 
 
 def _use_kernel(device: torch.device, precision: str) -> bool:
@@ -75,7 +94,8 @@ def _wide(precision: str) -> torch.dtype:
 
 
 def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, precision: str, shift: str, beta: float,
-         layout: str, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+         layout: str, return_lse: bool, block_mask: BlockSparseMask | None = None
+         ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The op on checked arguments (``shift`` a name of ``variants.SHIFT_MODES``): the output in ``q``'s
     layout, contiguous, and with ``return_lse`` the (B, Hq, Nq) LSE (else ``None``)."""
     variant = VARIANTS[shift, precision]  # checked at the op's entry (_validate): a lookup, not a new check
@@ -90,26 +110,50 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, precis
     if _use_kernel(q.device, precision):
         from .kernels import dispatch
 
-        dispatch.forward(q, k, v, out_bhnd, scale=scale, variant=variant, beta=beta, lse=lse)
+        dispatch.forward(q, k, v, out_bhnd, scale=scale, variant=variant, beta=beta, lse=lse, block_mask=block_mask)
     elif return_lse:
-        result, result_lse = reference.attention(q, k, v, scale, variant, beta, return_lse=True)
+        result, result_lse = reference.attention(q, k, v, scale, variant, beta, return_lse=True,
+                                                 block_mask=block_mask)
         out_bhnd.copy_(result)
         lse.copy_(result_lse)
     else:
-        out_bhnd.copy_(reference.attention(q, k, v, scale, variant, beta))
+        out_bhnd.copy_(reference.attention(q, k, v, scale, variant, beta, block_mask=block_mask))
     return out, lse
 
 
+def _mask_fields(block_mask: BlockSparseMask | None) -> tuple:
+    """``block_mask`` as the registered ops take it: ``(kv_counts, kv_indices, block_q, block_k)``; no mask:
+    nothing (the ops' defaults)."""
+    if block_mask is None:
+        return ()
+    return block_mask.kv_counts, block_mask.kv_indices, block_mask.block_q, block_mask.block_k
+
+
+def _mask_of(q: torch.Tensor, k: torch.Tensor, layout: str, kv_counts: torch.Tensor | None,
+             kv_indices: torch.Tensor | None, block_q: int, block_k: int) -> BlockSparseMask | None:
+    """The mask of :func:`_mask_fields`, rebuilt for ``q``, ``k`` in ``layout`` (checked at the op's entry:
+    not validated again, so no host sync)."""
+    if kv_counts is None:
+        return None
+    axis = 1 if layout == "bnhd" else 2
+    return BlockSparseMask.from_checked(kv_counts, kv_indices, q.shape[axis], k.shape[axis], block_q, block_k)
+
+
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, precision: str, shift: str,
-               beta: float, layout: str) -> torch.Tensor:
-    """The op's output on checked arguments (``_run`` without the LSE)."""
-    return _run(q, k, v, scale, precision, shift, beta, layout, False)[0]
+               beta: float, layout: str, kv_counts: torch.Tensor | None = None,
+               kv_indices: torch.Tensor | None = None, block_q: int = 0, block_k: int = 0) -> torch.Tensor:
+    """The op's output on checked arguments (``_run`` without the LSE; the block mask as its fields)."""
+    mask = _mask_of(q, k, layout, kv_counts, kv_indices, block_q, block_k)
+    return _run(q, k, v, scale, precision, shift, beta, layout, False, mask)[0]
 
 
 def _attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, precision: str, shift: str,
-                   beta: float, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The op's output and LSE on checked arguments (``_run`` with the LSE)."""
-    return _run(q, k, v, scale, precision, shift, beta, layout, True)
+                   beta: float, layout: str, kv_counts: torch.Tensor | None = None,
+                   kv_indices: torch.Tensor | None = None, block_q: int = 0,
+                   block_k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op's output and LSE on checked arguments (``_run`` with the LSE; the block mask as its fields)."""
+    mask = _mask_of(q, k, layout, kv_counts, kv_indices, block_q, block_k)
+    return _run(q, k, v, scale, precision, shift, beta, layout, True, mask)
 
 
 _attention_op = torch.library.custom_op("pasa::attention", _attention, mutates_args=())
@@ -120,21 +164,23 @@ _attention_lse_op = torch.library.custom_op("pasa::attention_lse", _attention_ls
 
 
 @_attention_op.register_fake
-def _attention_fake(q, k, v, scale, precision, shift, beta, layout):
+def _attention_fake(q, k, v, scale, precision, shift, beta, layout, kv_counts=None, kv_indices=None, block_q=0,
+                    block_k=0):
     out_dtype = torch.float64 if precision == "fp64" else q.dtype
     return q.new_empty(q.shape, dtype=out_dtype)
 
 
 @_attention_lse_op.register_fake
-def _attention_lse_fake(q, k, v, scale, precision, shift, beta, layout):
+def _attention_lse_fake(q, k, v, scale, precision, shift, beta, layout, kv_counts=None, kv_indices=None, block_q=0,
+                        block_k=0):
     return _attention_fake(q, k, v, scale, precision, shift, beta, layout), q.new_empty(_lse_shape(q, layout),
                                                                                      dtype=_wide(precision))
 
 
 def pasa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, *,
                    precision: str = DEFAULT_PRECISION, shift: bool | str = DEFAULT_SHIFT,
-                   beta: float | None = None, layout: str = "bhnd",
-                   return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                   beta: float | None = None, layout: str = "bhnd", return_lse: bool = False,
+                   block_mask: BlockSparseMask | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention ``softmax(scale q k^T) v`` that cannot overflow in FP16.
 
     Args:
@@ -163,6 +209,15 @@ def pasa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
             ``out = sum_i exp(lse_i - lse) out_i`` with ``lse = logsumexp_i(lse_i)``.  The shifts do not
             change it: the exact shift's removed ``scale q . c_j`` and PASA's removed pseudo-average are
             in it (docs/NUMERICS.md, "The log-sum-exp"); its error is the variant's, as the output's.
+        block_mask: ``None`` (every key), or a ``block_sparse.BlockSparseMask`` for ``(B, Hq, Nq)`` queries and
+            ``Nk`` keys (its batch 1 or ``B``, its heads 1, ``Hk`` or ``Hq``; on ``q``'s device; key blocks of
+            ``rules.SHIFT_BLOCK`` = 128 keys, query blocks a multiple of ``rules.MASK_QUERY_TILE`` = 128 rows):
+            each query block attends only to its kept key blocks, as ``softmax`` over those keys alone (the
+            references' ``block_mask``: PASA's pseudo-average runs over the visited blocks).  A query block that
+            keeps no key block gets zeros, and ``lse = -inf``.  The portable kernels (``"portable"``,
+            ``"portable-int8"``) skip the missing blocks (neither loaded nor multiplied); the others take no mask
+            yet, so a call with one runs the portable kernel of its precision.  A mask that keeps every block
+            (``keeps_all``) runs as ``None``: the same kernels, the same bits.
 
     Returns:
         The attention output in ``q.dtype`` (float64 for ``precision="fp64"``), head dim 16 to 256; with
@@ -177,18 +232,20 @@ def pasa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     the variant's result within its bound (``tests/test_kernel_gpu.py``, ``tests/test_int8.py``).
 
     Raises:
-        ValueError: an argument out of ``rules``' ranges (named in the message), or ``beta`` with a
-            shift other than ``"pasa"``.
+        ValueError: an argument out of ``rules``' ranges (named in the message), ``beta`` with a
+            shift other than ``"pasa"``, or a ``block_mask`` that does not fit the call.
         RuntimeError: an input requires grad while grad mode is on: the op is forward-only.
     """
-    _validate(q, k, v, scale, precision, shift, beta, layout, return_lse)
+    _validate(q, k, v, scale, precision, shift, beta, layout, return_lse, block_mask)
+    if block_mask is not None and block_mask.keeps_all:  # the dense call: its kernels, its bits
+        block_mask = None
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     beta = DEFAULT_BETA if beta is None else float(beta)
     mode = rules.shift_mode(shift)
     if torch.compiler.is_compiling():
         op = _attention_lse_op if return_lse else _attention_op
-        return op(q, k, v, scale, precision, mode, beta, layout)
+        return op(q, k, v, scale, precision, mode, beta, layout, *_mask_fields(block_mask))
     # eager: the implementation itself, without the dispatcher's round trip (torch's custom-op wrapper
     # also imports torch._dynamo on its first call: 2-3 s of cold start)
-    out, lse = _run(q, k, v, scale, precision, mode, beta, layout, return_lse)
+    out, lse = _run(q, k, v, scale, precision, mode, beta, layout, return_lse, block_mask)
     return (out, lse) if return_lse else out

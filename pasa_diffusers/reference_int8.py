@@ -98,6 +98,7 @@ __all__ = [
     "P_SHIFT",
     "PV_BITS",
     "rotation_size",
+    "log2_units",
     "fwht",
     "quantize_rows",
     "query_mean",
@@ -325,6 +326,12 @@ def _f32(x: float) -> torch.Tensor:
     return torch.tensor(x, dtype=_F32)
 
 
+def log2_units(scale: float) -> torch.Tensor:
+    """``u = fp32(scale) fp32(log2 e)`` in fp32: the logits' scale in the kernels' log2 units (the pre-pass
+    stores the keys' bias term as ``u A``)."""
+    return _f32(scale) * _f32(LOG2E)
+
+
 def attention_from_codes(q: torch.Tensor, qq: QuantizedQueries, kq: QuantizedKeys, vq: QuantizedValues,
                          scale: float, *, out_dtype: torch.dtype, block_m: int = 128, block_n: int = SHIFT_BLOCK,
                          fallback: torch.Tensor | None = None, k: torch.Tensor | None = None,
@@ -336,17 +343,18 @@ def attention_from_codes(q: torch.Tensor, qq: QuantizedQueries, kq: QuantizedKey
     D) in ``out_dtype``; with ``return_lse`` also each row's natural-log log-sum-exp ``(m + log2(l) (-
     P_SHIFT in 8 bits)) ln 2`` (B, Hq, Nq) fp32, from the final state as the kernel stores it.
 
-    ``block_mask`` (:class:`~pasa_diffusers.block_sparse.BlockSparseMask`, ``block_k == block_n``; the query
-    blocks then are its ``block_q`` rows): step 4c restricted to the kept blocks, i.e. per (batch, head, query
-    block) the kept coded tiles ascending, then the kept 16-bit tiles ascending; a query block that keeps none
-    gives zeros and ``lse = -inf``.  None (or every block kept): bit for bit the dense loop."""
+    ``block_mask`` (:class:`~pasa_diffusers.block_sparse.BlockSparseMask`, ``block_k`` a multiple of the key tile
+    ``block_n``: a kept block's tiles are visited, as the kernels walk them; the query blocks then are its
+    ``block_q`` rows): step 4c restricted to the kept blocks, i.e. per (batch, head, query block) the kept coded
+    tiles ascending, then the kept 16-bit tiles ascending; a query block that keeps none gives zeros and ``lse =
+    -inf``.  None (or every block kept): bit for bit the dense loop."""
     g = gemm_dtype(q.dtype)
     batch, h_q, n_q, d = q.shape
     h_k, n_k = kq.codes.shape[1], kq.codes.shape[2]
     dp = kq.codes.shape[-1]
     group = h_q // h_k
     fp8 = vq.scale is not None
-    u = _f32(scale) * _f32(LOG2E)
+    u = log2_units(scale)
     a_row = qq.scale * (u / dp)  # (B, Hq, Nq)
     mu_u = qq.mu * u
     au = kq.a * u  # (B, Hq, Nk)
@@ -364,7 +372,10 @@ def attention_from_codes(q: torch.Tensor, qq: QuantizedQueries, kq: QuantizedKey
         k32 = kv(k.to(g).to(_F32))
     kept = None
     if block_mask is not None:
-        block_mask.check_call(q, kq.codes, "attention_from_codes", block_n=block_n)
+        block_mask.check_call(q, kq.codes, "attention_from_codes")
+        if block_mask.block_k % block_n:
+            raise ValueError(f"attention_from_codes: block_mask.block_k={block_mask.block_k} is not a multiple of the "
+                             f"key tile block_n={block_n}")
         kept, block_m = block_mask.kept_blocks(batch, h_q), block_mask.block_q
     out = torch.empty(batch, h_q, n_q, d, dtype=out_dtype)
     lse = torch.empty(batch, h_q, n_q)
@@ -381,7 +392,7 @@ def attention_from_codes(q: torch.Tensor, qq: QuantizedQueries, kq: QuantizedKey
                 if fallback is not None:  # this pass takes the (batch, head)s whose block is of its kind
                     taken = (fallback[:, :, start // SHIFT_BLOCK] == sixteen)[:, :, None, None]
                 if kept is not None:  # ... and that keep the block
-                    visit = kept[:, :, r0 // block_m, start // block_n, None, None]
+                    visit = kept[:, :, r0 // block_m, start // block_mask.block_k, None, None]
                     taken = visit if taken is None else taken & visit
                 if taken is not None and not taken.any():
                     continue

@@ -54,6 +54,10 @@ MIN_HEAD_DIM = 16
 MAX_HEAD_DIM = 256
 SHIFT_BLOCK = 128
 """Keys per shift block (PASA's ``n``, the exact shift's centring block): part of the result, not a tile size."""
+MASK_QUERY_TILE = 128
+"""A block mask's query block (``block_sparse.BlockSparseMask.block_q``) is a multiple of this, the largest query
+tile (``BLOCK_M``) of any kernel's configs: every query tile then lies in one query block and reads its row of the
+mask.  (Its key block is ``SHIFT_BLOCK``: the kernels' key tiles divide it.)"""
 INT8_FALLBACK_TAU = 2e-2
 """The 8-bit precisions (``"int8"``, ``"fp8"``): the predicted RMS logit error (natural units) above which a key
 block is computed in 16 bits (``reference_int8`` step 4b; the spec and the kernels read it here): part of the

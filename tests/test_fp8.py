@@ -174,7 +174,7 @@ def test_fp8_p_v_is_refused_on_a_gpu_without_fp8_tensor_cores(monkeypatch):
 
 triton = pytest.importorskip("triton")
 
-from pasa_diffusers.kernels import dispatch, int8  # noqa: E402
+from pasa_diffusers.kernels import dispatch, int8, quantize  # noqa: E402
 from pasa_diffusers.kernels.common import INTERPRET  # noqa: E402
 from pasa_diffusers.shift_matrix import DEFAULT_BETA  # noqa: E402
 
@@ -206,7 +206,7 @@ def test_op_runs_the_portable_8_bit_kernel_with_fp8_p_v(gen, monkeypatch):
     same bits as launching them directly)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # read per call by the op
     q, k, v = _inputs(1, 4, 2, 40, 200, 64, torch.float16, gen)
-    direct = int8.attend(q, int8.prepare(q, k, v, scale=0.125, pv_bits=8), torch.empty_like(q), scale=0.125)
+    direct = int8.attend(q, quantize.prepare(q, k, v, scale=0.125, pv_bits=8), torch.empty_like(q), scale=0.125)
     assert torch.equal(pasa_attention(q, k, v, precision="fp8"), direct)
 
 

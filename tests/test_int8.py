@@ -268,7 +268,7 @@ def test_reference_rejects_bad_arguments():
 triton = pytest.importorskip("triton")
 
 from pasa_diffusers.shift_matrix import DEFAULT_BETA  # noqa: E402
-from pasa_diffusers.kernels import dispatch, int8  # noqa: E402
+from pasa_diffusers.kernels import dispatch, hopper_int8, int8, quantize  # noqa: E402
 from pasa_diffusers.kernels.common import INTERPRET  # noqa: E402
 from pasa_diffusers.variants import Variant  # noqa: E402
 
@@ -321,14 +321,15 @@ def test_prepass_is_the_spec_bit_for_bit(case, gen):
     shape = KERNEL_CASES[case]
     q, k, v = _inputs(shape, gen)
     d, pv_bits = shape[5], shape[7]
-    prep = int8.prepare(q, k, v, scale=d ** -0.5, pv_bits=pv_bits)
+    prep = quantize.prepare(q, k, v, scale=d ** -0.5, pv_bits=pv_bits)
     qq = r8.quantize_queries(q)
     kq = r8.quantize_keys(k, qq.qbar)
     vq = r8.quantize_values(v, pv_bits)
     _assert_fallback_statistics(prep, qq, kq, d ** -0.5)
     assert torch.equal(prep.qbar[..., :d], qq.qbar[:, :, 0]) and not prep.qbar[..., d:].any()
     for got, want in ((prep.q_codes, qq.codes), (prep.q_scale, qq.scale), (prep.mu, qq.mu),
-                      (prep.k_codes, kq.codes), (prep.k_scale, kq.scale), (prep.sigma, kq.sigma), (prep.a, kq.a),
+                      (prep.k_codes, kq.codes), (prep.k_scale, kq.scale), (prep.sigma, kq.sigma),
+                      (prep.au, kq.a * r8.log2_units(d ** -0.5)),
                       (prep.centres[..., :d], kq.centres)):
         assert got.dtype == want.dtype and torch.equal(got, want)
     if pv_bits == 8:
@@ -355,13 +356,13 @@ def test_prepass_splits_the_keys_for_the_gluon_kernel(case, gen):
     shape = KERNEL_CASES[case]
     q, k, v = _inputs(shape, gen)
     d = shape[5]
-    prep = int8.prepare(q, k, v, scale=d ** -0.5, split=True)
+    prep = quantize.prepare(q, k, v, scale=d ** -0.5, split=True)
     kq = r8.quantize_keys(k, r8.quantize_queries(q).qbar)
     hi, lo = _split_keys(k, kq.centres)
     assert prep.k_split.dtype == k.dtype and prep.k_split.shape == (2, *k.shape[:3], prep.k_codes.shape[-1])
     assert torch.equal(prep.k_split[0, ..., :d], hi) and torch.equal(prep.k_split[1, ..., :d], lo)
     assert not prep.k_split[..., d:].any()
-    assert int8.prepare(q, k, v, scale=d ** -0.5).k_split is None
+    assert quantize.prepare(q, k, v, scale=d ** -0.5).k_split is None
 
 
 @interpreted
@@ -417,7 +418,7 @@ def test_kernel_16_bit_blocks(case, gen):
 
 
 @interpreted
-@pytest.mark.parametrize("pv_bits", int8.PV_BITS)
+@pytest.mark.parametrize("pv_bits", quantize.PV_BITS)
 @pytest.mark.parametrize("n_k,block_n,last_flagged", [(300, 32, False), (300, 64, False), (420, 32, True),
                                                       (420, 64, True), (420, 128, True)])
 def test_kernel_visits_coded_tiles_then_16_bit_ones(n_k, block_n, last_flagged, pv_bits, gen):
@@ -435,7 +436,7 @@ def test_kernel_visits_coded_tiles_then_16_bit_ones(n_k, block_n, last_flagged, 
         k[:, :, start:start + keys] += bias * torch.linspace(-1, 1, keys).sign()[:, None]
     k = k.half()
     scale = 64 ** -0.5
-    prep = int8.prepare(q, k, v, scale=scale, pv_bits=pv_bits)
+    prep = quantize.prepare(q, k, v, scale=scale, pv_bits=pv_bits)
     flags = prep.flags.bool()
     assert (flags[..., 1::2].all() and not flags[..., ::2].any()
             and bool(flags[..., -1].all()) == last_flagged), flags
@@ -546,13 +547,13 @@ def test_gpu_kernels_match_the_spec(case, gen):
     q, k, v = _inputs(shape, gen)
     d, pv_bits = shape[5], shape[7]
     qc, kc, vc = (t.cuda() for t in (q, k, v))
-    prep = int8.prepare(qc, kc, vc, scale=d ** -0.5, pv_bits=pv_bits)
+    prep = quantize.prepare(qc, kc, vc, scale=d ** -0.5, pv_bits=pv_bits)
     qq = r8.quantize_queries(q)
     kq = r8.quantize_keys(k, qq.qbar)
     _assert_fallback_statistics(prep, qq, kq, d ** -0.5)
     for got, want in ((prep.qbar[..., :d], qq.qbar[:, :, 0]), (prep.q_codes, qq.codes), (prep.q_scale, qq.scale),
                       (prep.mu, qq.mu), (prep.k_codes, kq.codes), (prep.k_scale, kq.scale), (prep.sigma, kq.sigma),
-                      (prep.a, kq.a), (prep.centres[..., :d], kq.centres)):
+                      (prep.au, kq.a * r8.log2_units(d ** -0.5)), (prep.centres[..., :d], kq.centres)):
         assert torch.equal(got.cpu(), want)
     out = torch.full_like(qc, float("nan"))
     _int8(qc, kc, vc, out, scale=q.shape[-1] ** -0.5, pv_bits=pv_bits, config=GPU_CONFIG)
@@ -576,7 +577,7 @@ def test_gpu_16_bit_blocks(case, gen):
     qq = r8.quantize_queries(q)
     kq = r8.quantize_keys(k, qq.qbar)
     block_tally.reset()
-    _assert_fallback_statistics(int8.prepare(qc, kc, vc, scale=scale, tally=block_tally.counter(qc.device)), qq, kq,
+    _assert_fallback_statistics(quantize.prepare(qc, kc, vc, scale=scale, tally=block_tally.counter(qc.device)), qq, kq,
                                 scale)
     flags = r8.fallback_blocks(qq, kq, scale)
     assert flags.any() and block_tally.counts()["in_16_bits"] == int(flags.sum())
@@ -631,7 +632,7 @@ def _gluon_or_skip():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pv_bits", int8.PV_BITS)
+@pytest.mark.parametrize("pv_bits", quantize.PV_BITS)
 @pytest.mark.parametrize("config", GLUON_CONFIGS, ids=["x".join(map(str, c.values())) for c in GLUON_CONFIGS])
 @pytest.mark.parametrize("case", ["gqa,ragged,fp16", "d80-padded,one-key-block", "bf16,d128", "jump misaligned,d128",
                                   "sign change,bf16,d64"])
@@ -672,7 +673,7 @@ def test_gpu_auto_takes_the_gluon_kernel_on_hopper(gen):
     """``kernel="auto"``: the Gluon kernel on sm_90 from ``GLUON_MIN_KEYS`` keys, ``P V`` in 16 bits or FP8 (the
     same output as ``kernel="gluon-int8"``), the portable one for fewer keys or a given portable config."""
     _gluon_or_skip()
-    q, k, v = (t.cuda() for t in _inputs((1, 4, 2, 70, dispatch.INT8_GLUON_MIN_KEYS, 64, torch.float16, 16), gen))
+    q, k, v = (t.cuda() for t in _inputs((1, 4, 2, 70, hopper_int8.AUTO_MIN_KEYS, 64, torch.float16, 16), gen))
 
     def chosen(n_k=k.shape[2], **options):
         keys, values = k[:, :, :n_k], v[:, :, :n_k]
@@ -682,7 +683,7 @@ def test_gpu_auto_takes_the_gluon_kernel_on_hopper(gen):
     assert chosen(n_k=k.shape[2] - 1) == "portable-int8"
     assert chosen(pv_bits=8) == "gluon-int8"
     assert chosen(config=GPU_CONFIG) == "portable-int8"
-    for pv_bits in int8.PV_BITS:
+    for pv_bits in quantize.PV_BITS:
         auto = _int8(q, k, v, torch.empty_like(q), scale=0.125, pv_bits=pv_bits)
         assert torch.equal(auto, _int8(q, k, v, torch.empty_like(q), scale=0.125, kernel="gluon-int8", pv_bits=pv_bits))
 
@@ -759,7 +760,7 @@ def test_op_dispatches_to_the_int8_kernel(gen, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # read per call by the op
 
     q, k, v = _inputs((1, 4, 2, 40, 200, 64, torch.float16, 16), gen)
-    direct = int8.attend(q, int8.prepare(q, k, v, scale=0.125), torch.empty_like(q), scale=0.125)
+    direct = int8.attend(q, quantize.prepare(q, k, v, scale=0.125), torch.empty_like(q), scale=0.125)
     assert torch.equal(pasa_attention(q, k, v, precision="int8"), direct)
 
 

@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from pasa_diffusers.kernels import dispatch, gluon_common, hopper_int8, int8  # noqa: E402
+from pasa_diffusers.kernels import dispatch, gluon_common, hopper_int8, quantize  # noqa: E402
 from pasa_diffusers.kernels.common import INTERPRET  # noqa: E402
 from pasa_diffusers.kernels.tuning import SMEM_LIMIT  # noqa: E402
 from pasa_diffusers.variants import Variant  # noqa: E402
@@ -37,7 +37,7 @@ def test_unsuitable_reason_names_what_is_missing():
     assert found.kernel == "portable-int8" and found.rejected["gluon-int8"] == why
     with pytest.raises(ValueError, match=r"kernel='gluon-int8' cannot run this call: " + re.escape(why)):
         dispatch.plan(q, q, v, q, variant=INT8, kernel="gluon-int8")
-    with pytest.raises(ValueError, match=r"unknown kernel='fast'; expected one of \('auto', 'portable'"):
+    with pytest.raises(ValueError, match=r"unknown kernel='fast'; expected one of \('auto', 'packed'"):
         dispatch.plan(q, q, v, q, variant=INT8, kernel="fast")
 
 
@@ -51,15 +51,15 @@ def test_unsuitable_reason_names_what_is_missing():
 ])
 def test_bad_configs_are_refused_by_name(config, match):
     q, k, v = _inputs(d=128)
-    prep, _ = int8.allocate(q, k, v, split=True)
+    prep, _ = quantize.allocate(q, k, v, split=True)
     with pytest.raises(ValueError, match=match):
         hopper_int8.kernel_call(q, prep, torch.empty_like(q), scale=0.125, config=config)
 
 
 def test_flags_without_the_split_keys_are_refused():
     q, k, v = _inputs()
-    prep, _ = int8.allocate(q, k, v)
-    with pytest.raises(ValueError, match=r"prep has flags but no k_split \(int8.prepare\(\.\.\., split=True\)"):
+    prep, _ = quantize.allocate(q, k, v)
+    with pytest.raises(ValueError, match=r"prep has flags but no k_split \(quantize.prepare\(\.\.\., split=True\)"):
         hopper_int8.kernel_call(q, prep, torch.empty_like(q), scale=0.125)
 
 
@@ -67,8 +67,8 @@ def test_flags_without_the_split_keys_are_refused():
 def test_per_key_vectors_are_padded_rows_for_tma(n_k):
     """The pre-pass's per-key vectors are views of rows padded to 16 bytes: what the 1-d TMA copies need."""
     q, k, v = _inputs(n=n_k)
-    prep, _ = int8.allocate(q, k, v)
-    for t in (prep.k_scale, prep.sigma, prep.a):
+    prep, _ = quantize.allocate(q, k, v)
+    for t in (prep.k_scale, prep.sigma, prep.au):
         assert t.shape[-1] == n_k and t.stride(1) % 4 == 0 and t.stride(1) >= n_k and t.stride(2) == 1
     with pytest.raises(ValueError, match="per-key vectors must be rows padded to 16 bytes"):
         hopper_int8._row_descriptor(torch.empty(1, 2, 203), 64)
@@ -76,7 +76,7 @@ def test_per_key_vectors_are_padded_rows_for_tma(n_k):
 
 @pytest.mark.parametrize("head_dim", gluon_common.HEAD_DIMS)
 @pytest.mark.parametrize("fallback", [True, False])
-@pytest.mark.parametrize("pv_bits", int8.PV_BITS)
+@pytest.mark.parametrize("pv_bits", quantize.PV_BITS)
 @pytest.mark.parametrize("n_k", [hopper_int8.SHORT_KEYS, hopper_int8.SHORT_KEYS + 1])
 def test_tuned_configs_fit_the_shared_memory(head_dim, fallback, pv_bits, n_k):
     dp = 64 if head_dim <= 64 else 128
@@ -95,11 +95,11 @@ def fresh_plans():
 
 
 def test_auto_takes_the_gluon_kernel_from_its_minimum_keys(monkeypatch, fresh_plans):
-    """Where the Gluon kernel could run, ``kernel="auto"`` takes it from ``INT8_GLUON_MIN_KEYS`` keys, and the
+    """Where the Gluon kernel could run, ``kernel="auto"`` takes it from ``hopper_int8.AUTO_MIN_KEYS`` keys, and the
     portable one for fewer keys or a given config (the rule alone; the GPU test runs both kernels)."""
-    monkeypatch.setattr(dispatch, "INTERPRET", False)
+    monkeypatch.setattr(hopper_int8, "INTERPRET", False)
     monkeypatch.setattr(hopper_int8, "unsuitable_reason", lambda *args, **kwargs: None)
-    q, _, v = _inputs(n=dispatch.INT8_GLUON_MIN_KEYS)
+    q, _, v = _inputs(n=hopper_int8.AUTO_MIN_KEYS)
 
     def chosen(values, **options):
         return dispatch.plan(q, values, values, q, variant=INT8, **options)
@@ -107,8 +107,8 @@ def test_auto_takes_the_gluon_kernel_from_its_minimum_keys(monkeypatch, fresh_pl
     assert chosen(v).kernel == "gluon-int8"
     fewer = chosen(v[:, :, 1:])
     assert fewer.kernel == "portable-int8"
-    assert fewer.rejected["gluon-int8"] == (f"below {dispatch.INT8_GLUON_MIN_KEYS} keys the portable-int8 kernel is "
-                                            f"the faster one, got {dispatch.INT8_GLUON_MIN_KEYS - 1} keys")
+    assert fewer.rejected["gluon-int8"] == (f"below {hopper_int8.AUTO_MIN_KEYS} keys the portable-int8 kernel is "
+                                            f"the faster one, got {hopper_int8.AUTO_MIN_KEYS - 1} keys")
     assert chosen(v, config={"BLOCK_N": 64}).kernel == "portable-int8"
     assert chosen(v[:, :, 1:], kernel="gluon-int8").kernel == "gluon-int8"
 
@@ -120,14 +120,14 @@ def test_fp8_launch_reads_v8_transposed_in_tma_boxes(n_k, head_dim):
     (TMA strides), passes V's channel scales and runs the eager rescale; in 16 bits the tuned config's rescale."""
     q, k, v = _inputs(d=head_dim, n=n_k)
     dp = 64 if head_dim <= 64 else 128
-    prep, _ = int8.allocate(q, k, v, pv_bits=8, split=True)
+    prep, _ = quantize.allocate(q, k, v, pv_bits=8, split=True)
     assert prep.v.shape[-2:] == (dp, n_k) and prep.v.stride(2) % 16 == 0 and prep.v.stride(2) >= n_k
     _, args, meta = hopper_int8.kernel_call(q, prep, torch.empty_like(q), scale=head_dim ** -0.5)
     block_n = hopper_int8.tuned_config(head_dim, n_k)["BLOCK_N"]
     assert meta["PV_FP8"] and not meta["LAZY"] and meta["BLOCK_N"] == block_n
     assert list(args[3].block_shape) == [1, 1, dp, block_n] and args[3].base is prep.v
     assert any(arg is prep.v_scale for arg in args)
-    prep16, _ = int8.allocate(q, k, v, split=True)
+    prep16, _ = quantize.allocate(q, k, v, split=True)
     _, args16, meta16 = hopper_int8.kernel_call(q, prep16, torch.empty_like(q), scale=head_dim ** -0.5,
                                                 config={"lazy": True})
     assert not meta16["PV_FP8"] and meta16["LAZY"] and list(args16[3].block_shape) == [1, 1, block_n, dp]

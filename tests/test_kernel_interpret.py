@@ -299,7 +299,7 @@ def test_packed_refuses_what_it_cannot_take(shape, shift, block_n, match, gen):
     ((1, 2, 2, 30, 30, 64), "exact", "gluon", "kernel='gluon' cannot run this call: all keys form one block"),
     ((1, 2, 2, 300, 300, 64), "pasa", "gluon", "kernel='gluon' is the exact shift's; got shift='pasa'"),
     ((1, 2, 2, 300, 300, 64), "exact", "cudnn",
-     r"unknown kernel='cudnn'; expected one of \('auto', 'portable', 'packed', 'gluon', 'gluon-int8', "
+     r"unknown kernel='cudnn'; expected one of \('auto', 'packed', 'gluon', 'portable', 'gluon-int8', "
      r"'portable-int8'\)"),
 ])
 def test_kernel_choice_refuses_what_it_cannot_run(shape, shift, kernel, match, gen):
@@ -318,7 +318,9 @@ def test_auto_and_portable_kernels_agree_off_hopper(gen):
     assert (plan.kernel, plan.prepass) == ("portable", "centre")
     assert plan.rejected == {"packed": "it takes sequences of at most 64 queries and keys in one key block; got 300 "
                                        "queries and 300 keys (block_n=128)",
-                             "gluon": "Triton's interpreter runs no Gluon"}
+                             "gluon": "Triton's interpreter runs no Gluon",
+                             "gluon-int8": "it runs the 8-bit precisions, not precision='hybrid'",
+                             "portable-int8": "it runs the 8-bit precisions, not precision='hybrid'"}
     assert plan.describe().startswith("portable + centre pre-pass (not packed: it takes")
     assert torch.equal(_kernel(q, k, v, "exact", "hybrid"), _kernel(q, k, v, "exact", "hybrid", kernel="portable"))
 

@@ -32,6 +32,18 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "pasa_diffusers"
 KERNELS = f"{PACKAGE}.kernels"
 
+def _declares_entry(path: Path) -> bool:
+    """Whether a module ends with a kernel entry: a top-level ``ENTRY = ...`` (the kernel files of ``dispatch.TABLE``)."""
+    return any(isinstance(node, ast.Assign) and any(getattr(target, "id", None) == "ENTRY" for target in node.targets)
+               for node in ast.parse(path.read_text()).body)
+
+
+ENTRY_FILES = tuple(f"{KERNELS}.{path.stem}" for path in sorted((ROOT / PACKAGE / "kernels").glob("*.py"))
+                    if _declares_entry(path))
+"""The kernel files, read from the source: each module of ``kernels/`` that declares its ``ENTRY`` (a new kernel
+file joins its layer without an edit here; ``test_the_router_table_holds_one_entry_per_kernel_file`` checks
+that the router's table holds exactly these)."""
+
 LAYERS: tuple[tuple[str, ...], ...] = (
     # the applications
     (f"{PACKAGE}.__main__",),
@@ -55,12 +67,15 @@ LAYERS: tuple[tuple[str, ...], ...] = (
      f"{PACKAGE}.mask_coverage"),
     (f"{PACKAGE}.reference",),
     (f"{PACKAGE}.reference_int8",),
-    # the kernels: router -> kernel files (and the 8-bit block tally the router counts into, beside them: a
-    # kernel file cannot reach it, sideways) -> shared kernel helpers
+    # the kernels: router -> kernel files (the entries of ``dispatch.TABLE``; beside them the 8-bit block tally
+    # the router counts into: a kernel file cannot reach it, sideways) -> the pre-passes the router runs (the
+    # 8-bit kernels share the quantizer's jitted helpers) -> the call object and the entry type every kernel
+    # file fills in -> shared kernel helpers
     (f"{KERNELS}.__init__",),
     (f"{KERNELS}.dispatch",),
-    (f"{KERNELS}.portable", f"{KERNELS}.packed", f"{KERNELS}.prepass", f"{KERNELS}.int8", f"{KERNELS}.hopper",
-     f"{KERNELS}.hopper_int8", f"{KERNELS}.block_tally"),
+    (*ENTRY_FILES, f"{KERNELS}.block_tally"),
+    (f"{KERNELS}.prepass", f"{KERNELS}.quantize"),
+    (f"{KERNELS}.call",),
     (f"{KERNELS}.gluon_common",),
     (f"{KERNELS}.tuning",),
     (f"{KERNELS}.common",),
@@ -293,10 +308,10 @@ KERNEL_FILES = LAYERS[[f"{KERNELS}.dispatch" in layer for layer in LAYERS].index
 SPEC_CONSTANTS = (f"{PACKAGE}.rules", f"{PACKAGE}.shift_matrix")
 """What a kernel file may read outside ``kernels/``: the op's rules and the shift's constants (not the variants'
 names, not the global tallies: those are the router's)."""
-KERNEL_REACH = (*SPEC_CONSTANTS, f"{PACKAGE}.variants", f"{PACKAGE}.compat")
+KERNEL_REACH = (*SPEC_CONSTANTS, f"{PACKAGE}.variants", f"{PACKAGE}.compat", f"{PACKAGE}.block_sparse")
 """What any module of ``kernels/`` (the router included) may read outside it: the spec constants, the variants'
-names and the version shims; nothing of the library above (the tally the router counts into lives in
-``kernels/``)."""
+names, the version shims and the block-sparse mask the call carries (``call.Call.block_mask``); nothing of the
+library above (the tally the router counts into lives in ``kernels/``)."""
 
 
 def test_the_kernels_reach_outside_only_the_spec():
@@ -318,6 +333,20 @@ def test_kernel_files_import_only_the_kernel_helpers_and_the_spec_constants():
            and unit(edge.target) not in helpers | set(SPEC_CONSTANTS)]
     assert not bad, (f"{len(bad)} import(s) of a kernel file reach beyond the kernel helpers "
                      f"({', '.join(sorted(helpers))}) and {', '.join(SPEC_CONSTANTS)}:\n" + "\n".join(bad))
+
+
+def test_the_router_table_holds_one_entry_per_kernel_file():
+    """Every module of ``kernels/`` that ends with an ``ENTRY`` is in ``dispatch.TABLE`` once, in the kernel-file
+    layer, and every entry of the table comes from such a file, under a name of its own."""
+    from pasa_diffusers.kernels import dispatch
+
+    declaring = {module for module in MODULES if within(module, KERNELS) and _declares_entry(FILES[module][0])}
+    assert declaring and declaring == set(ENTRY_FILES)
+    homes = [entry.launch.__module__ for entry in dispatch.TABLE]
+    assert sorted(homes) == sorted(declaring), (homes, declaring)
+    assert all(home in KERNEL_FILES for home in homes), homes
+    names = [entry.name for entry in dispatch.TABLE]
+    assert len(set(names)) == len(names) and dispatch.KERNELS == ("auto", *names)
 
 
 def test_no_module_imports_itself_back():

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-TOOLS = ("tune_table", "compile_sm90", "compile_int8")
+TOOLS = ("tune_table", "compile_sm90", "compile_int8", "compile_portable")
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -3,14 +3,15 @@
     python -m tools.compile_int8 --python PYTHON --out DIR     # PYTHON: an interpreter with triton 3.6
     python -m tools.compile_int8 --jobs 2 --out DIR            # this interpreter has triton 3.6
 
-Every kernel of pasa_diffusers/kernels/int8.py is compiled for GPUTarget("cuda", 90, 32), each (kernel,
-config, head dim, P V precision, dtype) in its own process (PYTHON -m tools.compile_int8 --one CASE) so
-that a compiler crash is a row: the attention kernel over its autotune pool (int8.AUTOTUNE configs), and
+Every kernel of pasa_diffusers/kernels/int8.py and quantize.py (its pre-pass) is compiled for
+GPUTarget("cuda", 90, 32), each (kernel, config, head dim, P V precision, dtype) in its own process
+(PYTHON -m tools.compile_int8 --one CASE) so that a compiler crash is a row: the attention kernel over its autotune
+pool (int8.AUTOTUNE configs), dense and with a block mask (a per-key-head BlockSparseMask of meta tensors), and
 the pre-pass (the fused quantize kernel, the column statistics and their reduction, the 16-bit blocks'
 flags), from meta tensors
 in diffusers' (B, N, H, D) layout viewed as (B, H, N, D), through the launchers' own argument builders
-(int8.allocate, int8.quantize_call, int8.flags_call, int8.attention_call) and Triton's specialisation rules
-(compat.specialization).
+(quantize.allocate, quantize.quantize_call, quantize.flags_call, int8.attention_call) and Triton's
+specialisation rules (compat.specialization).
 
 Per case: the tensor-core instructions in the PTX (wgmma.mma_async by operand types, e.g. s32.s8.s8 for
 the INT8 q k^T and f32.e4m3.e4m3 or f32.f16.f16 for P V; mma.sync if Triton fell back), their SASS
@@ -41,14 +42,17 @@ KV_HEADS = 4
 
 def cases() -> list[dict]:
     """The compile matrix: the attention kernel over its pool at head dims 64 and 128, P V in 16 and 8 bits
-    (fp16 inputs; bf16 once per head dim), and every pre-pass kernel at both head dims."""
+    (fp16 inputs; bf16 once per head dim), each also with a block mask (``sparse``: the walk over the kept key
+    blocks), and every pre-pass kernel at both head dims."""
     from pasa_diffusers.kernels import int8
 
     found = []
     for d in (64, 128):
         for pv_bits in (16, 8):
             for cfg in int8.CONFIG_POOL:
-                found.append({"kernel": "attention", "d": d, "pv_bits": pv_bits, "dtype": "float16", "config": cfg})
+                for sparse in (False, True):
+                    found.append({"kernel": "attention", "d": d, "pv_bits": pv_bits, "dtype": "float16",
+                                  "config": cfg, "sparse": sparse})
             found.append({"kernel": "quantize", "d": d, "pv_bits": pv_bits, "dtype": "float16"})
         found.append({"kernel": "attention", "d": d, "pv_bits": 16, "dtype": "bfloat16",
                       "config": int8.CONFIG_POOL[0]})
@@ -86,7 +90,7 @@ def _launch(case: dict):
     """``(jitted kernel, args, meta, options)`` of one case, built by the launchers' own helpers."""
     import torch
 
-    from pasa_diffusers.kernels import int8
+    from pasa_diffusers.kernels import int8, quantize
 
     dtype = getattr(torch, case["dtype"])
     b, h, n = SHAPE
@@ -99,27 +103,28 @@ def _launch(case: dict):
     if case["kernel"] == "gluon":
         from pasa_diffusers.kernels import hopper_int8
 
-        prep, _ = int8.allocate(q, k, v, pv_bits=case["pv_bits"], fallback=case["fallback"], split=case["fallback"])
+        prep, _ = quantize.allocate(q, k, v, pv_bits=case["pv_bits"], fallback=case["fallback"], split=case["fallback"])
         block_n, stages, consumers = case["config"]
         _, args, meta = hopper_int8.kernel_call(q, prep, bnhd(h), scale=d ** -0.5, config={
             "BLOCK_N": block_n, "num_stages": stages, "consumers": consumers})
         options = {name: meta.pop(name) for name in ("num_warps", "maxnreg")}
         return hopper_int8.int8_fwd_gluon_kernel, args, meta, options
-    prep, scratch = int8.allocate(q, k, v, pv_bits=case.get("pv_bits", 8 if case.get("amax") else 16))
+    prep, scratch = quantize.allocate(q, k, v, pv_bits=case.get("pv_bits", 8 if case.get("amax") else 16))
     dp = prep.k_codes.shape[-1]
     if case["kernel"] == "attention":
         out = bnhd(h)
-        args, meta = int8.attention_call(q, prep, out, scale=d ** -0.5)
+        args, meta = int8.attention_call(q, prep, out, scale=d ** -0.5,
+                                         block_mask=_key_head_mask(n, b) if case.get("sparse") else None)
         block_m, block_n, warps, stages = case["config"]
         meta.update(BLOCK_M=block_m, BLOCK_N=block_n)
         return int8.int8_fwd_kernel, args, meta, {"num_warps": warps, "num_stages": stages}
     if case["kernel"] == "quantize":
-        _, args, meta = int8.quantize_call(q, k, v, prep, scratch)
-        return int8.quantize_kernel, args, meta, {"num_warps": meta.pop("num_warps")}
+        _, args, meta = quantize.quantize_call(q, k, v, prep, scratch, scale=d ** -0.5)
+        return quantize.quantize_kernel, args, meta, {"num_warps": meta.pop("num_warps")}
     if case["kernel"] == "flags":
         tally = torch.empty(2, dtype=torch.int64, device="meta")
-        _, args, meta = int8.flags_call(prep, scratch, scale=d ** -0.5, tally=tally)
-        return int8.fallback_flags_kernel, args, meta, {"num_warps": 4}
+        _, args, meta = quantize.flags_call(prep, scratch, scale=d ** -0.5, tally=tally)
+        return quantize.fallback_flags_kernel, args, meta, {"num_warps": 4}
     amax = case["amax"]
     x, heads = (v, KV_HEADS) if amax else (q, h)
     part = scratch.v_part if amax else scratch.q_part
@@ -128,11 +133,25 @@ def _launch(case: dict):
 
         args = (x, part, *x.stride()[:3], heads, n, part.shape[1])
         meta = dict(HEAD_DIM=d, DP=dp, BLOCK_R=SHIFT_BLOCK, AMAX=amax)
-        return int8.colstats_kernel, args, meta, {"num_warps": 4 if dp <= 64 else 8}
+        return quantize.colstats_kernel, args, meta, {"num_warps": 4 if dp <= 64 else 8}
     out = prep.v_scale if amax else prep.qbar
     args = (part, out, scratch.v_inv if amax else out, n, part.shape[1])
     meta = dict(DP=dp, AMAX=amax, G_BF16=dtype == torch.bfloat16, INTERPRET_BF16=False)
-    return int8.colstats_reduce_kernel, args, meta, {"num_warps": 4}
+    return quantize.colstats_reduce_kernel, args, meta, {"num_warps": 4}
+
+
+def _key_head_mask(n: int, batch: int):
+    """A block mask of meta tensors for ``n`` queries and keys, per batch element and key head (as
+    ``BlockSparseMask.from_dense`` lays it out: contiguous, int32)."""
+    import torch
+
+    from pasa_diffusers.block_sparse import BlockSparseMask
+    from pasa_diffusers.rules import SHIFT_BLOCK
+
+    blocks = -(-n // SHIFT_BLOCK)
+    counts = torch.empty(batch, KV_HEADS, blocks, dtype=torch.int32, device="meta")
+    indices = torch.empty(batch, KV_HEADS, blocks, blocks, dtype=torch.int32, device="meta")
+    return BlockSparseMask.from_checked(counts, indices, n, n, SHIFT_BLOCK, SHIFT_BLOCK)
 
 
 def mma_report(ptx: str) -> dict:
@@ -177,7 +196,8 @@ def probe() -> dict:
 def _what(row: dict) -> str:
     if row["kernel"] == "attention":
         bm, bn, w, s = row["config"]
-        return f"attention BLOCK_M {bm}, BLOCK_N {bn}, {w} warps, {s} stages, P V {row['pv_bits']}-bit"
+        mask = ", block mask" if row.get("sparse") else ""
+        return f"attention BLOCK_M {bm}, BLOCK_N {bn}, {w} warps, {s} stages, P V {row['pv_bits']}-bit{mask}"
     if row["kernel"] == "gluon":
         bn, s, c = row["config"]
         return (f"Gluon attention BLOCK_N {bn}, {s} stages, {c} consumers, "

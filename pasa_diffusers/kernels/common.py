@@ -6,20 +6,36 @@ Importing this module imports ``triton``; for CPU tensors set ``TRITON_INTERPRET
 """
 from __future__ import annotations
 
+import functools
+import struct
+
 import torch
 import triton
 import triton.language as tl
 
 from .. import rules
+from ..block_sparse import BlockSparseMask
 
-__all__ = ["LOG2E", "LN2", "P_SHIFT", "INTERPRET", "round_to", "mma", "binade", "centre_tile", "cdiv", "strides3",
-           "lse_arg"]
+__all__ = ["LOG2E", "LN2", "P_SHIFT", "INTERPRET", "log2_units", "round_to", "mma", "binade", "centre_tile", "cdiv", "strides3",
+           "lse_arg", "kept_blocks", "mask_args"]
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 """ln 2: a log2-unit log-sum-exp times ``LN2`` is the natural-log one."""
 P_SHIFT = tl.constexpr(rules.P_SHIFT)
 """``rules.P_SHIFT`` as the kernels' constexpr."""
+
+
+def _f32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+@functools.lru_cache(maxsize=64)
+def log2_units(scale: float) -> float:
+    """``u = fp32(fp32(scale) fp32(log2 e))``: the log2-unit scale of the logits as ``reference_int8`` and a
+    kernel that forms ``scale * LOG2E`` from its fp32 argument compute it (the product of two fp32 values is
+    exact in a double), for a launch that passes ``u`` itself."""
+    return _f32(_f32(scale) * _f32(LOG2E.value))
 
 
 @triton.jit
@@ -97,6 +113,21 @@ def centre_tile(k32, key_valid, n_j, G_ULP, g_ty: tl.constexpr, EXACT_CENTRE: tl
     return c
 
 
+@triton.jit
+def kept_blocks(mc_ptr, mi_ptr, off_z, off_hq, pid_m, stride_mcz, stride_mch, stride_mcq, stride_miz, stride_mih,
+                stride_miq, MASK_GROUP, MASK_BLOCK_Q, BLOCK_M: tl.constexpr):
+    """A block mask's row for one query tile of ``BLOCK_M`` rows (``BLOCK_M`` divides ``MASK_BLOCK_Q``, so the
+    tile lies in query block ``pid_m BLOCK_M // MASK_BLOCK_Q``) of batch ``off_z`` and query head ``off_hq``
+    (mask head ``off_hq // MASK_GROUP``; a shared batch has stride 0): ``(count, indices)``, how many key blocks
+    it visits and the pointer to their ascending indices (``block_sparse.BlockSparseMask``'s ``kv_counts`` and
+    ``kv_indices``)."""
+    off_mh = off_hq // MASK_GROUP
+    q_blk = (pid_m * BLOCK_M) // MASK_BLOCK_Q
+    count = tl.load(mc_ptr + off_z * stride_mcz + off_mh * stride_mch + q_blk * stride_mcq)
+    indices = mi_ptr + off_z * stride_miz + off_mh * stride_mih + q_blk * stride_miq
+    return count, indices
+
+
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` for the host's grids and block counts (``triton.cdiv`` is the same number through
     Triton's constexpr-function wrapper: 3-4 us a call on the host)."""
@@ -122,6 +153,28 @@ def lse_arg(lse: torch.Tensor | None, device: torch.device) -> torch.Tensor:
     if empty is None:
         empty = _NO_LSE[device] = torch.empty(0, dtype=torch.float32, device=device)
     return empty
+
+
+_NO_MASK: dict[torch.device, torch.Tensor] = {}
+
+
+def mask_args(mask: BlockSparseMask | None, q: torch.Tensor) -> tuple:
+    """The block mask's kernel arguments for queries ``q`` (B, Hq, Nq, D): ``kv_counts``, ``kv_indices``, their
+    strides (0 along a shared batch or head), the query heads per mask head, ``block_q`` (what
+    :func:`kept_blocks` reads); without a mask (``None``) an empty int32 tensor in place of both (read by no
+    ``SPARSE=False`` kernel, cached per device: the same argument dtypes, so the same tuned config, as
+    :func:`lse_arg`)."""
+    if mask is None:
+        empty = _NO_MASK.get(q.device)
+        if empty is None:
+            empty = _NO_MASK[q.device] = torch.empty(0, dtype=torch.int32, device=q.device)
+        return (empty, empty, 0, 0, 0, 0, 0, 0, 0, 1, 1)
+    counts, indices = mask.kv_counts, mask.kv_indices
+    batch, heads = counts.shape[:2]
+    shared = (batch == 1, heads == 1)
+    sc = [0 if one else st for one, st in zip(shared, counts.stride()[:2])] + [counts.stride(2)]
+    si = [0 if one else st for one, st in zip(shared, indices.stride()[:2])] + list(indices.stride()[2:])
+    return (counts, indices, *sc, *si, q.shape[1] // heads, mask.block_q)
 
 
 INTERPRET = not isinstance(round_to, triton.JITFunction)

@@ -2,14 +2,15 @@
 
 :func:`plan` decides, :func:`forward` plans and runs; ``pasa_diffusers.ops`` calls :func:`forward` with
 inputs it has checked.  The plan is the one place that decides which kernel runs a call and why the others
-do not (its ``rejected`` reasons); a kernel file only says what it cannot take (``unsuitable_reason``).
-The kernels (each in its file, with its launch wrapper and configs):
+do not (its ``rejected`` reasons); a kernel file only says what it cannot take.  Each kernel file ends
+with its entry (``ENTRY``, a ``call.Kernel``: its name, precisions, shifts, pre-pass, ``unsuitable(call)``
+and ``launch(call, plan)``), and :data:`TABLE` lists them in ``kernel="auto"``'s preference:
 
 | kernel            | file             | runs                                                            |
 | ----------------- | ---------------- | --------------------------------------------------------------- |
-| ``portable``      | ``portable.py``  | every 16-bit variant, any CUDA GPU and the interpreter: FlashAttention-2's loop |
 | ``packed``        | ``packed.py``    | the exact shift on short one-block sequences (temporal attention): several whole sequences per program |
 | ``gluon``         | ``hopper.py``    | the exact shift in hybrid on sm_90, fp16/bf16, head dims 64 and 80-128, keys of several blocks: FA3's structure |
+| ``portable``      | ``portable.py``  | every 16-bit variant, any CUDA GPU and the interpreter: FlashAttention-2's loop |
 | ``gluon-int8``    | ``hopper_int8.py`` | the 8-bit precisions on sm_90: the 8-bit codes in ``hopper.py``'s structure |
 | ``portable-int8`` | ``int8.py``      | the 8-bit precisions on any CUDA GPU with INT8 ``tl.dot`` and the interpreter |
 
@@ -19,54 +20,64 @@ The 8-bit precisions (``variants.EIGHT_BIT``) share their kernels: ``precision="
 and the pre-passes: ``"centre"`` (``prepass.py``; the exact shift: each block's centre removed once per
 head, for the portable kernel on keys of several blocks and for the Gluon kernel), ``"shift"`` (PASA: the
 shifted keys once per head, for the portable kernel where several query blocks reuse them) and
-``"quantize"`` (``int8.prepare``: q, k, v to the 8-bit codes, which both 8-bit kernels read).
+``"quantize"`` (``quantize.prepare``: q, k, v to the 8-bit codes, which both 8-bit kernels read); the router runs
+the plan's pre-pass (:data:`PREPASS_RUNS`), then the entry's ``launch``.
+
+A block-sparse mask (``block_mask``, a ``block_sparse.BlockSparseMask`` in ``call.Call.block_mask``) reaches the
+kernels through the call: the portable kernels visit only its kept key blocks; a kernel that cannot says so in
+``unsuitable`` ("it takes no block_mask yet"), so ``"auto"`` passes it over and a request by name is refused.
+Its blocks must be those the kernels walk (:func:`_check_mask_blocks`).
 
 A call whose key pre-pass would copy more than a fifth of the output's bytes (:data:`KEY_COPY_SHARE`) runs
 in ranges of batch and kv head, one after the other (:func:`key_chunks`), so that its peak memory stays
 within 1.25x of cuDNN's, as long as each range keeps the GPU busy for much longer than the host takes to
 issue it (:data:`MIN_RANGE_FLOP`); shorter calls run in one launch and allocate the whole copy.
 
-``kernel="auto"`` takes the first of packed, gluon, portable (the 16-bit precisions) or of gluon-int8,
-portable-int8 (the 8-bit precisions) that can run the call.  A kernel named explicitly runs the call or
+``kernel="auto"`` takes the first entry of :data:`TABLE` that runs the call's precision and shift and has no
+reason against it (``unsuitable``).  A kernel named explicitly runs the call or
 raises ``ValueError`` saying why it cannot; so does ``prepass=True`` / ``False``, which forces the
 pre-pass on or off.  Plans are kept per call signature (:func:`plan`): a repeated call pays a dictionary
 look-up, not the routing.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from . import block_tally
+from ..block_sparse import BlockSparseMask
 from ..shift_matrix import shift_constants
-from ..rules import SHIFT_BLOCK
+from ..rules import MASK_QUERY_TILE, SHIFT_BLOCK
 from ..variants import KERNEL_PRECISIONS, Variant, eight_bit
 from ..variants import pv_bits as precision_pv_bits
-from . import hopper, hopper_int8, int8, packed, portable
-from .common import INTERPRET, cdiv
+from . import hopper, hopper_int8, int8, packed, portable, quantize
+from .call import KEY_COPYING_PREPASSES, Call, Kernel, Plan
+from .common import cdiv
 from .prepass import centre_keys, shift_keys
 from .tuning import pow2_tile
 
-__all__ = ["KERNELS", "INT8_KERNELS", "KEY_COPY_SHARE", "MIN_RANGE_FLOP", "INT8_GLUON_MIN_KEYS", "FP8_MIN_CAPABILITY",
-           "Plan", "plan", "forward", "key_chunks", "forget_plans", "fp8_problem"]
+__all__ = ["TABLE", "KERNELS", "INT8_KERNELS", "KEY_COPY_SHARE", "MIN_RANGE_FLOP", "FP8_MIN_CAPABILITY",
+           "Plan", "plan", "forward", "key_chunks", "forget_plans", "fp8_problem", "kernel_names"]
 
-KERNELS = ("auto", "portable", "packed", "gluon", "gluon-int8", "portable-int8")
+TABLE: tuple[Kernel, ...] = (packed.ENTRY, hopper.ENTRY, portable.ENTRY, hopper_int8.ENTRY, int8.ENTRY)
+"""Every kernel, one entry per kernel file, in ``kernel="auto"``'s preference: the specialised kernels first."""
+
+_BY_NAME: dict[str, Kernel] = {entry.name: entry for entry in TABLE}
+
+
+def kernel_names(precision: str | None = None) -> tuple[str, ...]:
+    """The names of :data:`TABLE`'s kernels (those that run ``precision``, given one), in preference order."""
+    return tuple(entry.name for entry in TABLE if precision is None or precision in entry.precisions)
+
+
+KERNELS = ("auto",) + kernel_names()
 """What ``kernel=`` takes: ``"auto"`` or one kernel by name."""
 
-_ORDER = ("packed", "gluon", "portable")
-"""``kernel="auto"``'s preference for the 16-bit precisions: the specialised kernels first."""
-
-INT8_KERNELS = ("gluon-int8", "portable-int8")
+INT8_KERNELS = tuple(entry.name for entry in TABLE if all(eight_bit(p) for p in entry.precisions))
 """The kernels of the 8-bit precisions (``"int8"``, ``"fp8"``), in ``kernel="auto"``'s preference."""
 
 FP8_MIN_CAPABILITY = (8, 9)
 """The least CUDA compute capability with FP8 e4m3 tensor cores (Ada, Hopper and later): ``P V`` in 8 bits
 (``precision="fp8"``, or ``pv_bits=8``) needs it."""
-
-INT8_GLUON_MIN_KEYS = 256
-"""``kernel="auto"`` attends on the 8-bit codes with the portable kernel below this many keys, where it is
-the faster one on the H200 (``bench.int8_fallback``; docs/notes/int8_kernel.md has the numbers)."""
 
 KEY_COPY_SHARE = 0.2
 """The key pre-pass's copy of the keys takes at most this share of the output's bytes: a call whose copy
@@ -82,110 +93,37 @@ launches; ``scripts/ab_key_ranges.py``).  A call runs in no more ranges than its
 shorter ranges would leave the GPU waiting on the host (SVD's 576-token spatial attention in five ranges
 took 3.9x as long as in one launch)."""
 
-PASA_PREPASS_ROWS = 128
-"""PASA shifts its keys by the pre-pass when a head has more query rows than this (several query blocks
-then reuse every shifted tile) or the head dim's tile is above 128 (an fp32 key tile of 128 x 256 does
-not fit the registers)."""
-
 PLAN_CACHE_SIZE = 4096
 """The most call signatures whose plans are kept (the cache is emptied when full)."""
 
-@dataclass(frozen=True)
-class Plan:
-    """How one call runs.
 
-    Attributes:
-        kernel: one of :data:`KERNELS` but ``"auto"``.
-        prepass: ``"centre"``, ``"shift"``, ``"quantize"`` (the 8-bit kernels': q, k, v to their codes) or
-            ``None`` (keys read as they are, shifted or centred inside the kernel).
-        block_n: the shift block the kernels see (at most the keys' tile: up to ``block_n`` keys form one
-            block of ``n_j = Nk`` keys whatever the tile); 0 for plain FlashAttention.
-        one_block: all keys in one shift block.
-        rejected: each kernel not chosen -> why, in words.
-        pv_bits: the bits of ``P`` and ``V`` in the ``P V`` GEMM: 16 (the inputs' dtype), or 8 (FP8 e4m3;
-            the 8-bit kernels only: ``precision="fp8"``, or ``"int8"`` with ``pv_bits=8``).
-    """
-
-    kernel: str
-    prepass: str | None
-    block_n: int
-    one_block: bool
-    rejected: dict[str, str] = field(default_factory=dict)
-    pv_bits: int = 16
-
-    def describe(self) -> str:
-        """One line: the kernel, its pre-pass (and ``P V`` in FP8 where it is) and why not the others."""
-        keys = f" + {self.prepass} pre-pass" if self.prepass else ""
-        fp8 = ", P V in FP8" if self.pv_bits == 8 else ""
-        others = "; ".join(f"not {name}: {why}" for name, why in self.rejected.items())
-        return f"{self.kernel}{keys}{fp8}" + (f" ({others})" if others else "")
+def _variant_reason(entry: Kernel, precision: str, shift: str) -> str | None:
+    """Why ``entry`` does not run this variant at all (its declared precisions and shifts), or ``None``."""
+    if precision not in entry.precisions:
+        if eight_bit(precision) != any(eight_bit(p) for p in entry.precisions):
+            return f"it runs the {'16-bit' if eight_bit(precision) else '8-bit'} precisions, not precision={precision!r}"
+        return f"it has the {' / '.join(entry.precisions)} precision only, got precision={precision!r}"
+    if shift not in entry.shifts:
+        return f"it runs the {' / '.join(entry.shifts)} shift only"
+    return None
 
 
-def _exact_reasons(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, precision: str,
-                   block_n: int, one_block: bool, kernel: str, use_prepass: bool | None,
-                   config: dict | None) -> tuple[dict[str, str | None], bool]:
-    """Why each kernel cannot run an exact-shift call (``None`` where it can), and whether the portable
-    kernel would read pre-centred keys."""
-    n_q, n_k = q.shape[2], k.shape[2]
-    centred_first = not one_block if use_prepass is None else use_prepass
-    reasons: dict[str, str | None] = {}
-    if not (one_block and packed.packs(n_q, n_k)):
-        reasons["packed"] = (f"it takes sequences of at most {packed.MAX_TOKENS} queries and keys in one key block; "
-                             f"got {n_q} queries and {n_k} keys (block_n={block_n})")
-    elif use_prepass:
-        reasons["packed"] = "prepass=True: it centres each sequence's keys itself"
-    else:
-        reasons["packed"] = None
-    if not centred_first:
-        reasons["gluon"] = "all keys form one block, centred inside the kernel (no pre-pass)"
-    elif kernel == "auto" and config is not None:
-        reasons["gluon"] = "a config tunes the portable kernel"
-    elif INTERPRET:
-        reasons["gluon"] = "Triton's interpreter runs no Gluon"
-    else:
-        reasons["gluon"] = hopper.unsuitable_reason(q, v, out, precision=precision, block_n=block_n)
-    if use_prepass is False and not one_block:
-        reasons["portable"] = (f"prepass=False: it centres keys inside the loop only when all {n_k} keys form one "
-                               f"block of at most {block_n}")
-    else:
-        reasons["portable"] = None
-    return reasons, centred_first
-
-
-def _int8_reasons(q: torch.Tensor, v: torch.Tensor, out: torch.Tensor, kernel: str, config: dict | None,
-                  pv_bits: int) -> dict[str, str | None]:
-    """Why each 8-bit kernel cannot run a call (``None`` where it can); ``kernel="auto"`` also leaves the Gluon
-    one for a given config (a config names one kernel's tiles) and for fewer than :data:`INT8_GLUON_MIN_KEYS`
-    keys."""
-    if INTERPRET:
-        gluon = "Triton's interpreter runs no Gluon"
-    else:
-        gluon = hopper_int8.unsuitable_reason(q, v, out, pv_bits=pv_bits)
-    if gluon is None and kernel == "auto":
-        if config is not None:
-            gluon = "a config tunes the portable-int8 kernel"
-        elif v.shape[2] < INT8_GLUON_MIN_KEYS:
-            gluon = (f"below {INT8_GLUON_MIN_KEYS} keys the portable-int8 kernel is the faster one, got "
-                     f"{v.shape[2]} keys")
-    return {"gluon-int8": gluon, "portable-int8": None}
-
-
-def _choose(fn: str, reasons: dict[str, str | None], order: tuple[str, ...], kernel: str) -> tuple[str, dict]:
-    """The kernel that runs (``kernel``, or under ``"auto"`` the first of ``order`` without a reason) and each
-    other kernel of ``order`` -> why not; ``ValueError`` when none (or the one asked for) can run the call."""
+def _choose(fn: str, reasons: dict[str, str | None], kernel: str, precision: str) -> tuple[str, dict]:
+    """The kernel that runs (``kernel``, or under ``"auto"`` the first of :data:`TABLE` without a reason) and
+    every other kernel -> why not; ``ValueError`` when none (or the one asked for) can run the call."""
     if kernel == "auto":
-        runnable = [name for name in order if reasons[name] is None]
+        runnable = [name for name, why in reasons.items() if why is None]
         if not runnable:
             raise ValueError(f"{fn}: no kernel can run this call: " +
-                             "; ".join(f"{name}: {reasons[name]}" for name in order))
+                             "; ".join(f"{name}: {reasons[name]}" for name in kernel_names(precision)))
         chosen = runnable[0]
     elif reasons[kernel] is not None:
         raise ValueError(f"{fn}: kernel={kernel!r} cannot run this call: {reasons[kernel]}")
     else:
         chosen = kernel
-    rejected = {name: reasons[name] or (f"the {chosen} kernel comes first" if kernel == "auto"
-                                        else f"kernel={kernel!r} was asked for")
-                for name in order if name != chosen}
+    rejected = {name: why or (f"the {chosen} kernel comes first" if kernel == "auto"
+                              else f"kernel={kernel!r} was asked for")
+                for name, why in reasons.items() if name != chosen}
     return chosen, rejected
 
 
@@ -196,8 +134,8 @@ def _eight_bit_pv_bits(fn: str, precision: str, pv_bits: int | None) -> int:
     own = precision_pv_bits(precision)
     if pv_bits is None:
         return own
-    if pv_bits not in int8.PV_BITS:
-        raise ValueError(f"{fn}: unknown pv_bits={pv_bits!r}; expected one of {int8.PV_BITS}")
+    if pv_bits not in quantize.PV_BITS:
+        raise ValueError(f"{fn}: unknown pv_bits={pv_bits!r}; expected one of {quantize.PV_BITS}")
     if precision == "fp8" and pv_bits != own:
         raise ValueError(f"{fn}: precision='fp8' computes P V in FP8 e4m3 (pv_bits=8), got pv_bits={pv_bits!r}; "
                          "for P V in 16 bits use precision='int8'")
@@ -217,71 +155,86 @@ def fp8_problem(device: torch.device) -> str | None:
             f"sm_{capability[0]}{capability[1]}")
 
 
-def _int8_plan(fn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, precision: str,
-               block_n: int | None, kernel: str, prepass: bool | None, config: dict | None,
-               pv_bits: int | None) -> Plan:
-    """The plan of an 8-bit call (``precision="int8"`` or ``"fp8"``): one of :data:`INT8_KERNELS` after the
-    quantizing pre-pass, ``P V`` in the bits :func:`_eight_bit_pv_bits` says."""
-    if kernel in _ORDER:
-        raise ValueError(f"{fn}: kernel={kernel!r} has no 8-bit path; precision={precision!r} runs one of "
-                         f"{INT8_KERNELS}")
-    bits = _eight_bit_pv_bits(fn, precision, pv_bits)
-    if bits == 8 and (problem := fp8_problem(q.device)):
+def _resolve_eight_bit(fn: str, call: Call) -> None:
+    """An 8-bit call's own checks (``pv_bits``, FP8 on this GPU, ``block_n``, ``prepass``), and its resolved
+    facts into ``call``: blocks of ``SHIFT_BLOCK`` keys, ``P V`` in :func:`_eight_bit_pv_bits`'s bits."""
+    precision, block_n = call.variant.precision, call.block_n
+    bits = _eight_bit_pv_bits(fn, precision, call.pv_bits)
+    if bits == 8 and (problem := fp8_problem(call.q.device)):
         asked, instead = (("precision='int8', pv_bits=8", "pv_bits=16") if precision == "int8"
                           else ("precision='fp8'", "precision='int8' (P V in 16 bits)"))
         raise ValueError(f"{fn}: {asked}: {problem}; use {instead}")
     if block_n is not None and int(block_n) != SHIFT_BLOCK:
         raise ValueError(f"{fn}: precision={precision!r} centres blocks of {SHIFT_BLOCK} keys, got block_n={block_n}")
-    if prepass is False:
+    if call.prepass is False:
         raise ValueError(f"{fn}: prepass=False: the 8-bit kernels read only their pre-pass's codes")
-    chosen, rejected = _choose(fn, _int8_reasons(q, v, out, kernel, config, bits), INT8_KERNELS, kernel)
-    sixteen_bits = f"it runs the 16-bit precisions, not precision={precision!r}"
-    return Plan(chosen, "quantize", SHIFT_BLOCK, k.shape[2] <= SHIFT_BLOCK,
-                {**rejected, **{name: sixteen_bits for name in _ORDER}}, bits)
+    call.shift_block, call.one_block, call.bits = SHIFT_BLOCK, call.k.shape[2] <= SHIFT_BLOCK, bits
 
 
-def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, variant: Variant,
-          block_n: int | None, kernel: str, prepass: bool | None, config: dict | None, pv_bits: int | None,
-          fallback: bool) -> Plan:
-    """:func:`plan` without the cache."""
-    fn = "dispatch.plan"
-    if kernel not in KERNELS:
-        raise ValueError(f"{fn}: unknown kernel={kernel!r}; expected one of {KERNELS}")
-    if prepass not in (None, True, False):
-        raise ValueError(f"{fn}: prepass must be None (auto), True or False, got prepass={prepass!r}")
-    shift, precision = variant.shift, variant.precision
-    if precision not in KERNEL_PRECISIONS:
-        raise ValueError(f"{fn}: precision={precision!r} has no kernel; expected one of {KERNEL_PRECISIONS}")
-    if eight_bit(precision):
-        return _int8_plan(fn, q, k, v, out, precision, block_n, kernel, prepass, config, pv_bits)
-    if kernel in INT8_KERNELS:
-        raise ValueError(f"{fn}: kernel={kernel!r} runs the 8-bit precisions ('int8', 'fp8') only, got "
-                         f"precision={precision!r}")
-    if pv_bits not in (None, 16) or fallback is not True:
+def _resolve_sixteen_bit(fn: str, call: Call) -> None:
+    """A 16-bit call's own checks (no 8-bit options; plain FlashAttention has no shift block nor pre-pass),
+    and its resolved facts into ``call``: the shift block at most the keys' tile."""
+    shift, precision, block_n = call.variant.shift, call.variant.precision, call.block_n
+    if call.pv_bits not in (None, 16) or call.fallback is not True:
         raise ValueError(f"{fn}: pv_bits and fallback are the 8-bit kernels' options (precision='int8' or 'fp8'), "
-                         f"got pv_bits={pv_bits!r}, fallback={fallback!r} with precision={precision!r}")
-    if shift != "exact" and kernel in ("packed", "gluon"):
-        raise ValueError(f"{fn}: kernel={kernel!r} is the exact shift's; got shift={shift!r}")
+                         f"got pv_bits={call.pv_bits!r}, fallback={call.fallback!r} with precision={precision!r}")
     if shift == "none":
         if block_n is not None:
             raise ValueError(f"{fn}: block_n is the shift block; it needs shift='exact' or 'pasa', got shift='none'")
-        if prepass:
+        if call.prepass:
             raise ValueError(f"{fn}: prepass=True: plain FlashAttention (shift='none') has no key pre-pass")
-        exact_only = "it runs the exact shift only"
-        return Plan("portable", None, 0, False, {"packed": exact_only, "gluon": exact_only})
-    n_k = k.shape[2]
-    block_n = min(SHIFT_BLOCK if block_n is None else int(block_n), pow2_tile(n_k))
-    one_block = n_k <= block_n
-    if shift == "pasa":
-        if prepass is None:
-            prepass = q.shape[2] > PASA_PREPASS_ROWS or pow2_tile(q.shape[-1]) > 128
-        exact_only = "it runs the exact shift only"
-        return Plan("portable", "shift" if prepass else None, block_n, one_block,
-                    {"packed": exact_only, "gluon": exact_only})
-    reasons, centred_first = _exact_reasons(q, k, v, out, precision, block_n, one_block, kernel, prepass, config)
-    chosen, rejected = _choose(fn, reasons, _ORDER, kernel)
-    uses_prepass = chosen == "gluon" or (chosen == "portable" and centred_first)
-    return Plan(chosen, "centre" if uses_prepass else None, block_n, one_block, rejected)
+        call.shift_block, call.one_block, call.bits = 0, False, 16
+        return
+    n_k = call.k.shape[2]
+    call.shift_block = min(SHIFT_BLOCK if block_n is None else int(block_n), pow2_tile(n_k))
+    call.one_block, call.bits = n_k <= call.shift_block, 16
+
+
+def _plan(call: Call) -> Plan:
+    """:func:`plan` without the cache: the call's own checks, then :data:`TABLE` walked in order, each kernel
+    asked whether it runs the variant (its ``precisions`` and ``shifts``) and the call (``unsuitable``)."""
+    fn = "dispatch.plan"
+    kernel = call.kernel
+    if kernel not in KERNELS:
+        raise ValueError(f"{fn}: unknown kernel={kernel!r}; expected one of {KERNELS}")
+    if call.prepass not in (None, True, False):
+        raise ValueError(f"{fn}: prepass must be None (auto), True or False, got prepass={call.prepass!r}")
+    shift, precision = call.variant.shift, call.variant.precision
+    if precision not in KERNEL_PRECISIONS:
+        raise ValueError(f"{fn}: precision={precision!r} has no kernel; expected one of {KERNEL_PRECISIONS}")
+    asked = None if kernel == "auto" else _BY_NAME[kernel]
+    if asked is not None and precision not in asked.precisions:
+        if eight_bit(precision) and not any(eight_bit(p) for p in asked.precisions):
+            raise ValueError(f"{fn}: kernel={kernel!r} has no 8-bit path; precision={precision!r} runs one of "
+                             f"{kernel_names(precision)}")
+        runs = ("the 8-bit precisions ('int8', 'fp8')" if all(eight_bit(p) for p in asked.precisions)
+                else f"the {' / '.join(asked.precisions)} precision")
+        raise ValueError(f"{fn}: kernel={kernel!r} runs {runs} only, got precision={precision!r}")
+    if eight_bit(precision):
+        _resolve_eight_bit(fn, call)
+    else:
+        _resolve_sixteen_bit(fn, call)
+    if asked is not None and shift not in asked.shifts:
+        raise ValueError(f"{fn}: kernel={kernel!r} is the {' / '.join(asked.shifts)} shift's; got shift={shift!r}")
+    if call.block_mask is not None:
+        _check_mask_blocks(fn, call)
+    reasons = {entry.name: _variant_reason(entry, precision, shift) or entry.unsuitable(call) for entry in TABLE}
+    chosen, rejected = _choose(fn, reasons, kernel, precision)
+    return Plan(chosen, _BY_NAME[chosen].prepass_of(call), call.shift_block, call.one_block, rejected, call.bits)
+
+
+def _check_mask_blocks(fn: str, call: Call) -> None:
+    """A block mask's blocks must be those the kernels walk: ``block_k`` the call's shift block as asked
+    (``block_n``, default ``SHIFT_BLOCK``; the 8-bit kernels' centre block; plain FlashAttention's key tiles
+    divide ``SHIFT_BLOCK``), and ``block_q`` a multiple of ``rules.MASK_QUERY_TILE``."""
+    mask = call.block_mask
+    key_block = SHIFT_BLOCK if call.block_n is None else int(call.block_n)
+    if mask.block_k != key_block:
+        raise ValueError(f"{fn}: block_mask.block_k={mask.block_k} must be the kernels' key block {key_block} "
+                         f"(the shift block, block_n)")
+    if mask.block_q % MASK_QUERY_TILE:
+        raise ValueError(f"{fn}: block_mask.block_q={mask.block_q} must be a multiple of {MASK_QUERY_TILE} "
+                         f"(the kernels' largest query tile)")
 
 
 _PLANS: dict[tuple, Plan] = {}
@@ -297,21 +250,32 @@ def _signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Ten
 
 def plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, variant: Variant,
          block_n: int | None = None, kernel: str = "auto", prepass: bool | None = None,
-         config: dict | None = None, pv_bits: int | None = None, fallback: bool = True) -> Plan:
+         config: dict | None = None, pv_bits: int | None = None, fallback: bool = True,
+         block_mask: BlockSparseMask | None = None) -> Plan:
     """The plan of ``forward`` for these arguments (see :func:`forward`); ``ValueError`` naming the argument
-    for a kernel, pre-pass, ``block_n`` or 8-bit option that cannot serve the call.
+    for a kernel, pre-pass, ``block_n``, 8-bit option or block mask that cannot serve the call.
 
     Plans are kept per call signature (:func:`_signature`: everything the routing reads), so a repeated call
     returns the same ``Plan`` object without routing again; :func:`forget_plans` empties the cache (a test
     that changes what a kernel can take, or the GPU, between calls)."""
+    return _planned(Call(q, k, v, out, variant, block_n=block_n, kernel=kernel, prepass=prepass, config=config,
+                         pv_bits=pv_bits, fallback=fallback, block_mask=block_mask))
+
+
+def _planned(call: Call) -> Plan:
+    """:func:`plan` of ``call``: from the cache, or routed and kept."""
     try:
+        config = call.config
         config_key = None if config is None else tuple(sorted(config.items()))
-        key = _signature(q, k, v, out, (variant, block_n, kernel, prepass, config_key, pv_bits, fallback))
+        mask = call.block_mask
+        mask_key = None if mask is None else (mask.block_q, mask.block_k)
+        key = _signature(call.q, call.k, call.v, call.out, (call.variant, call.block_n, call.kernel, call.prepass,
+                                                            config_key, call.pv_bits, call.fallback, mask_key))
         found = _PLANS.get(key)
     except TypeError:  # an unhashable option value: planned, not kept
-        return _plan(q, k, v, out, variant, block_n, kernel, prepass, config, pv_bits, fallback)
+        return _plan(call)
     if found is None:
-        found = _plan(q, k, v, out, variant, block_n, kernel, prepass, config, pv_bits, fallback)
+        found = _plan(call)
         if len(_PLANS) >= PLAN_CACHE_SIZE:
             _PLANS.clear()
         _PLANS[key] = found
@@ -327,7 +291,8 @@ def forget_plans() -> None:
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, scale: float,
             variant: Variant, beta: float, block_n: int | None = None, kernel: str = "auto",
             prepass: bool | None = None, config: dict | None = None, lse: torch.Tensor | None = None,
-            pv_bits: int | None = None, fallback: bool = True) -> torch.Tensor:
+            pv_bits: int | None = None, fallback: bool = True,
+            block_mask: BlockSparseMask | None = None) -> torch.Tensor:
     """Write ``softmax(scale q k^T) v`` of ``variant`` into ``out`` (and, given ``lse``, each row's
     log-sum-exp into it) and return ``out``.
 
@@ -341,7 +306,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
         block_n: the shift block (default ``rules.SHIFT_BLOCK`` = 128, as the reference); changes the result.
         kernel: ``"auto"`` or one of :data:`KERNELS` (module docstring).
         prepass: ``None`` (auto: the exact shift centres keys of several blocks by the pre-pass, PASA
-            shifts them by the pre-pass above ``PASA_PREPASS_ROWS`` query rows), ``True`` or ``False``.
+            shifts them by the pre-pass above ``portable.PASA_PREPASS_ROWS`` query rows), ``True`` or ``False``.
         config: fixed meta-parameters of the chosen kernel instead of autotuning (``portable.forward``,
             ``packed.forward``, ``hopper.forward``, ``int8.attend``, ``hopper_int8.forward``); with
             ``kernel="auto"`` it keeps the call off the Gluon kernels.
@@ -355,37 +320,26 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
             explicitly (``"int8"`` takes either, ``"fp8"`` only 8: ``ValueError`` naming both otherwise).
             ``fallback``: the key blocks whose codes cannot hold their range computed in 16 bits and counted
             in ``block_tally`` (``True``, the default) or every block from the codes.
+        block_mask: ``None`` (every key block), or a ``block_sparse.BlockSparseMask`` that fits the call
+            (``check_call``, done by the op) with ``block_k`` the shift block and ``block_q`` a multiple of
+            ``rules.MASK_QUERY_TILE``: the kernel visits only each query block's kept key blocks (the kernels that
+            cannot say so in their ``unsuitable`` reason); a query block that keeps none gives zeros and, with
+            ``lse``, ``-inf``.
     """
-    chosen = plan(q, k, v, out, variant=variant, block_n=block_n, kernel=kernel, prepass=prepass, config=config,
-                  pv_bits=pv_bits, fallback=fallback)
+    call = Call(q, k, v, out, variant, scale, beta, block_n, kernel, prepass, config, lse, pv_bits, fallback,
+                block_mask, keys=k)
+    chosen = _planned(call)
     if lse is not None:
         _check_lse(q, lse)
-    if chosen.prepass == "quantize":
-        if out.numel() == 0:
-            return out
-        gluon = chosen.kernel == "gluon-int8"
-        prep = int8.prepare(q, k, v, scale=scale, pv_bits=chosen.pv_bits, fallback=fallback, split=gluon and fallback,
-                            tally=block_tally.counter(q.device) if fallback else None)
-        if gluon:
-            return hopper_int8.forward(q, prep, out, scale=scale, config=config, lse=lse)
-        return int8.attend(q, prep, out, scale=scale, config=config, lse=lse)
-    shift, precision = variant.shift, variant.precision
-    if chosen.kernel == "packed":
-        return packed.forward(q, k, v, out, scale=scale, precision=precision, config=config, lse=lse)
-    constants = portable.NO_SHIFT
-    if shift == "pasa":
-        constants = shift_constants(float(beta), k.shape[2], chosen.block_n, q.dtype, float(scale))
-    ranges = _key_ranges(k, out) if chosen.prepass else ()
+    entry = _BY_NAME[chosen.kernel]
+    if variant.shift == "pasa":
+        call.constants = shift_constants(float(beta), k.shape[2], chosen.block_n, q.dtype, float(scale))
+    ranges = _key_ranges(k, out) if chosen.prepass in KEY_COPYING_PREPASSES else ()
     if len(ranges) <= 1:  # one launch over the whole call: the tensors as they are, no views
-        _attend(q, k, v, out, lse, chosen, scale=scale, shift=shift, precision=precision, constants=constants,
-                config=config)
+        _run(entry, call, chosen)
         return out
-    group = q.shape[1] // k.shape[1]
-    for (b0, b1), (h0, h1) in ranges:
-        hq = slice(h0 * group, h1 * group)
-        _attend(q[b0:b1, hq], k[b0:b1, h0:h1], v[b0:b1, h0:h1], out[b0:b1, hq],
-                None if lse is None else lse[b0:b1, hq], chosen, scale=scale, shift=shift, precision=precision,
-                constants=constants, config=config)
+    for batches, heads in ranges:
+        _run(entry, call.part(batches, heads), chosen)
     return out
 
 
@@ -432,22 +386,42 @@ def _even_step(total: int, most: int) -> int:
     return cdiv(total, ranges)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
-            chosen: Plan, *, scale: float, shift: str, precision: str, constants: tuple, config: dict | None) -> None:
-    """``chosen``'s pre-pass (if any) and its kernel on one range of batch and heads."""
-    keys, centres = k, None
-    if chosen.prepass == "centre":
-        keys, centres = centre_keys(k, block_n=chosen.block_n, exact=precision == "hybrid",
-                                    centres_dtype=k.dtype if chosen.kernel == "gluon" else torch.float32)
-    elif chosen.prepass == "shift":
-        keys = shift_keys(k, block_n=chosen.block_n, a_full=constants[0], c_full=constants[1], a_tail=constants[2],
-                          c_tail=constants[3])
-    if chosen.kernel == "gluon":
-        hopper.forward(q, keys, v, centres, out, scale=scale, config=config, lse=lse)
-    else:
-        portable.forward(q, keys, v, out, scale=scale, shift=shift, precision=precision, block_n=chosen.block_n,
-                         one_block=chosen.one_block, keys_prepared=chosen.prepass is not None, centres=centres,
-                         shift_constants=constants, config=config, lse=lse)
+def _centre(call: Call, plan: Plan, entry: Kernel) -> bool:
+    """The centre pre-pass: ``call.keys`` centred per block, ``call.centres`` (fp32, or the keys' dtype where
+    the entry asks: ``centres_in_keys_dtype``)."""
+    in_keys_dtype = entry.prepass_options.get("centres_in_keys_dtype", False)
+    call.keys, call.centres = centre_keys(call.k, block_n=plan.block_n, exact=call.variant.precision == "hybrid",
+                                          centres_dtype=call.k.dtype if in_keys_dtype else torch.float32)
+    return True
+
+
+def _shift(call: Call, plan: Plan, entry: Kernel) -> bool:
+    """PASA's pre-pass: ``call.keys`` shifted by the call's constants."""
+    a_full, c_full, a_tail, c_tail = call.constants[:4]
+    call.keys = shift_keys(call.k, block_n=plan.block_n, a_full=a_full, c_full=c_full, a_tail=a_tail, c_tail=c_tail)
+    return True
+
+
+def _quantize(call: Call, plan: Plan, entry: Kernel) -> bool:
+    """The 8-bit pre-pass: ``call.prep`` (``quantize.prepare``; the 16-bit blocks' ``hi``/``lo`` keys where the entry
+    asks, ``split``, and the fallback is on); ``False`` (nothing to launch) for an empty output."""
+    if call.out.numel() == 0:
+        return False
+    fallback = call.fallback
+    call.prep = quantize.prepare(call.q, call.k, call.v, scale=call.scale, pv_bits=plan.pv_bits, fallback=fallback,
+                             split=entry.prepass_options.get("split", False) and fallback,
+                             tally=block_tally.counter(call.q.device) if fallback else None)
+    return True
+
+
+PREPASS_RUNS = {"centre": _centre, "shift": _shift, "quantize": _quantize}
+"""Each pre-pass of ``call.PREPASSES`` -> its run on a call: it fills in the call and says whether to launch."""
+
+
+def _run(entry: Kernel, call: Call, chosen: Plan) -> None:
+    """``chosen``'s pre-pass (if any) and ``entry``'s launch on one call (or one range of it)."""
+    if chosen.prepass is None or PREPASS_RUNS[chosen.prepass](call, chosen, entry):
+        entry.launch(call, chosen)
 
 
 def _check_lse(q: torch.Tensor, lse: torch.Tensor) -> None:

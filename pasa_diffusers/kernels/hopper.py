@@ -1,7 +1,8 @@
 """The exact shift in hybrid precision for Hopper (sm_90), by hand in Gluon: FA3's warp-specialised structure.
 
 One Gluon kernel, :func:`exact_fwd_gluon_kernel`, its launch wrapper :func:`forward`, its configs and
-:func:`unsuitable_reason` (what ``dispatch.py`` asks before choosing it).  The variant is
+:func:`unsuitable_reason` (what its entry's :func:`unsuitable` asks before the router chooses it), and its
+``ENTRY`` in ``dispatch.TABLE``.  The variant is
 ``shift="exact"``, ``precision="hybrid"`` with the portable kernel's arithmetic, from the key pre-pass's
 outputs (``prepass.centre_keys``): the centred keys ``k_c`` and the centres ``c_j``, one per 128 keys.  Per key tile of ``BLOCK_N`` keys inside block ``j`` (``qk_scale = scale log2(e)``):
 
@@ -62,11 +63,13 @@ and the measurements behind the configs: docs/notes/hopper.md.
 from __future__ import annotations
 
 import math
+from types import MappingProxyType
 
 import torch
 
 from ..rules import SHIFT_BLOCK
-from .common import LN2, cdiv, lse_arg
+from .call import Call, Kernel, Plan
+from .common import INTERPRET, LN2, cdiv, lse_arg
 from .gluon_common import (CENTRE_ROWS, PRODUCER_WARPS, ROWS_PER_CONSUMER, descriptor,
                            descriptor_layout_problem, fence_async_shared, gl, gluon_jit, head_dim_tile, kept_config,
                            mbarrier, operand_problem, registers, release, round_p, row_shift, sm90_problem, tma,
@@ -522,3 +525,25 @@ def forward(q: torch.Tensor, k_c: torch.Tensor, v: torch.Tensor, centres: torch.
     grid, args, meta = kernel_call(q, k_c, v, centres, out, scale=scale, config=config, lse=lse)
     exact_fwd_gluon_kernel[grid](*args, **meta)
     return out
+
+
+def unsuitable(call: Call) -> str | None:
+    """Why the Gluon kernel cannot run ``call`` (an exact-shift call in the hybrid precision), or ``None``."""
+    if call.block_mask is not None:
+        return "it takes no block_mask yet"
+    if not (not call.one_block if call.prepass is None else call.prepass):
+        return "all keys form one block, centred inside the kernel (no pre-pass)"
+    if call.kernel == "auto" and call.config is not None:
+        return "a config tunes the portable kernel"
+    if INTERPRET:
+        return "Triton's interpreter runs no Gluon"
+    return unsuitable_reason(call.q, call.v, call.out, precision=call.variant.precision, block_n=call.shift_block)
+
+
+def launch(call: Call, plan: Plan) -> None:
+    """:func:`forward` on the centre pre-pass's keys and centres."""
+    forward(call.q, call.keys, call.v, call.centres, call.out, scale=call.scale, config=call.config, lse=call.lse)
+
+
+ENTRY = Kernel("gluon", ("hybrid",), ("exact",), launch, unsuitable, prepass="centre",
+               prepass_options=MappingProxyType({"centres_in_keys_dtype": True}))

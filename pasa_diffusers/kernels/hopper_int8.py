@@ -2,22 +2,22 @@
 ``precision="fp8"`` in the warp-specialised structure of ``hopper.py``.
 
 One Gluon kernel, :func:`int8_fwd_gluon_kernel`, its launch wrapper :func:`forward` and
-:func:`unsuitable_reason`.  It reads the pre-pass's outputs (``int8.prepare``: the codes, their scales and
+:func:`unsuitable_reason`.  It reads the pre-pass's outputs (``quantize.prepare``: the codes, their scales and
 corrections, the centres, V8^T with its channel scales for FP8 ``P V``, the flags of the 16-bit blocks and
 those blocks' ``hi``/``lo`` keys) and computes ``reference_int8.attention_from_codes`` as ``int8.int8_fwd_kernel``
 does, up to fp32 rounding (FMA contraction, ``ex2.approx``, the tensor cores' sums; under the lazy rescale the
 ``p`` are rounded at another offset).  The tiles come in the spec's order (step 4c, the pre-pass's ``order`` and
 ``coded``): the coded blocks' tiles first, in a loop with no branch on a flag, then the flagged blocks' tiles
-in a loop of their own.  Per key tile of ``BLOCK_N`` keys inside centre block ``b`` (``qk_scale
-= scale log2(e)``, ``a_i = q_scale_i qk_scale / DP``, ``mu_u_i = mu_i qk_scale``, per key ``ks_j``,
-``sigma_j``, ``A_j``):
+in a loop of their own.  Per key tile of ``BLOCK_N`` keys inside centre block ``b`` (``qk_scale = u``, the
+spec's ``fp32(scale) log2(e)`` in fp32, ``a_i = q_scale_i qk_scale / DP``, ``mu_u_i = mu_i qk_scale``, per key
+``ks_j``, ``sigma_j``, ``uA_j``):
 
     r      = qk_scale fp32(q . c_b)                       (per row: column b mod 16 of a (64, 16) wgmma over the
                                                            centres of b's group of 16 blocks, redone when the
                                                            group changes)
-    I      = q_codes k_codes^T                            (INT8 wgmma, exact int32; to fp32 exactly by the
-                                                           1.5 2^23 trick: |I| <= 128 127^2 < 2^22)
-    z      = (I ks_j) a_i + (mu_u_i sigma_j + qk_scale A_j)
+    I      = q_codes k_codes^T                            (INT8 wgmma, exact int32; to fp32 exactly:
+                                                           |I| <= 128 127^2 < 2^24)
+    z      = (I ks_j) a_i + (mu_u_i sigma_j + uA_j)       (uA_j = qk_scale A_j from the pre-pass)
              or, in a flagged block, qk_scale fp32(q . hi + q . lo)       (two 16-bit wgmmas)
     m_s    = rowmax z,  m_blk = m_s + r,  m_new = max(m_i, m_blk)
     x      = z - (m_s - (m_blk - m_new)),  alpha = exp2(m_i - m_new)
@@ -37,7 +37,7 @@ Partitions (``gl.warp_specialize``; one program = ``64 NUM_CONSUMERS`` query row
 - producer (the default partition, one warpgroup): TMA copies.  Each consumer's q codes (int8) and q
   (``g``, for ``q . c_b`` and the 16-bit blocks; its buffer takes the output at the end); per key tile
   ``i`` in visiting order into stage ``i % NUM_STAGES``: for a coded tile the key codes with the 16 centre
-  rows of its block's group and the tile's ``ks``, ``sigma``, ``A`` (1-d copies; ``k_ready``); for a flagged
+  rows of its block's group and the tile's ``ks``, ``sigma``, ``uA`` (1-d copies; ``k_ready``); for a flagged
   tile the centre rows alone, and its ``hi`` and ``lo`` (``g``) into the one-stage wide ring (``w_ready`` /
   ``w_empty``, phase = the count of flagged tiles before it); then v (``g``, or V8^T's (DP, BLOCK_N) e4m3 box;
   ``v_ready``).
@@ -52,10 +52,10 @@ Partitions (``gl.warp_specialize``; one program = ``64 NUM_CONSUMERS`` query row
 Shared memory per program: q codes (64, DP) int8 and q (64, DP) ``g`` per consumer, and two ``P8`` tiles per
 consumer with FP8 (16-column dummies without); the rings k codes (NUM_STAGES, BLOCK_N, DP) int8, centres
 (NUM_STAGES, 16, DP) ``g``, v (NUM_STAGES, BLOCK_N, DP) ``g`` or V8^T (NUM_STAGES, DP, BLOCK_N) e4m3, ks, sigma,
-A (NUM_STAGES, BLOCK_N) fp32; hi, lo (BLOCK_N, DP) ``g`` with ``FALLBACK`` (16-row dummies without).  Registers
+uA (NUM_STAGES, BLOCK_N) fp32; hi, lo (BLOCK_N, DP) ``g`` with ``FALLBACK`` (16-row dummies without).  Registers
 per consumer (NVMMA v3, 64 rows): I (64, BLOCK_N) int32, z the same in fp32, p in ``g`` (the A operand of ``P V``
 from registers) or e4m3, acc (64, DP) fp32 (and FP8's per-tile product, the same), rc (64, 16) fp32; ks, sigma,
-A (BLOCK_N,) fp32 read from shared memory per tile; a_i, mu_u (64,) fp32 loaded once.
+uA (BLOCK_N,) fp32 read from shared memory per tile; a_i, mu_u (64,) fp32 loaded once.
 ``DP`` = 64 (head dim 64) or 128 (80 .. 128): the pre-pass pads its codes to ``DP`` columns, and the copy
 engine pads q, v and the output tile past ``D`` (zeros in, clipped out).  Keys past ``N_K`` arrive as zero
 codes (and zero V8 columns) and get ``z = -inf`` (``MASK_N``); rows past ``N_Q`` are computed and dropped by
@@ -67,13 +67,14 @@ with the count of flagged tiles in place of the tile index.
 from __future__ import annotations
 
 import functools
-import math
+from types import MappingProxyType
 
 import torch
 import triton.language as tl
 
 from ..rules import SHIFT_BLOCK
-from .common import LN2, P_SHIFT, cdiv
+from .call import Call, Kernel, Plan
+from .common import INTERPRET, LN2, P_SHIFT, cdiv, log2_units
 from .gluon_common import (CENTRE_ROWS, PRODUCER_WARPS, ROWS_PER_CONSUMER, TensorDescriptor, descriptor,
                            descriptor_layout_problem, fence_async_shared, gl, gluon_jit, kept_config, kept_descriptor,
                            mbarrier, operand_problem, registers, release, round_p, row_shift, sm90_problem, tma,
@@ -86,8 +87,6 @@ __all__ = ["int8_fwd_gluon_kernel", "forward", "kernel_call", "unsuitable_reason
 LAZY_RESCALE = tl.constexpr(8.0)
 """The growth of a row's maximum (log2 units) past which the lazy rescale moves it: ``p <= 2^8``, far inside
 fp16's and bf16's range (FlashAttention-4's threshold)."""
-RNE_MAGIC_BITS = tl.constexpr(0x4B400000)
-"""The bits of 1.5 * 2^23: ``bits(1.5 2^23) + I`` read as fp32 is ``1.5 2^23 + I`` for ``|I| < 2^22``."""
 CONFIGS = {64: {"BLOCK_N": 128, "num_stages": 2, "consumers": 2, "lazy": False},
            128: {"BLOCK_N": 128, "num_stages": 2, "consumers": 2, "lazy": False}}
 """The config per DP for more than :data:`SHORT_KEYS` keys: 128-key tiles, two consumers, the eager rescale
@@ -199,17 +198,18 @@ def _copy_v(desc_v, v_bufs, v_ready, v_empty, off_z, off_hk, start_n, i, PV_FP8:
 
 
 @gluon_jit
-def _coded_logits(i_sum, key_vecs, a_i, mu_u, qk_scale, s_layout: gl.constexpr):
-    """``z = (I ks_j) a_i + (mu_u_i sigma_j + qk_scale A_j)`` (64, BLOCK_N) fp32 in ``s_layout`` from the
-    finished INT8 product ``I`` (int32), widened exactly; ``key_vecs = (ks, sigma, A)`` the tile's (BLOCK_N,)
-    fp32 rows in shared memory (copied with the codes)."""
-    ks_buf, sig_buf, a_buf = key_vecs
+def _coded_logits(i_sum, key_vecs, a_i, mu_u, s_layout: gl.constexpr):
+    """``z = (I ks_j) a_i + (mu_u_i sigma_j + uA_j)`` (64, BLOCK_N) fp32 in ``s_layout`` from the finished INT8
+    product ``I`` (int32), converted exactly (``|I| <= 128 127^2 < 2^24``; one I2FP per score); ``key_vecs = (ks,
+    sigma, uA)`` the tile's (BLOCK_N,) fp32 rows in shared memory (copied with the codes; ``uA_j = qk_scale A_j``
+    from the pre-pass)."""
+    ks_buf, sig_buf, au_buf = key_vecs
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     ks = ks_buf.load(col_layout)
     sig = sig_buf.load(col_layout)
-    a_j = a_buf.load(col_layout)
-    i_f = gl.convert_layout((i_sum + RNE_MAGIC_BITS).to(gl.float32, bitcast=True) - 12582912.0, s_layout)
-    return (i_f * ks[None, :]) * a_i[:, None] + (mu_u[:, None] * sig[None, :] + (a_j * qk_scale)[None, :])
+    ua_j = au_buf.load(col_layout)
+    i_f = gl.convert_layout(i_sum.to(gl.float32), s_layout)
+    return (i_f * ks[None, :]) * a_i[:, None] + (mu_u[:, None] * sig[None, :] + ua_j[None, :])
 
 
 @gluon_jit
@@ -303,7 +303,7 @@ def _tile_softmax(i_sum, r, row_vecs, ring, k_empty, m_i, l_i, i, start_n, N_K, 
     a_i, mu_u = row_vecs
     stage = i % NUM_STAGES
     z = _coded_logits(i_sum, (ks_bufs.index(stage), sig_bufs.index(stage), a_bufs.index(stage)), a_i, mu_u,
-                      qk_scale, s_layout)
+                      s_layout)
     release(k_empty, i)
     return _softmax_step(z, r, m_i, l_i, start_n, N_K, p_dtype, MASK_N, LAZY)
 
@@ -729,7 +729,7 @@ def _row_descriptor(t: torch.Tensor, block_n: int) -> TensorDescriptor:
     row's, which the kernel masks."""
     batch, heads, n_k = t.shape
     if t.stride() != (heads * t.stride(1), t.stride(1), 1) or t.stride(1) % 4 or t.stride(1) < n_k:
-        raise ValueError(f"hopper_int8: per-key vectors must be rows padded to 16 bytes (int8.allocate), got "
+        raise ValueError(f"hopper_int8: per-key vectors must be rows padded to 16 bytes (quantize.allocate), got "
                          f"strides {t.stride()} for shape {tuple(t.shape)}")
     flat = torch.as_strided(t, (batch * heads * t.stride(1),), (1,), t.storage_offset())
     return kept_descriptor(flat, (block_n,), _row_layout())
@@ -750,7 +750,7 @@ def _row_layout():
 
 def kernel_call(q: torch.Tensor, prep, out: torch.Tensor, *, scale: float, config: dict | None = None,
                 lse: torch.Tensor | None = None) -> tuple[tuple[int], tuple, dict]:
-    """``(grid, args, meta)`` of ``int8_fwd_gluon_kernel[grid](*args, **meta)`` on ``prep`` (``int8.Prepared``,
+    """``(grid, args, meta)`` of ``int8_fwd_gluon_kernel[grid](*args, **meta)`` on ``prep`` (``quantize.Prepared``,
     with ``k_split`` where it has flags); split from :func:`forward` so that a compile check builds exactly
     this launch from meta tensors."""
     batch, h_q, n_q, _ = q.shape
@@ -758,7 +758,7 @@ def kernel_call(q: torch.Tensor, prep, out: torch.Tensor, *, scale: float, confi
     fallback = prep.flags is not None
     pv_bits = 16 if prep.v_scale is None else 8
     if fallback and prep.k_split is None:
-        raise ValueError("hopper_int8.forward: prep has flags but no k_split (int8.prepare(..., split=True) writes "
+        raise ValueError("hopper_int8.forward: prep has flags but no k_split (quantize.prepare(..., split=True) writes "
                          "the 16-bit blocks' hi and lo)")
     element_size = q.element_size()
     cfg = kept_config(_CONFIGS, config, (dp, n_k <= SHORT_KEYS, element_size, fallback, pv_bits),
@@ -775,10 +775,10 @@ def kernel_call(q: torch.Tensor, prep, out: torch.Tensor, *, scale: float, confi
             descriptor(prep.v, dp, block_n) if pv_bits == 8 else descriptor(prep.v, block_n, dp),
             descriptor(c_g, CENTRE_ROWS, dp), descriptor(hi, wide_rows, dp), descriptor(lo, wide_rows, dp),
             _row_descriptor(prep.k_scale, block_n), _row_descriptor(prep.sigma, block_n),
-            _row_descriptor(prep.a, block_n), descriptor(out, ROWS_PER_CONSUMER, dp),
+            _row_descriptor(prep.au, block_n), descriptor(out, ROWS_PER_CONSUMER, dp),
             prep.q_scale, prep.mu, prep.q_scale if pv_bits == 16 else prep.v_scale, *tiles,
             prep.q_scale if lse is None else lse,
-            h_q, h_q // h_k, n_q, n_k, prep.k_scale.stride(1), float(scale) * math.log2(math.e))
+            h_q, h_q // h_k, n_q, n_k, prep.k_scale.stride(1), log2_units(scale))
     meta = dict(BLOCK_N=block_n, NUM_STAGES=cfg["num_stages"], NUM_CONSUMERS=cfg["consumers"],
                 SHIFT_BLOCK_N=SHIFT_BLOCK, MASK_N=n_k % block_n != 0, FALLBACK=fallback, STORE_LSE=lse is not None,
                 PV_FP8=pv_bits == 8, P8_LAYOUT=_p8_layout(block_n if pv_bits == 8 else 16),
@@ -789,7 +789,7 @@ def kernel_call(q: torch.Tensor, prep, out: torch.Tensor, *, scale: float, confi
 
 def forward(q: torch.Tensor, prep, out: torch.Tensor, *, scale: float, config: dict | None = None,
             lse: torch.Tensor | None = None) -> torch.Tensor:
-    """Write ``softmax(scale q k^T) v`` of the 8-bit exact shift into ``out`` from ``int8.prepare``'s outputs
+    """Write ``softmax(scale q k^T) v`` of the 8-bit exact shift into ``out`` from ``quantize.prepare``'s outputs
     (with ``split=True`` where the 16-bit blocks are on) and return it.
 
     q: (B, Hq, Nq, D), out: (B, Hq, Nq, D), ``prep.v`` (B, Hk, Nk, D): fp16 or bf16 on an sm_90 GPU, head dim
@@ -799,3 +799,34 @@ def forward(q: torch.Tensor, prep, out: torch.Tensor, *, scale: float, config: d
     grid, args, meta = kernel_call(q, prep, out, scale=scale, config=config, lse=lse)
     int8_fwd_gluon_kernel[grid](*args, **meta)
     return out
+
+
+AUTO_MIN_KEYS = 256
+"""``kernel="auto"`` attends on the 8-bit codes with the portable kernel below this many keys, where it is
+the faster one on the H200 (``bench.int8_fallback``; docs/notes/int8_kernel.md has the numbers)."""
+
+
+def unsuitable(call: Call) -> str | None:
+    """Why this kernel cannot run ``call`` (an 8-bit call), or ``None``; ``kernel="auto"`` also leaves it for a
+    given config (a config names one kernel's tiles) and for fewer than :data:`AUTO_MIN_KEYS` keys."""
+    if call.block_mask is not None:
+        return "it takes no block_mask yet"
+    if INTERPRET:
+        return "Triton's interpreter runs no Gluon"
+    reason = unsuitable_reason(call.q, call.v, call.out, pv_bits=call.bits)
+    if reason is None and call.kernel == "auto":
+        if call.config is not None:
+            return "a config tunes the portable-int8 kernel"
+        if call.v.shape[2] < AUTO_MIN_KEYS:
+            return (f"below {AUTO_MIN_KEYS} keys the portable-int8 kernel is the faster one, got "
+                    f"{call.v.shape[2]} keys")
+    return reason
+
+
+def launch(call: Call, plan: Plan) -> None:
+    """:func:`forward` on the quantizing pre-pass's outputs (``call.prep``, with the split keys)."""
+    forward(call.q, call.prep, call.out, scale=call.scale, config=call.config, lse=call.lse)
+
+
+ENTRY = Kernel("gluon-int8", ("int8", "fp8"), ("exact",), launch, unsuitable, prepass="quantize",
+               prepass_options=MappingProxyType({"split": True}))

@@ -1,399 +1,58 @@
-"""The exact shift in 8 bits: the pre-pass and attention kernels of ``precision="int8"``, portable Triton.
+"""The exact shift in 8 bits: the portable attention kernel of ``precision="int8"`` / ``"fp8"`` on the codes.
 
-They compute ``reference_int8.int8_reference`` (its module docstring states the math and why each step)
-on any CUDA GPU Triton supports with INT8 ``tl.dot`` (sm_80+; FP8 ``P V`` needs sm_89+), and on CPU
-tensors under ``TRITON_INTERPRET=1``.  Five launches per call: four of the pre-pass (:func:`prepare`), whose
-outputs both 8-bit attention kernels read, and this file's attention kernel (:func:`attend`; the
-``portable-int8`` kernel of ``dispatch.plan``, which chooses between it and ``hopper_int8.py``'s):
+It computes ``reference_int8.attention_from_codes`` (``reference_int8``'s module docstring states the math and
+why each step) on any CUDA GPU Triton supports with INT8 ``tl.dot`` (sm_80+; FP8 ``P V`` needs sm_89+), and on
+CPU tensors under ``TRITON_INTERPRET=1``, from the quantizing pre-pass's outputs (``quantize.prepare``, four
+launches, which the router runs first; ``hopper_int8.py``'s Gluon kernel reads the same): this file's
+:func:`int8_fwd_kernel` (:func:`attend`; the ``portable-int8`` entry of ``dispatch.TABLE``) is the fifth
+launch: INT8 ``q k^T`` with int32 sums, the removed logits added in fp32 (a flagged block: ``q . (k - c_b)`` by
+two 16-bit MMAs instead), online softmax in fp32, ``P V`` in the GEMM dtype or FP8 (``PV_FP8``).  With a block
+mask (``SPARSE``, ``block_sparse.BlockSparseMask``) each query block visits only its kept key blocks
+(:func:`_sparse_passes`); the pre-pass is the dense call's.
 
-1. :func:`colstats_kernel`: per block of ``BLOCK_R`` rows, the column sums of q (fp64) and, for FP8
-   ``P V``, the column maxima of ``|v|``;
-2. :func:`colstats_reduce_kernel`: those partials reduced in a fixed order: ``qbar =
-   round_g(round_fp32(sum / Nq))`` per (batch, query head), and V's per-channel ``vs = amax / 448``,
-   ``448 / amax``;
-3. :func:`quantize_kernel`, the fused pre-pass: one program per block of 128 queries (smoothing,
-   rotation, INT8 codes) or 128 keys (centre, rotation, codes, the exact corrections ``sigma``, ``A``;
-   V to e4m3 for FP8 ``P V``);
-4. :func:`fallback_flags_kernel`: the query statistics reduced, and per (batch, query head) which key
-   blocks go to 16 bits (``reference_int8`` step 4b), counted into the caller's counter (left out with
-   ``fallback=False``);
-5. :func:`int8_fwd_kernel`, the attention: INT8 ``q k^T`` with int32 sums, the removed logits added in
-   fp32 (a flagged block: ``q . (k - c_b)`` by two 16-bit MMAs instead), online softmax in fp32, ``P V``
-   in the GEMM dtype or FP8 (``PV_FP8``).
-
-Head dims are padded to ``DP``, a power of two >= 32 (an INT8 MMA reduces over 32).  Every rounding of
-the pre-pass is the spec's, bit for bit: column sums in fp64 (exact for fp16 values, so their order does
-not matter), the Hadamard transform by the same butterflies (additions only), IEEE divisions
-(``div_rn``), codes as rounded quotients (a product would be contracted into the rounding's addition by
-the GPU compiler alone), round-to-nearest-even by the 1.5 * 2^23 trick (exact for ``|x| < 2^22``).  The
-attention kernel rounds where the spec does but contracts products into FMAs and sums in its own order,
-so it matches the spec to fp32 rounding, not bit for bit.
+Head dims are padded to ``DP``, a power of two >= 32 (an INT8 MMA reduces over 32).  The kernel rounds where
+the spec does but contracts products into FMAs and sums in its own order, so it matches the spec to fp32
+rounding, not bit for bit.
 
 ``PV_FP8`` multiplies the e4m3 values of ``P`` and ``V`` widened to fp16 (:func:`_merge`).  The
 interpreter's fp32 -> e4m3 conversion drops the carry of a rounding that crosses a power of two, so
-there values are first rounded onto e4m3's grid in fp32 (:func:`_to_e4m3`).  bf16 goes through
+there values are first rounded onto e4m3's grid in fp32 (``quantize._to_e4m3``).  bf16 goes through
 ``common.round_to`` / ``common.mma`` there as in the other kernels.  The measurements behind the configs and
 the design choices below are in docs/notes/int8_kernel.md.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 
-from ..rules import INT8_FALLBACK_TAU, SHIFT_BLOCK
-from .common import INTERPRET, LN2, LOG2E, P_SHIFT, binade, cdiv, mma, round_to, strides3
-from .tuning import SMEM_LIMIT, autotuned, bucket, interpreter_autotunes, pow2_tile
+from ..rules import SHIFT_BLOCK
+from .call import BlockSparseMask, Call, Kernel, Plan
+from .common import INTERPRET, LN2, LOG2E, P_SHIFT, cdiv, kept_blocks, mask_args, mma, round_to, strides3
+from .quantize import Prepared, _split, _to_e4m3
+from .tuning import SMEM_LIMIT, autotuned, bucket, interpreter_autotunes
 
-__all__ = ["colstats_kernel", "colstats_reduce_kernel", "quantize_kernel", "fallback_flags_kernel", "int8_fwd_kernel",
-           "Prepared", "Scratch", "allocate", "quantize_call", "flags_call", "prepare", "attention_call", "attend",
-           "INTERPRET_CONFIG", "CONFIG_POOL", "PV_BITS"]
-
-PV_BITS = (16, 8)
-"""What ``P V`` takes: the inputs' dtype (16) or FP8 e4m3 (8)."""
-QMAX = tl.constexpr(127.0)
-FP8_MAX = tl.constexpr(448.0)
-RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23
-
-
-# ---- helpers ----------------------------------------------------------------------------------------
-
-@triton.jit
-def _rne(x):
-    """``x`` rounded to the nearest integer, ties to even (fp32, ``|x| < 2^22``): adding 1.5 * 2^23 puts
-    the integer grid on fp32's last bit, and the addition rounds to nearest even."""
-    return (x + RNE_MAGIC) - RNE_MAGIC
-
-
-@triton.jit
-def _fwht(x, ROWS: tl.constexpr, DP: tl.constexpr, LOG2_DP: tl.constexpr):
-    """``x H^T`` for a (ROWS, DP) fp32 tile: the Walsh-Hadamard transform of each row, unnormalised, by
-    ``reference_int8.fwht``'s butterflies (stage ``h = 1, 2, ..., DP/2`` maps channels ``d``, ``d + h``
-    with bit ``h`` of ``d`` clear to ``(a + b, a - b)``).  Each channel takes its partner ``p`` (the pair's
-    int32 bit patterns summed, wrapping, minus its own: exactly the partner's bits) and becomes ``p + x``
-    (``a + b``) or ``p + (-1) x`` (``a - b``): the product by -1 is exact, and so the FMA the compiler may
-    contract it into rounds the same sum once.  One exchange per element in the tile's own layout (a
-    shuffle where bit ``h`` lies across lanes, nothing where it lies in a thread), where ``split``/``join``
-    move the tile through other layouts; on sm_90 the SASS is ``tl.flip``'s instruction for instruction, and
-    the interpreter runs the sum faster than ``tl.flip``'s xor reduction (docs/notes/int8_kernel.md)."""
-    for s in tl.static_range(LOG2_DP):
-        y = tl.reshape(x, (ROWS, DP // (2 << s), 2, 1 << s))
-        sign = tl.where(tl.arange(0, 2) == 1, -1.0, 1.0)[None, None, :, None]
-        bits = y.to(tl.int32, bitcast=True)
-        partner = (tl.sum(bits, axis=2, keep_dims=True) - bits).to(tl.float32, bitcast=True)
-        x = tl.reshape(partner + sign * y, (ROWS, DP))
-    return x
-
-
-@triton.jit
-def _codes(y):
-    """INT8 codes of fp32 rows ``y`` (ROWS, DP): ``(codes int8, scale fp32 (ROWS,))`` with ``scale =
-    amax / 127`` and ``codes = rne(y / scale)`` (0 and 0 for an all-zero row), as
-    ``reference_int8.quantize_rows``.  A quotient, not ``y * (127 / amax)``: the compiler would contract
-    that product into the rounding's addition (one FMA, no product rounding), which the interpreter and
-    PyTorch do not do; a correctly rounded division rounds alike everywhere."""
-    amax = tl.max(tl.abs(y), axis=1)
-    scale = tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32))
-    live = (scale > 0.0)[:, None]
-    codes = _rne(tl.where(live, tl.math.div_rn(y, tl.where(live, scale[:, None], 1.0)), 0.0)).to(tl.int8)
-    return codes, scale
-
-
-@triton.jit
-def _to_e4m3(x, INTERPRET_FP8: tl.constexpr):
-    """fp32 ``x`` (``|x| <= 448``) rounded to nearest even in e4m3.  ``INTERPRET_FP8`` rounds onto e4m3's grid
-    in fp32 first (ulp ``2^(e-3)``, ``2^-9`` below the smallest normal ``2^-6``), because the interpreter's
-    conversion drops the carry when rounding up crosses a power of two (31.8 -> 16, not 32); the GPU's
-    ``cvt.rn.satfinite`` rounds correctly."""
-    if INTERPRET_FP8:
-        ulp = tl.maximum(binade(x), 0.015625) * 0.125
-        x = _rne(x / ulp) * ulp
-    return x.to(tl.float8e4nv)
-
-
-@triton.jit
-def _split(kc, g: tl.constexpr, INTERPRET_BF16: tl.constexpr):
-    """A 16-bit block's keys ``kc = k - c_b`` (fp32) as ``hi = round_g(kc)``, ``lo = round_g(kc - hi)`` (``g``: the
-    inputs' fp16 or bf16; ``hi + lo`` holds ``kc`` to ``g``'s precision squared)."""
-    hi = round_to(kc, g, INTERPRET_BF16)
-    return hi, round_to(kc - hi.to(tl.float32), g, INTERPRET_BF16)
-
-
-@triton.jit
-def _column0(y, offs_c):
-    """``(y[:, 0], y with column 0 set to 0)``: the row sums the transform put in channel 0."""
-    first = offs_c[None, :] == 0
-    return tl.sum(tl.where(first, y, 0.0), axis=1), tl.where(first, 0.0, y)
-
-
-# ---- 1, 2: column statistics --------------------------------------------------------------------------
-
-@triton.jit(do_not_specialize=["N"])
-def colstats_kernel(x_ptr, part_ptr, stride_xz, stride_xh, stride_xn, H, N, n_blocks,
-                    HEAD_DIM: tl.constexpr, DP: tl.constexpr, BLOCK_R: tl.constexpr, AMAX: tl.constexpr):
-    """Per block of ``BLOCK_R`` rows of one (batch, head) of x (B, H, N, D): the column sums in fp64
-    (``AMAX=False``; exact for fp16 values) or the column maxima of ``|x|`` in fp32 (``AMAX=True``), into
-    the (B H, blocks, DP) buffer (padded columns 0).  Grid: (B x H, blocks)."""
-    pid_bh = tl.program_id(0)
-    blk = tl.program_id(1)
-    offs_r = blk * BLOCK_R + tl.arange(0, BLOCK_R)
-    offs_c = tl.arange(0, DP)
-    mask = (offs_r[:, None] < N) & (offs_c[None, :] < HEAD_DIM)
-    base = x_ptr + (pid_bh // H).to(tl.int64) * stride_xz + (pid_bh % H).to(tl.int64) * stride_xh
-    x = tl.load(base + offs_r[:, None] * stride_xn + offs_c[None, :], mask=mask, other=0.0)
-    if AMAX:
-        part = tl.max(tl.abs(x.to(tl.float32)), axis=0)
-    else:
-        part = tl.sum(x.to(tl.float64), axis=0)
-    tl.store(part_ptr + (pid_bh.to(tl.int64) * n_blocks + blk) * DP + offs_c, part)
-
-
-@triton.jit(do_not_specialize=["N"])
-def colstats_reduce_kernel(part_ptr, out_ptr, inv_ptr, N, n_blocks, DP: tl.constexpr, AMAX: tl.constexpr,
-                           G_BF16: tl.constexpr, INTERPRET_BF16: tl.constexpr):
-    """The partials of one (batch, head), in block order.  Sums: ``qbar = round_g(round_fp32(sum / N))``
-    (fp64 division, then the spec's two roundings) into ``out``.  Maxima: ``vs = amax / 448`` into
-    ``out`` and ``448 / amax`` (0 where ``amax = 0``) into ``inv``.  ``g`` is bf16 with ``G_BF16``, else
-    fp16.  Grid: (B x H,)."""
-    pid_bh = tl.program_id(0).to(tl.int64)
-    offs_c = tl.arange(0, DP)
-    base = part_ptr + pid_bh * n_blocks * DP + offs_c
-    if AMAX:
-        acc = tl.zeros([DP], tl.float32)
-        for blk in range(0, n_blocks):
-            acc = tl.maximum(acc, tl.load(base + blk * DP))
-        live = acc > 0.0
-        fp8_max = tl.full([DP], FP8_MAX, tl.float32)
-        tl.store(out_ptr + pid_bh * DP + offs_c, tl.math.div_rn(acc, fp8_max))
-        tl.store(inv_ptr + pid_bh * DP + offs_c, tl.where(live, tl.math.div_rn(fp8_max, tl.where(live, acc, 1.0)), 0.0))
-    else:
-        acc = tl.zeros([DP], tl.float64)
-        for blk in range(0, n_blocks):
-            acc += tl.load(base + blk * DP)
-        mean = (acc / N).to(tl.float32)
-        if G_BF16:
-            qbar = round_to(mean, tl.bfloat16, INTERPRET_BF16).to(tl.float32)
-        else:
-            qbar = mean.to(tl.float16).to(tl.float32)
-        tl.store(out_ptr + pid_bh * DP + offs_c, qbar)
-
-
-# ---- 3: the fused pre-pass ------------------------------------------------------------------------------
-
-@triton.jit
-def _row_stats(scale, y):
-    """``(sum s^2, sum |y|^2)`` of a block's rows in fp64 (squares of fp32 values are exact there)."""
-    s64 = scale.to(tl.float64)
-    y64 = y.to(tl.float64)
-    return tl.sum(s64 * s64, axis=0), tl.sum(tl.sum(y64 * y64, axis=1), axis=0)
-
-
-@triton.jit
-def _quantize_queries(q_ptr, qbar_ptr, qc_ptr, qs_ptr, mu_ptr, qstat_ptr, task,
-                      stride_qz, stride_qh, stride_qm, stride_cz, stride_ch, stride_cm, stride_sz, stride_sh,
-                      H_Q, N_Q, n_blocks,
-                      HEAD_DIM: tl.constexpr, DP: tl.constexpr, LOG2_DP: tl.constexpr, BLOCK_R: tl.constexpr):
-    """One block of ``BLOCK_R`` queries: ``y = fwht(q - qbar)`` (fp32), ``mu = y[:, 0] / DP``, ``y[:, 0] = 0``,
-    then :func:`_codes`, and the block's ``(sum s_q^2, sum |y|^2)`` (fp64) for the fallback's statistics.
-    Tiles: q (BLOCK_R, DP) g widened to fp32 (rows past ``N_Q`` and columns past ``HEAD_DIM`` load as 0
-    and stay 0 before the transform, so they add 0 to the sums); ``qbar`` (DP,) fp32."""
-    pid_bh = task // n_blocks
-    offs_r = (task % n_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
-    offs_c = tl.arange(0, DP)
-    off_z = (pid_bh // H_Q).to(tl.int64)
-    off_h = (pid_bh % H_Q).to(tl.int64)
-    r_valid = offs_r < N_Q
-    mask = r_valid[:, None] & (offs_c[None, :] < HEAD_DIM)
-    q = tl.load(q_ptr + off_z * stride_qz + off_h * stride_qh + offs_r[:, None] * stride_qm + offs_c[None, :],
-                mask=mask, other=0.0).to(tl.float32)
-    qbar = tl.load(qbar_ptr + pid_bh.to(tl.int64) * DP + offs_c)
-    y = _fwht(tl.where(mask, q - qbar[None, :], 0.0), BLOCK_R, DP, LOG2_DP)
-    mu, y = _column0(y, offs_c)
-    codes, scale = _codes(y)
-    tl.store(qc_ptr + off_z * stride_cz + off_h * stride_ch + offs_r[:, None] * stride_cm + offs_c[None, :], codes,
-             mask=r_valid[:, None])
-    row = off_z * stride_sz + off_h * stride_sh + offs_r
-    tl.store(qs_ptr + row, scale, mask=r_valid)
-    tl.store(mu_ptr + row, mu * (1.0 / DP), mask=r_valid)
-    s2, y2 = _row_stats(scale, y)
-    tl.store(qstat_ptr + task.to(tl.int64) * 2, s2)
-    tl.store(qstat_ptr + task.to(tl.int64) * 2 + 1, y2)
-
-
-@triton.jit
-def _quantize_keys(k_ptr, v_ptr, qbar_ptr, v_inv_ptr, kc_ptr, ks_ptr, sig_ptr, a_ptr, c_ptr, v8_ptr, kstat_ptr,
-                   split_ptr, task,
-                   stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
-                   stride_cz, stride_ch, stride_cn, stride_sz, stride_sh, stride_az, stride_ah,
-                   stride_oz, stride_oh, stride_oj, stride_v8z, stride_v8h, stride_v8d, split_half,
-                   H_K, KV_GROUP, N_K, n_blocks,
-                   HEAD_DIM: tl.constexpr, DP: tl.constexpr, LOG2_DP: tl.constexpr, BLOCK_R: tl.constexpr,
-                   PV_FP8: tl.constexpr, SPLIT: tl.constexpr, INTERPRET_BF16: tl.constexpr,
-                   INTERPRET_FP8: tl.constexpr):
-    """One block ``b`` of ``BLOCK_R`` (= the centre block) keys: ``c_b = round_g(round_fp32(colsum_fp64 /
-    n_b))``, ``kc = k - c_b`` (fp32, 0 past ``N_K`` and ``HEAD_DIM``), ``w = fwht(kc)``, ``sigma = w[:, 0]``,
-    ``w[:, 0] = 0``, :func:`_codes`; ``A_h = fp32(sum_d fp64(fp32(qbar_h kc)))`` for each of the
-    ``KV_GROUP`` query heads reading this key head; the block's means of ``s_k^2`` and ``|w|^2`` (fp64, the
-    fallback's statistics, (B, Hk, blocks, 2)); with ``PV_FP8`` the block's V as ``e4m3(v (448 / amax))``,
-    stored transposed (B, Hk, DP, Nk) for the ``P V`` dot; with ``SPLIT`` the 16-bit blocks' keys ``hi =
-    round_g(kc)``, ``lo = round_g(kc - hi)`` (``g``; (2, B, Hk, Nk, DP) contiguous, ``split_half`` elements
-    apart) for the Gluon kernel, which reads its operands from memory (the portable one splits in place)."""
-    pid_bh = task // n_blocks
-    blk = task % n_blocks
-    start = blk * BLOCK_R
-    offs_r = start + tl.arange(0, BLOCK_R)
-    offs_c = tl.arange(0, DP)
-    off_z = (pid_bh // H_K).to(tl.int64)
-    off_h = (pid_bh % H_K).to(tl.int64)
-    r_valid = offs_r < N_K
-    c_valid = offs_c < HEAD_DIM
-    mask = r_valid[:, None] & c_valid[None, :]
-    k_blk = tl.load(k_ptr + off_z * stride_kz + off_h * stride_kh + offs_r[:, None] * stride_kn + offs_c[None, :],
-                    mask=mask, other=0.0)
-    k32 = k_blk.to(tl.float32)
-    n_b = tl.minimum(N_K - start, BLOCK_R)
-    mean = (tl.sum(k32.to(tl.float64), axis=0) / n_b).to(tl.float32)
-    c = round_to(mean, k_blk.dtype, INTERPRET_BF16).to(tl.float32)
-    kc = tl.where(mask, k32 - c[None, :], 0.0)
-    # A before the transform: kc need not outlive it (unless SPLIT), ~70 fewer registers at DP 128
-    h_q0 = pid_bh * KV_GROUP  # (batch, first query head of the group) flattened: batch * H_Q + head
-    for g in range(0, KV_GROUP):
-        qbar = tl.load(qbar_ptr + (h_q0 + g).to(tl.int64) * DP + offs_c)
-        a = tl.sum((kc * qbar[None, :]).to(tl.float64), axis=1).to(tl.float32)
-        tl.store(a_ptr + off_z * stride_az + (off_h * KV_GROUP + g) * stride_ah + offs_r, a, mask=r_valid)
-    w = _fwht(kc, BLOCK_R, DP, LOG2_DP)
-    if SPLIT:
-        hi, lo = _split(kc, k_blk.dtype, INTERPRET_BF16)
-        split = split_ptr + (pid_bh.to(tl.int64) * N_K + offs_r[:, None]) * DP + offs_c[None, :]
-        tl.store(split, hi, mask=r_valid[:, None])
-        tl.store(split + split_half, lo, mask=r_valid[:, None])
-    sigma, w = _column0(w, offs_c)
-    codes, scale = _codes(w)
-    tl.store(kc_ptr + off_z * stride_cz + off_h * stride_ch + offs_r[:, None] * stride_cn + offs_c[None, :], codes,
-             mask=r_valid[:, None])
-    row = off_z * stride_sz + off_h * stride_sh + offs_r
-    tl.store(ks_ptr + row, scale, mask=r_valid)
-    tl.store(sig_ptr + row, sigma, mask=r_valid)
-    tl.store(c_ptr + off_z * stride_oz + off_h * stride_oh + blk * stride_oj + offs_c, c)
-    s2, w2 = _row_stats(scale, w)
-    tl.store(kstat_ptr + task.to(tl.int64) * 2, s2 / n_b)
-    tl.store(kstat_ptr + task.to(tl.int64) * 2 + 1, w2 / n_b)
-    if PV_FP8:
-        v = tl.load(v_ptr + off_z * stride_vz + off_h * stride_vh + offs_r[:, None] * stride_vn + offs_c[None, :],
-                    mask=mask, other=0.0).to(tl.float32)
-        inv = tl.load(v_inv_ptr + pid_bh.to(tl.int64) * DP + offs_c)
-        v8 = _to_e4m3(v * inv[None, :], INTERPRET_FP8)
-        tl.store(v8_ptr + off_z * stride_v8z + off_h * stride_v8h + offs_c[None, :] * stride_v8d + offs_r[:, None],
-                 v8, mask=r_valid[:, None])
-
-
-@triton.jit(do_not_specialize=["N_Q", "N_K"])
-def quantize_kernel(q_ptr, k_ptr, v_ptr, qbar_ptr, v_inv_ptr,
-                    qc_ptr, qs_ptr, mu_ptr, qstat_ptr, kc_ptr, ks_ptr, sig_ptr, a_ptr, c_ptr, v8_ptr, kstat_ptr,
-                    split_ptr,
-                    stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
-                    stride_qcz, stride_qch, stride_qcm, stride_qsz, stride_qsh,
-                    stride_kcz, stride_kch, stride_kcn, stride_ksz, stride_ksh, stride_az, stride_ah,
-                    stride_oz, stride_oh, stride_oj, stride_v8z, stride_v8h, stride_v8d, split_half,
-                    H_Q, H_K, N_Q, N_K, q_blocks, k_blocks, q_tasks,
-                    HEAD_DIM: tl.constexpr, DP: tl.constexpr, LOG2_DP: tl.constexpr, BLOCK_R: tl.constexpr,
-                    PV_FP8: tl.constexpr, SPLIT: tl.constexpr, INTERPRET_BF16: tl.constexpr,
-                    INTERPRET_FP8: tl.constexpr):
-    """The fused pre-pass: programs ``[0, q_tasks)`` quantize one block of ``BLOCK_R`` queries each
-    (:func:`_quantize_queries`), the rest one block of keys (and V) each (:func:`_quantize_keys`).  Grid:
-    (B Hq ceil(Nq / BLOCK_R) + B Hk ceil(Nk / BLOCK_R),)."""
-    pid = tl.program_id(0)
-    if pid < q_tasks:
-        _quantize_queries(q_ptr, qbar_ptr, qc_ptr, qs_ptr, mu_ptr, qstat_ptr, pid,
-                          stride_qz, stride_qh, stride_qm, stride_qcz, stride_qch, stride_qcm, stride_qsz, stride_qsh,
-                          H_Q, N_Q, q_blocks, HEAD_DIM, DP, LOG2_DP, BLOCK_R)
-    else:
-        _quantize_keys(k_ptr, v_ptr, qbar_ptr, v_inv_ptr, kc_ptr, ks_ptr, sig_ptr, a_ptr, c_ptr, v8_ptr, kstat_ptr,
-                       split_ptr, pid - q_tasks,
-                       stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
-                       stride_kcz, stride_kch, stride_kcn, stride_ksz, stride_ksh, stride_az, stride_ah,
-                       stride_oz, stride_oh, stride_oj, stride_v8z, stride_v8h, stride_v8d, split_half,
-                       H_K, H_Q // H_K, N_K, k_blocks, HEAD_DIM, DP, LOG2_DP, BLOCK_R, PV_FP8, SPLIT,
-                       INTERPRET_BF16, INTERPRET_FP8)
-
-
-# ---- 4: the 16-bit blocks -------------------------------------------------------------------------------
-
-@triton.jit(do_not_specialize=["N_Q", "q_blocks", "k_blocks"])
-def fallback_flags_kernel(qpart_ptr, qstat_ptr, kstat_ptr, flag_ptr, order_ptr, coded_ptr, tally_ptr, H_Q, KV_GROUP,
-                          N_Q, q_blocks, k_blocks, scale, TAU: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr):
-    """Which key blocks one (batch, query head) computes in 16 bits (``reference_int8`` step 4b), and the order
-    in which the attention kernels visit its blocks (step 4c, ``reference_int8.block_order``).
-
-    ``SQ2, Y2`` = the query blocks' partial sums (fp64) added in block order, over ``N_Q`` (stored to
-    ``qstat`` (B, Hq, 2)); per key block ``b`` of its key head (``kstat`` (B, Hk, blocks, 2): ``SK2_b``,
-    ``W2_b``): ``flag_b = SQ2 W2_b + SK2_b Y2 > 12 t^2``, ``t = (tau DP) / scale`` in fp64 from the fp32
-    values of ``TAU`` and ``scale``, stored as int8 into ``flag`` (B, Hq, blocks); the blocks and the flagged
-    ones are added atomically to ``tally`` (int64 ``[blocks, in 16 bits]``, the caller's).  Then a second
-    pass places each block: ``order`` (B, Hq, blocks) int32 holds the coded blocks ascending, then the
-    flagged ones ascending (a block's place is the count of its kind before it, by ``tl.cumsum``), and
-    ``coded`` (B, Hq) int32 how many are coded.  Grid: (B x Hq,)."""
-    pid_bh = tl.program_id(0).to(tl.int64)
-    sq2 = tl.zeros([], tl.float64)
-    y2 = tl.zeros([], tl.float64)
-    for blk in range(0, q_blocks):
-        sq2 += tl.load(qpart_ptr + (pid_bh * q_blocks + blk) * 2)
-        y2 += tl.load(qpart_ptr + (pid_bh * q_blocks + blk) * 2 + 1)
-    sq2 = sq2 / N_Q
-    y2 = y2 / N_Q
-    tl.store(qstat_ptr + pid_bh * 2, sq2)
-    tl.store(qstat_ptr + pid_bh * 2 + 1, y2)
-    t = tl.full([], TAU, tl.float32).to(tl.float64) * DP / (scale + tl.zeros([], tl.float32)).to(tl.float64)
-    threshold = 12.0 * t * t
-    kv_bh = (pid_bh // H_Q) * (H_Q // KV_GROUP) + (pid_bh % H_Q) // KV_GROUP
-    flagged = tl.zeros([], tl.int32)
-    for start in range(0, k_blocks, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        valid = offs < k_blocks
-        sk2 = tl.load(kstat_ptr + (kv_bh * k_blocks + offs) * 2, mask=valid, other=0.0)
-        w2 = tl.load(kstat_ptr + (kv_bh * k_blocks + offs) * 2 + 1, mask=valid, other=0.0)
-        flag = ((sq2 * w2 + sk2 * y2) > threshold) & valid
-        tl.store(flag_ptr + pid_bh * k_blocks + offs, flag.to(tl.int8), mask=valid)
-        flagged += tl.sum(flag.to(tl.int32), axis=0)
-    coded = k_blocks - flagged
-    tl.store(coded_ptr + pid_bh, coded)
-    tl.atomic_add(tally_ptr, k_blocks + tl.zeros([], tl.int64))
-    tl.atomic_add(tally_ptr + 1, flagged.to(tl.int64))
-    coded_before = tl.zeros([], tl.int32)
-    flagged_before = tl.zeros([], tl.int32)
-    for start in range(0, k_blocks, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        valid = offs < k_blocks
-        flag = tl.load(flag_ptr + pid_bh * k_blocks + offs, mask=valid, other=0).to(tl.int32)
-        is_coded = (1 - flag) * valid.to(tl.int32)
-        place = tl.where(flag != 0, coded + flagged_before + tl.cumsum(flag, axis=0) - 1,
-                         coded_before + tl.cumsum(is_coded, axis=0) - 1)
-        tl.store(order_ptr + pid_bh * k_blocks + place, offs, mask=valid)
-        coded_before += tl.sum(is_coded, axis=0)
-        flagged_before += tl.sum(flag, axis=0)
-
+__all__ = ["int8_fwd_kernel", "attention_call", "attend", "INTERPRET_CONFIG", "CONFIG_POOL", "ENTRY"]
 
 # ---- 5: the attention kernel ----------------------------------------------------------------------------
 
 @triton.jit
-def _coded_logits(q_codes, a_i, mu_u, kc_base, ks_base, sig_base, a_base, stride_kcn, offs_n, n_valid, offs_c,
-                  qk_scale, MASKED: tl.constexpr):
-    """``z = (I ks_j) a_i + (mu_u_i sigma_j + qk_scale A_j)`` with ``I = Q K^T`` (int8 x int8 -> exact int32)."""
+def _coded_logits(q_codes, a_i, mu_u, kc_base, ks_base, sig_base, au_base, stride_kcn, offs_n, n_valid, offs_c,
+                  MASKED: tl.constexpr):
+    """``z = (I ks_j) a_i + (mu_u_i sigma_j + uA_j)`` with ``I = Q K^T`` (int8 x int8 -> exact int32); ``uA_j =
+    qk_scale A_j`` from the pre-pass."""
     if MASKED:
         k_codes = tl.load(kc_base + offs_n[:, None] * stride_kcn + offs_c[None, :], mask=n_valid[:, None], other=0)
         ks = tl.load(ks_base + offs_n, mask=n_valid, other=0.0)
         sig = tl.load(sig_base + offs_n, mask=n_valid, other=0.0)
-        a_j = tl.load(a_base + offs_n, mask=n_valid, other=0.0)
+        ua_j = tl.load(au_base + offs_n, mask=n_valid, other=0.0)
     else:
         k_codes = tl.load(kc_base + offs_n[:, None] * stride_kcn + offs_c[None, :])
         ks = tl.load(ks_base + offs_n)
         sig = tl.load(sig_base + offs_n)
-        a_j = tl.load(a_base + offs_n)
+        ua_j = tl.load(au_base + offs_n)
     i_sum = tl.dot(q_codes, tl.trans(k_codes))  # int32
-    return (i_sum.to(tl.float32) * ks[None, :]) * a_i[:, None] + (mu_u[:, None] * sig[None, :]
-                                                                + (a_j * qk_scale)[None, :])
+    return (i_sum.to(tl.float32) * ks[None, :]) * a_i[:, None] + (mu_u[:, None] * sig[None, :] + ua_j[None, :])
 
 
 @triton.jit
@@ -412,7 +71,7 @@ def _logits_16(q, k_base, stride_kn, c_b, offs_n, n_valid, offs_d, d_valid, qk_s
 
 
 @triton.jit
-def _logits(q_codes, q, a_i, mu_u, m_i, kc_base, ks_base, sig_base, a_base, c_base, k_base, stride_kcn,
+def _logits(q_codes, q, a_i, mu_u, m_i, kc_base, ks_base, sig_base, au_base, c_base, k_base, stride_kcn,
             stride_cj, stride_kn, start_n, offs_j, offs_c, offs_d, d_valid, N_K, qk_scale,
             BLOCK_N: tl.constexpr, CENTRE_BLOCK_: tl.constexpr, SIXTEEN: tl.constexpr, MASKED: tl.constexpr,
             INTERPRET_BF16: tl.constexpr):
@@ -436,8 +95,8 @@ def _logits(q_codes, q, a_i, mu_u, m_i, kc_base, ks_base, sig_base, a_base, c_ba
     if SIXTEEN:
         z = _logits_16(q, k_base, stride_kn, c_b, offs_n, n_valid, offs_d, d_valid, qk_scale, MASKED, INTERPRET_BF16)
     else:
-        z = _coded_logits(q_codes, a_i, mu_u, kc_base, ks_base, sig_base, a_base, stride_kcn, offs_n, n_valid, offs_c,
-                          qk_scale, MASKED)
+        z = _coded_logits(q_codes, a_i, mu_u, kc_base, ks_base, sig_base, au_base, stride_kcn, offs_n, n_valid, offs_c,
+                          MASKED)
     if MASKED:
         z = tl.where(n_valid[None, :], z, float("-inf"))
     m_s = tl.max(z, axis=1)
@@ -498,7 +157,7 @@ def _tile_start(order_base, first, j, BLOCK_N: tl.constexpr, CENTRE_BLOCK_: tl.c
 
 
 @triton.jit
-def _attn_inner(acc, l_i, m_i, q_codes, q, a_i, mu_u, kc_base, ks_base, sig_base, a_base, c_base, k_base, order_base,
+def _attn_inner(acc, l_i, m_i, q_codes, q, a_i, mu_u, kc_base, ks_base, sig_base, au_base, c_base, k_base, order_base,
                 v_base, v8_base, vs, stride_kcn, stride_cj, stride_kn, stride_vn, stride_v8d, first, lo, hi, N_K,
                 offs_j, offs_c, offs_d, d_valid, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_N: tl.constexpr, CENTRE_BLOCK_: tl.constexpr, FALLBACK: tl.constexpr, SIXTEEN: tl.constexpr,
@@ -508,7 +167,7 @@ def _attn_inner(acc, l_i, m_i, q_codes, q, a_i, mu_u, kc_base, ks_base, sig_base
     for j in range(lo, hi):
         start_n = _tile_start(order_base, first, j, BLOCK_N, CENTRE_BLOCK_, FALLBACK)
         x, alpha, m_new, offs_n, n_valid = _logits(
-            q_codes, q, a_i, mu_u, m_i, kc_base, ks_base, sig_base, a_base, c_base, k_base, stride_kcn,
+            q_codes, q, a_i, mu_u, m_i, kc_base, ks_base, sig_base, au_base, c_base, k_base, stride_kcn,
             stride_cj, stride_kn, start_n, offs_j, offs_c, offs_d, d_valid, N_K, qk_scale, BLOCK_N, CENTRE_BLOCK_,
             SIXTEEN, MASKED, INTERPRET_BF16)
         acc, l_i = _merge(acc, l_i, x, alpha, v_base, v8_base, vs, stride_vn, stride_v8d, offs_n, n_valid, offs_d,
@@ -538,10 +197,57 @@ def tile_counts(flag_base, coded_ptr, N_K, BLOCK_N: tl.constexpr, CENTRE_BLOCK_:
     return n_tiles, n_tiles, 0, n_tiles - ragged, 0
 
 
-@triton.jit(do_not_specialize=["N_Q", "N_K"])
+@triton.jit
+def _sparse_passes(acc, l_i, m_i, q_codes, q, a_i, mu_u, kc_base, ks_base, sig_base, au_base, c_base, k_base,
+                   flag_base, v_base, v8_base, vs, stride_kcn, stride_cj, stride_kn, stride_vn, stride_v8d, mc_ptr,
+                   mi_ptr, off_z, off_hq, pid_m, stride_mcz, stride_mch, stride_mcq, stride_miz, stride_mih,
+                   stride_miq, stride_mij, MASK_GROUP, MASK_BLOCK_Q, N_K, offs_j, offs_c, offs_d, d_valid, qk_scale,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   CENTRE_BLOCK_: tl.constexpr, FALLBACK: tl.constexpr, PV_FP8: tl.constexpr,
+                   INTERPRET_FP8: tl.constexpr, INTERPRET_BF16: tl.constexpr):
+    """Step 4c on the kept key blocks of this program's query block (``common.kept_blocks``): per pass (the
+    coded blocks, then with ``FALLBACK`` the 16-bit ones) the full tiles of each kept block of the pass's kind,
+    ascending (tiles ``blk * per_block`` up to the full tiles' end; a block of the other kind: an empty range),
+    then the ragged last tile (masked) if its block is kept and of the pass's kind.  Returns the state and the
+    kept blocks' count."""
+    count, indices = kept_blocks(mc_ptr, mi_ptr, off_z, off_hq, pid_m, stride_mcz, stride_mch, stride_mcq,
+                                 stride_miz, stride_mih, stride_miq, MASK_GROUP, MASK_BLOCK_Q, BLOCK_M)
+    per_block: tl.constexpr = CENTRE_BLOCK_ // BLOCK_N
+    n_tiles = tl.cdiv(N_K, BLOCK_N)
+    full_tiles = N_K // BLOCK_N
+    last = tl.load(indices + (count - 1) * stride_mij, mask=count > 0, other=-1)
+    ragged_kept = (last + 1) * per_block > full_tiles  # the last kept block holds the ragged tile
+    if FALLBACK:
+        last_kind = tl.load(flag_base + last, mask=count > 0, other=0).to(tl.int32)
+    else:
+        last_kind = 0
+    for sixteen in tl.static_range(2 if FALLBACK else 1):
+        for i in range(0, count):
+            blk = tl.load(indices + i * stride_mij)
+            lo = blk * per_block
+            hi = tl.minimum(lo + per_block, full_tiles)
+            if FALLBACK:
+                hi = tl.where(tl.load(flag_base + blk).to(tl.int32) == sixteen, hi, lo)
+            acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q_codes, q, a_i, mu_u, kc_base, ks_base, sig_base, au_base,
+                                        c_base, k_base, flag_base, v_base, v8_base, vs, stride_kcn, stride_cj,
+                                        stride_kn, stride_vn, stride_v8d, 0, lo, hi, N_K, offs_j, offs_c, offs_d,
+                                        d_valid, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CENTRE_BLOCK_, False,
+                                        sixteen == 1, PV_FP8, INTERPRET_FP8, False, INTERPRET_BF16)
+        tail = tl.where(ragged_kept & (last_kind == sixteen), full_tiles, n_tiles)
+        acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q_codes, q, a_i, mu_u, kc_base, ks_base, sig_base, au_base,
+                                    c_base, k_base, flag_base, v_base, v8_base, vs, stride_kcn, stride_cj,
+                                    stride_kn, stride_vn, stride_v8d, 0, tail, n_tiles, N_K, offs_j, offs_c, offs_d,
+                                    d_valid, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CENTRE_BLOCK_, False,
+                                    sixteen == 1, PV_FP8, INTERPRET_FP8, True, INTERPRET_BF16)
+    return acc, l_i, m_i, count
+
+
+@triton.jit(do_not_specialize=["N_Q", "N_K", "MASK_GROUP", "MASK_BLOCK_Q"])
 def int8_fwd_kernel(
     q_ptr, qc_ptr, qs_ptr, mu_ptr, kc_ptr, ks_ptr, sig_ptr, a_ptr, c_ptr, k_ptr, flag_ptr, order_ptr, coded_ptr, v_ptr,
     v8_ptr, vs_ptr, o_ptr, lse_ptr,
+    mc_ptr, mi_ptr, stride_mcz, stride_mch, stride_mcq, stride_miz, stride_mih, stride_miq, stride_mij,
+    MASK_GROUP, MASK_BLOCK_Q,
     stride_qz, stride_qh, stride_qm, stride_qcz, stride_qch, stride_qcm, stride_qsz, stride_qsh,
     stride_kcz, stride_kch, stride_kcn, stride_ksz, stride_ksh, stride_az, stride_ah,
     stride_cz, stride_ch, stride_cj, stride_kz, stride_kh, stride_kn,
@@ -550,7 +256,7 @@ def int8_fwd_kernel(
     H_Q, KV_GROUP, N_Q, N_K, NQ_BUCKET, NK_BUCKET, scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CENTRE_BLOCK_: tl.constexpr, FALLBACK: tl.constexpr, PV_FP8: tl.constexpr, INTERPRET_FP8: tl.constexpr,
-    STORE_LSE: tl.constexpr, INTERPRET_BF16: tl.constexpr,
+    STORE_LSE: tl.constexpr, SPARSE: tl.constexpr, INTERPRET_BF16: tl.constexpr,
 ):
     """``out = softmax(scale q k^T) v`` for one block of ``BLOCK_M`` query rows of one (batch, head), from
     the pre-pass's codes (``reference_int8.attention_from_codes``).
@@ -572,7 +278,14 @@ def int8_fwd_kernel(
     Without ``FALLBACK`` the key loop runs over the full tiles unmasked, then the ragged last one masked.  With
     it, in the spec's order (step 4c): that pair of loops over the coded blocks' tiles, ``order`` (B, Hq, blocks)
     int32 naming the blocks and ``coded`` (B, Hq) int32 their count (:func:`tile_counts`), then again over the
-    flagged blocks' tiles in 16 bits; no tile of either loop branches on a flag.  With
+    flagged blocks' tiles in 16 bits; no tile of either loop branches on a flag.  With ``SPARSE`` (a block mask,
+    ``block_sparse.BlockSparseMask``: ``kv_counts`` at ``mc_ptr``, ``kv_indices`` at ``mi_ptr``, key blocks of
+    ``CENTRE_BLOCK_`` keys, query blocks of ``MASK_BLOCK_Q`` rows, a multiple of ``BLOCK_M``;
+    ``common.kept_blocks``) each pass walks the kept blocks of its query block instead, ascending: the tiles of
+    those of its kind (a block of the other kind gives an empty range, no branch), the ragged last tile last if
+    its block is kept: step 4c restricted to the kept blocks (``reference_int8.attention_from_codes``); the
+    other keys are neither loaded nor multiplied.  A query block that keeps none stores zeros and ``lse = -inf``
+    (``l_i`` read as 1).  With
     ``STORE_LSE`` each row's natural-log log-sum-exp ``(m_i + log2(l_i) - P_SHIFT if FP8) ln 2`` goes to
     ``lse`` (B, Hq, Nq) fp32.  Grid: one program per (query block, batch x head) on axis 0, query blocks
     fastest.
@@ -604,7 +317,7 @@ def int8_fwd_kernel(
     kc_base = kc_ptr + off_z * stride_kcz + off_hk * stride_kch
     ks_base = ks_ptr + off_z * stride_ksz + off_hk * stride_ksh
     sig_base = sig_ptr + off_z * stride_ksz + off_hk * stride_ksh
-    a_base = a_ptr + off_z * stride_az + off_hq * stride_ah
+    au_base = a_ptr + off_z * stride_az + off_hq * stride_ah
     c_base = c_ptr + off_z * stride_cz + off_hk * stride_ch
     k_base = k_ptr + off_z * stride_kz + off_hk * stride_kh
     flag_base = flag_ptr + pid_bh.to(tl.int64) * tl.cdiv(N_K, CENTRE_BLOCK_)
@@ -619,22 +332,31 @@ def int8_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    coded_blocks, n_coded, n_16, coded_full, full_16 = tile_counts(flag_base, coded_ptr + pid_bh, N_K, BLOCK_N,
-                                                                   CENTRE_BLOCK_, FALLBACK)
-    for sixteen in tl.static_range(2 if FALLBACK else 1):  # step 4c: the coded tiles, then the 16-bit ones
-        first = coded_blocks * sixteen
-        n_pass = n_16 if sixteen else n_coded
-        full = full_16 if sixteen else coded_full
-        acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q_codes, q, a_i, mu_u, kc_base, ks_base, sig_base, a_base, c_base,
-                                    k_base, order_base, v_base, v8_base, vs, stride_kcn, stride_cj, stride_kn,
-                                    stride_vn, stride_v8d, first, 0, full, N_K, offs_j, offs_c, offs_d, d_valid,
-                                    qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CENTRE_BLOCK_, FALLBACK, sixteen == 1,
-                                    PV_FP8, INTERPRET_FP8, False, INTERPRET_BF16)
-        acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q_codes, q, a_i, mu_u, kc_base, ks_base, sig_base, a_base, c_base,
-                                    k_base, order_base, v_base, v8_base, vs, stride_kcn, stride_cj, stride_kn,
-                                    stride_vn, stride_v8d, first, full, n_pass, N_K, offs_j, offs_c, offs_d, d_valid,
-                                    qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CENTRE_BLOCK_, FALLBACK, sixteen == 1,
-                                    PV_FP8, INTERPRET_FP8, True, INTERPRET_BF16)
+    if SPARSE:
+        acc, l_i, m_i, count = _sparse_passes(
+            acc, l_i, m_i, q_codes, q, a_i, mu_u, kc_base, ks_base, sig_base, au_base, c_base, k_base, flag_base,
+            v_base, v8_base, vs, stride_kcn, stride_cj, stride_kn, stride_vn, stride_v8d, mc_ptr, mi_ptr, off_z, off_hq,
+            pid_m, stride_mcz, stride_mch, stride_mcq, stride_miz, stride_mih, stride_miq, stride_mij, MASK_GROUP,
+            MASK_BLOCK_Q, N_K, offs_j, offs_c, offs_d, d_valid, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N,
+            CENTRE_BLOCK_, FALLBACK, PV_FP8, INTERPRET_FP8, INTERPRET_BF16)
+        l_i = tl.where(count > 0, l_i, 1.0)  # an empty query block: acc = 0, m_i = -inf
+    else:
+        coded_blocks, n_coded, n_16, coded_full, full_16 = tile_counts(flag_base, coded_ptr + pid_bh, N_K, BLOCK_N,
+                                                                       CENTRE_BLOCK_, FALLBACK)
+        for sixteen in tl.static_range(2 if FALLBACK else 1):  # step 4c: the coded tiles, then the 16-bit ones
+            first = coded_blocks * sixteen
+            n_pass = n_16 if sixteen else n_coded
+            full = full_16 if sixteen else coded_full
+            acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q_codes, q, a_i, mu_u, kc_base, ks_base, sig_base, au_base,
+                                        c_base, k_base, order_base, v_base, v8_base, vs, stride_kcn, stride_cj,
+                                        stride_kn, stride_vn, stride_v8d, first, 0, full, N_K, offs_j, offs_c, offs_d,
+                                        d_valid, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CENTRE_BLOCK_, FALLBACK,
+                                        sixteen == 1, PV_FP8, INTERPRET_FP8, False, INTERPRET_BF16)
+            acc, l_i, m_i = _attn_inner(acc, l_i, m_i, q_codes, q, a_i, mu_u, kc_base, ks_base, sig_base, au_base,
+                                        c_base, k_base, order_base, v_base, v8_base, vs, stride_kcn, stride_cj,
+                                        stride_kn, stride_vn, stride_v8d, first, full, n_pass, N_K, offs_j, offs_c,
+                                        offs_d, d_valid, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CENTRE_BLOCK_,
+                                        FALLBACK, sixteen == 1, PV_FP8, INTERPRET_FP8, True, INTERPRET_BF16)
 
     inv_l = 1.0 / l_i
     out = round_to(acc * inv_l[:, None], o_ptr.dtype.element_ty, INTERPRET_BF16)
@@ -680,164 +402,12 @@ _fwd_tuned = autotuned(int8_fwd_kernel, _CONFIGS, AUTOTUNE_KEY, _prune, name="in
 """The attention kernel under the autotuner (``tuning.TableAutotuner``: shipped tables first; its name there)."""
 
 
-class Prepared(NamedTuple):
-    """The pre-pass's outputs (:func:`prepare`), as ``reference_int8``'s quantizers write them.
-
-    ``q_codes`` (B, Hq, Nq, DP) int8, ``q_scale``, ``mu`` (B, Hq, Nq) fp32, ``qbar`` (B, Hq, DP) fp32;
-    ``k_codes`` (B, Hk, Nk, DP) int8, ``k_scale``, ``sigma`` (B, Hk, Nk) fp32, ``a`` (B, Hq, Nk) fp32 (views
-    of rows padded to a multiple of 4 keys),
-    ``centres`` (B, Hk, blocks, DP) fp32; ``v`` the values ``P V`` reads: the input V (16 bits) or V8^T
-    (B, Hk, DP, Nk) e4m3 (a view of rows padded to 16 keys: the Gluon kernel copies its tiles by TMA), with
-    ``v_scale`` (B, Hk, DP) fp32 (None in 16 bits).  The 16-bit blocks: ``k``
-    the input keys (a flagged block reads them), ``q_stats`` (B, Hq, 2) and ``k_stats`` (B, Hk, blocks, 2)
-    fp64 (``reference_int8``'s ``stats``), ``flags`` (B, Hq, blocks) int8 (1: in 16 bits; None: every block
-    from the codes) with ``order`` (B, Hq, blocks) int32 and ``coded`` (B, Hq) int32 (``reference_int8.block_order``:
-    the coded blocks ascending, then the flagged ones; None with ``flags``); ``k_split`` (2, B, Hk, Nk, DP) in the inputs' dtype: each key's ``hi`` and ``lo`` of
-    ``k - c_b`` for the Gluon kernel's 16-bit blocks (None unless ``prepare(..., split=True)``)."""
-
-    q_codes: torch.Tensor
-    q_scale: torch.Tensor
-    mu: torch.Tensor
-    qbar: torch.Tensor
-    k_codes: torch.Tensor
-    k_scale: torch.Tensor
-    sigma: torch.Tensor
-    a: torch.Tensor
-    centres: torch.Tensor
-    v: torch.Tensor
-    v_scale: torch.Tensor | None
-    k: torch.Tensor
-    q_stats: torch.Tensor
-    k_stats: torch.Tensor
-    flags: torch.Tensor | None
-    order: torch.Tensor | None
-    coded: torch.Tensor | None
-    k_split: torch.Tensor | None = None
-
-
-def _prepass_warps(dp: int) -> int:
-    """Warps of the pre-pass programs: 8 up to DP = 128, 16 above (the fewest without spills at DP 128, and
-    faster than 16 there: docs/notes/int8_kernel.md)."""
-    return 8 if dp <= 128 else 16
-
-
-class Scratch(NamedTuple):
-    """The statistics between the pre-pass's launches: ``q_part`` (B Hq, query blocks, DP) fp64 column sums;
-    ``q_stat_part`` (B Hq, query blocks, 2) fp64 per block ``(sum s_q^2, sum |y|^2)``; with FP8 ``P V``
-    ``v_part`` (B Hk, key blocks, DP) fp32 column maxima and ``v_inv`` (B, Hk, DP) fp32 ``448 / amax``
-    (None in 16 bits)."""
-
-    q_part: torch.Tensor
-    q_stat_part: torch.Tensor
-    v_part: torch.Tensor | None
-    v_inv: torch.Tensor | None
-
-
-def allocate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, pv_bits: int = 16, fallback: bool = True,
-             split: bool = False) -> tuple[Prepared, Scratch]:
-    """Empty pre-pass outputs and statistics for these inputs, on their device (``meta`` too)."""
-    batch, h_q, n_q, d = q.shape
-    h_k, n_k = k.shape[1], k.shape[2]
-    dp = max(32, pow2_tile(d))  # reference_int8.rotation_size: an INT8 MMA reduces over 32
-    dev, f32 = q.device, torch.float32
-    q_blocks, k_blocks = cdiv(n_q, SHIFT_BLOCK), cdiv(n_k, SHIFT_BLOCK)
-    fp8 = pv_bits == 8
-
-    def empty(*shape, dtype=f32):
-        return torch.empty(shape, dtype=dtype, device=dev)
-
-    def per_key(heads):  # rows padded to 16 bytes: the Gluon kernel copies tiles of them by TMA
-        return empty(batch, heads, -(-n_k // 4) * 4)[..., :n_k]
-
-    prep = Prepared(
-        q_codes=empty(batch, h_q, n_q, dp, dtype=torch.int8), q_scale=empty(batch, h_q, n_q), mu=empty(batch, h_q, n_q),
-        qbar=empty(batch, h_q, dp), k_codes=empty(batch, h_k, n_k, dp, dtype=torch.int8),
-        k_scale=per_key(h_k), sigma=per_key(h_k), a=per_key(h_q),
-        centres=empty(batch, h_k, k_blocks, dp),
-        v=empty(batch, h_k, dp, -(-n_k // 16) * 16, dtype=torch.float8_e4m3fn)[..., :n_k] if fp8 else v,
-        v_scale=empty(batch, h_k, dp) if fp8 else None, k=k, q_stats=empty(batch, h_q, 2, dtype=torch.float64),
-        k_stats=empty(batch, h_k, k_blocks, 2, dtype=torch.float64),
-        flags=empty(batch, h_q, k_blocks, dtype=torch.int8) if fallback else None,
-        order=empty(batch, h_q, k_blocks, dtype=torch.int32) if fallback else None,
-        coded=empty(batch, h_q, dtype=torch.int32) if fallback else None,
-        k_split=empty(2, batch, h_k, n_k, dp, dtype=k.dtype) if split else None)
-    scratch = Scratch(empty(batch * h_q, q_blocks, dp, dtype=torch.float64),
-                      empty(batch * h_q, q_blocks, 2, dtype=torch.float64),
-                      empty(batch * h_k, k_blocks, dp) if fp8 else None, empty(batch, h_k, dp) if fp8 else None)
-    return prep, scratch
-
-
-def quantize_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prep: Prepared, scratch: Scratch
-                  ) -> tuple[tuple[int], tuple, dict]:
-    """``(grid, args, meta)`` of :func:`quantize_kernel` (launch 3) writing ``prep``."""
-    batch, h_q, n_q, d = q.shape
-    h_k, n_k = k.shape[1], k.shape[2]
-    dp = prep.k_codes.shape[-1]
-    fp8 = prep.v_scale is not None
-    q_blocks, k_blocks = cdiv(n_q, SHIFT_BLOCK), cdiv(n_k, SHIFT_BLOCK)
-    v8 = prep.v if fp8 else prep.k_codes  # unread in 16 bits
-    v_inv = scratch.v_inv if fp8 else prep.qbar
-    split = prep.k_split is not None
-    q_tasks = batch * h_q * q_blocks
-    args = (q, k, v, prep.qbar, v_inv, prep.q_codes, prep.q_scale, prep.mu, scratch.q_stat_part, prep.k_codes,
-            prep.k_scale, prep.sigma, prep.a, prep.centres, v8, prep.k_stats,
-            prep.k_split if split else k,
-            *strides3(q), *strides3(k), *strides3(v), *strides3(prep.q_codes), *prep.q_scale.stride()[:2],
-            *strides3(prep.k_codes), *prep.k_scale.stride()[:2], *prep.a.stride()[:2], *strides3(prep.centres),
-            *strides3(v8), prep.k_split[0].numel() if split else 0, h_q, h_k, n_q, n_k, q_blocks, k_blocks, q_tasks)
-    meta = dict(HEAD_DIM=d, DP=dp, LOG2_DP=dp.bit_length() - 1, BLOCK_R=SHIFT_BLOCK, PV_FP8=fp8, SPLIT=split,
-                INTERPRET_BF16=INTERPRET and q.dtype == torch.bfloat16, INTERPRET_FP8=INTERPRET,
-                num_warps=_prepass_warps(dp))
-    return (q_tasks + batch * h_k * k_blocks,), args, meta
-
-
-def flags_call(prep: Prepared, scratch: Scratch, *, scale: float, tally: torch.Tensor) -> tuple[tuple[int], tuple, dict]:
-    """``(grid, args, meta)`` of :func:`fallback_flags_kernel` (launch 4) writing ``prep.flags``, ``prep.order``,
-    ``prep.coded`` and ``prep.q_stats``, counting into ``tally``."""
-    batch, h_q = prep.q_scale.shape[:2]
-    k_blocks = prep.k_stats.shape[2]
-    args = (scratch.q_stat_part, prep.q_stats, prep.k_stats, prep.flags, prep.order, prep.coded, tally, h_q, h_q // prep.k_codes.shape[1],
-            prep.q_scale.shape[2], scratch.q_stat_part.shape[1], k_blocks, float(scale))
-    meta = dict(TAU=INT8_FALLBACK_TAU, DP=prep.k_codes.shape[-1], BLOCK=min(1024, triton.next_power_of_2(k_blocks)))
-    return (batch * h_q,), args, meta
-
-
-def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, pv_bits: int = 16,
-            fallback: bool = True, split: bool = False, tally: torch.Tensor | None = None) -> Prepared:
-    """The pre-pass (launches 1-4 of the module docstring) for (B, H, N, D) q, k, v with unit stride in D;
-    ``fallback``: which key blocks go to 16 bits at this ``scale`` (launch 4), their count added to ``tally``
-    (an int64 ``[blocks, blocks in 16 bits]`` tensor on q's device: the caller's, ``dispatch.forward`` passes
-    ``block_tally``'s; ``None``: a counter of this call alone); ``split``: also every key's ``hi`` and ``lo``
-    (``Prepared.k_split``, for the Gluon kernel)."""
-    batch, h_q, n_q, d = q.shape
-    h_k, n_k = k.shape[1], k.shape[2]
-    prep, scratch = allocate(q, k, v, pv_bits=pv_bits, fallback=fallback, split=split)
-    dp = prep.k_codes.shape[-1]
-    bf16 = q.dtype == torch.bfloat16
-    warps = _prepass_warps(dp)
-    q_blocks, k_blocks = scratch.q_part.shape[1], prep.centres.shape[2]
-    colstats_kernel[(batch * h_q, q_blocks)](q, scratch.q_part, *strides3(q), h_q, n_q, q_blocks, HEAD_DIM=d, DP=dp,
-                                             BLOCK_R=SHIFT_BLOCK, AMAX=False, num_warps=warps)
-    colstats_reduce_kernel[(batch * h_q,)](scratch.q_part, prep.qbar, prep.qbar, n_q, q_blocks, DP=dp, AMAX=False,
-                                           G_BF16=bf16, INTERPRET_BF16=INTERPRET and bf16)
-    if prep.v_scale is not None:
-        colstats_kernel[(batch * h_k, k_blocks)](v, scratch.v_part, *strides3(v), h_k, n_k, k_blocks, HEAD_DIM=d,
-                                                 DP=dp, BLOCK_R=SHIFT_BLOCK, AMAX=True, num_warps=warps)
-        colstats_reduce_kernel[(batch * h_k,)](scratch.v_part, prep.v_scale, scratch.v_inv, n_k, k_blocks, DP=dp,
-                                               AMAX=True, G_BF16=bf16, INTERPRET_BF16=INTERPRET and bf16)
-    grid, args, meta = quantize_call(q, k, v, prep, scratch)
-    quantize_kernel[grid](*args, **meta)
-    if fallback:
-        if tally is None:
-            tally = torch.zeros(2, dtype=torch.int64, device=q.device)
-        grid, args, meta = flags_call(prep, scratch, scale=scale, tally=tally)
-        fallback_flags_kernel[grid](*args, **meta)
-    return prep
-
 
 def attention_call(q: torch.Tensor, prep: Prepared, out: torch.Tensor, *, scale: float,
-                   lse: torch.Tensor | None = None) -> tuple[tuple, dict]:
-    """``(args, meta)`` of :func:`int8_fwd_kernel` (launch 5) on ``prep``, without the tile config."""
+                   lse: torch.Tensor | None = None, block_mask: BlockSparseMask | None = None) -> tuple[tuple, dict]:
+    """``(args, meta)`` of :func:`int8_fwd_kernel` (launch 5) on ``prep``, without the tile config; ``block_mask``:
+    ``None`` or a ``block_sparse.BlockSparseMask`` fitting the call (``block_k`` the centre block ``SHIFT_BLOCK``,
+    ``block_q`` a multiple of every ``BLOCK_M``)."""
     batch, h_q, n_q, d = q.shape
     h_k, n_k = prep.k_codes.shape[1], prep.k_codes.shape[2]
     fp8 = prep.v_scale is not None
@@ -845,27 +415,28 @@ def attention_call(q: torch.Tensor, prep: Prepared, out: torch.Tensor, *, scale:
     vs = prep.v_scale if fp8 else prep.q_scale
     lse_buf = prep.q_scale if lse is None else lse
     flags = (prep.k_codes,) * 3 if prep.flags is None else (prep.flags, prep.order, prep.coded)  # unread without
-    args = (q, prep.q_codes, prep.q_scale, prep.mu, prep.k_codes, prep.k_scale, prep.sigma, prep.a, prep.centres,
-            prep.k, *flags, v, v8, vs, out, lse_buf,
+    args = (q, prep.q_codes, prep.q_scale, prep.mu, prep.k_codes, prep.k_scale, prep.sigma, prep.au, prep.centres,
+            prep.k, *flags, v, v8, vs, out, lse_buf, *mask_args(block_mask, q),
             *strides3(q), *strides3(prep.q_codes), *prep.q_scale.stride()[:2],
-            *strides3(prep.k_codes), *prep.k_scale.stride()[:2], *prep.a.stride()[:2], *strides3(prep.centres),
+            *strides3(prep.k_codes), *prep.k_scale.stride()[:2], *prep.au.stride()[:2], *strides3(prep.centres),
             *strides3(prep.k), *strides3(v), *strides3(v8), *strides3(out),
             h_q, h_q // h_k, n_q, n_k, bucket(n_q), bucket(n_k), float(scale))
     meta = dict(HEAD_DIM=d, BLOCK_D=prep.k_codes.shape[-1], CENTRE_BLOCK_=SHIFT_BLOCK, FALLBACK=prep.flags is not None,
-                PV_FP8=fp8, INTERPRET_FP8=INTERPRET, STORE_LSE=lse is not None,
+                PV_FP8=fp8, INTERPRET_FP8=INTERPRET, STORE_LSE=lse is not None, SPARSE=block_mask is not None,
                 INTERPRET_BF16=INTERPRET and q.dtype == torch.bfloat16)
     return args, meta
 
 
 def attend(q: torch.Tensor, prep: Prepared, out: torch.Tensor, *, scale: float, config: dict | None = None,
-           lse: torch.Tensor | None = None) -> torch.Tensor:
-    """The attention kernel (launch 5) on :func:`prepare`'s outputs; writes ``out`` (B, Hq, Nq, D) (any
+           lse: torch.Tensor | None = None, block_mask: BlockSparseMask | None = None) -> torch.Tensor:
+    """The attention kernel (launch 5) on ``quantize.prepare``'s outputs; writes ``out`` (B, Hq, Nq, D) (any
     strides, unit stride in D) and, given ``lse`` (a contiguous fp32 (B, Hq, Nq) tensor), each row's
     log-sum-exp.  ``config``: ``BLOCK_M``, ``BLOCK_N`` (a power of two >= 32 dividing 128), ``num_warps``,
     ``num_stages`` instead of autotuning (under the interpreter: over ``INTERPRET_CONFIG``, unless inside
-    ``tuning.interpreter_autotuning``)."""
+    ``tuning.interpreter_autotuning``).  ``block_mask``: only its kept key blocks are visited
+    (:func:`attention_call`; the config tuned for the dense call runs: ``SPARSE`` is not in the tuning key)."""
     batch, h_q, n_q = q.shape[:3]
-    args, meta = attention_call(q, prep, out, scale=scale, lse=lse)
+    args, meta = attention_call(q, prep, out, scale=scale, lse=lse, block_mask=block_mask)
 
     def grid(meta_):
         return (cdiv(n_q, meta_["BLOCK_M"]) * batch * h_q,)
@@ -876,7 +447,24 @@ def attend(q: torch.Tensor, prep: Prepared, out: torch.Tensor, *, scale: float, 
         if not (isinstance(tile, int) and 32 <= tile <= SHIFT_BLOCK and SHIFT_BLOCK % tile == 0):
             raise ValueError(f"int8.attend: config['BLOCK_N']={tile!r} must be a power of two >= 32 (an 8-bit MMA's "
                              f"depth) dividing the centre block {SHIFT_BLOCK}")
+        if block_mask is not None and not (isinstance(fixed.get("BLOCK_M"), int)
+                                           and block_mask.block_q % fixed["BLOCK_M"] == 0):
+            raise ValueError(f"int8.attend: config['BLOCK_M']={fixed.get('BLOCK_M')!r} must divide "
+                             f"block_mask.block_q={block_mask.block_q}")
         int8_fwd_kernel[grid](*args, **meta, **fixed)
     else:
         _fwd_tuned[grid](*args, **meta)
     return out
+
+
+def unsuitable(call: Call) -> str | None:
+    """The portable 8-bit kernel runs every 8-bit call the router lets through."""
+    return None
+
+
+def launch(call: Call, plan: Plan) -> None:
+    """:func:`attend` on the quantizing pre-pass's outputs (``call.prep``)."""
+    attend(call.q, call.prep, call.out, scale=call.scale, config=call.config, lse=call.lse, block_mask=call.block_mask)
+
+
+ENTRY = Kernel("portable-int8", ("int8", "fp8"), ("exact",), launch, unsuitable, prepass="quantize")

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .call import Call, Kernel, Plan
 from .common import INTERPRET, LN2, LOG2E, cdiv, centre_tile, lse_arg, mma, round_to, strides3
 from .tuning import autotuned, bucket, interpreter_autotunes, pow2_tile
 
@@ -200,3 +201,25 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
     else:
         _packed_fwd_tuned[grid](*args, **meta)
     return out
+
+
+def unsuitable(call: Call) -> str | None:
+    """Why the packed kernel cannot run ``call`` (an exact-shift call), or ``None``."""
+    if call.block_mask is not None:
+        return "it takes no block_mask yet"
+    n_q, n_k = call.q.shape[2], call.k.shape[2]
+    if not (call.one_block and packs(n_q, n_k)):
+        return (f"it takes sequences of at most {MAX_TOKENS} queries and keys in one key block; "
+                f"got {n_q} queries and {n_k} keys (block_n={call.shift_block})")
+    if call.prepass:
+        return "prepass=True: it centres each sequence's keys itself"
+    return None
+
+
+def launch(call: Call, plan: Plan) -> None:
+    """:func:`forward` on ``call``'s raw keys."""
+    forward(call.q, call.k, call.v, call.out, scale=call.scale, precision=call.variant.precision, config=call.config,
+            lse=call.lse)
+
+
+ENTRY = Kernel("packed", ("hybrid", "half"), ("exact",), launch, unsuitable)

@@ -18,7 +18,9 @@ and the new row maximum) and each precision in its merge helper (``_merge``).  S
   stored); the exact shift centres its one key tile itself;
 - ``STORE_LSE``: also store each row's log-sum-exp of the true logits (fp32, natural log) for ring
   attention's merge; off, the kernel is the same as without it (:func:`_row_lse` says per variant how
-  the state relates to the true logits).
+  the state relates to the true logits);
+- ``SPARSE``: a block mask (``block_sparse.BlockSparseMask``): each query block visits only its kept key
+  blocks, ascending (PASA counts the visited blocks); the others are neither loaded nor multiplied.
 
 It runs every variant on every CUDA GPU Triton supports, and on CPU tensors under
 ``TRITON_INTERPRET=1`` (set before ``triton`` is first imported) with one fixed small configuration.
@@ -42,10 +44,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, LN2, LOG2E, cdiv, centre_tile, lse_arg, mma, round_to, strides3
+from .call import NO_SHIFT, BlockSparseMask, Call, Kernel, Plan
+from .common import INTERPRET, LN2, LOG2E, cdiv, centre_tile, kept_blocks, lse_arg, mask_args, mma, round_to, strides3
 from .tuning import SMEM_LIMIT, autotuned, bucket, interpreter_autotunes, pow2_tile
 
-__all__ = ["pasa_fwd_kernel", "forward", "INTERPRET_CONFIG", "NO_SHIFT"]
+__all__ = ["pasa_fwd_kernel", "forward", "kernel_call", "INTERPRET_CONFIG", "NO_SHIFT"]
 
 
 @triton.jit
@@ -94,11 +97,12 @@ def _logits_exact(q, q32, k_blk, m_i, c_base, stride_cj, start_n, n_valid, offs_
 
 
 @triton.jit
-def _logits_pasa(q, k_blk, m_i, avg_j, o_j, start_n, n_valid, N_K, a_shift, c_shift, gamma_st, tail_ratio_st,
+def _logits_pasa(q, k_blk, m_i, avg_j, o_j, j, n_valid, N_K, start_n, a_shift, c_shift, gamma_st, tail_ratio_st,
                  gamma, tail_ratio, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                  SHIFT_IN_LOOP: tl.constexpr, ONE_BLOCK: tl.constexpr, MASKED: tl.constexpr,
                  STORE_LSE: tl.constexpr, INTERPRET_BF16: tl.constexpr):
-    """PASA, in natural-log units.  Key block ``j`` holds ``n_j`` valid keys; ``a_shift, c_shift`` are the
+    """PASA, in natural-log units.  Key block ``j`` (the ``j``-th block visited: 1, 2, 3, ...; under a block
+    mask the kept blocks are counted, not the block index) holds ``n_j`` valid keys; ``a_shift, c_shift`` are the
     stored entries of ``scale (I - beta/n_j 11^T) = a I - c 11^T`` in the GEMM dtype (the full block's,
     or the ragged tail's in the masked call), ``gamma`` the full block's recovery factor, ``tail_ratio``
     = ``gamma_tail / gamma`` (all from ``shift_matrix.py``, computed on the host in float64):
@@ -157,7 +161,6 @@ def _logits_pasa(q, k_blk, m_i, avg_j, o_j, start_n, n_valid, N_K, a_shift, c_sh
             s_sum = tl.sum(s.to(tl.float32), axis=1)
             mu32 = s_sum * (1.0 / BLOCK_N)
             mu_hat = mu32.to(s.dtype)
-        j = start_n // BLOCK_N + 1
         avg_prev = tl.where(j == 1, mu_hat, avg_j)
         avg_j = avg_prev + ((mu_hat - avg_prev) / j).to(s.dtype)
         delta_j = gamma_st * (mu_hat - avg_j)
@@ -254,15 +257,16 @@ def _row_lse(m_i, l_i, o_j, SHIFT: tl.constexpr, PRECISION: tl.constexpr):
 
 @triton.jit
 def _attn_inner(acc, l_i, m_i, avg_j, o_j, q, q32, k_base, v_base, c_base, stride_kn, stride_vn, stride_cj,
-                lo, hi, N_K, offs_j, offs_d, d_valid,
+                lo, hi, visits, N_K, offs_j, offs_d, d_valid,
                 scale_st, qk_scale, a_shift, c_shift, gamma_st, tail_ratio_st, gamma, tail_ratio, G_ULP,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 CENTRE_BLOCK: tl.constexpr, SHIFT: tl.constexpr, SHIFT_IN_LOOP: tl.constexpr,
                 PRECISION: tl.constexpr, ONE_BLOCK: tl.constexpr, MASKED: tl.constexpr,
                 STORE_LSE: tl.constexpr, INTERPRET_BF16: tl.constexpr):
     """The key loop over ``[lo, hi)`` in steps of ``BLOCK_N``: load a K/V tile (masking rows past
-    ``N_K`` when ``MASKED``), the algorithm's logits, the precision's merge.  ``o_j`` (PASA with
-    ``STORE_LSE`` only) is the last block's offset of the true logits over the softmax logits."""
+    ``N_K`` when ``MASKED``), the algorithm's logits, the precision's merge.  ``visits``: the key blocks
+    visited before ``lo`` (PASA's block count ``j`` goes on from it).  ``o_j`` (PASA with ``STORE_LSE``
+    only) is the last block's offset of the true logits over the softmax logits."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_j
         n_valid = offs_n < N_K
@@ -287,7 +291,8 @@ def _attn_inner(acc, l_i, m_i, avg_j, o_j, q, q32, k_base, v_base, c_base, strid
                                             d_valid, N_K, qk_scale, G_ULP, BLOCK_M, BLOCK_N, CENTRE_BLOCK,
                                             PRECISION, SHIFT_IN_LOOP, MASKED, INTERPRET_BF16)
         elif SHIFT == "pasa":
-            x, alpha, m_new, avg_j, o_j = _logits_pasa(q, k_blk, m_i, avg_j, o_j, start_n, n_valid, N_K, a_shift,
+            j = visits + (start_n - lo) // BLOCK_N + 1
+            x, alpha, m_new, avg_j, o_j = _logits_pasa(q, k_blk, m_i, avg_j, o_j, j, n_valid, N_K, start_n, a_shift,
                                                        c_shift, gamma_st, tail_ratio_st, gamma, tail_ratio, BLOCK_M,
                                                        BLOCK_N, PRECISION, SHIFT_IN_LOOP, ONE_BLOCK, MASKED,
                                                        STORE_LSE, INTERPRET_BF16)
@@ -299,7 +304,7 @@ def _attn_inner(acc, l_i, m_i, avg_j, o_j, q, q32, k_base, v_base, c_base, strid
     return acc, l_i, m_i, avg_j, o_j
 
 
-@triton.jit(do_not_specialize=["N_Q", "N_K"])
+@triton.jit(do_not_specialize=["N_Q", "N_K", "MASK_GROUP", "MASK_BLOCK_Q"])
 def pasa_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
     stride_qz, stride_qh, stride_qm,
@@ -307,13 +312,16 @@ def pasa_fwd_kernel(
     stride_vz, stride_vh, stride_vn,
     stride_oz, stride_oh, stride_om,
     c_ptr, stride_cz, stride_ch, stride_cj,
+    mc_ptr, mi_ptr, stride_mcz, stride_mch, stride_mcq, stride_miz, stride_mih, stride_miq, stride_mij,
+    MASK_GROUP, MASK_BLOCK_Q,
     H_Q, KV_GROUP, N_Q, N_K,
     NQ_BUCKET, NK_BUCKET,  # autotune keys only
     scale, a_full, c_full, a_tail, c_tail, gamma, tail_ratio, G_ULP,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CENTRE_BLOCK: tl.constexpr,
     SHIFT: tl.constexpr, SHIFT_IN_LOOP: tl.constexpr, PRECISION: tl.constexpr,
-    ONE_BLOCK: tl.constexpr, STORE_LSE: tl.constexpr, INTERPRET_BF16: tl.constexpr,
+    ONE_BLOCK: tl.constexpr, STORE_LSE: tl.constexpr, SPARSE: tl.constexpr, MASK_BLOCK_K: tl.constexpr,
+    INTERPRET_BF16: tl.constexpr,
 ):
     """``out = softmax(scale q k^T) v`` for one block of ``BLOCK_M`` query rows of one (batch, head), and
     with ``STORE_LSE`` ``lse = logsumexp(scale q k^T)`` per row (fp32, natural log; ``_row_lse``) into
@@ -336,7 +344,14 @@ def pasa_fwd_kernel(
     ``BLOCK_D`` is ``HEAD_DIM`` rounded up to a power of two >= 16; padded columns load as zero.
 
     The key loop runs twice: the full blocks without masks, then the ragged last block (if any) with
-    row masks, its own shift entries and its own ``n_j``.  Grid: one program per (query block,
+    row masks, its own shift entries and its own ``n_j``.  With ``SPARSE`` (a block mask,
+    ``block_sparse.BlockSparseMask``: ``kv_counts`` at ``mc_ptr``, ``kv_indices`` at ``mi_ptr``, key blocks
+    of ``MASK_BLOCK_K`` keys, a multiple of ``BLOCK_N``, query blocks of ``MASK_BLOCK_Q`` rows, a multiple of
+    ``BLOCK_M``; ``common.kept_blocks``) it walks only the kept key blocks of its query block, ascending: the
+    full tiles of each without masks, then the ragged last tile if its block is kept; the other keys are
+    neither loaded nor multiplied.  PASA's block count ``j`` then counts the kept blocks.  A query block that
+    keeps none stores zeros and ``lse = -inf`` (``l_i`` read as 1: ``acc`` and ``m_i`` are untouched, 0 and
+    ``-inf``).  Grid: one program per (query block,
     batch x head) on axis 0, query blocks fastest so that programs running together read the same K/V
     (axis 0 allows 2^31 - 1 programs; axes 1 and 2 only 65535).
     """
@@ -390,18 +405,37 @@ def pasa_fwd_kernel(
         q = (q32 * scale).to(tl.float16)
 
     n_full_keys = (N_K // BLOCK_N) * BLOCK_N
+    if SPARSE:
+        count, indices = kept_blocks(mc_ptr, mi_ptr, off_z, off_hq, pid_m, stride_mcz, stride_mch, stride_mcq,
+                                     stride_miz, stride_mih, stride_miq, MASK_GROUP, MASK_BLOCK_Q, BLOCK_M)
+        for i in range(0, count):  # the kept blocks' full tiles
+            lo = tl.load(indices + i * stride_mij) * MASK_BLOCK_K
+            acc, l_i, m_i, avg_j, o_j = _attn_inner(
+                acc, l_i, m_i, avg_j, o_j, q, q32, k_base, v_base, c_base, stride_kn, stride_vn, stride_cj,
+                lo, tl.minimum(lo + MASK_BLOCK_K, n_full_keys), i, N_K, offs_j, offs_d, d_valid,
+                scale_st, qk_scale, a_full, c_full, gamma_st, tail_ratio_st, gamma, tail_ratio, G_ULP,
+                HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CENTRE_BLOCK, SHIFT, SHIFT_IN_LOOP, PRECISION, ONE_BLOCK, False,
+                STORE_LSE, INTERPRET_BF16)
+        last = tl.load(indices + (count - 1) * stride_mij, mask=count > 0, other=-1)
+        tail_lo = tl.where((last + 1) * MASK_BLOCK_K > n_full_keys, n_full_keys, N_K)  # N_K: no ragged tile kept
+        tail_visits = count - 1
+    else:
+        acc, l_i, m_i, avg_j, o_j = _attn_inner(
+            acc, l_i, m_i, avg_j, o_j, q, q32, k_base, v_base, c_base, stride_kn, stride_vn, stride_cj,
+            0, n_full_keys, 0, N_K, offs_j, offs_d, d_valid,
+            scale_st, qk_scale, a_full, c_full, gamma_st, tail_ratio_st, gamma, tail_ratio, G_ULP,
+            HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CENTRE_BLOCK, SHIFT, SHIFT_IN_LOOP, PRECISION, ONE_BLOCK, False,
+            STORE_LSE, INTERPRET_BF16)
+        tail_lo = n_full_keys
+        tail_visits = n_full_keys // BLOCK_N
     acc, l_i, m_i, avg_j, o_j = _attn_inner(
         acc, l_i, m_i, avg_j, o_j, q, q32, k_base, v_base, c_base, stride_kn, stride_vn, stride_cj,
-        0, n_full_keys, N_K, offs_j, offs_d, d_valid,
-        scale_st, qk_scale, a_full, c_full, gamma_st, tail_ratio_st, gamma, tail_ratio, G_ULP,
-        HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CENTRE_BLOCK, SHIFT, SHIFT_IN_LOOP, PRECISION, ONE_BLOCK, False,
-        STORE_LSE, INTERPRET_BF16)
-    acc, l_i, m_i, avg_j, o_j = _attn_inner(
-        acc, l_i, m_i, avg_j, o_j, q, q32, k_base, v_base, c_base, stride_kn, stride_vn, stride_cj,
-        n_full_keys, N_K, N_K, offs_j, offs_d, d_valid,
+        tail_lo, N_K, tail_visits, N_K, offs_j, offs_d, d_valid,
         scale_st, qk_scale, a_tail, c_tail, gamma_st, tail_ratio_st, gamma, tail_ratio, G_ULP,
         HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CENTRE_BLOCK, SHIFT, SHIFT_IN_LOOP, PRECISION, ONE_BLOCK, True,
         STORE_LSE, INTERPRET_BF16)
+    if SPARSE:  # an empty query block: acc = 0, m_i = -inf; out = 0, lse = -inf
+        l_i = tl.where(count > 0, l_i, 1.0)
 
     inv_l = 1.0 / l_i.to(tl.float32)  # one division per row, then products
     out = round_to(acc.to(tl.float32) * inv_l[:, None], o_ptr.dtype.element_ty, INTERPRET_BF16)
@@ -420,7 +454,8 @@ AUTOTUNE_KEY = ["HEAD_DIM", "NQ_BUCKET", "NK_BUCKET", "PRECISION", "SHIFT", "SHI
 """The kernel arguments a tuned config is chosen by (the tiled pool tunes BLOCK_N, so it drops the last one).
 ``STORE_LSE`` is not among them, and the LSE pointer has one dtype whether stored or not
 (``common.lse_arg``): a call that stores the LSE runs the config tuned without it (one masked row store
-more), with the same output bits."""
+more), with the same output bits.  Nor is ``SPARSE`` (the mask's arguments have one dtype with or without a
+mask: ``common.mask_args``): a call with a block mask runs the dense call's config."""
 
 INTERPRET_CONFIG = {"BLOCK_M": 64, "num_warps": 4, "num_stages": 1}
 """The interpreter's fixed configuration (plus BLOCK_N: the shift block, or 64 for plain FA), which a
@@ -501,13 +536,10 @@ _shift_fwd_tuned = autotuned(pasa_fwd_kernel, _pool(_SHIFT_CONFIGS), AUTOTUNE_KE
 _tiled_fwd_tuned = autotuned(pasa_fwd_kernel, _pool(_TILED_CONFIGS), AUTOTUNE_KEY[:-1], _prune, name="portable.tiled")
 
 
-NO_SHIFT = (0.0, 0.0, 0.0, 0.0, 0.0, 1.0)
-
-
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, scale: float, shift: str,
             precision: str, block_n: int, one_block: bool, keys_prepared: bool, centres: torch.Tensor | None = None,
             shift_constants: tuple[float, ...] = NO_SHIFT, config: dict | None = None,
-            lse: torch.Tensor | None = None) -> torch.Tensor:
+            lse: torch.Tensor | None = None, block_mask: BlockSparseMask | None = None) -> torch.Tensor:
     """Write ``softmax(scale q k^T) v`` into ``out`` (and each row's log-sum-exp into ``lse``) and return ``out``.
 
     Resolved arguments (``dispatch.forward`` checks and plans the call):
@@ -527,25 +559,17 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
             ``num_warps`` and ``num_stages`` it ignores).
         lse: ``None``, or a contiguous fp32 ``(B, Hq, Nq)`` buffer for the natural-log log-sum-exp of each
             row's true logits ``scale q . k`` (``STORE_LSE``).
+        block_mask: ``None``, or a ``block_sparse.BlockSparseMask`` fitting the call, ``block_k`` the shift
+            block (``block_n``; ``rules.SHIFT_BLOCK`` for plain FA, whose tiles divide it) and ``block_q`` a
+            multiple of every ``BLOCK_M``: only the kept key blocks are visited (``SPARSE``).  It runs the
+            config tuned for the dense call (``SPARSE`` is not in the tuning key), so an all-kept mask gives the
+            dense call's bits.
     """
     fn = "portable.forward"
-    batch, h_q, n_q, head_dim = q.shape
-    h_k, n_k = k.shape[1], k.shape[2]
-    meta = dict(HEAD_DIM=head_dim, BLOCK_D=pow2_tile(head_dim), SHIFT=shift, PRECISION=precision,
-                SHIFT_IN_LOOP=not keys_prepared, ONE_BLOCK=shift != "none" and one_block,
-                CENTRE_BLOCK=block_n if shift == "exact" else 0, STORE_LSE=lse is not None,
-                INTERPRET_BF16=INTERPRET and q.dtype == torch.bfloat16)
-    # Plain FA and the exact shift with pre-centred keys tune their tile of keys (the exact shift's
-    # divides its centre block); PASA's tile is its shift block, and so is the in-loop centring's.
-    tiled = shift == "none" or (shift == "exact" and keys_prepared)
-    if not tiled:
-        meta["BLOCK_N"] = block_n
-    if centres is None:
-        centres = q  # read only by the exact shift's pre-pass path
-    args = (q, k, v, out, lse_arg(lse, q.device), *strides3(q), *strides3(k), *strides3(v), *strides3(out),
-            centres, *strides3(centres),
-            h_q, h_q // h_k, n_q, n_k, bucket(n_q), bucket(n_k), float(scale), *shift_constants,
-            torch.finfo(q.dtype).eps)
+    batch, h_q, n_q = q.shape[:3]
+    args, meta, tiled = kernel_call(q, k, v, out, scale=scale, shift=shift, precision=precision, block_n=block_n,
+                                    one_block=one_block, keys_prepared=keys_prepared, centres=centres,
+                                    shift_constants=shift_constants, lse=lse, block_mask=block_mask)
 
     def grid(meta_):
         return (cdiv(n_q, meta_["BLOCK_M"]) * batch * h_q,)
@@ -561,9 +585,89 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
                                  f"exact shift's centre block block_n={block_n}")
         elif fixed.pop("BLOCK_N", block_n) != block_n:
             raise ValueError(f"{fn}: this variant's BLOCK_N is its shift block; pass block_n, not config['BLOCK_N']")
+        if block_mask is not None:
+            _check_mask_tiles(fn, block_mask, fixed.get("BLOCK_M"), fixed.get("BLOCK_N", block_n))
         pasa_fwd_kernel[grid](*args, **meta, **fixed)
     elif tiled:
         _tiled_fwd_tuned[grid](*args, **meta)
     else:  # the shift block is BLOCK_N: not tuned
         _shift_fwd_tuned[grid](*args, **meta)
     return out
+
+
+def _check_mask_tiles(fn: str, block_mask: BlockSparseMask, block_m: object, block_n: object) -> None:
+    """A fixed config's tiles must lie inside the mask's blocks: ``BLOCK_M`` divides ``block_q``, ``BLOCK_N``
+    divides ``block_k`` (the autotuned pools' tiles always do: at most ``rules.MASK_QUERY_TILE`` and the shift
+    block)."""
+    if not (isinstance(block_m, int) and block_mask.block_q % block_m == 0):
+        raise ValueError(f"{fn}: config['BLOCK_M']={block_m!r} must divide block_mask.block_q={block_mask.block_q}")
+    if not (isinstance(block_n, int) and block_mask.block_k % block_n == 0):
+        raise ValueError(f"{fn}: config['BLOCK_N']={block_n!r} must divide block_mask.block_k={block_mask.block_k}")
+
+
+def kernel_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, scale: float, shift: str,
+                precision: str, block_n: int, one_block: bool, keys_prepared: bool,
+                centres: torch.Tensor | None = None, shift_constants: tuple[float, ...] = NO_SHIFT,
+                lse: torch.Tensor | None = None,
+                block_mask: BlockSparseMask | None = None) -> tuple[tuple, dict, bool]:
+    """``(args, meta, tiled)`` of :func:`pasa_fwd_kernel` for :func:`forward`'s arguments, without the tile
+    config (``BLOCK_N`` in ``meta`` where it is the shift block; ``tiled``: the config tunes it)."""
+    batch, h_q, n_q, head_dim = q.shape
+    h_k, n_k = k.shape[1], k.shape[2]
+    meta = dict(HEAD_DIM=head_dim, BLOCK_D=pow2_tile(head_dim), SHIFT=shift, PRECISION=precision,
+                SHIFT_IN_LOOP=not keys_prepared, ONE_BLOCK=shift != "none" and one_block,
+                CENTRE_BLOCK=block_n if shift == "exact" else 0, STORE_LSE=lse is not None,
+                SPARSE=block_mask is not None, MASK_BLOCK_K=0 if block_mask is None else block_mask.block_k,
+                INTERPRET_BF16=INTERPRET and q.dtype == torch.bfloat16)
+    # Plain FA and the exact shift with pre-centred keys tune their tile of keys (the exact shift's
+    # divides its centre block); PASA's tile is its shift block, and so is the in-loop centring's.
+    tiled = shift == "none" or (shift == "exact" and keys_prepared)
+    if not tiled:
+        meta["BLOCK_N"] = block_n
+    if centres is None:
+        centres = q  # read only by the exact shift's pre-pass path
+    args = (q, k, v, out, lse_arg(lse, q.device), *strides3(q), *strides3(k), *strides3(v), *strides3(out),
+            centres, *strides3(centres), *mask_args(block_mask, q),
+            h_q, h_q // h_k, n_q, n_k, bucket(n_q), bucket(n_k), float(scale), *shift_constants,
+            torch.finfo(q.dtype).eps)
+    return args, meta, tiled
+
+
+PASA_PREPASS_ROWS = 128
+"""PASA shifts its keys by the pre-pass when a head has more query rows than this (several query blocks
+then reuse every shifted tile) or the head dim's tile is above 128 (an fp32 key tile of 128 x 256 does
+not fit the registers)."""
+
+
+def prepass(call: Call) -> str | None:
+    """The pre-pass this kernel runs ``call`` with: the exact shift centres keys of several blocks first
+    (``prepass=None``) or as ``prepass`` says; PASA shifts them first above :data:`PASA_PREPASS_ROWS` query rows
+    or a head dim's tile above 128 (or as ``prepass`` says); plain FlashAttention has none."""
+    shift, asked = call.variant.shift, call.prepass
+    if shift == "exact":
+        return "centre" if (not call.one_block if asked is None else asked) else None
+    if shift == "pasa":
+        if asked is None:
+            asked = call.q.shape[2] > PASA_PREPASS_ROWS or pow2_tile(call.q.shape[-1]) > 128
+        return "shift" if asked else None
+    return None
+
+
+def unsuitable(call: Call) -> str | None:
+    """Why the portable kernel cannot run ``call``, or ``None``: only the exact shift with ``prepass=False``
+    on keys of several blocks."""
+    if call.variant.shift == "exact" and call.prepass is False and not call.one_block:
+        return (f"prepass=False: it centres keys inside the loop only when all {call.k.shape[2]} keys form one "
+                f"block of at most {call.shift_block}")
+    return None
+
+
+def launch(call: Call, plan: Plan) -> None:
+    """:func:`forward` on ``call``'s keys (raw, or the pre-pass's centred / shifted copy)."""
+    forward(call.q, call.keys, call.v, call.out, scale=call.scale, shift=call.variant.shift,
+            precision=call.variant.precision, block_n=plan.block_n, one_block=plan.one_block,
+            keys_prepared=plan.prepass is not None, centres=call.centres, shift_constants=call.constants,
+            config=call.config, lse=call.lse, block_mask=call.block_mask)
+
+
+ENTRY = Kernel("portable", ("hybrid", "half"), ("exact", "pasa", "none"), launch, unsuitable, prepass=prepass)

@@ -1,0 +1,504 @@
+"""Block-sparse masks in the op and the kernels (issue 46): ``pasa_attention(..., block_mask=)``, the portable
+16-bit kernel (``kernels/portable.py``) and the portable 8-bit one (``kernels/int8.py``) skipping key blocks.
+
+The kernels run under Triton's interpreter (``tests/conftest.py`` builds them for it on hosts without CUDA); the
+``gpu`` tests at the end run the compiled kernels through the op on a CUDA GPU.  Masks have the kernels' blocks
+(128 keys, 128 query rows), so the shapes hold two to five of them, with ragged tails.  Every kernel output and
+LSE starts poisoned with NaN, so a finite result shows every element was written.  Inputs are fresh random
+draws (the ``gen`` fixture's seed, printed).
+
+Tolerances, each derived as the dense kernels' tests derive them (none measured):
+
+- 16 bits, against the masked float64 golden (``golden_attention(block_mask=)``: the skipped keys' logits
+  ``-inf``): ``err(kernel) <= K err(masked reference of the same variant) + TINY`` with
+  ``test_kernel_interpret.py``'s ``K`` and reasons (the kernel rounds where the reference does and sums in
+  another order; a mask changes which tiles are summed, not how).  The LSE on the rows that keep a block:
+  ``err_lse(kernel) <= K err_lse(reference) + FLOOR`` (``test_lse.py``'s rule, ``FLOOR`` one fp32 ulp of the
+  LSE, twice).  The rows of a query block that keeps none: zeros and ``-inf``, exactly.
+- 8 bits, against the masked spec (``int8_reference(block_mask=)``, its key tile the kernel's): the kernel reads
+  the spec's codes and differs in fp32 rounding only, so within one ``g`` ulp relative and ``test_int8.py``'s
+  LSE tolerance (its ``_lse_tolerance``).
+- Bit for bit: no mask and a mask that keeps every block (the same tiles in the same order, the same tuned
+  config); a mask that keeps blocks {0, 2, 4} of five and the same kernel on those keys alone (PASA's block
+  count is the visited blocks', the 8-bit codes, centres and flags are per key or per block).
+- SDPA: the masks' semantics are ``scaled_dot_product_attention`` with ``BlockSparseMask.element_mask()`` as its
+  boolean mask (float64), which the golden must equal to float64 rounding.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from pasa_diffusers import numerics, pasa_attention  # noqa: E402
+from pasa_diffusers import reference as R  # noqa: E402
+from pasa_diffusers import reference_int8 as r8  # noqa: E402
+from pasa_diffusers.block_sparse import BlockSparseMask  # noqa: E402
+from pasa_diffusers.kernels import dispatch, quantize  # noqa: E402
+from pasa_diffusers.kernels.common import INTERPRET  # noqa: E402
+from pasa_diffusers.rules import SHIFT_BLOCK  # noqa: E402
+from pasa_diffusers.variants import Variant  # noqa: E402
+from pasa_diffusers.video_masks import VideoTokens, radial_mask, tile_order, tile_window_mask  # noqa: E402
+from tests.test_int8 import _lse_tolerance  # noqa: E402
+from tests.test_kernel_interpret import K_BOUND as INTERPRET_K  # noqa: E402
+
+interpreted = pytest.mark.skipif(not INTERPRET, reason="kernels built for the GPU; set TRITON_INTERPRET=1 "
+                                 "before pytest starts to run them on the CPU")
+
+BETA = R.DEFAULT_BETA
+TINY = 1e-6
+EPS32 = 2.0 ** -24
+K_BOUND = {(shift, precision): INTERPRET_K["flash" if shift == "none" else shift, precision]
+           for shift in ("exact", "pasa", "none") for precision in ("hybrid", "half")}
+VARIANTS = list(K_BOUND)
+VARIANT_IDS = [f"{s}-{p}" for s, p in VARIANTS]
+REFERENCES = {"exact": R.exact_shift_reference, "pasa": R.pasa_reference, "none": R.flash_reference}
+
+# (B, Hq, Hk, Nq, Nk, D): three query blocks (the last of 4 rows), three key blocks (the last of 44 keys)
+GQA = (1, 4, 2, 260, 300, 16)
+SMALL = (1, 2, 1, 260, 300, 32)
+
+
+def _inputs(shape, kind: str, gen: torch.Generator, dtype=torch.float16):
+    """q, k, v (B, H, N, D) of an input class: ``biased`` (q, k ~ N(3, 1): the sequence bias the shifts remove),
+    ``drift`` (a key bias that grows over the key blocks: each block's centre differs), ``outlier`` (a few keys
+    30x out)."""
+    b, hq, hk, nq, nk, d = shape
+    q = torch.randn(b, hq, nq, d, generator=gen) + 3.0
+    k = torch.randn(b, hk, nk, d, generator=gen) + 3.0
+    v = torch.randn(b, hk, nk, d, generator=gen)
+    if kind == "drift":
+        k = k + torch.linspace(0.0, 20.0, nk)[:, None] * torch.rand(d, generator=gen)
+    elif kind == "outlier":
+        k[:, :, torch.randint(0, nk, (4,), generator=gen)] *= 30.0
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def _mask(shape, kind: str, gen: torch.Generator, *, empty_block: int = 1) -> BlockSparseMask:
+    """Random kept blocks of a mask ``per-head`` (B, Hq), ``shared`` (1, 1) or per ``key-heads`` (1, Hk): query
+    block ``empty_block`` keeps none, every other keeps at least one, and the ragged last key block is kept
+    somewhere."""
+    b, hq, hk, nq, nk, _ = shape
+    lead = {"per-head": (b, hq), "shared": (1, 1), "key-heads": (1, hk)}[kind]
+    n_q, n_k = math.ceil(nq / 128), math.ceil(nk / 128)
+    dense = torch.rand(lead + (n_q, n_k), generator=gen) < 0.5
+    first = torch.randint(0, n_k, lead + (n_q, 1), generator=gen)
+    dense.scatter_(-1, first, True)
+    dense[..., -1, -1] = True
+    dense[..., empty_block, :] = False
+    return BlockSparseMask.from_dense(dense, nq, nk)
+
+
+def _empty_rows(mask: BlockSparseMask, batch: int, heads: int) -> torch.Tensor:
+    """(B, Hq, Nq) bool: the rows of the query blocks that keep no key block."""
+    empty = ~mask.kept_blocks(batch, heads).any(-1)
+    return empty.repeat_interleave(mask.block_q, -1)[..., :mask.q_len]
+
+
+def _kernel(q, k, v, variant: Variant, **options):
+    """``dispatch.forward`` (the op's router) into a NaN-poisoned output and LSE: ``(out, lse)``."""
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:3], float("nan"), device=q.device)
+    assert dispatch.forward(q, k, v, out, scale=q.shape[-1] ** -0.5, variant=variant, beta=BETA, lse=lse,
+                            **options) is out
+    return out, lse
+
+
+def _reference(q, k, v, shift, precision, mask):
+    return REFERENCES[shift](q, k, v, precision=precision, return_lse=True, block_mask=mask)
+
+
+def _err_lse(lse: torch.Tensor, gold: torch.Tensor) -> float:
+    return (lse.double() - gold).pow(2).mean().sqrt().item()
+
+
+def _assert_masked_bound(out, lse, ref, ref_lse, gold, gold_lse, mask, shift, precision):
+    """The 16-bit rule of the module docstring on the kept rows; zeros and ``-inf`` on the empty ones."""
+    name = f"{shift}-{precision}"
+    empty = _empty_rows(mask, out.shape[0], out.shape[1])
+    assert empty.any() and (~empty).any()
+    assert torch.equal(out[empty], torch.zeros_like(out[empty])), f"{name}: an empty query block is not zero"
+    assert torch.isneginf(lse[empty]).all(), f"{name}: an empty query block's LSE is not -inf"
+    kept = ~empty
+    assert torch.isfinite(out).all() and torch.isfinite(lse[kept]).all(), f"{name}: non-finite output or LSE"
+    k_bound = K_BOUND[shift, precision]
+    err, err_ref = numerics.rel_rmse(out[kept], gold[kept]), numerics.rel_rmse(ref[kept], gold[kept])
+    assert err <= k_bound * err_ref + TINY, f"{name}: kernel {err:.3e} > {k_bound} x reference {err_ref:.3e}"
+    floor = 2 * EPS32 * gold_lse[kept].pow(2).mean().sqrt().item()
+    err_l, err_l_ref = _err_lse(lse[kept], gold_lse[kept]), _err_lse(ref_lse[kept], gold_lse[kept])
+    assert err_l <= k_bound * err_l_ref + floor, f"{name}: LSE {err_l:.3e} > {k_bound} x reference {err_l_ref:.3e}"
+
+
+# (input class, mask kind, shape) per variant: the quick tier gives each variant one, together all of them
+QUICK_CASES = {("exact", "hybrid"): ("drift", "key-heads", GQA), ("exact", "half"): ("outlier", "per-head", SMALL),
+               ("pasa", "hybrid"): ("drift", "per-head", SMALL), ("pasa", "half"): ("biased", "key-heads", GQA),
+               ("none", "hybrid"): ("outlier", "shared", SMALL), ("none", "half"): ("biased", "per-head", SMALL)}
+SLOW_CASES = [(variant, inputs, mask) for variant in VARIANTS for inputs in ("biased", "drift", "outlier")
+              for mask in ("per-head", "shared", "key-heads") if QUICK_CASES[variant][:2] != (inputs, mask)]
+
+
+def _check_variant(shift, precision, input_kind, mask_kind, shape, gen, **options):
+    q, k, v = _inputs(shape, input_kind, gen)
+    mask = _mask(shape, mask_kind, gen)
+    out, lse = _kernel(q, k, v, Variant(shift, precision), block_mask=mask, **options)
+    ref, ref_lse = _reference(q, k, v, shift, precision, mask)
+    gold, gold_lse = R.golden_attention(q, k, v, return_lse=True, block_mask=mask)
+    _assert_masked_bound(out, lse, ref, ref_lse, gold, gold_lse, mask, shift, precision)
+
+
+@interpreted
+@pytest.mark.parametrize("shift,precision", VARIANTS, ids=VARIANT_IDS)
+def test_kernel_with_mask_within_its_reference_bound(shift, precision, gen):
+    """Each variant on one input class and mask kind (ragged tails, GQA, an empty query block)."""
+    input_kind, mask_kind, shape = QUICK_CASES[shift, precision]
+    _check_variant(shift, precision, input_kind, mask_kind, shape, gen)
+
+
+@interpreted
+@pytest.mark.slow
+@pytest.mark.parametrize("variant,input_kind,mask_kind", SLOW_CASES,
+                         ids=[f"{s}-{p}-{i}-{m}" for (s, p), i, m in SLOW_CASES])
+def test_kernel_with_mask_on_every_input_class_and_mask_kind(variant, input_kind, mask_kind, gen):
+    _check_variant(*variant, input_kind, mask_kind, GQA, gen)
+
+
+@interpreted
+@pytest.mark.parametrize("shift,precision,n_k,options", [
+    ("pasa", "hybrid", 300, {"prepass": False}), ("pasa", "half", 100, {}), ("exact", "hybrid", 100, {}),
+    ("exact", "half", 300, {"prepass": True, "config": {"BLOCK_N": 64}})],
+    ids=["pasa-shifted-in-loop", "pasa-one-block", "exact-one-block-centred-in-loop", "exact-tile-64-in-block-128"])
+def test_the_other_key_paths_with_a_mask(shift, precision, n_k, options, gen):
+    """The paths the quick cases do not take: PASA shifting its tiles in the loop (no pre-pass), all keys in one
+    block (the one-block switch: its block kept or not), and key tiles of 64 inside the mask's blocks of 128."""
+    shape = (1, 2, 1, 260, n_k, 32)
+    _check_variant(shift, precision, "drift", "per-head", shape, gen, **options)
+
+
+@interpreted
+def test_query_blocks_of_two_tiles_and_more(gen):
+    """A mask whose query blocks are 256 rows: each 64-row query tile reads its enclosing block's row."""
+    shape = (1, 2, 1, 300, 300, 32)
+    q, k, v = _inputs(shape, "drift", gen)
+    dense = torch.rand(1, 2, 2, 3, generator=gen) < 0.5
+    dense[..., 0, 1] = True
+    dense[:, 1, 1] = False  # head 1's second query block (rows 256-299) keeps nothing
+    mask = BlockSparseMask.from_dense(dense, 300, 300, block_q=256)
+    out, lse = _kernel(q, k, v, Variant("exact", "hybrid"), block_mask=mask)
+    ref, ref_lse = _reference(q, k, v, "exact", "hybrid", mask)
+    gold, gold_lse = R.golden_attention(q, k, v, return_lse=True, block_mask=mask)
+    _assert_masked_bound(out, lse, ref, ref_lse, gold, gold_lse, mask, "exact", "hybrid")
+
+
+# --- bit for bit ----------------------------------------------------------------------------------------------
+EIGHT_BIT = [("exact", "int8"), ("exact", "fp8")]
+
+
+@interpreted
+@pytest.mark.parametrize("shift,precision", VARIANTS + EIGHT_BIT, ids=VARIANT_IDS + ["int8", "fp8"])
+def test_all_kept_mask_gives_the_dense_bits(shift, precision, gen):
+    shape = (1, 2, 1, 130, 300, 32)
+    q, k, v = _inputs(shape, "drift", gen)
+    full = BlockSparseMask.full(shape[3], shape[4], heads=2)
+    dense = _kernel(q, k, v, Variant(shift, precision))
+    masked = _kernel(q, k, v, Variant(shift, precision), block_mask=full)
+    assert torch.isfinite(dense[0]).all()
+    assert torch.equal(dense[0], masked[0]) and torch.equal(dense[1], masked[1])
+
+
+@interpreted
+@pytest.mark.parametrize("shift,precision", VARIANTS + EIGHT_BIT[:1], ids=VARIANT_IDS + ["int8"])
+def test_skipped_blocks_give_the_kept_keys_alone(shift, precision, gen):
+    """Keys of five blocks (the last ragged, 44 keys), a query block keeping {0, 2, 4}: bit for bit the call on
+    those 300 keys alone (the 8-bit one with ``P V`` in 16 bits: FP8's V scale is per channel over all keys)."""
+    n_k = 4 * SHIFT_BLOCK + 44
+    q, k, v = _inputs((1, 2, 1, 64, n_k, 32), "drift", gen)
+    keep = torch.tensor([[True, False, True, False, True]])
+    mask = BlockSparseMask.from_dense(keep, 64, n_k)
+    idx = torch.cat([torch.arange(0, 128), torch.arange(256, 384), torch.arange(512, n_k)])
+    masked = _kernel(q, k, v, Variant(shift, precision), block_mask=mask)
+    alone = _kernel(q, k[:, :, idx], v[:, :, idx], Variant(shift, precision))
+    assert torch.isfinite(alone[0]).all()
+    assert torch.equal(masked[0], alone[0]) and torch.equal(masked[1], alone[1])
+
+
+@interpreted
+def test_key_ranges_with_a_mask_give_the_whole_calls_bits(monkeypatch, gen):
+    """A call run in ranges of batch and kv head (the key pre-pass's copy) hands each range its rows of a
+    per-query-head and of a per-key-head mask."""
+    shape = (2, 4, 2, 130, 300, 16)
+    q, k, v = _inputs(shape, "drift", gen)
+    monkeypatch.setattr(dispatch, "MIN_RANGE_FLOP", 1.0)
+    assert len(dispatch.key_chunks(k, q)) > 1
+    for kind in ("per-head", "key-heads"):
+        mask = _mask(shape, kind, gen, empty_block=0)
+        monkeypatch.setattr(dispatch, "KEY_COPY_SHARE", 0.2)
+        ranged = _kernel(q, k, v, Variant("exact", "hybrid"), block_mask=mask)
+        monkeypatch.setattr(dispatch, "KEY_COPY_SHARE", 1e9)
+        whole = _kernel(q, k, v, Variant("exact", "hybrid"), block_mask=mask)
+        assert torch.equal(ranged[0], whole[0]) and torch.equal(ranged[1], whole[1])
+
+
+# --- 8 bits -------------------------------------------------------------------------------------------------
+def _mixed_blocks(gen: torch.Generator, n_q: int = 260, n_k: int = 420, d: int = 64):
+    """Keys whose odd blocks hold two biases (a jump in mid-block: computed in 16 bits, step 4b) and whose even
+    blocks are benign (from the codes), the last block (36 keys) ragged and flagged; two query heads."""
+    q = torch.randn(1, 2, n_q, d, generator=gen).half()
+    k = torch.randn(1, 1, n_k, d, generator=gen)
+    v = torch.randn(1, 1, n_k, d, generator=gen).half()
+    bias = 6 * torch.randn(d, generator=gen)
+    for start in range(SHIFT_BLOCK, n_k, 2 * SHIFT_BLOCK):
+        keys = min(SHIFT_BLOCK, n_k - start)
+        k[:, :, start:start + keys] += bias * torch.linspace(-1, 1, keys).sign()[:, None]
+    return q, k.half(), v
+
+
+def _check_eight_bit(pv_bits: int, block_n: int, gen: torch.Generator) -> None:
+    q, k, v = _mixed_blocks(gen)
+    scale = q.shape[-1] ** -0.5
+    flags = quantize.prepare(q, k, v, scale=scale, pv_bits=pv_bits).flags.bool()
+    assert flags[..., 1::2].all() and not flags[..., ::2].any()
+    dense = torch.tensor([[[[True, True, False, True], [False] * 4, [True, False, True, True]],
+                           [[False, True, True, False], [False] * 4, [False, False, False, True]]]])
+    mask = BlockSparseMask.from_dense(dense, q.shape[2], k.shape[2])
+    variant = Variant("exact", "int8" if pv_bits == 16 else "fp8")
+    out, lse = _kernel(q, k, v, variant, block_mask=mask, config={"BLOCK_N": block_n})
+    spec, spec_lse = r8.int8_reference(q, k, v, pv_bits=pv_bits, block_n=block_n, return_lse=True, block_mask=mask)
+    empty = _empty_rows(mask, 1, 2)
+    assert torch.equal(out[empty], torch.zeros_like(out[empty])) and torch.isneginf(lse[empty]).all()
+    assert torch.isfinite(out).all() and numerics.rel_rmse(out, spec) <= 2.0 ** -10
+    tol = _lse_tolerance(q, k, scale)
+    assert ((lse[~empty].double() - spec_lse[~empty].double()).abs() <= tol[~empty]).all()
+
+
+@interpreted
+def test_eight_bit_kernel_with_a_mask_is_the_masked_spec(gen):
+    """Kept blocks of both kinds, a query block keeping only 16-bit blocks, the ragged flagged block kept by some,
+    an empty query block; key tiles of 64 inside the mask's blocks of 128: the spec at the same tiles."""
+    _check_eight_bit(16, 64, gen)
+
+
+@interpreted
+@pytest.mark.slow
+@pytest.mark.parametrize("pv_bits,block_n", [(16, 128), (8, 64), (8, 128)])
+def test_eight_bit_kernel_with_a_mask_other_tiles_and_fp8(pv_bits, block_n, gen):
+    _check_eight_bit(pv_bits, block_n, gen)
+
+
+# --- the op: its argument, the router, SDPA ---------------------------------------------------------------
+def _qkv(b=1, hq=2, hk=2, nq=200, nk=300, d=32):
+    gen = torch.Generator().manual_seed(0)
+    return (torch.randn(b, hq, nq, d, generator=gen).half(), torch.randn(b, hk, nk, d, generator=gen).half(),
+            torch.randn(b, hk, nk, d, generator=gen).half())
+
+
+def _checked_on(mask: BlockSparseMask, device: str) -> BlockSparseMask:
+    return BlockSparseMask.from_checked(mask.kv_counts.to(device), mask.kv_indices.to(device), mask.q_len,
+                                       mask.kv_len, mask.block_q, mask.block_k)
+
+
+@pytest.mark.parametrize("mask, match", [
+    ("dense", "block_mask must be a BlockSparseMask or None, got str"),
+    (BlockSparseMask.full(200, 300, block_k=64), r"block_mask.block_k=64 must be 128"),
+    (BlockSparseMask.full(200, 300, block_q=64), r"block_mask.block_q=64 must be a multiple of 128"),
+    (BlockSparseMask.full(201, 300), r"block_mask is for q_len=201, kv_len=300, got q.shape=\(1, 2, 200, 32\)"),
+    (BlockSparseMask.full(200, 299), r"kv_len=299"),
+    (BlockSparseMask.full(200, 300, batch=2), "block_mask batch 2 is neither 1 nor q's batch 1"),
+    (BlockSparseMask.full(200, 300, heads=3), "block_mask heads 3 is none of 1, the key heads 2 or the query heads 2"),
+    (_checked_on(BlockSparseMask.full(200, 300), "meta"), "block_mask is on meta but q is on cpu"),
+], ids=["type", "block_k", "block_q", "q_len", "kv_len", "batch", "heads", "device"])
+def test_the_op_names_the_mask_in_one_line(mask, match):
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=match) as info:
+        pasa_attention(q, k, v, block_mask=mask)
+    assert str(info.value).startswith("pasa_attention: ") and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("kernel,precision", [("gluon", "hybrid"), ("packed", "hybrid"), ("gluon-int8", "int8")])
+def test_kernels_without_masks_say_so(kernel, precision):
+    """An explicit request is refused in one line; under ``"auto"`` the plan keeps the reason and runs the
+    portable kernel of the precision."""
+    q, k, v = _qkv(nk=100 if kernel == "packed" else 300)
+    mask = BlockSparseMask.full(q.shape[2], k.shape[2])
+    variant = Variant("exact", precision)
+    with pytest.raises(ValueError, match=f"kernel={kernel!r} cannot run this call: it takes no block_mask yet$"):
+        dispatch.plan(q, k, v, torch.empty_like(q), variant=variant, kernel=kernel, block_mask=mask)
+    plan = dispatch.plan(q, k, v, torch.empty_like(q), variant=variant, block_mask=mask)
+    assert plan.kernel == ("portable-int8" if precision == "int8" else "portable")
+    assert plan.rejected[kernel] == "it takes no block_mask yet"
+
+
+def test_the_router_checks_the_mask_blocks_against_the_shift_block():
+    q, k, v = _qkv()
+    mask = BlockSparseMask.full(200, 300)
+    with pytest.raises(ValueError, match=r"block_mask.block_k=128 must be the kernels' key block 64"):
+        dispatch.plan(q, k, v, torch.empty_like(q), variant=Variant("pasa", "hybrid"), block_n=64, block_mask=mask)
+    small = BlockSparseMask.full(200, 300, block_q=64)
+    with pytest.raises(ValueError, match=r"block_mask.block_q=64 must be a multiple of 128"):
+        dispatch.plan(q, k, v, torch.empty_like(q), variant=Variant("exact", "hybrid"), block_mask=small)
+
+
+def _video_masks():
+    """Radial Attention's mask with 16 text tokens first (528 tokens: a ragged last block), and a tile window on
+    the tile order (512 tokens)."""
+    tokens = VideoTokens(frames=4, height=8, width=16)
+    with_text = VideoTokens(frames=8, height=8, width=8, text=16)
+    return {"radial": radial_mask(with_text, spatial_window=1),
+            "tile-window": tile_window_mask(tokens, (0, 2, 2), order=tile_order(tokens))}
+
+
+@interpreted
+@pytest.mark.parametrize("mask_name,shift", [("radial", "exact"), ("tile-window", "pasa")])
+def test_the_op_with_video_masks_is_sdpa_with_the_element_mask(monkeypatch, mask_name, shift, gen):
+    """The op (its kernel, ``bnhd`` views as diffusers passes them) with a video mask: within the variant's bound
+    of SDPA given the dense boolean element mask, which the masked golden equals."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    mask = _video_masks()[mask_name]
+    n = mask.q_len
+    assert 0.0 < mask.density < 1.0
+    q, k, v = _inputs((1, 2, 2, n, n, 16), "drift", gen)
+    out, lse = pasa_attention(*(t.transpose(1, 2) for t in (q, k, v)), shift=shift, layout="bnhd", return_lse=True,
+                              block_mask=mask)
+    out = out.transpose(1, 2)
+    allowed = mask.element_mask()
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=allowed)
+    gold, gold_lse = R.golden_attention(q, k, v, return_lse=True, block_mask=mask)
+    assert (gold - sdpa).abs().max().item() <= 1e-12
+    ref, ref_lse = _reference(q, k, v, shift, "hybrid", mask)
+    err, err_ref = numerics.rel_rmse(out, sdpa), numerics.rel_rmse(ref, sdpa)
+    assert torch.isfinite(out).all() and err <= K_BOUND[shift, "hybrid"] * err_ref + TINY
+    floor = 2 * EPS32 * gold_lse.pow(2).mean().sqrt().item()
+    assert _err_lse(lse, gold_lse) <= K_BOUND[shift, "hybrid"] * _err_lse(ref_lse, gold_lse) + floor
+
+
+def test_the_op_on_cpu_tensors_runs_the_masked_reference(gen):
+    """Without the interpreter, CPU tensors run the variant's reference with the mask (an empty query block:
+    zeros, -inf), and an all-kept mask gives the call without it."""
+    q, k, v = _inputs((1, 2, 1, 260, 300, 32), "biased", gen)
+    mask = _mask((1, 2, 1, 260, 300, 32), "per-head", gen)
+    out, lse = pasa_attention(q, k, v, return_lse=True, block_mask=mask)
+    ref, ref_lse = R.exact_shift_reference(q, k, v, return_lse=True, block_mask=mask)
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    full = BlockSparseMask.full(260, 300)
+    assert torch.equal(pasa_attention(q, k, v, block_mask=full), pasa_attention(q, k, v))
+
+
+def test_the_compiled_op_takes_the_mask_without_graph_breaks(gen):
+    q, k, v = _inputs((1, 2, 1, 260, 300, 32), "biased", gen)
+    mask = _mask((1, 2, 1, 260, 300, 32), "shared", gen)
+    compiled = torch.compile(lambda q, k, v: pasa_attention(q, k, v, return_lse=True, block_mask=mask),
+                             backend="eager", fullgraph=True)
+    for got, want in zip(compiled(q, k, v), pasa_attention(q, k, v, return_lse=True, block_mask=mask)):
+        assert torch.equal(got, want)
+
+
+# --- the compiled kernels on a GPU ---------------------------------------------------------------------------
+GPU_K = {("exact", "hybrid"): 2.0, ("exact", "half"): 3.0, ("pasa", "hybrid"): 2.0, ("pasa", "half"): 3.0,
+         ("none", "hybrid"): 2.0, ("none", "half"): 3.0}
+"""``test_kernel_gpu.py``'s ``K`` (3 in half: fp16 wgmma accumulators round every k-step of 16)."""
+GPU_SHAPE = (1, 8, 4, 2100, 2100, 64)  # 17 query and key blocks, ragged (52), GQA
+
+
+def _gpu_inputs(shape, gen, dtype=torch.float16):
+    return tuple(t.cuda() for t in _inputs(shape, "drift", gen, dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shift,precision", VARIANTS, ids=VARIANT_IDS)
+@pytest.mark.parametrize("mask_kind", ["per-head", "key-heads"])
+def test_gpu_kernel_with_mask_within_its_reference_bound(shift, precision, mask_kind, gen):
+    q, k, v = _gpu_inputs(GPU_SHAPE, gen)
+    mask = _mask(GPU_SHAPE, mask_kind, gen)
+    mask = BlockSparseMask.from_dense(mask.dense_blocks().cuda(), mask.q_len, mask.kv_len)
+    out, lse = pasa_attention(q, k, v, shift=shift, precision=precision, return_lse=True, block_mask=mask)
+    ref, ref_lse = _reference(q, k, v, shift, precision, mask)
+    gold, gold_lse = R.golden_attention(q, k, v, return_lse=True, block_mask=mask)
+    empty = _empty_rows(mask, q.shape[0], q.shape[1])
+    assert torch.equal(out[empty], torch.zeros_like(out[empty])) and torch.isneginf(lse[empty]).all()
+    kept = ~empty
+    err, err_ref = numerics.rel_rmse(out[kept], gold[kept]), numerics.rel_rmse(ref[kept], gold[kept])
+    assert torch.isfinite(out).all() and err <= GPU_K[shift, precision] * err_ref + TINY
+    floor = 2 * EPS32 * gold_lse[kept].pow(2).mean().sqrt().item()
+    assert _err_lse(lse[kept], gold_lse[kept]) <= GPU_K[shift, precision] * _err_lse(ref_lse[kept],
+                                                                                     gold_lse[kept]) + floor
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shift,precision", VARIANTS + EIGHT_BIT, ids=VARIANT_IDS + ["int8", "fp8"])
+def test_gpu_all_kept_mask_gives_the_dense_bits(shift, precision, gen):
+    """The portable kernels' walk over every kept block is the dense loop (the same tuned config: ``SPARSE`` is
+    not in the tuning key); the op runs a mask that keeps every block as no mask at all."""
+    q, k, v = _gpu_inputs(GPU_SHAPE, gen)
+    full = BlockSparseMask.full(GPU_SHAPE[3], GPU_SHAPE[4], device="cuda")
+    kernel = "portable" if precision in ("hybrid", "half") else "portable-int8"
+    dense = _kernel(q, k, v, Variant(shift, precision), kernel=kernel)
+    masked = _kernel(q, k, v, Variant(shift, precision), kernel=kernel, block_mask=full)
+    assert torch.equal(dense[0], masked[0]) and torch.equal(dense[1], masked[1])
+    assert full.keeps_all and torch.equal(pasa_attention(q, k, v, shift=shift, precision=precision),
+                                          pasa_attention(q, k, v, shift=shift, precision=precision, block_mask=full))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["hybrid", "int8"])
+def test_gpu_skipped_blocks_give_the_kept_keys_alone(precision, gen):
+    n_k = 4 * SHIFT_BLOCK + 44
+    q, k, v = _gpu_inputs((1, 8, 4, 128, n_k, 64), gen)
+    mask = BlockSparseMask.from_dense(torch.tensor([[True, False, True, False, True]], device="cuda"), 128, n_k)
+    idx = torch.cat([torch.arange(0, 128), torch.arange(256, 384), torch.arange(512, n_k)]).cuda()
+    masked = pasa_attention(q, k, v, precision=precision, block_mask=mask)
+    assert torch.equal(masked, pasa_attention(q, k[:, :, idx], v[:, :, idx], precision=precision))
+
+
+GPU_INT8_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+"""A config of the 8-bit kernel's pool, so that the spec runs the same key tiles (``test_int8.py``'s)."""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pv_bits", [16, 8])
+def test_gpu_eight_bit_kernel_with_a_mask_is_the_masked_spec(pv_bits, gen):
+    q, k, v = (t.cuda() for t in _mixed_blocks(gen, n_q=1000, n_k=2100))
+    n_q, n_k = math.ceil(1000 / 128), math.ceil(2100 / 128)
+    dense = torch.rand(1, 2, n_q, n_k, generator=gen) < 0.4
+    dense[..., 2, :] = False
+    mask = BlockSparseMask.from_dense(dense, 1000, 2100)
+    variant = Variant("exact", "int8" if pv_bits == 16 else "fp8")
+    assert dispatch.plan(q, k, v, torch.empty_like(q), variant=variant,
+                         block_mask=_checked_on(mask, "cuda")).kernel == "portable-int8"
+    out, lse = _kernel(q, k, v, variant, config=GPU_INT8_CONFIG, block_mask=_checked_on(mask, "cuda"))
+    spec, spec_lse = r8.int8_reference(q.cpu(), k.cpu(), v.cpu(), pv_bits=pv_bits, block_n=GPU_INT8_CONFIG["BLOCK_N"],
+                                       return_lse=True, block_mask=mask)
+    empty = _empty_rows(mask, 1, 2)
+    out, lse = out.cpu(), lse.cpu()
+    assert torch.equal(out[empty], torch.zeros_like(out[empty])) and torch.isneginf(lse[empty]).all()
+    assert torch.isfinite(out).all() and numerics.rel_rmse(out, spec) <= 2.0 ** -10
+    tol = _lse_tolerance(q.cpu(), k.cpu(), q.shape[-1] ** -0.5)
+    assert ((lse[~empty].double() - spec_lse[~empty].double()).abs() <= tol[~empty]).all()
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay_with_a_mask(gen):
+    """The mask is read on the device (no host sync): a captured call replays with new inputs."""
+    static = list(_gpu_inputs((1, 8, 4, 1000, 1000, 64), gen))
+    mask = _mask((1, 8, 4, 1000, 1000, 64), "per-head", gen)
+    mask = BlockSparseMask.from_dense(mask.dense_blocks().cuda(), 1000, 1000)
+
+    def attend():
+        return pasa_attention(*static, block_mask=mask)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (autotuning) outside the capture
+        for _ in range(2):
+            attend()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = attend()
+    fresh = _gpu_inputs((1, 8, 4, 1000, 1000, 64), gen)
+    for dst, src in zip(static, fresh):
+        dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, pasa_attention(*fresh, block_mask=mask))
