@@ -68,7 +68,7 @@ VARIANTS = list(K_BOUND)
 SHAPES = {
     "one-block": (1, 2, 2, 64, 64, 64),
     "nk<block_n,nq!=nk": (1, 2, 2, 7, 100, 32),
-    "one-row,tail2,d16": (2, 1, 1, 1, 130, 16),
+    "one-row,tail2,d16": (2, 4, 4, 1, 130, 16),
     "gqa,d80-padded": (1, 4, 2, 100, 130, 80),
     "3-kv-blocks,2-q-blocks,tail1": (1, 2, 1, 130, 257, 64),
     "one-key": (1, 1, 1, 33, 1, 64),
