@@ -34,20 +34,21 @@ class Backend:
     cuda_only: bool = False
 
 
+def _pasa(name: str, summary: str, variant: Variant) -> Backend:
+    """A ``PASAAttnProcessor`` backend that fixes ``variant``: its options are the variant's shift and precision."""
+    return Backend(name, "PASAAttnProcessor", summary, variant,
+                   {"precision": variant.precision, "shift": variant.shift})
+
+
 _ALL = (
     Backend("pasa", "PASAAttnProcessor", "the exact shift, fp32 softmax state (the default)", DEFAULT),
-    Backend("pasa-half", "PASAAttnProcessor", "the exact shift, fp16 scores and accumulator",
-            Variant("exact", "half"), {"precision": "half", "shift": "exact"}),
-    Backend("pasa-int8", "PASAAttnProcessor", "the exact shift in 8 bits: INT8 q k^T on centred, rotated codes, "
-            "16-bit P V; one key block in 16 bits",
-            Variant("exact", "int8"), {"precision": "int8", "shift": "exact"}),
-    Backend("pasa-fp8", "PASAAttnProcessor", "the exact shift in 8 bits with FP8 e4m3 P V: INT8 q k^T on centred, "
-            "rotated codes, FP8 P and V; one key block in 16 bits",
-            Variant("exact", "fp8"), {"precision": "fp8", "shift": "exact"}),
-    Backend("pasa-paper", "PASAAttnProcessor", "the paper's fully-FP16 PASA",
-            Variant("pasa", "half"), {"precision": "half", "shift": "pasa"}),
-    Backend("pasa-paper-hybrid", "PASAAttnProcessor", "the paper's shift, fp32 softmax state",
-            Variant("pasa", "hybrid"), {"precision": "hybrid", "shift": "pasa"}),
+    _pasa("pasa-half", "the exact shift, fp16 scores and accumulator", Variant("exact", "half")),
+    _pasa("pasa-int8", "the exact shift in 8 bits: INT8 q k^T on centred, rotated codes, 16-bit P V; one key block "
+          "in 16 bits", Variant("exact", "int8")),
+    _pasa("pasa-fp8", "the exact shift in 8 bits with FP8 e4m3 P V: INT8 q k^T on centred, rotated codes, FP8 P and "
+          "V; one key block in 16 bits", Variant("exact", "fp8")),
+    _pasa("pasa-paper", "the paper's fully-FP16 PASA", Variant("pasa", "half")),
+    _pasa("pasa-paper-hybrid", "the paper's shift, fp32 softmax state", Variant("pasa", "hybrid")),
     Backend("naive-half", "NaiveHalfAttnProcessor", "plain fully-FP16 FlashAttention: the control that overflows",
             Variant("none", "half")),
     Backend("sdpa", "SDPAAttnProcessor", "SDPA in the model's dtype, as diffusers' AttnProcessor2_0"),
