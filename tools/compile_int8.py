@@ -164,16 +164,19 @@ def mma_report(ptx: str) -> dict:
             "rne_adds": magic.count("add.f32"), "rne_fused": len(magic) - magic.count("add.f32")}
 
 
-def compile_one(case: dict) -> dict:
+def compile_launched(case: dict, launch) -> dict:
+    """``case``'s row: ``launch(case)`` gives ``(kernel, args, meta, options)`` on meta tensors; the kernel compiled
+    for sm_90 (Gluon where ``case["kernel"]`` says so) and reported (shared memory, PTX locals, MMAs, ptxas and the
+    cubin's SASS), or the compiler's error, which is a result here."""
     from pasa_diffusers.compat import compile_for_cuda, specialization
 
     from .compile_sm90 import cubin_report, ptxas_report
 
     row, t0 = dict(case), time.time()
     try:
-        fn, args, meta, options = _launch(case)
+        fn, args, meta, options = launch(case)
         signature, constexprs, attrs = specialization(fn, args, meta)
-        kern = compile_for_cuda(fn, signature, constexprs, attrs, options, gluon=case["kernel"] == "gluon")
+        kern = compile_for_cuda(fn, signature, constexprs, attrs, options, gluon=case.get("kernel") == "gluon")
         ptx = kern.asm["ptx"]
         row.update(ok=True, smem=kern.metadata.shared, threads=32 * kern.metadata.num_warps,
                    ptx_local=len(re.findall(r"\b(?:st|ld)\.local", ptx)), **mma_report(ptx), **ptxas_report(ptx),
@@ -183,6 +186,10 @@ def compile_one(case: dict) -> dict:
         row.update(ok=False, error=(type(e).__name__ + ": " + " / ".join(lines[-3:]))[:400])
     row["seconds"] = round(time.time() - t0, 1)
     return row
+
+
+def compile_one(case: dict) -> dict:
+    return compile_launched(case, _launch)
 
 
 def probe() -> dict:

@@ -18,12 +18,9 @@ memory, threads, and the key loop in the SASS (tools.compile_sm90.key_loop).
 """
 from __future__ import annotations
 
-import re
-import sys
-import time
 from collections.abc import Sequence
 
-from .compile_int8 import mma_report
+from .compile_int8 import compile_launched, probe
 from .compile_sm90 import loop_text, run_tool, spilled
 
 NAME = "compile_portable"
@@ -82,7 +79,7 @@ def cases() -> list[dict]:
 # ---- the child's side: one compile, no GPU --------------------------------------------------------
 
 def _launch(case: dict):
-    """``(args, meta, options)`` of one case, built by ``portable.kernel_call``."""
+    """``(kernel, args, meta, options)`` of one case, built by ``portable.kernel_call``."""
     import torch
 
     from pasa_diffusers.block_sparse import BlockSparseMask
@@ -119,35 +116,11 @@ def _launch(case: dict):
     meta["BLOCK_M"] = block_m
     if tiled:
         meta["BLOCK_N"] = block_n
-    return args, meta, {"num_warps": warps, "num_stages": stages}
+    return portable.pasa_fwd_kernel, args, meta, {"num_warps": warps, "num_stages": stages}
 
 
 def compile_one(case: dict) -> dict:
-    from pasa_diffusers.compat import compile_for_cuda, specialization
-    from pasa_diffusers.kernels import portable
-
-    from .compile_sm90 import cubin_report, ptxas_report
-
-    row, t0 = dict(case), time.time()
-    try:
-        args, meta, options = _launch(case)
-        signature, constexprs, attrs = specialization(portable.pasa_fwd_kernel, args, meta)
-        kern = compile_for_cuda(portable.pasa_fwd_kernel, signature, constexprs, attrs, options)
-        ptx = kern.asm["ptx"]
-        row.update(ok=True, smem=kern.metadata.shared, threads=32 * kern.metadata.num_warps,
-                   ptx_local=len(re.findall(r"\b(?:st|ld)\.local", ptx)), **mma_report(ptx), **ptxas_report(ptx),
-                   **cubin_report(kern.asm["cubin"]))
-    except Exception as e:  # noqa: BLE001 - a compiler failure is a result here
-        lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
-        row.update(ok=False, error=(type(e).__name__ + ": " + " / ".join(lines[-3:]))[:400])
-    row["seconds"] = round(time.time() - t0, 1)
-    return row
-
-
-def probe() -> dict:
-    import triton
-
-    return {"triton": triton.__version__, "python": sys.executable}
+    return compile_launched(case, _launch)
 
 
 # ---- the parent's side ----------------------------------------------------------------------------
