@@ -44,6 +44,7 @@ from pasa_diffusers.kernels.common import INTERPRET  # noqa: E402
 from pasa_diffusers.rules import SHIFT_BLOCK  # noqa: E402
 from pasa_diffusers.variants import Variant  # noqa: E402
 from pasa_diffusers.video_masks import VideoTokens, radial_mask, tile_order, tile_window_mask  # noqa: E402
+from tests.cuda_graphs import replay_on  # noqa: E402
 from tests.test_int8 import _lse_tolerance  # noqa: E402
 from tests.test_kernel_interpret import K_BOUND as INTERPRET_K  # noqa: E402
 
@@ -493,18 +494,6 @@ def test_gpu_cuda_graph_replay_with_a_mask(gen):
     def attend():
         return pasa_attention(*static, block_mask=mask)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up (autotuning) outside the capture
-        for _ in range(2):
-            attend()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = attend()
     fresh = _gpu_inputs((1, 8, 4, 1000, 1000, 64), gen)
-    for dst, src in zip(static, fresh):
-        dst.copy_(src)
-    graph.replay()
-    torch.cuda.synchronize()
+    captured = replay_on(attend, static, fresh)
     assert torch.equal(captured, pasa_attention(*fresh, block_mask=mask))

@@ -45,6 +45,7 @@ from pasa_diffusers.rules import SHIFT_BLOCK
 from pasa_diffusers.variants import Variant
 from pasa_diffusers.reference import (DEFAULT_BETA, exact_shift_reference, flash_reference, golden_attention,
                                       pasa_reference)
+from tests.cuda_graphs import replay_on
 
 pytestmark = pytest.mark.gpu
 
@@ -363,21 +364,8 @@ def test_cuda_graph_replay_matches_eager(precision, gen):
     def attend():
         return pasa_attention(*static, precision=precision, layout="bnhd")
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up (autotuning) outside the capture
-        for _ in range(2):
-            attend()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = attend()
-
     fresh = _bnhd(*_biased_inputs((2, 10, 10, 2304, 2304, 64), gen))
-    for dst, src in zip(static, fresh):
-        dst.copy_(src)
-    graph.replay()
-    torch.cuda.synchronize()
+    captured = replay_on(attend, static, fresh)
     assert torch.equal(captured, pasa_attention(*fresh, precision=precision, layout="bnhd"))
 
 
