@@ -19,11 +19,13 @@ __all__ = ["Backend", "BACKENDS", "REFERENCE", "COMPARED", "DEFAULT_COMPARED", "
 
 @dataclass(frozen=True)
 class Backend:
-    """One attention backend: ``processor`` is a class name of ``pasa_diffusers.processors``, built with
-    ``options`` (the constructor arguments the name fixes; ``"pasa"`` fixes none, so ``apply``'s options
-    may change its defaults); ``variant`` is the op's as the name runs it, or ``None``; ``requires`` the
+    """One attention backend: ``processor`` is a class name of ``pasa_diffusers.processors`` (or of
+    ``sparse_processor``), built with ``options`` (the constructor arguments the name fixes; ``"pasa"`` fixes
+    none, so ``apply``'s options may change its defaults); ``variant`` is the op's as the name runs it, or ``None``; ``requires`` the
     optional ``(module, package)`` a peer imports; ``cuda_only``: the backend has no CPU implementation
-    (torch's SDPA cuDNN and memory-efficient kernels, FlashAttention-3, SageAttention)."""
+    (torch's SDPA cuDNN and memory-efficient kernels, FlashAttention-3, SageAttention); ``needs_kind``: the module
+    kind (``install.module_kind``) the backend exists for, which ``install.apply`` must find among the modules it
+    selects (the sparse backends: a video transformer's self-attention)."""
 
     name: str
     processor: str
@@ -32,12 +34,19 @@ class Backend:
     options: dict[str, Any] = field(default_factory=dict)
     requires: tuple[str, str] | None = None
     cuda_only: bool = False
+    needs_kind: str | None = None
 
 
 def _pasa(name: str, summary: str, variant: Variant) -> Backend:
     """A ``PASAAttnProcessor`` backend that fixes ``variant``: its options are the variant's shift and precision."""
     return Backend(name, "PASAAttnProcessor", summary, variant,
                    {"precision": variant.precision, "shift": variant.shift})
+
+
+def _sparse(name: str, summary: str, variant: Variant) -> Backend:
+    """A ``SparsePASAAttnProcessor`` backend that fixes ``variant``, for a video transformer's self-attention."""
+    return Backend(name, "SparsePASAAttnProcessor", summary, variant,
+                   {"precision": variant.precision, "shift": variant.shift}, needs_kind="video-self")
 
 
 _ALL = (
@@ -47,6 +56,10 @@ _ALL = (
           "in 16 bits", Variant("exact", "int8")),
     _pasa("pasa-fp8", "the exact shift in 8 bits with FP8 e4m3 P V: INT8 q k^T on centred, rotated codes, FP8 P and "
           "V; one key block in 16 bits", Variant("exact", "fp8")),
+    _sparse("pasa-sparse", "the default with a block-sparse mask on a video transformer's self-attention (radial by "
+            "default; dense for the first steps and layers)", DEFAULT),
+    _sparse("pasa-fp8-sparse", "pasa-fp8 with a block-sparse mask on a video transformer's self-attention",
+            Variant("exact", "fp8")),
     _pasa("pasa-paper", "the paper's fully-FP16 PASA", Variant("pasa", "half")),
     _pasa("pasa-paper-hybrid", "the paper's shift, fp32 softmax state", Variant("pasa", "hybrid")),
     Backend("naive-half", "NaiveHalfAttnProcessor", "plain fully-FP16 FlashAttention: the control that overflows",

@@ -24,7 +24,7 @@ from diffusers import DiffusionPipeline
 from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
 
 from .attention_modules import attention_processors, set_processors
-from . import backends, compat, processors, rules
+from . import backends, compat, processors, rules, sparse_processor
 from .processors import CountedAttnProcessor, PASAAttnProcessor
 from .routing import RoutedAttnProcessor, routable_reason, routed
 
@@ -119,7 +119,8 @@ def _model_dtype(model: torch.nn.Module) -> torch.dtype:
 
 
 def _processor_class(entry: backends.Backend) -> type[CountedAttnProcessor]:
-    return getattr(processors, entry.processor)
+    home = sparse_processor if entry.processor in sparse_processor.__all__ else processors
+    return getattr(home, entry.processor)
 
 
 def _checked_arguments(backend: str, options: dict[str, Any]) -> tuple[dict[str, Any], tuple[torch.dtype, ...] | None]:
@@ -278,6 +279,7 @@ def apply(
     selected = {"spatial": spatial, "temporal": temporal, "video": video}
     counts = dict.fromkeys(KINDS, 0)
     installed = 0
+    installed_kinds: set[str] = set()
     classes: dict[str, set[str]] = {kind: set() for kind in KINDS}
     model_dtypes: set[str] = set()
     attention_dtypes: set[str] = set()
@@ -295,11 +297,13 @@ def apply(
                 counted = cls(**arguments)
                 counted.name = prefix + key.removesuffix(".processor")
                 counted.backend = backend
+                counted.kind = kind
                 _check_head_dim(counted, model.get_submodule(key.removesuffix(".processor")), dtype)
                 model_dtypes.add(_dtype_name(dtype))
                 attention_dtypes.add(_dtype_name(counted.attention_dtype(dtype)))
                 processors[key] = compat.carry_parallel_config(processors[key], replacement(stock[key], counted))
                 installed += 1
+                installed_kinds.add(kind)
             classes[kind].add(_label(processors[key]))
         plans.append((model, processors))
     if installed == 0:
@@ -308,6 +312,10 @@ def apply(
             f"vae={vae}); "
             f"module counts {counts}"
         )
+    needs = backends.BACKENDS[backend].needs_kind
+    if needs is not None and needs not in installed_kinds:
+        raise ValueError(f"apply: backend={backend!r} runs on a video transformer's self-attention (module kind "
+                         f"{needs!r}), and the modules selected have none; module counts {counts}")
     for model, processors in plans:
         if not hasattr(model, _SAVED_ATTR):
             setattr(model, _SAVED_ATTR, attention_processors(model))

@@ -107,6 +107,8 @@ class CountedAttnProcessor:
         fallbacks: number of fallback calls per reason, in eager mode.
         name: module path, set by ``apply``; used in the fallback warning and in errors.
         backend: the ``backends.BACKENDS`` name it was installed as, set by ``apply`` (``None`` otherwise).
+        kind: the module kind it serves (``install.module_kind``: ``"video-self"``, ``"spatial-cross"``, ...),
+            set by ``apply`` (``None`` otherwise).
         fallback_cases: the reasons of ``fallbacks.PROCESSOR_REASONS`` this processor computes by its
             ``fallback`` (none: SDPA takes every call, masks included).
     """
@@ -119,6 +121,7 @@ class CountedAttnProcessor:
         self.fallbacks: dict[str, int] = {}
         self.name: str | None = None
         self.backend: str | None = None
+        self.kind: str | None = None
         self.fallback_cases: tuple[str, ...] = ()
 
     def attention_dtype(self, model_dtype: torch.dtype) -> torch.dtype:

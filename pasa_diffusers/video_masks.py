@@ -14,7 +14,8 @@ before or after them.  :class:`VideoTokens` describes that sequence; the masks h
   distance doubles, plus the first frame(s) as an attention sink;
 - :func:`pooled_mask`: dynamic, per query block the key blocks with the largest pooled scores up to a share of
   the estimated mass (SpargeAttn's and DraftAttention's idea; torch ops on the inputs' device);
-- :class:`SparseSchedule`: dense for the first steps and layers, sparse after.
+- :class:`SparseSchedule`: dense for the first steps and layers, sparse after;
+- :class:`MaskChoice`: one of these masks (``MASK_KINDS``) and its parameters, which builds the mask of a call.
 
 Text tokens attend densely and are attended densely (every block holding one is kept in both directions).
 The static masks are decided on each block's bounding box of (frame, row, column), so a block that straddles
@@ -23,19 +24,23 @@ tiles is kept when any of its tokens is within reach: a mask never drops a pair 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
 from .block_sparse import DEFAULT_BLOCK, BlockSparseMask
 
-__all__ = ["TEXT_FIRST", "TEXT_LAST", "VideoTokens", "TokenOrder", "tile_order", "tile_window_mask",
-           "radial_mask", "pooled_mask", "SparseSchedule"]
+__all__ = ["TEXT_FIRST", "TEXT_LAST", "MASK_KINDS", "VideoTokens", "TokenOrder", "tile_order", "tile_window_mask",
+           "radial_mask", "pooled_mask", "SparseSchedule", "MaskBuilder", "MaskChoice"]
 
 TEXT_FIRST = "first"
 """The text tokens come before the video tokens (HunyuanVideo's and CogVideoX's joint sequence)."""
 TEXT_LAST = "last"
 """The text tokens come after the video tokens."""
+MASK_KINDS = ("tile-window", "radial", "pooled")
+"""The masks a :class:`MaskChoice` builds (``pipelines.names.COVERAGE_MASKS`` says, torch-free, what each keeps)."""
 
 
 @dataclass(frozen=True)
@@ -113,10 +118,14 @@ class TokenOrder:
 
 
 def _default_tile(tokens: VideoTokens, block: int) -> tuple[int, int, int]:
-    """A tile of about ``block`` tokens: the full row width if it fits, then rows, then frames."""
-    tw = min(tokens.width, block)
-    th = min(tokens.height, max(1, block // tw))
-    tt = min(tokens.frames, max(1, block // (tw * th)))
+    """A compact tile of about ``block`` tokens: a square of side ``s`` (the largest power of two with ``s^2 <=
+    block``, cut to the frame) deep enough in frames to fill the block; e.g. (2, 8, 8) for 128.  (A tile of whole
+    rows would keep the model's own order: every real grid's rows are at least 128 tokens or tile whole frames.)"""
+    side = 1
+    while (2 * side) ** 2 <= block:
+        side *= 2
+    th, tw = min(tokens.height, side), min(tokens.width, side)
+    tt = min(tokens.frames, max(1, block // (th * tw)))
     return tt, th, tw
 
 
@@ -262,3 +271,52 @@ class SparseSchedule:
     def mask_for(self, step: int, layer: int, mask: BlockSparseMask) -> BlockSparseMask | None:
         """``mask`` where the schedule is sparse, None (dense) elsewhere."""
         return mask if self.sparse(step, layer) else None
+
+
+MaskBuilder = Callable[[torch.Tensor, torch.Tensor], BlockSparseMask]
+"""Builds the mask of one call from its q and k, (B, H, N, D) in the masks' order."""
+
+
+@dataclass(frozen=True)
+class MaskChoice:
+    """One mask: ``kind`` (one of ``MASK_KINDS``) and its parameters: ``window`` (frames, rows, columns;
+    ``tile-window``), ``spatial_window`` (``None``: the larger side of the frame) and ``sink_frames``
+    (``radial``), ``keep`` (the share of the estimated mass kept; ``pooled``)."""
+
+    kind: str
+    window: tuple[int, int, int] = (1, 3, 3)
+    spatial_window: int | None = None
+    sink_frames: int = 1
+    keep: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.kind not in MASK_KINDS:
+            raise ValueError(f"MaskChoice: unknown kind={self.kind!r}; expected one of {', '.join(MASK_KINDS)}")
+
+    @property
+    def label(self) -> str:
+        """The mask and its parameters, as the reports name it."""
+        if self.kind == "tile-window":
+            return f"tile-window (window {','.join(map(str, self.window))})"
+        if self.kind == "radial":
+            side = "the frame's larger side" if self.spatial_window is None else self.spatial_window
+            return f"radial (spatial window {side}, {self.sink_frames} sink frame(s))"
+        return f"pooled (keep {self.keep:g} of the estimated mass)"
+
+    def parameters(self) -> dict[str, Any]:
+        """The parameters that apply to this kind."""
+        names = {"tile-window": ("window",), "radial": ("spatial_window", "sink_frames"), "pooled": ("keep",)}
+        return {name: value for name, value in asdict(self).items() if name in names[self.kind]}
+
+    def builder(self, tokens: VideoTokens, order: TokenOrder | None, block: int,
+                device: torch.device | str) -> MaskBuilder:
+        """The mask of a call: a static mask built once for ``tokens`` (in ``order``) on ``device``, or the pooled
+        mask of the call's own q and k."""
+        if self.kind == "pooled":
+            return lambda q, k: pooled_mask(q, k, mass=self.keep, block_q=block, block_k=block)
+        if self.kind == "tile-window":
+            mask = tile_window_mask(tokens, self.window, order=order, block=block, device=device)
+        else:
+            mask = radial_mask(tokens, spatial_window=self.spatial_window, sink_frames=self.sink_frames, order=order,
+                               block=block, device=device)
+        return lambda q, k: mask

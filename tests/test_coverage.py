@@ -18,10 +18,10 @@ import torch
 
 from pasa_diffusers.block_sparse import BlockSparseMask
 from pasa_diffusers.mask_coverage import coverage, head_density, row_coverage
-from pasa_diffusers.pipelines.coverage import (CoverageLayoutError, MaskChoice, coverage_recording, coverage_run,
+from pasa_diffusers.pipelines.coverage import (CoverageLayoutError, coverage_recording, coverage_run,
                                                default_block, summarize_coverage)
 from pasa_diffusers.pipelines.video_dits import TEXT_TOKENS, example_inputs, tiny_transformer
-from pasa_diffusers.video_masks import VideoTokens, tile_order
+from pasa_diffusers.video_masks import MaskChoice, VideoTokens, tile_order
 
 
 # --- exact cases -----------------------------------------------------------------------------------------------

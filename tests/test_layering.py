@@ -57,6 +57,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # the library, per call
     (f"{PACKAGE}.routing",),
     (f"{PACKAGE}.sharded_attention",),
+    (f"{PACKAGE}.sparse_processor",),
     (f"{PACKAGE}.processors",),
     (f"{PACKAGE}.fallbacks", f"{PACKAGE}.peers"),
     (f"{PACKAGE}.masks",),

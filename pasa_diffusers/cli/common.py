@@ -67,6 +67,7 @@ __all__ = [
     "load_condition_image",
     "model_dtype",
     "check_key_blocks",
+    "check_sparse_model",
     "requested_sizes",
     "check_memory",
 ]
@@ -448,3 +449,17 @@ def check_key_blocks(pipe: Any, settings: dict[str, int], backends: list[str] | 
                          f"key block of {SHIFT_BLOCK}, which {', '.join(eight_bit)} computes in 16 bits (its "
                          "documented fallback): no call would run in 8 bits; generate a larger video (more than "
                          f"{SHIFT_BLOCK} tokens) or choose another backend")
+
+
+def check_sparse_model(pipe: Any, backends: list[str] | tuple[str, ...], flag: str) -> None:
+    """Refuse a sparse backend (``pasa-sparse``, ``pasa-fp8-sparse``: a mask over a video transformer's
+    self-attention) for a pipeline that is not a video transformer's, once the model is loaded and before any
+    video (``pasa compare`` would otherwise generate the reference first)."""
+    from pasa_diffusers.backends import BACKENDS
+    from pasa_diffusers.pipelines.video import is_video_pipeline
+
+    sparse = [name for name in backends if BACKENDS[name].needs_kind]
+    if sparse and not is_video_pipeline(pipe):
+        raise UsageError(f"{flag} {','.join(backends)}: {', '.join(sparse)} mask(s) a video transformer's "
+                         f"self-attention, and {type(pipe).__name__} has none (SVD's UNet); choose another backend "
+                         "or a video transformer (Wan, LTX-Video, CogVideoX, HunyuanVideo, Mochi)")

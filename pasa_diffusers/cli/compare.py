@@ -24,8 +24,9 @@ from pasa_diffusers.metrics.limits import MAX_GIF_FPS, MIN_GIF_FPS, fps_argument
 from pasa_diffusers.pipelines.names import BUILTIN_IMAGES, TINY_VIDEO_SETTINGS
 
 from .common import (FILE, MAX_SEED, MODEL, SCORED_MIN_SIZE, UsageError, add_generation_args, backend_help,
-                     check_device, check_file, check_image, check_key_blocks, check_memory, check_model, int_range,
-                     load_model, model_dtype, model_help, path_kind)
+                     check_device, check_file, check_image, check_key_blocks, check_memory, check_model,
+                     check_sparse_model, int_range, load_model, model_dtype, model_help, path_kind)
+from .sparse import add_sparse_args, sparse_options
 
 __all__ = ["add_parser", "validate", "check_out", "check_not_in_use", "run", "seed_list", "image_list", "backend_list"]
 
@@ -170,6 +171,7 @@ def validate(args: argparse.Namespace) -> None:
                         if isinstance(value, _Unset) and args.model in TINY_VIDEO_SETTINGS else int(value)
                         for name, value in (("num_frames", args.frames), ("height", args.height),
                                             ("width", args.width))}, compare=True)
+    args.sparse_options = sparse_options(args, args.backends, "--backends")
     check_out(args.out)
     check_not_in_use(args.out)
 
@@ -189,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
             model=args.model, images=tuple(args.images), seeds=tuple(args.seeds), backends=tuple(args.backends),
             num_inference_steps=args.steps, **sizes,
             dtype=model_dtype(dist.device, args.dtype) if args.dtype else None, lpips_weights=args.lpips_weights,
-            local_files_only=args.local_files_only, fps=args.fps, worst=args.worst)
+            local_files_only=args.local_files_only, fps=args.fps, worst=args.worst, sparse=args.sparse_options)
 
         def load(device: str, dtype: object) -> object:
             from pasa_diffusers.pipelines.video import default_settings, is_video_pipeline
@@ -198,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
             own = default_settings(pipe) if is_video_pipeline(pipe) else {}
             check_key_blocks(pipe, {name: own[name] if value is None else value for name, value in sizes.items()},
                              args.backends, "--backends")
+            check_sparse_model(pipe, args.backends, "--backends")
             return pipe
 
         try:
@@ -245,4 +248,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    f"[{MIN_GIF_FPS:.6g}, {MAX_GIF_FPS:g}] (a GIF frame lasts 0.01 to 655.35 s; default 7)")
     p.add_argument("--worst", type=int_range(0), default=2,
                    help="worst samples listed per backend, with their side-by-side GIFs (default 2)")
+    add_sparse_args(p)
     p.set_defaults(func=run)

@@ -83,7 +83,7 @@ def validate(args: argparse.Namespace) -> None:
 
 
 def _choices(args: argparse.Namespace) -> list:
-    from pasa_diffusers.pipelines.coverage import MaskChoice
+    from pasa_diffusers.video_masks import MaskChoice
 
     given = {"window": args.window, "spatial_window": args.spatial_window, "sink_frames": args.sink_frames,
              "keep": args.keep}
@@ -92,9 +92,8 @@ def _choices(args: argparse.Namespace) -> list:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pasa_diffusers.pipelines.coverage import (CoverageLayoutError, coverage_run, self_attention_tokens,
-                                                   summary_lines, write_coverage)
-    from pasa_diffusers.pipelines.video import is_video_pipeline
+    from pasa_diffusers.pipelines.coverage import CoverageLayoutError, coverage_run, summary_lines, write_coverage
+    from pasa_diffusers.pipelines.video import is_video_pipeline, self_attention_tokens
 
     pipe = load_model(args, video=True)
     if not is_video_pipeline(pipe):

@@ -11,8 +11,10 @@ from pasa_diffusers.metrics.limits import (MAX_GIF_FPS, MIN_GIF_FPS, VIDEO_FORMA
                                            file_target_problem, formats_problem, video_targets_problem)
 
 from ..backends import BACKENDS, missing
-from .common import (UsageError, add_generation_args, backend_help, check_key_blocks, conditioning_notice,
-                     generation_settings, load_condition_image, load_model, validate_generation_args)
+from .common import (UsageError, add_generation_args, backend_help, check_key_blocks, check_sparse_model,
+                     conditioning_notice, generation_settings, load_condition_image, load_model,
+                     validate_generation_args)
+from .sparse import add_sparse_args, sparse_options
 
 __all__ = ["add_parser", "validate", "lock_out", "run"]
 
@@ -53,6 +55,7 @@ def validate(args: argparse.Namespace) -> None:
     if problem is not None:
         raise UsageError(f"--formats {','.join(args.formats)}: {problem}")
     validate_generation_args(args)
+    args.sparse_options = sparse_options(args, [args.attention], "--attention")
     problem = (video_targets_problem(args.out, args.attention, args.formats)  # a folder where pasa.gif goes, ...
                or file_target_problem(_summary_path(args), "the run's summary"))
     if problem is not None:
@@ -102,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from pasa_diffusers import metrics
+    from pasa_diffusers.pipelines.sparse import sparse_line, sparse_summary
     from pasa_diffusers.pipelines.video import generate_frames, is_video_pipeline
 
     from .. import install
@@ -109,8 +113,9 @@ def _generate(args: argparse.Namespace) -> int:
     pipe = load_model(args, video=True)
     settings = generation_settings(args, pipe)
     check_key_blocks(pipe, settings, [args.attention], "--attention")
+    check_sparse_model(pipe, [args.attention], "--attention")
     try:
-        summary = install.apply(pipe, args.attention)
+        summary = install.apply(pipe, args.attention, **args.sparse_options)
     except ValueError as exc:  # the backend cannot run this model's attention (e.g. its head dims)
         raise UsageError(f"--attention {args.attention}: {exc}") from exc
     image = None if is_video_pipeline(pipe) else load_condition_image(args, settings)
@@ -122,6 +127,7 @@ def _generate(args: argparse.Namespace) -> int:
         fallbacks = install.fallback_summary(pipe, strict=True)
     except install.AllCallsFellBackError as exc:
         raise UsageError(f"--attention {args.attention}: {exc}") from exc
+    sparse = sparse_summary(pipe)
     try:
         written = metrics.write_video(frames, args.out, args.attention, fps=args.fps, formats=args.formats)
         nonfinite, first = _nonfinite(frames)
@@ -129,7 +135,8 @@ def _generate(args: argparse.Namespace) -> int:
             "backend": args.attention, "model": args.model, "device": args.device, "settings": settings,
             "installed": summary["counts"], "processors": summary["processors"],
             "attention_dtype": summary["attention_dtype"], "calls": fallbacks["calls"],
-            "fallbacks": fallbacks["fallbacks"], "nonfinite_frames": nonfinite, "first_nonfinite": first,
+            "fallbacks": fallbacks["fallbacks"], "sparse": sparse, "nonfinite_frames": nonfinite,
+            "first_nonfinite": first,
             "files": {kind: str(path) for kind, path in written.items()}})
     except OSError as exc:  # a full disk, a folder made read-only meanwhile: no partial file is left (write_video)
         advice = ("free space or choose another --out" if exc.errno in _NO_SPACE
@@ -137,6 +144,8 @@ def _generate(args: argparse.Namespace) -> int:
         raise UsageError(f"--out {args.out}: cannot write the video ({exc.strerror or exc}); the frames were made "
                          f"but not saved: {advice}, and run again") from exc
     print(_attention_line(args.attention, summary, fallbacks))
+    if sparse is not None:
+        print(sparse_line(sparse))
     print(_finite_note(nonfinite, first))
     for kind, path in written.items():
         print(f"wrote {kind}: {path}")
@@ -160,4 +169,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--formats", type=formats_argument, default=",".join(VIDEO_FORMATS), metavar="LIST",
                    help=f"what to write, a comma-separated subset of {','.join(VIDEO_FORMATS)} (default "
                         f"{','.join(VIDEO_FORMATS)}; mp4 needs the imageio-ffmpeg package)")
+    add_sparse_args(p)
     p.set_defaults(func=run)

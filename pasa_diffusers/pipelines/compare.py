@@ -45,7 +45,7 @@ import PIL.Image
 import torch
 
 from pasa_diffusers import install, metrics
-from pasa_diffusers.backends import COMPARED, DEFAULT_COMPARED, REFERENCE
+from pasa_diffusers.backends import BACKENDS, COMPARED, DEFAULT_COMPARED, REFERENCE
 from pasa_diffusers.kernels import block_tally
 from pasa_diffusers.metrics import records
 from pasa_diffusers.metrics.report import worst_key, worst_records
@@ -55,6 +55,7 @@ from .distributed import Dist
 from .names import BUILTIN_MODELS, BUILTIN_VIDEO_MODELS, TINY_VIDEO_PIPELINES, TINY_VIDEO_SETTINGS
 from .resonant import PLANTED_LAYERS
 from .samples import Sample, image_identity, make_samples, prompt_spec
+from .sparse import sparse_summary
 from .svd import load_image
 
 __all__ = ["VideoRun", "CompareConfig", "Conditioning", "MODEL_NOTES", "RunInterrupted", "SettingError", "WriteError",
@@ -176,8 +177,8 @@ class VideoRun:
 
 
 def _generate(pipe: Any, backend: str, image: PIL.Image.Image | None, latents: torch.Tensor,
-              settings: dict[str, int], seed: int) -> VideoRun:
-    summary = install.apply(pipe, backend)
+              settings: dict[str, int], seed: int, sparse: dict[str, Any]) -> VideoRun:
+    summary = install.apply(pipe, backend, **(sparse if BACKENDS[backend].needs_kind else {}))
     try:
         block_tally.reset()
         start = time.perf_counter()
@@ -185,29 +186,32 @@ def _generate(pipe: Any, backend: str, image: PIL.Image.Image | None, latents: t
         seconds = time.perf_counter() - start
         fallbacks = install.fallback_summary(pipe, strict=True)
         blocks = block_tally.counts()
+        masked = sparse_summary(pipe)
     finally:
         install.restore(pipe)
     int8_blocks = {"blocks": blocks["blocks"], "in_16_bits": blocks["in_16_bits"]}
     return VideoRun(backend, frames, seconds, records.json_safe({"installed": summary, "fallbacks": fallbacks,
-                                                                 "int8_blocks": int8_blocks}))
+                                                                 "int8_blocks": int8_blocks, "sparse": masked}))
 
 
 def compare_sample(pipe: Any, image: PIL.Image.Image | None, *, seed: int, backends: Sequence[str], num_frames: int,
-                   num_inference_steps: int, height: int, width: int) -> Iterator[VideoRun]:
+                   num_inference_steps: int, height: int, width: int,
+                   sparse: dict[str, Any] | None = None) -> Iterator[VideoRun]:
     """The reference's video (``backends.REFERENCE``), then each backend's, of one sample (generated lazily,
     in that order).
 
     ``image`` is the PIL image an SVD pipeline animates, ``None`` for a video transformer's pipeline (its
     fixed prompt embeddings condition every video); every video starts from the same initial noise, the
     pipeline's ``make_latents(pipe, seed=seed, ...)``.  A backend whose targeted attention calls all fell back
-    raises ``install.AllCallsFellBackError``.
+    raises ``install.AllCallsFellBackError``.  ``sparse``: the options of the sparse backends' processors (the
+    mask, its parameters, the schedule: ``SparsePASAAttnProcessor``'s arguments; the other backends take none).
     """
     settings = {"num_frames": num_frames, "num_inference_steps": num_inference_steps, "height": height,
                 "width": width}
     make_latents = video.make_latents if video.is_video_pipeline(pipe) else svd.make_latents
     latents = make_latents(pipe, num_frames=num_frames, height=height, width=width, seed=seed)
     for backend in (REFERENCE, *backends):
-        yield _generate(pipe, backend, image, latents, settings, seed)
+        yield _generate(pipe, backend, image, latents, settings, seed, dict(sparse or {}))
 
 
 def _video_mean(per_frame: list[Any]) -> float:
@@ -237,6 +241,7 @@ def sample_record(sample: Sample, run: VideoRun, scores: dict[str, Any], *, rank
         "ssim_per_frame": scores["ssim"]["per_frame"],
         "fallbacks": {"calls": fallbacks["calls"], "fallback_calls": fallbacks["fallback_calls"],
                       "reasons": fallbacks["fallbacks"], "int8_blocks": run.processors["int8_blocks"]},
+        "sparse": run.processors["sparse"],
         "seconds": run.seconds,
         "rank": rank,
     })
@@ -311,7 +316,8 @@ class CompareConfig:
     transformer's samples are its fixed prompt x ``seeds``: ``conditioning``).  ``num_frames``, ``height``,
     ``width`` None: the model's own, which only a built-in video model has here (``names.TINY_VIDEO_SETTINGS``).
     ``dtype`` None is float16 on CUDA, float32 on the CPU.  ``fps`` is the frame rate of the side-by-side
-    GIFs; ``worst`` how many worst samples per backend the report lists (with their GIFs).
+    GIFs; ``worst`` how many worst samples per backend the report lists (with their GIFs).  ``sparse``: the
+    sparse backends' options (``compare_sample``).
     """
 
     model: str = "tiny-resonant"
@@ -327,6 +333,7 @@ class CompareConfig:
     local_files_only: bool = False
     fps: float = 7.0
     worst: int = 2
+    sparse: dict[str, Any] = field(default_factory=dict)
 
 
 def _with_sizes(config: CompareConfig, cond: Conditioning) -> CompareConfig:
@@ -361,6 +368,8 @@ def _run_identity(config: CompareConfig, cond: Conditioning, device: str, dtype:
         "attention_cast": {b: install.cast_dtype(b, dtype) or "none" for b in config.backends},
         "fps": config.fps, "lpips": lpips_note, "versions": records.versions(),
     }
+    if any(BACKENDS[b].needs_kind for b in config.backends):
+        identity["sparse"] = dict(config.sparse)
     if torch.device(device).type == "cpu":
         identity["cpu_threads"] = torch.get_num_threads()
     return records.json_safe(identity)
@@ -441,7 +450,7 @@ def _run_shard(pipe: Any, config: CompareConfig, cond: Conditioning, work: list[
             runs = compare_sample(pipe, cond.image(sample.image, config.width, config.height), seed=sample.seed,
                                   backends=names, num_frames=config.num_frames,
                                   num_inference_steps=config.num_inference_steps, height=config.height,
-                                  width=config.width)
+                                  width=config.width, sparse=config.sparse)
             reference = next(runs)
             for run in runs:
                 scores = metrics.score_video(reference.frames, run.frames, lpips_scorer=scorer,
@@ -476,7 +485,8 @@ def _rebuild_videos(pipe: Any, config: CompareConfig, cond: Conditioning, sample
             continue
         runs = compare_sample(pipe, cond.image(sample.image, config.width, config.height), seed=sample.seed,
                               backends=names, num_frames=config.num_frames,
-                              num_inference_steps=config.num_inference_steps, height=config.height, width=config.width)
+                              num_inference_steps=config.num_inference_steps, height=config.height, width=config.width,
+                              sparse=config.sparse)
         reference = next(runs)
         for run in runs:
             record = next(r for r in missing if runlog.record_key(r) == (sample.image, sample.seed, run.backend))

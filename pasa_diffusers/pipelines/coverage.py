@@ -22,89 +22,33 @@ every call; ``write_coverage`` writes ``coverage.json``, ``coverage.md`` and one
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from pasa_diffusers.block_sparse import DEFAULT_BLOCK, BlockSparseMask
+from pasa_diffusers.block_sparse import DEFAULT_BLOCK
 from pasa_diffusers.diagnose import StepClock, recording
 from pasa_diffusers.install import attention_processors, module_kind
 from pasa_diffusers.mask_coverage import head_density, plot_coverage, row_coverage
 from pasa_diffusers.metrics.records import versions
-from pasa_diffusers.video_masks import (TokenOrder, VideoTokens, pooled_mask, radial_mask, tile_order,
-                                        tile_window_mask)
+from pasa_diffusers.sparse_processor import ORDERS, SELF_KIND
+from pasa_diffusers.video_masks import MaskBuilder, MaskChoice, TokenOrder, VideoTokens, tile_order
 
 from .diagnose import DiagnosticAttnProcessor, _timed_generate, recorders_on
-from .names import COVERAGE_MASKS
-from .video import NOTICE, denoiser, is_video_pipeline, self_attention_text, token_grid
+from .video import NOTICE, denoiser, is_video_pipeline, self_attention_tokens
 
-__all__ = ["SELF_KIND", "DEFAULT_ROWS", "ORDERS", "MIN_BLOCKS", "MaskChoice", "CoverageLayoutError",
-           "CoverageRecorder", "CoverageAttnProcessor", "default_block", "self_attention_tokens", "coverage_recording",
+__all__ = ["SELF_KIND", "DEFAULT_ROWS", "ORDERS", "MIN_BLOCKS", "CoverageLayoutError",
+           "CoverageRecorder", "CoverageAttnProcessor", "default_block", "coverage_recording",
            "summarize_coverage", "coverage_run", "coverage_markdown", "summary_lines", "write_coverage"]
 
-SELF_KIND = "video-self"
-"""The module kind (``install.module_kind``) whose calls are measured: a video transformer's self-attention."""
 DEFAULT_ROWS = 256
 """Query rows sampled per call by default (every row of a call that has fewer)."""
-ORDERS = ("tile", "model")
-"""``tile``: the masks are built on the sequence reordered into compact 3D tiles (``video_masks.tile_order``);
-``model``: on the model's own order (frame, row, column)."""
-
 MIN_BLOCKS = 8
 """The fewest blocks the default block size cuts a sequence into (``default_block``)."""
-
-MaskBuilder = Callable[[torch.Tensor, torch.Tensor], BlockSparseMask]
-"""Builds the mask of one call from its q and k, (B, H, N, D) in the masks' order."""
-
-
-@dataclass(frozen=True)
-class MaskChoice:
-    """One mask to measure: ``kind`` (one of ``names.COVERAGE_MASKS``) and its parameters: ``window`` (frames,
-    rows, columns; ``tile-window``), ``spatial_window`` (``None``: the larger side of the frame) and
-    ``sink_frames`` (``radial``), ``keep`` (the share of the estimated mass kept; ``pooled``)."""
-
-    kind: str
-    window: tuple[int, int, int] = (1, 3, 3)
-    spatial_window: int | None = None
-    sink_frames: int = 1
-    keep: float = 0.9
-
-    def __post_init__(self) -> None:
-        if self.kind not in COVERAGE_MASKS:
-            raise ValueError(f"MaskChoice: unknown kind={self.kind!r}; expected one of {', '.join(COVERAGE_MASKS)}")
-
-    @property
-    def label(self) -> str:
-        """The mask and its parameters, as the report names it."""
-        if self.kind == "tile-window":
-            return f"tile-window (window {','.join(map(str, self.window))})"
-        if self.kind == "radial":
-            side = "the frame's larger side" if self.spatial_window is None else self.spatial_window
-            return f"radial (spatial window {side}, {self.sink_frames} sink frame(s))"
-        return f"pooled (keep {self.keep:g} of the estimated mass)"
-
-    def parameters(self) -> dict[str, Any]:
-        """The parameters that apply to this kind."""
-        names = {"tile-window": ("window",), "radial": ("spatial_window", "sink_frames"), "pooled": ("keep",)}
-        return {name: value for name, value in asdict(self).items() if name in names[self.kind]}
-
-    def builder(self, tokens: VideoTokens, order: TokenOrder | None, block: int,
-                device: torch.device | str) -> MaskBuilder:
-        """The mask of a call: a static mask built once for ``tokens`` (in ``order``) on ``device``, or the pooled
-        mask of the call's own q and k."""
-        if self.kind == "pooled":
-            return lambda q, k: pooled_mask(q, k, mass=self.keep, block_q=block, block_k=block)
-        if self.kind == "tile-window":
-            mask = tile_window_mask(tokens, self.window, order=order, block=block, device=device)
-        else:
-            mask = radial_mask(tokens, spatial_window=self.spatial_window, sink_frames=self.sink_frames, order=order,
-                               block=block, device=device)
-        return lambda q, k: mask
-
 
 class CoverageLayoutError(ValueError):
     """A measured call is not the self-attention of the video's token sequence (another length or a key mask)."""
@@ -179,13 +123,6 @@ def default_block(n_tokens: int) -> int:
     while block > 1 and n_tokens < MIN_BLOCKS * block:
         block //= 2
     return block
-
-
-def self_attention_tokens(pipe: Any, *, num_frames: int, height: int, width: int) -> VideoTokens:
-    """The token sequence of the self-attention of a video pipeline's transformer in a generation of this size."""
-    frames, rows, columns = token_grid(pipe, num_frames=num_frames, height=height, width=width)
-    text, where = self_attention_text(pipe)
-    return VideoTokens(frames, rows, columns, text=text, text_at=where)
 
 
 @contextmanager

@@ -57,4 +57,5 @@ COVERAGE_MASKS: dict[str, str] = {
     "radial": "static: Radial Attention's energy decay, the spatial window halving as the temporal distance doubles",
     "pooled": "dynamic: per query block the key blocks of largest pooled q.k score, up to a share of the mass",
 }
-"""The block-sparse masks ``pasa coverage`` measures (``pipelines.coverage.MaskChoice``), with what each keeps."""
+"""The block-sparse masks (``video_masks.MASK_KINDS``, built by ``video_masks.MaskChoice``) that ``pasa coverage``
+measures and the sparse backends run, with what each keeps."""

@@ -42,17 +42,20 @@ from diffusers import (CogVideoXDDIMScheduler, CogVideoXPipeline, DiffusionPipel
                        WanPipeline)
 from diffusers.utils import is_accelerate_available
 
+from pasa_diffusers.video_masks import VideoTokens
+
 from . import svd
 from .checkpoints import (ModelLoadError, cached_snapshot, check_local_folder, check_weights, check_weights_cover,
                           hub_unreachable, index_problem, state_dict_error)
 from .names import BUILTIN_VIDEO_MODELS, TINY_VIDEO_SETTINGS, is_hub_id
 from .quiet import quiet
+from .sparse import sparse_bound
 from .video_dits import (tiny_cogvideox_vae, tiny_hunyuan_video_vae, tiny_ltx_video_vae, tiny_mochi_vae,
                          tiny_transformer, tiny_wan_vae)
 
 __all__ = ["VIDEO_PIPELINES", "NOTICE", "PROMPT_SEED", "SETTINGS_KEY", "load_video", "load_pipeline",
            "is_video_pipeline", "is_video_model", "denoiser", "most_keys", "JOINT_FAMILIES", "JOINT_TEXT_AT",
-           "token_grid", "self_attention_text", "default_settings", "setting_problem", "prompt_embeddings",
+           "token_grid", "self_attention_text", "self_attention_tokens", "default_settings", "setting_problem", "prompt_embeddings",
            "pooled_prompt_embeddings", "prompt_attention_masks", "make_latents", "generate", "generate_frames"]
 
 VIDEO_PIPELINES: dict[str, str] = {"WanPipeline": "wan", "LTXPipeline": "ltx-video", "CogVideoXPipeline": "cogvideox",
@@ -414,6 +417,13 @@ def self_attention_text(pipe: DiffusionPipeline) -> tuple[int, str]:
     return prompt_embeddings(pipe)[0].shape[1], JOINT_TEXT_AT[family]
 
 
+def self_attention_tokens(pipe: DiffusionPipeline, *, num_frames: int, height: int, width: int) -> VideoTokens:
+    """The token sequence of the self-attention of a video pipeline's transformer in a generation of this size."""
+    frames, rows, columns = token_grid(pipe, num_frames=num_frames, height=height, width=width)
+    text, where = self_attention_text(pipe)
+    return VideoTokens(frames, rows, columns, text=text, text_at=where)
+
+
 def default_settings(pipe: DiffusionPipeline) -> dict[str, int]:
     """``num_frames``, ``height`` and ``width`` of a video pipeline: a built-in one's (``names.TINY_VIDEO_SETTINGS``,
     which ``load_video`` puts in its config under ``SETTINGS_KEY``, kept when saved and loaded again), else the
@@ -612,7 +622,8 @@ def generate(pipe: DiffusionPipeline, *, num_frames: int, num_inference_steps: i
     float32 in ``[0, 1]`` (non-finite values kept).
 
     Args:
-        pipe: a pipeline from ``load_video`` (with whatever attention processors are installed).
+        pipe: a pipeline from ``load_video`` (with whatever attention processors are installed; a sparse
+            backend's are bound to this video's token grid for the call, ``sparse.sparse_bound``).
         num_frames, num_inference_steps, height, width: as in the pipeline's ``__call__``; a value it would
             round is a ``ValueError`` (``setting_problem``).
         seed: seeds the initial noise (when ``latents`` is None) and the pipeline's generator.
@@ -647,12 +658,14 @@ def generate(pipe: DiffusionPipeline, *, num_frames: int, num_inference_steps: i
                 warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype is not supported",
                                         category=UserWarning,
                                         module=r"diffusers\.models\.transformers\.transformer_mochi$")
-            final_latents = pipe(
-                prompt_embeds=positive, negative_prompt_embeds=negative, height=height, width=width,
-                num_frames=num_frames, num_inference_steps=num_inference_steps, guidance_scale=guidance,
-                generator=torch.Generator(device="cpu").manual_seed(seed), latents=latents, output_type="latent",
-                **kwargs,
-            ).frames
+            tokens = self_attention_tokens(pipe, num_frames=num_frames, height=height, width=width)
+            with sparse_bound(pipe, tokens):
+                final_latents = pipe(
+                    prompt_embeds=positive, negative_prompt_embeds=negative, height=height, width=width,
+                    num_frames=num_frames, num_inference_steps=num_inference_steps, guidance_scale=guidance,
+                    generator=torch.Generator(device="cpu").manual_seed(seed), latents=latents, output_type="latent",
+                    **kwargs,
+                ).frames
     finally:
         pipe.set_progress_bar_config(**previous_config)
     return svd.to_frames(_decode(pipe, final_latents, num_frames=num_frames, height=height, width=width))

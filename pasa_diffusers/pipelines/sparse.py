@@ -1,0 +1,102 @@
+"""Binding the sparse backends to a generation: the token grid and the denoising step (issue 46).
+
+A sparse backend's processors (``sparse_processor.SparsePASAAttnProcessor``) need what a model's attention call
+does not carry: the self-attention's token sequence (``VideoTokens``: the latent grid over the patch, and the text
+tokens a joint attention adds; ``video.self_attention_tokens``) and the denoising step (for the schedule).
+:func:`sparse_bound` binds every such processor of a pipeline's denoisers for the ``with`` block, numbering the
+layers in module order, and advances one ``DenoisingClock`` each time a denoiser is called with a new timestep (a
+forward pre-hook reading the ``timestep`` keyword every diffusers video pipeline passes; the classifier-free
+guidance pass of a step sees the same timestep).  ``video.generate`` binds for each video; a user calling the
+pipeline directly wraps the call::
+
+    with sparse_bound(pipe, self_attention_tokens(pipe, num_frames=81, height=480, width=832)):
+        pipe(...)
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from pasa_diffusers.install import attention_processors, counted_processor, denoisers
+from pasa_diffusers.sparse_processor import SELF_KIND, DenoisingClock, SparsePASAAttnProcessor
+from pasa_diffusers.video_masks import VideoTokens
+
+__all__ = ["sparse_processors", "sparse_bound", "sparse_summary", "sparse_line"]
+
+
+def sparse_processors(model: torch.nn.Module) -> list[SparsePASAAttnProcessor]:
+    """The sparse processors installed on ``model``'s self-attention modules (kind ``SELF_KIND``), in module order."""
+    found = (counted_processor(p) for p in attention_processors(model).values())
+    return [p for p in found if isinstance(p, SparsePASAAttnProcessor) and p.kind == SELF_KIND]
+
+
+def _timestep_hook(clock: DenoisingClock, seen: list[float]) -> Any:
+    """A forward pre-hook that moves ``clock`` to the next step when the ``timestep`` keyword changes (``seen``
+    holds the last value, shared by the denoisers of one generation)."""
+
+    def hook(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        timestep = kwargs.get("timestep")
+        if timestep is None:
+            raise ValueError(f"sparse_bound: {type(module).__name__} was called without a timestep= keyword, which "
+                             "the sparse backends' schedule counts the denoising steps by")
+        value = float(torch.as_tensor(timestep).flatten()[0])
+        if seen and value != seen[-1]:
+            clock.step += 1
+        seen[:] = [value]
+
+    return hook
+
+
+@contextmanager
+def sparse_bound(model_or_pipeline: Any, tokens: VideoTokens) -> Iterator[list[SparsePASAAttnProcessor]]:
+    """Bind the sparse processors of a pipeline's denoisers (or of one model) to the self-attention of ``tokens``
+    while the ``with`` block runs; yields them (none: nothing to bind, the block runs as it is).  Static masks
+    are built here, once, on each model's device; the step clock starts at 0."""
+    clock, seen = DenoisingClock(), []
+    bound, hooks = [], []
+    try:
+        for model in denoisers(model_or_pipeline):
+            mine = sparse_processors(model)
+            for layer, processor in enumerate(mine):
+                processor.bind(tokens, layer=layer, clock=clock, device=model.device)
+                bound.append(processor)
+            if mine:
+                hooks.append(model.register_forward_pre_hook(_timestep_hook(clock, seen), with_kwargs=True))
+        yield bound
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for processor in bound:
+            processor.unbind()
+
+
+def sparse_summary(model_or_pipeline: Any) -> dict[str, Any] | None:
+    """What the sparse processors of a pipeline's denoisers did (``None``: it has none): the ``mask`` (its label and
+    parameters), the ``schedule``, the ``order``, the ``layers``, and their calls: ``sparse_calls`` and
+    ``dense_calls`` per reason (``"schedule"``, ``"key padding"``)."""
+    found = [p for model in denoisers(model_or_pipeline) for p in sparse_processors(model)]
+    if not found:
+        return None
+    dense: dict[str, int] = {}
+    for processor in found:
+        for reason, calls in processor.dense_calls.items():
+            dense[reason] = dense.get(reason, 0) + calls
+    first = found[0]
+    return {"mask": first.choice.label, "parameters": first.choice.parameters(),
+            "schedule": {"dense_steps": first.schedule.dense_steps, "dense_layers": first.schedule.dense_layers},
+            "order": first.order, "layers": len(found), "sparse_calls": sum(p.sparse_calls for p in found),
+            "dense_calls": dense}
+
+
+def sparse_line(summary: dict[str, Any]) -> str:
+    """``sparse_summary`` in one line."""
+    dense = sum(summary["dense_calls"].values())
+    reasons = ", ".join(f"{reason}: {calls}" for reason, calls in summary["dense_calls"].items())
+    s = summary["schedule"]
+    return (f"sparse: {summary['mask']} in {summary['order']} order on {summary['layers']} self-attention layers; "
+            f"{summary['sparse_calls']} of {summary['sparse_calls'] + dense} calls sparse"
+            + (f", {dense} dense ({reasons})" if dense else "")
+            + f" (dense for the first {s['dense_steps']} steps and {s['dense_layers']} layers)")
