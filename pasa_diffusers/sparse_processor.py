@@ -125,7 +125,10 @@ class SparsePASAAttnProcessor(PASAAttnProcessor):
         if choice.kind == "radial" and choice.spatial_window is None:
             choice = replace(choice, spatial_window=max(tokens.height, tokens.width))
         order = tile_order(tokens) if self.order == "tile" else None
-        self.binding = SparseBinding(tokens, order, choice.builder(tokens, order, DEFAULT_BLOCK, device), layer, clock)
+        build = choice.builder(tokens, order, DEFAULT_BLOCK, device)
+        if order is not None:  # on the device once, not copied there at every call
+            order = TokenOrder(order.perm.to(device), order.inverse.to(device))
+        self.binding = SparseBinding(tokens, order, build, layer, clock)
 
     def unbind(self) -> None:
         self.binding = None

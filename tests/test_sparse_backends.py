@@ -80,6 +80,29 @@ def test_a_sparse_call_is_the_masked_attention_in_the_models_order(mask, order, 
     assert numerics.rel_rmse(_bhnd(dense), golden) > 100 * bound_, "the mask did not change the attention"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask", list(MASKS))
+def test_gpu_a_sparse_call_is_the_masked_attention_in_the_models_order(mask, gen):
+    """The same on CUDA tensors: the portable kernel skipping the missing blocks, the mask built on the GPU."""
+    processor = SparsePASAAttnProcessor(mask=mask, **MASKS[mask], dense_steps=0, dense_layers=0)
+    processor.kind, processor.name = SELF_KIND, "blocks.3.attn1"
+    processor.bind(TOKENS, layer=0, clock=DenoisingClock(), device="cuda")
+    q, k, v = _qkv(gen)
+    out = processor.attention(q.cuda(), k.cuda(), v.cuda(), None).cpu()
+    bound = processor.binding
+    perm, inverse = bound.order.perm, bound.order.inverse
+    qo, ko, vo = (_bhnd(x[:, perm]) for x in (q, k, v))
+    block_mask = bound.build(qo.cuda(), ko.cuda())
+    element = block_mask.element_mask().cpu()[..., inverse, :][..., inverse]
+    golden = F.scaled_dot_product_attention(*(_bhnd(x).double() for x in (q, k, v)), attn_mask=element)
+    cpu_mask = type(block_mask).from_checked(block_mask.kv_counts.cpu(), block_mask.kv_indices.cpu(), block_mask.q_len,
+                                             block_mask.kv_len, block_mask.block_q, block_mask.block_k)
+    reference = R.exact_shift_reference(qo, ko, vo, precision="hybrid", block_mask=cpu_mask)[..., inverse, :]
+    err, err_ref = numerics.rel_rmse(_bhnd(out), golden), numerics.rel_rmse(reference, golden)
+    bound_ = K_BOUND["exact", "hybrid"] * err_ref + TINY
+    assert processor.sparse_calls == 1 and torch.isfinite(out).all() and err <= bound_, f"{err:.3e} > {bound_:.3e}"
+
+
 @pytest.mark.parametrize("step, layer, sparse", [(1, 3, False), (5, 0, False), (2, 1, True)],
                          ids=["dense-step", "dense-layer", "first-sparse"])
 def test_the_schedule_runs_the_first_steps_and_layers_dense(step, layer, sparse, gen):
