@@ -33,8 +33,8 @@ import torch.nn.functional as torch_functional
 from .masks import mask_reason
 from .rules import SHIFT_BLOCK
 
-__all__ = ["REASONS", "PROCESSOR_REASONS", "context_parallel_config", "sharded_padding_mask", "call_reason",
-           "processor_reason", "by_dispatcher", "by_sdpa"]
+__all__ = ["REASONS", "PROCESSOR_REASONS", "one_key_block", "context_parallel_config", "sharded_padding_mask",
+           "call_reason", "processor_reason", "by_dispatcher", "by_sdpa"]
 
 REASONS: dict[str, str] = {
     "attention kwargs": "the model's own dispatcher with them",
@@ -49,6 +49,13 @@ REASONS: dict[str, str] = {
 
 PROCESSOR_REASONS = ("attention mask", "single key", "one key block")
 """The reasons :func:`processor_reason` decides; a processor's ``fallback_cases`` names those it takes."""
+
+
+def one_key_block(n_keys: int) -> bool:
+    """Whether ``n_keys`` keys form at most one shift block (``rules.SHIFT_BLOCK``): a call the 8-bit precisions
+    compute in the op's default precision (``"one key block"``), and a run ``pasa generate``/``compare`` refuses
+    an 8-bit backend for when every call is one (``cli.common.check_key_blocks``)."""
+    return n_keys <= SHIFT_BLOCK
 
 
 def context_parallel_config(parallel_config: Any) -> Any:
@@ -95,7 +102,7 @@ def processor_reason(cases: tuple[str, ...], key: torch.Tensor, attention_mask: 
             return "attention mask"
     elif "single key" in cases and key.shape[1] == 1:
         return "single key"
-    if "one key block" in cases and key.shape[1] <= SHIFT_BLOCK:
+    if "one key block" in cases and one_key_block(key.shape[1]):
         return "one key block"
     return None
 

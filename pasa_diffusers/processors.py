@@ -367,8 +367,9 @@ class NaiveHalfAttnProcessor(PASAAttnProcessor):
     The control: fully-FP16 FlashAttention without PASA's shift (inf/NaN once a raw score passes 65504).
     """
 
-    FIXED = {"precision": "half", "shift": "none"}
-    """The ``PASAAttnProcessor`` settings this control fixes."""
+    FIXED = {"precision": backends.BACKENDS["naive-half"].variant.precision,
+             "shift": backends.BACKENDS["naive-half"].variant.shift}
+    """The ``PASAAttnProcessor`` settings this control fixes: the ``naive-half`` backend's variant."""
 
     def __init__(self, dtype: torch.dtype | None = None) -> None:
         super().__init__(**self.FIXED, dtype=dtype)

@@ -435,6 +435,7 @@ def check_key_blocks(pipe: Any, settings: dict[str, int], backends: list[str] | 
     once the model is loaded, before any step (``install.fallback_summary(strict=True)`` found it only after the
     whole video)."""
     from pasa_diffusers.backends import BACKENDS
+    from pasa_diffusers.fallbacks import one_key_block
     from pasa_diffusers.pipelines.video import most_keys
     from pasa_diffusers.rules import SHIFT_BLOCK
     from pasa_diffusers.variants import EIGHT_BIT
@@ -443,7 +444,7 @@ def check_key_blocks(pipe: Any, settings: dict[str, int], backends: list[str] | 
     if not eight_bit:
         return
     keys = most_keys(pipe, num_frames=settings["num_frames"], height=settings["height"], width=settings["width"])
-    if keys is not None and keys <= SHIFT_BLOCK:
+    if keys is not None and one_key_block(keys):
         size = f"{settings['num_frames']} frames of {settings['height']}x{settings['width']}"
         raise UsageError(f"{flag} {','.join(backends)}: every attention call of {size} takes at most {keys} keys, one "
                          f"key block of {SHIFT_BLOCK}, which {', '.join(eight_bit)} computes in 16 bits (its "
