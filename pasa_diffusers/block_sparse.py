@@ -109,6 +109,13 @@ class BlockSparseMask:
             object.__setattr__(mask, name, value)
         return mask
 
+    def to(self, device: torch.device | str) -> BlockSparseMask:
+        """This mask with its tensors on ``device`` (not validated again; ``keeps_all`` kept)."""
+        mask = self.from_checked(self.kv_counts.to(device), self.kv_indices.to(device), self.q_len, self.kv_len,
+                                 self.block_q, self.block_k)
+        object.__setattr__(mask, "keeps_all", self.keeps_all)
+        return mask
+
     def select(self, batches: tuple[int, int], heads: tuple[int, int]) -> BlockSparseMask:
         """This mask on batch elements ``[b0, b1)`` and mask heads ``[h0, h1)``: views, not validated again
         (:meth:`from_checked`); a shared (size 1) batch or head dimension stays whole."""

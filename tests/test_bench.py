@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import attention, harness
+from bench import attention, harness, sparse
 
 ENTRY_POINTS = ("attention", "accuracy", "unet", "dit", "overhead", "temporal", "hopper", "cold_start",
-                "video", "accumulation", "context_parallel", "int8_accuracy", "int8_fallback", "int8_spread")
+                "video", "accumulation", "context_parallel", "int8_accuracy", "int8_fallback", "int8_spread", "sparse")
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -107,6 +107,24 @@ def test_attention_tiny(tmp_path, monkeypatch):
     assert "exact-hybrid" in md and "| peak MiB |" in md
     assert "![speed per method and shape](attention.png)" in md
     assert (tmp_path / "attention.png").read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.slow
+def test_sparse_tiny(tmp_path, monkeypatch):
+    """The masked kernel skips blocks (the portable kernel named), its ratios are read against its own dense row
+    and FlexAttention's at the same mask, and the dynamic mask's build is timed."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert sparse.main(["--shapes", "tiny", "--densities", "0.5", "--methods", "pasa,flex,pooled", "--out",
+                        str(tmp_path), "--warmup-ms", "0", "--rep-ms", "0"]) == 0
+    rows = json.loads((tmp_path / "sparse.json").read_text())["rows"]
+    assert [(r["mask"], r["method"]) for r in rows] == [("dense", "pasa"), ("dense", "flex"), ("dense", "pooled"),
+                                                        ("random 0.5", "pasa"), ("random 0.5", "flex")]
+    assert all(r["error"] == "" and r["ms"] > 0 for r in rows)
+    masked = rows[3]
+    assert masked["note"] == "portable" and masked["density"] == 0.5
+    assert masked["vs_own_dense"] == pytest.approx(rows[0]["ms"] / masked["ms"])
+    assert masked["vs_flex"] == pytest.approx(rows[4]["ms"] / masked["ms"])
+    assert rows[2]["effective_tflops"] is None and "| random 0.5 | 0.500 | pasa |" in (tmp_path / "sparse.md").read_text()
 
 
 def test_dit_runs_a_tiny_transformer_per_backend(tmp_path):
