@@ -8,6 +8,7 @@
     python -m bench.dit --model ltx-video --backends sdpa pasa fa3 --out DIR
     python -m bench.dit --model mochi-1 --resolution 480x848x19 480x848x163 --out DIR
     python -m bench.dit --model tiny-wan --out DIR                          # any machine, the CPU included
+    python -m bench.dit --resolution 720p --backends sdpa pasa pasa-sparse pasa-fp8-sparse --mask radial --out DIR
 
 The transformer of ``pipelines.video_dits`` (``FULL_SIZE``: Wan 2.1 1.3B / 14B, CogVideoX-5B, HunyuanVideo,
 LTX-Video 0.9 (2B), Mochi 1 preview from their released configs, random weights, bf16 on the GPU; or a
@@ -43,6 +44,12 @@ One H200, SDPA, estimated from Wan 2.1 1.3B's measured 1239 / 4950 ms at 32,760 
 term scaled by parameters and batch, a quadratic one by layers x attention width and batch; it gives
 CogVideoX-5B 1.73 s against 1.58 s measured): HunyuanVideo 720p ~27 s a forward, 540p ~11 s; Mochi 19
 frames ~0.9 s, 163 frames ~9 s; LTX-Video ~0.2 s.  A backend's row takes ``--iters`` + 6 forwards.
+
+The sparse backends (``pasa-sparse``, ``pasa-fp8-sparse``) run ``--mask`` (default ``radial``) on the
+self-attention's token sequence of the resolution (``video_dits.self_attention_tokens``; ``tiny-wan``'s 3 x 4 x 4,
+one block: dense), as a step past the dense steps, the first ``--dense-layers`` layers dense (default 1); the
+row's ``mask density`` is the share of (query, key) pairs the mask keeps.  Its quality is a checkpoint's question
+(random weights attend almost uniformly): ``pasa coverage`` and ``pasa compare`` on the user's model.
 """
 from __future__ import annotations
 
@@ -54,9 +61,11 @@ import torch
 
 from pasa_diffusers.backends import BACKENDS
 from pasa_diffusers.metrics import records
+from pasa_diffusers.pipelines.names import COVERAGE_MASKS
 from pasa_diffusers.pipelines.video_dits import (FAMILIES, FULL_SIZE, VIDEO_SIZES, example_inputs,
-                                                 full_size_inputs, full_size_transformer, tiny_transformer,
-                                                 video_tokens)
+                                                 full_size_inputs, full_size_transformer, self_attention_tokens,
+                                                 tiny_transformer)
+from pasa_diffusers.video_masks import VideoTokens
 
 from . import harness
 
@@ -95,14 +104,33 @@ def repeated_blocks(model: torch.nn.Module) -> list[str]:
     return found
 
 
+TINY_TOKENS = {"tiny-wan": VideoTokens(3, 4, 4)}
+"""The tiny models whose self-attention sequence the sparse backends know (``example_inputs``' 3 x 8 x 8 latents
+over Wan's 2 x 2 patch)."""
+
+
+def tokens_of(name: str, resolution: str) -> VideoTokens | None:
+    """The self-attention sequence of one forward (``None``: a tiny model other than ``TINY_TOKENS``')."""
+    return TINY_TOKENS.get(name) if name.startswith("tiny-") else self_attention_tokens(name, resolution)
+
+
 def forward_rows(model: torch.nn.Module, name: str, resolution: str, args, timer: harness.Timer) -> list[dict]:
     """Every backend (and compiled mode) at one resolution; the first backend is the baseline."""
     inputs = make_inputs(name, model, resolution)
     regions = None if args.whole_graph or args.compile is None else repeated_blocks(model)
+    sparse = {"mask": args.mask, "dense_steps": 0, "dense_layers": args.dense_layers}
+    options = {backend: sparse for backend in args.backends if BACKENDS[backend].needs_kind}
+    tokens = tokens_of(name, resolution)
     rows = harness.model_runs(model, args.backends, args.compile, lambda runner: runner(**inputs)[0], timer,
-                              regions=regions)
-    tokens = None if name.startswith("tiny-") else video_tokens(name, resolution)
-    return [{"model": name, "resolution": resolution, "video_tokens": tokens, **row} for row in rows]
+                              regions=regions, options=options, tokens=tokens)
+    video = None if name.startswith("tiny-") else tokens.n_video
+    return [{"model": name, "resolution": resolution, "video_tokens": video, **row} for row in rows]
+
+
+def _density(sparse: dict | None) -> str:
+    if sparse is None:
+        return "-"
+    return "per call" if sparse["density"] is None else f"{sparse['density']:.3f}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -121,12 +149,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--whole-graph", action="store_true",
                    help="with --compile: compile the whole transformer as one graph instead of its blocks")
     p.add_argument("--iters", type=int, default=5, help="timed forwards per backend (default: 5)")
+    p.add_argument("--mask", choices=tuple(COVERAGE_MASKS), default="radial",
+                   help="the sparse backends' mask (default radial)")
+    p.add_argument("--dense-layers", type=int, default=1,
+                   help="the sparse backends' first self-attention layers run dense (default 1)")
     args = p.parse_args(argv)
     if args.whole_graph and args.compile is None:
         p.error("--whole-graph: says how --compile compiles; give --compile too")
     unknown = sorted(set(args.compile or ()) - set(args.backends))
     if unknown:
         p.error(f"--compile {' '.join(unknown)}: not among --backends {' '.join(args.backends)}")
+    sparse = [b for b in args.backends if BACKENDS[b].needs_kind]
+    if sparse and args.model.startswith("tiny-") and args.model not in TINY_TOKENS:
+        p.error(f"--backends {' '.join(sparse)}: the sparse backends need the self-attention's token grid, which "
+                f"bench.dit knows for the full-size models and {', '.join(TINY_TOKENS)}, not {args.model}")
     sizes = SIZES.get(args.model, ())
     other = [size for size in args.resolution or () if size not in sizes]
     if other:
@@ -152,12 +188,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = harness.header(f"bench.dit: one forward of {args.model} per attention backend", env, cmd) + "\n" + \
         records.markdown_table(
             ["resolution", "video tokens", "backend", "mode", "first call s", "forward ms", f"vs {first}",
-             "attention share", "peak MiB", "finite", f"rel. RMS diff to {first}", "fallback calls"],
+             "attention share", "peak MiB", "finite", f"rel. RMS diff to {first}", "fallback calls", "mask density"],
             [[r["resolution"], "-" if r["video_tokens"] is None else f"{r['video_tokens']:,}", r["backend"],
               r["mode"], f"{r['first_call_s']:.1f}", f"{r['ms']:.1f}", f"{r['vs_first']:.3f}",
               harness.share_text(r["attention_share"]), "-" if r["peak_mib"] is None else f"{r['peak_mib']:.0f}",
-              r["finite"], f"{r['rel_rms_diff']:.2e}", r["fallback_calls"]] for r in rows],
-            align="lrllrrrrrlrr") + "\n"
+              r["finite"], f"{r['rel_rms_diff']:.2e}", r["fallback_calls"], _density(r["sparse"])] for r in rows],
+            align="lrllrrrrrlrrr") + "\n"
     harness.write_report(args.out, NAME, text, {"bench": NAME, "command": cmd, "environment": env,
                                                 "timer": asdict(timer), "rows": rows})
     print(text)

@@ -24,6 +24,7 @@ Rates: TFLOP/s = 4 B Hq Nq Nk D / t; GB/s = the fp16 bytes of q, k, v read and o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import math
 import os
@@ -46,6 +47,7 @@ from pasa_diffusers.variants import Variant
 
 if TYPE_CHECKING:
     from pasa_diffusers.kernels.dispatch import Plan
+    from pasa_diffusers.video_masks import VideoTokens
 
 __all__ = ["Shape", "svd_spatial", "svd_temporal", "DIT", "DIT_CALLS", "PAPER", "TINY", "SHAPE_SETS", "FRAMES", "shapes",
            "make_inputs", "Call", "Method", "Prepared", "Skip", "SDPA_BACKENDS", "sdpa_method", "peer_methods",
@@ -598,7 +600,8 @@ def compile_regions(model: torch.nn.Module, classes: Sequence[str], **options: A
 
 def model_runs(model: torch.nn.Module, backends: Sequence[str], compiled: Sequence[str] | None,
                call: Callable[[torch.nn.Module], torch.Tensor], timer: Timer,
-               regions: Sequence[str] | None = None) -> list[dict[str, Any]]:
+               regions: Sequence[str] | None = None, options: dict[str, dict[str, Any]] | None = None,
+               tokens: VideoTokens | None = None) -> list[dict[str, Any]]:
     """A whole model per attention backend: each of ``backends`` installed on ``model`` (``install.apply``),
     ``call(model)`` timed eager and, for the backends in ``compiled`` (all when it is empty; none when it
     is ``None``), ``torch.compile``d (``fullgraph=True``): the whole model, or with ``regions`` each block of
@@ -607,13 +610,21 @@ def model_runs(model: torch.nn.Module, backends: Sequence[str], compiled: Sequen
     run's time over this one's, whether the output is finite, its relative RMS difference to the first
     run's output, the peak GPU memory of one call above what was allocated before it (MiB, ``None`` on a
     CPU), the attention's share of an eager call (:func:`attention_share`, one more call; ``None`` compiled)
-    and the fallback calls."""
+    and the fallback calls.  ``options``: ``install.apply``'s options per backend; a sparse backend's processors
+    are bound to the self-attention sequence ``tokens`` while it runs (``pipelines.sparse.sparse_bound``; every
+    call one denoising step, past the dense ones when its options say ``dense_steps=0``), and its row holds
+    ``sparse_summary``."""
     from pasa_diffusers import install
+    from pasa_diffusers.backends import BACKENDS
+    from pasa_diffusers.pipelines.sparse import sparse_bound, sparse_summary
 
     rows: list[dict[str, Any]] = []
     baseline: tuple[float, torch.Tensor] | None = None
     for backend in backends:
-        install.apply(model, backend)
+        install.apply(model, backend, **(options or {}).get(backend, {}))
+        sparse = BACKENDS[backend].needs_kind is not None
+        if sparse and tokens is None:
+            raise ValueError(f"model_runs: backend {backend!r} needs the self-attention's tokens (tokens=)")
         modes = ["eager"]
         if compiled is not None and (not compiled or backend in compiled):
             modes.append("compile, regional" if regions else "compile")
@@ -622,23 +633,24 @@ def model_runs(model: torch.nn.Module, backends: Sequence[str], compiled: Sequen
             runner = torch.compile(model, fullgraph=True) if mode == "compile" else model
             def run(runner: torch.nn.Module = runner) -> torch.Tensor:
                 return call(runner)
-            with torch.no_grad():
+            with torch.no_grad(), sparse_bound(model, tokens) if sparse else contextlib.nullcontext():
                 start = time.perf_counter()
                 out = run().float()
                 synchronize()
                 first_s = time.perf_counter() - start
                 ms = timer(run)
                 peak = peak_mib(run)
+                share = attention_share(model, run) if mode == "eager" else None
             if undo is not None:
                 undo()
-            share = attention_share(model, run) if mode == "eager" else None
             baseline = baseline or (ms, out)
             diff = (out - baseline[1]).pow(2).mean().sqrt() / baseline[1].pow(2).mean().sqrt()
             summary = install.fallback_summary(model)
             rows.append({"backend": backend, "mode": mode, "first_call_s": first_s, "ms": ms,
                          "vs_first": baseline[0] / ms, "finite": bool(torch.isfinite(out).all()),
                          "rel_rms_diff": diff.item(), "peak_mib": peak, "attention_share": share,
-                         "fallback_calls": summary["fallback_calls"], "fallbacks": summary["fallbacks"]})
+                         "fallback_calls": summary["fallback_calls"], "fallbacks": summary["fallbacks"],
+                         "sparse": sparse_summary(model)})
             log(f"{backend} {mode}: {ms:.1f} ms (first call {first_s:.1f} s)")
         install.restore(model)
         torch._dynamo.reset()

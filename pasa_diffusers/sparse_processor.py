@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .block_sparse import DEFAULT_BLOCK
+from .mask_coverage import head_density
 from .masks import kept_keys
 from .ops import pasa_attention
 from .processors import PASAAttnProcessor
@@ -85,7 +86,9 @@ class SparsePASAAttnProcessor(PASAAttnProcessor):
 
     Attributes:
         choice: the ``MaskChoice``; ``schedule``: the ``SparseSchedule``; ``binding``: the ``SparseBinding`` or
-        ``None``; ``sparse_calls`` and ``dense_calls`` (per reason): the self-attention calls, in eager mode.
+        ``None``; ``sparse_calls`` and ``dense_calls`` (per reason): the self-attention calls, in eager mode;
+        ``density``: the share of (query, key) pairs a static mask keeps (``mask_coverage.head_density``), from
+        the last binding (``None`` for the pooled mask, whose density is each call's).
     """
 
     def __init__(
@@ -117,6 +120,7 @@ class SparsePASAAttnProcessor(PASAAttnProcessor):
         self.binding: SparseBinding | None = None
         self.sparse_calls = 0
         self.dense_calls: dict[str, int] = {}
+        self.density: float | None = None
 
     def bind(self, tokens: VideoTokens, *, layer: int, clock: DenoisingClock, device: torch.device | str) -> None:
         """Run sparse on the self-attention of ``tokens`` as layer ``layer`` of a generation timed by ``clock``; a
@@ -126,6 +130,8 @@ class SparsePASAAttnProcessor(PASAAttnProcessor):
             choice = replace(choice, spatial_window=max(tokens.height, tokens.width))
         order = tile_order(tokens) if self.order == "tile" else None
         build = choice.builder(tokens, order, DEFAULT_BLOCK, device)
+        if choice.kind != "pooled":  # a static mask: the builder ignores q and k
+            self.density = float(head_density(build(None, None), 1, 1).mean())
         if order is not None:  # on the device once, not copied there at every call
             order = TokenOrder(order.perm.to(device), order.inverse.to(device))
         self.binding = SparseBinding(tokens, order, build, layer, clock)

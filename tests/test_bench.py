@@ -142,6 +142,34 @@ def test_dit_runs_a_tiny_transformer_per_backend(tmp_path):
     assert text.startswith("# bench.dit: one forward of tiny-wan") and "attention share" in text
 
 
+@pytest.mark.slow
+def test_dit_runs_a_sparse_backend_bound_to_the_tokens(tmp_path, monkeypatch):
+    """A sparse backend's forward: its processors bound to the tiny Wan's 3 x 4 x 4 tokens (one block: every call
+    sparse with a mask that keeps all), its summary in the row; a tiny model without a known grid is refused."""
+    from bench import dit
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    argv = ["--model", "tiny-wan", "--backends", "pasa", "pasa-sparse", "--dense-layers", "0", "--iters", "1",
+            "--out", str(tmp_path)]
+    assert dit.main(argv) == 0
+    rows = json.loads((tmp_path / "dit.json").read_text())["rows"]
+    sparse = rows[1]["sparse"]
+    assert rows[0]["sparse"] is None and sparse["layers"] == 2 and sparse["density"] == 1.0
+    assert sparse["sparse_calls"] > 0 and sparse["dense_calls"] == {}
+    assert rows[1]["rel_rms_diff"] == 0.0  # a mask that keeps every block runs as no mask
+    with pytest.raises(SystemExit):
+        dit.main(["--model", "tiny-ltx-video", "--backends", "pasa-sparse", "--out", str(tmp_path)])
+
+
+def test_full_size_self_attention_tokens():
+    from pasa_diffusers.pipelines.video_dits import self_attention_tokens
+
+    assert self_attention_tokens("wan2.1-1.3b", "720p").n_tokens == 21 * 45 * 80
+    cog, hunyuan = self_attention_tokens("cogvideox-5b"), self_attention_tokens("hunyuan-video", "540p")
+    assert (cog.frames, cog.height, cog.width, cog.text, cog.text_at) == (13, 30, 45, 226, "first")
+    assert (hunyuan.n_video, hunyuan.text, hunyuan.text_at) == (67320, 256, "last")
+
+
 def test_attention_share_is_the_time_inside_the_attention_calls(monkeypatch):
     """harness.attention_share on a tiny Wan whose attention calls each take 20 ms more, in a run that also
     sleeps 100 ms outside them: at least the calls' 20 ms each, at most what the 100 ms leave; the processors

@@ -212,12 +212,12 @@ def test_the_command_runs_a_sparse_backend(tmp_path, capsys):
     from pasa_diffusers.cli import main
 
     argv = ["generate", "--model", "tiny-wan", "--height", "256", "--width", "256", "--steps", "2", "--formats",
-            "gif", "--attention", "pasa-sparse", "--mask", "radial", "--spatial-window", "4", "--dense-steps", "1",
+            "gif", "--attention", "pasa-sparse", "--mask", "radial", "--spatial-window", "1", "--dense-steps", "1",
             "--dense-layers", "0", "--out", str(tmp_path)]
     assert main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert ("sparse: radial (spatial window 4, 1 sink frame(s)) in tile order on 2 self-attention layers; 4 of 8 "
-            "calls sparse, 4 dense (schedule: 4) (dense for the first 1 steps and 0 layers)") in lines
+    assert ("sparse: radial (spatial window 1, 1 sink frame(s)) (density 0.778) in tile order on 2 self-attention "
+            "layers; 4 of 8 calls sparse, 4 dense (schedule: 4) (dense for the first 1 steps and 0 layers)") in lines
 
 
 @pytest.mark.parametrize("argv, message", [

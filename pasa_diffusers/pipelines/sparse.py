@@ -75,8 +75,9 @@ def sparse_bound(model_or_pipeline: Any, tokens: VideoTokens) -> Iterator[list[S
 
 def sparse_summary(model_or_pipeline: Any) -> dict[str, Any] | None:
     """What the sparse processors of a pipeline's denoisers did (``None``: it has none): the ``mask`` (its label and
-    parameters), the ``schedule``, the ``order``, the ``layers``, and their calls: ``sparse_calls`` and
-    ``dense_calls`` per reason (``"schedule"``, ``"key padding"``)."""
+    parameters), its ``density`` (a static mask's share of (query, key) pairs; ``None`` for the pooled mask), the
+    ``schedule``, the ``order``, the ``layers``, and their calls: ``sparse_calls`` and ``dense_calls`` per reason
+    (``"schedule"``, ``"key padding"``)."""
     found = [p for model in denoisers(model_or_pipeline) for p in sparse_processors(model)]
     if not found:
         return None
@@ -85,7 +86,7 @@ def sparse_summary(model_or_pipeline: Any) -> dict[str, Any] | None:
         for reason, calls in processor.dense_calls.items():
             dense[reason] = dense.get(reason, 0) + calls
     first = found[0]
-    return {"mask": first.choice.label, "parameters": first.choice.parameters(),
+    return {"mask": first.choice.label, "parameters": first.choice.parameters(), "density": first.density,
             "schedule": {"dense_steps": first.schedule.dense_steps, "dense_layers": first.schedule.dense_layers},
             "order": first.order, "layers": len(found), "sparse_calls": sum(p.sparse_calls for p in found),
             "dense_calls": dense}
@@ -96,7 +97,9 @@ def sparse_line(summary: dict[str, Any]) -> str:
     dense = sum(summary["dense_calls"].values())
     reasons = ", ".join(f"{reason}: {calls}" for reason, calls in summary["dense_calls"].items())
     s = summary["schedule"]
-    return (f"sparse: {summary['mask']} in {summary['order']} order on {summary['layers']} self-attention layers; "
+    kept = "" if summary["density"] is None else f" (density {summary['density']:.3f})"
+    return (f"sparse: {summary['mask']}{kept} in {summary['order']} order on {summary['layers']} self-attention "
+            "layers; "
             f"{summary['sparse_calls']} of {summary['sparse_calls'] + dense} calls sparse"
             + (f", {dense} dense ({reasons})" if dense else "")
             + f" (dense for the first {s['dense_steps']} steps and {s['dense_layers']} layers)")

@@ -50,8 +50,8 @@ from .checkpoints import (ModelLoadError, cached_snapshot, check_local_folder, c
 from .names import BUILTIN_VIDEO_MODELS, TINY_VIDEO_SETTINGS, is_hub_id
 from .quiet import quiet
 from .sparse import sparse_bound
-from .video_dits import (tiny_cogvideox_vae, tiny_hunyuan_video_vae, tiny_ltx_video_vae, tiny_mochi_vae,
-                         tiny_transformer, tiny_wan_vae)
+from .video_dits import (JOINT_FAMILIES, JOINT_TEXT_AT, tiny_cogvideox_vae, tiny_hunyuan_video_vae,
+                         tiny_ltx_video_vae, tiny_mochi_vae, tiny_transformer, tiny_wan_vae)
 
 __all__ = ["VIDEO_PIPELINES", "NOTICE", "PROMPT_SEED", "SETTINGS_KEY", "load_video", "load_pipeline",
            "is_video_pipeline", "is_video_model", "denoiser", "most_keys", "JOINT_FAMILIES", "JOINT_TEXT_AT",
@@ -367,11 +367,6 @@ def _latent_size(pipe: DiffusionPipeline, num_frames: int, height: int, width: i
     return (num_frames - 1) // temporal + 1, height // spatial, width // spatial
 
 
-JOINT_FAMILIES = ("cogvideox", "hunyuan-video", "mochi")
-"""Video families whose transformer attends over the video and text tokens together (one joint attention); Wan
-and LTX-Video attend over the video (self) and the text (cross) apart."""
-
-
 def most_keys(pipe: DiffusionPipeline, *, num_frames: int, height: int, width: int) -> int | None:
     """The most keys an attention call of ``pipe``'s denoiser takes in a generation of this size, or ``None``
     where it is not known (an SVD UNet without spatial attention in its down blocks).
@@ -391,11 +386,6 @@ def most_keys(pipe: DiffusionPipeline, *, num_frames: int, height: int, width: i
     video = -(-frames // patch_t) * (h // patch) * (w // patch)
     text = prompt_embeddings(pipe)[0].shape[1]
     return video + text if _family(pipe) in JOINT_FAMILIES else max(video, text)
-
-
-JOINT_TEXT_AT: dict[str, str] = {"cogvideox": "first", "hunyuan-video": "last", "mochi": "last"}
-"""Family -> where its joint attention puts the text tokens: before the video tokens (CogVideoX joins
-``[text, video]``) or after them (HunyuanVideo's dual- and single-stream blocks and Mochi join ``[video, text]``)."""
 
 
 def token_grid(pipe: DiffusionPipeline, *, num_frames: int, height: int, width: int) -> tuple[int, int, int]:

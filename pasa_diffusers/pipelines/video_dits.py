@@ -19,9 +19,11 @@ from diffusers import (AutoencoderKLCogVideoX, AutoencoderKLHunyuanVideo, Autoen
                        AutoencoderKLWan, CogVideoXTransformer3DModel, HunyuanVideoTransformer3DModel,
                        LTXVideoTransformer3DModel, MochiTransformer3DModel, WanTransformer3DModel)
 
-__all__ = ["FAMILIES", "FULL_SIZE", "LATENTS", "VIDEO_SIZES", "tiny_transformer", "tiny_wan_vae", "tiny_ltx_video_vae",
+from pasa_diffusers.video_masks import VideoTokens
+
+__all__ = ["FAMILIES", "FULL_SIZE", "LATENTS", "JOINT_FAMILIES", "JOINT_TEXT_AT", "VIDEO_SIZES", "tiny_transformer", "tiny_wan_vae", "tiny_ltx_video_vae",
            "tiny_cogvideox_vae", "tiny_hunyuan_video_vae", "tiny_mochi_vae", "full_size_transformer", "example_inputs",
-           "full_size_inputs", "video_tokens"]
+           "full_size_inputs", "video_tokens", "self_attention_tokens"]
 
 TEXT_TOKENS = 7
 """Text tokens of the example prompts (the last two are padding where the family takes a mask)."""
@@ -166,6 +168,16 @@ LATENTS: dict[str, Latent] = {
 }
 """Family -> its ``Latent`` (from diffusers' pipelines: their VAE ratios and ``__call__`` defaults)."""
 
+JOINT_FAMILIES = ("cogvideox", "hunyuan-video", "mochi")
+"""Video families whose transformer attends over the video and text tokens together (one joint attention); Wan
+and LTX-Video attend over the video (self) and the text (cross) apart."""
+
+
+JOINT_TEXT_AT: dict[str, str] = {"cogvideox": "first", "hunyuan-video": "last", "mochi": "last"}
+"""Family -> where its joint attention puts the text tokens: before the video tokens (CogVideoX joins
+``[text, video]``) or after them (HunyuanVideo's dual- and single-stream blocks and Mochi join ``[video, text]``)."""
+
+
 VIDEO_SIZES: dict[str, dict[str, tuple[int, int, int]]] = {
     "wan": {name: (81, height, width) for name, (height, width) in RESOLUTIONS.items()},
     "cogvideox": {"480x720x49": (49, 480, 720)},
@@ -207,12 +219,21 @@ def _size(name: str, resolution: str | None, frames: int | None) -> tuple[Latent
 def video_tokens(name: str, resolution: str | None = None, *, frames: int | None = None) -> int:
     """The video tokens of one forward of the ``FULL_SIZE`` model ``name`` at ``resolution`` (a name of its family's
     ``VIDEO_SIZES``; ``None``: the first) and ``frames`` (``None``: the size's)."""
+    return self_attention_tokens(name, resolution, frames=frames).n_video
+
+
+def self_attention_tokens(name: str, resolution: str | None = None, *, frames: int | None = None) -> VideoTokens:
+    """The self-attention sequence of one forward of the ``FULL_SIZE`` model ``name`` (``full_size_inputs``): the
+    video tokens' grid (latent frames over the temporal patch, rows and columns over the patch) and the text
+    tokens a joint attention adds (``JOINT_TEXT_AT``)."""
     if name not in FULL_SIZE:
-        raise ValueError(f"video_tokens: unknown name={name!r}; expected one of {tuple(FULL_SIZE)}")
+        raise ValueError(f"self_attention_tokens: unknown name={name!r}; expected one of {tuple(FULL_SIZE)}")
     latent, frames, height, width = _size(name, resolution, frames)
     latent_frames = (frames - 1) // latent.time + 1
     side = latent.space * latent.patch
-    return latent_frames // latent.patch_t * (height // side) * (width // side)
+    family = FULL_SIZE[name][2]
+    text, where = (latent.text_tokens, JOINT_TEXT_AT[family]) if family in JOINT_FAMILIES else (0, "first")
+    return VideoTokens(latent_frames // latent.patch_t, height // side, width // side, text=text, text_at=where)
 
 
 def full_size_transformer(name: str, *, device: str | torch.device, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
