@@ -28,7 +28,7 @@ import torch
 from pasa_diffusers.kernels import block_tally
 from pasa_diffusers.shift_matrix import DEFAULT_BETA
 from pasa_diffusers.kernels import dispatch, int8, quantize, tuning
-from pasa_diffusers.variants import Variant
+from pasa_diffusers.variants import PV_BITS, Variant
 from pasa_diffusers.metrics import records
 
 from . import harness
@@ -95,8 +95,8 @@ def _pv_bits(text: str) -> list[int]:
         found = [int(x) for x in text.split(",") if x]
     except ValueError:
         found = []
-    if not found or any(bits not in quantize.PV_BITS for bits in found):
-        raise argparse.ArgumentTypeError(f"--pv-bits {text!r}: expected a comma-separated list of {quantize.PV_BITS}")
+    if not found or any(bits not in PV_BITS for bits in found):
+        raise argparse.ArgumentTypeError(f"--pv-bits {text!r}: expected a comma-separated list of {PV_BITS}")
     return found
 
 
@@ -146,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "(default: none)")
     p.add_argument("--prepass", action="store_true", help="also time the pre-pass alone")
     p.add_argument("--pv-bits", type=_pv_bits, default="16",
-                   help=f"P V precisions, comma-separated, of {quantize.PV_BITS} (default: 16; 8 is FP8 e4m3)")
+                   help=f"P V precisions, comma-separated, of {PV_BITS} (default: 16; 8 is FP8 e4m3)")
     p.add_argument("--inputs", type=_inputs, default=",".join(INPUTS),
                    help=f"the inputs, comma-separated, of {INPUTS} (default: both)")
     args = p.parse_args(argv)

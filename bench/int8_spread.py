@@ -39,6 +39,7 @@ from pasa_diffusers import reference_int8 as r8
 from pasa_diffusers.metrics import records
 from pasa_diffusers.reference import exact_shift_reference, golden_attention
 from pasa_diffusers.rules import INT8_FALLBACK_TAU
+from pasa_diffusers.variants import PV_BITS
 
 from . import harness
 from .int8_accuracy import input_classes
@@ -148,7 +149,7 @@ def measure(dtype: torch.dtype, d: int, seed: int) -> dict:
         eta, share = r8.coded_logit_error(q, k)
         row = {"case": case, "16-bit blocks": share, "eta": eta, "eta all": r8.logit_error(q, k).max().item(),
                "e16": e16}
-        for pv_bits in r8.PV_BITS:
+        for pv_bits in PV_BITS:
             row[f"err {pv_bits}"] = error(case, q, k, v, pv_bits, INT8_FALLBACK_TAU)[0]
             row[f"model {pv_bits}"] = r8.error_model(q, k, v, pv_bits=pv_bits).rel_rmse
             row[f"bound {pv_bits}"] = r8.stated_bound(eta, e16, pv_bits)
@@ -165,7 +166,7 @@ def measure(dtype: torch.dtype, d: int, seed: int) -> dict:
         for case, (q, k, v) in {**inputs, **extra}.items():
             if case not in golds:
                 golds[case] = golden_attention(q, k, v)
-            for pv_bits in r8.PV_BITS:
+            for pv_bits in PV_BITS:
                 err, share = error(case, q, k, v, pv_bits, tau)
                 if err is not None and err > crit[f"worst {pv_bits}"][0]:
                     crit[f"worst {pv_bits}"] = (err, case)

@@ -20,10 +20,10 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["FP8_MAX", "PEERS", "fp8_per_kv_head", "prepare"]
+from .rules import FP8_MAX
 
-FP8_MAX = 448.0
-"""The largest float8 e4m3 value."""
+__all__ = ["PEERS", "fp8_per_kv_head", "prepare"]
+
 
 def fp8_per_kv_head(t: torch.Tensor, h_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``t`` (B, N, H, D) scaled into float8 e4m3 per (batch, kv head), and the descale (B, Hk) fp32 that

@@ -90,13 +90,11 @@ import torch
 from . import rules
 from .block_sparse import BlockSparseMask
 from .kernels import block_tally
-from .rules import INT8_FALLBACK_TAU, P_SHIFT, SHIFT_BLOCK, gemm_dtype
+from .rules import FP8_MAX, INT8_FALLBACK_TAU, LOG2E, P_SHIFT, QMAX, SHIFT_BLOCK, gemm_dtype
+from .variants import PV_BITS
 
 __all__ = [
-    "QMAX",
-    "FP8_MAX",
     "P_SHIFT",
-    "PV_BITS",
     "rotation_size",
     "log2_units",
     "fwht",
@@ -120,14 +118,6 @@ __all__ = [
     "coded_logit_error",
     "stated_bound",
 ]
-
-QMAX = 127.0
-"""The largest INT8 code used (symmetric codes in [-127, 127])."""
-FP8_MAX = 448.0
-"""The largest finite e4m3 value."""
-PV_BITS = (16, 8)
-"""``pv_bits``: ``P V`` in the GEMM dtype (16) or in FP8 e4m3 (8)."""
-LOG2E = 1.4426950408889634
 
 _F32 = torch.float32
 _F64 = torch.float64

@@ -29,6 +29,9 @@ __all__ = [
     "INT8_FALLBACK_TAU",
     "P_SHIFT",
     "FP16_MAX",
+    "QMAX",
+    "FP8_MAX",
+    "LOG2E",
     "DEFAULT_PRECISION",
     "DEFAULT_SHIFT",
     "shift_mode",
@@ -68,6 +71,14 @@ range (FlashAttention-3's shift); the spec and the kernels read it here."""
 
 FP16_MAX = 65504.0
 """The largest finite fp16 value: a score above it overflows to inf in fp16."""
+QMAX = 127.0
+"""The largest INT8 code the 8-bit precisions use (symmetric codes in [-127, 127]); the spec and the kernels read
+it here."""
+FP8_MAX = 448.0
+"""The largest finite FP8 e4m3 value: the 8-bit spec's and the kernels' FP8 ``V`` and the peers' FP8 inputs are
+scaled into it."""
+LOG2E = 1.4426950408889634
+"""log2(e): ``scale LOG2E`` turns logits into the log2 units of ``exp2``; the spec and the kernels read it here."""
 
 def gemm_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype a tensor core reads for inputs of ``dtype`` (the rounding model's "GEMM dtype" ``g``): bf16

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 __all__ = ["SHIFT_MODES", "SHIFT_ALIASES", "PRECISIONS", "KERNEL_PRECISIONS", "EIGHT_BIT", "DEFAULT_SHIFT",
            "DEFAULT_PRECISION", "Variant", "DEFAULT", "VARIANTS", "shift_mode", "combination_problem", "eight_bit",
-           "pv_bits"]
+           "PV_BITS", "pv_bits"]
 
 SHIFT_MODES = ("exact", "pasa", "none")
 SHIFT_ALIASES = {True: "pasa", False: "none"}
@@ -48,7 +48,10 @@ EIGHT_BIT = ("int8", "fp8")
 """The 8-bit precisions: INT8 codes for ``q k^T`` on centred, rotated keys, the exact shift only; ``P V`` in
 16 bits (``int8``) or in FP8 e4m3 (``fp8``)."""
 
-_PV_BITS = {"int8": 16, "fp8": 8}
+PV_BITS = (16, 8)
+"""The bits of ``P`` and ``V`` in the 8-bit precisions' ``P V`` GEMM, in the order of :data:`EIGHT_BIT`: the inputs'
+dtype (16, ``int8``) or FP8 e4m3 (8, ``fp8``)."""
+_PV_BITS = dict(zip(EIGHT_BIT, PV_BITS))
 
 DEFAULT_SHIFT = "exact"
 DEFAULT_PRECISION = "hybrid"

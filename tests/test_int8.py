@@ -63,6 +63,7 @@ from pasa_diffusers import numerics
 from pasa_diffusers import reference_int8 as r8
 from pasa_diffusers.reference import exact_shift_reference, golden_attention
 from pasa_diffusers.rules import SHIFT_BLOCK
+from pasa_diffusers.variants import PV_BITS
 from tests.eight_bit import assert_spec_to_one_ulp, ulp
 
 K = 1.5
@@ -231,7 +232,7 @@ SPREAD_CASES = {"q, k ~ N(0, 1.5^2)": (1.5, 1.5, False), "q, k ~ N(0, 2^2)": (2.
 
 
 @pytest.mark.parametrize("case", list(SPREAD_CASES))
-@pytest.mark.parametrize("pv_bits", r8.PV_BITS)
+@pytest.mark.parametrize("pv_bits", PV_BITS)
 @pytest.mark.parametrize("dtype,d", [(torch.float16, 64), (torch.bfloat16, 128)], ids=["fp16-64", "bf16-128"])
 def test_reference_within_its_stated_bound_on_larger_spreads(case, pv_bits, dtype, d, gen):
     """The bound the module docstring states as a function of the input (``reference_int8.stated_bound``:
@@ -418,7 +419,7 @@ def test_kernel_16_bit_blocks(case, gen):
 
 
 @interpreted
-@pytest.mark.parametrize("pv_bits", quantize.PV_BITS)
+@pytest.mark.parametrize("pv_bits", PV_BITS)
 @pytest.mark.parametrize("n_k,block_n,last_flagged", [(300, 32, False), (300, 64, False), (420, 32, True),
                                                       (420, 64, True), (420, 128, True)])
 def test_kernel_visits_coded_tiles_then_16_bit_ones(n_k, block_n, last_flagged, pv_bits, gen):
@@ -632,7 +633,7 @@ def _gluon_or_skip():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pv_bits", quantize.PV_BITS)
+@pytest.mark.parametrize("pv_bits", PV_BITS)
 @pytest.mark.parametrize("config", GLUON_CONFIGS, ids=["x".join(map(str, c.values())) for c in GLUON_CONFIGS])
 @pytest.mark.parametrize("case", ["gqa,ragged,fp16", "d80-padded,one-key-block", "bf16,d128", "jump misaligned,d128",
                                   "sign change,bf16,d64"])
@@ -683,7 +684,7 @@ def test_gpu_auto_takes_the_gluon_kernel_on_hopper(gen):
     assert chosen(n_k=k.shape[2] - 1) == "portable-int8"
     assert chosen(pv_bits=8) == "gluon-int8"
     assert chosen(config=GPU_CONFIG) == "portable-int8"
-    for pv_bits in quantize.PV_BITS:
+    for pv_bits in PV_BITS:
         auto = _int8(q, k, v, torch.empty_like(q), scale=0.125, pv_bits=pv_bits)
         assert torch.equal(auto, _int8(q, k, v, torch.empty_like(q), scale=0.125, kernel="gluon-int8", pv_bits=pv_bits))
 

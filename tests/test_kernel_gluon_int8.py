@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 from pasa_diffusers.kernels import dispatch, gluon_common, hopper_int8, quantize  # noqa: E402
 from pasa_diffusers.kernels.common import INTERPRET  # noqa: E402
 from pasa_diffusers.kernels.tuning import SMEM_LIMIT  # noqa: E402
-from pasa_diffusers.variants import Variant  # noqa: E402
+from pasa_diffusers.variants import PV_BITS, Variant  # noqa: E402
 
 INT8 = Variant("exact", "int8")
 
@@ -76,7 +76,7 @@ def test_per_key_vectors_are_padded_rows_for_tma(n_k):
 
 @pytest.mark.parametrize("head_dim", gluon_common.HEAD_DIMS)
 @pytest.mark.parametrize("fallback", [True, False])
-@pytest.mark.parametrize("pv_bits", quantize.PV_BITS)
+@pytest.mark.parametrize("pv_bits", PV_BITS)
 @pytest.mark.parametrize("n_k", [hopper_int8.SHORT_KEYS, hopper_int8.SHORT_KEYS + 1])
 def test_tuned_configs_fit_the_shared_memory(head_dim, fallback, pv_bits, n_k):
     dp = 64 if head_dim <= 64 else 128

@@ -19,7 +19,8 @@ from ..block_sparse import BlockSparseMask
 __all__ = ["LOG2E", "LN2", "P_SHIFT", "INTERPRET", "log2_units", "round_to", "mma", "binade", "centre_tile", "cdiv", "strides3",
            "lse_arg", "kept_blocks", "mask_args"]
 
-LOG2E = tl.constexpr(1.4426950408889634)
+LOG2E = tl.constexpr(rules.LOG2E)
+"""``rules.LOG2E`` as the kernels' constexpr."""
 LN2 = tl.constexpr(0.6931471805599453)
 """ln 2: a log2-unit log-sum-exp times ``LN2`` is the natural-log one."""
 P_SHIFT = tl.constexpr(rules.P_SHIFT)

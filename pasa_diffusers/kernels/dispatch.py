@@ -47,7 +47,7 @@ from . import block_tally
 from ..block_sparse import BlockSparseMask
 from ..shift_matrix import shift_constants
 from ..rules import MASK_QUERY_TILE, SHIFT_BLOCK
-from ..variants import KERNEL_PRECISIONS, Variant, eight_bit
+from ..variants import KERNEL_PRECISIONS, PV_BITS, Variant, eight_bit
 from ..variants import pv_bits as precision_pv_bits
 from . import hopper, hopper_int8, int8, packed, portable, quantize
 from .call import KEY_COPYING_PREPASSES, Call, Kernel, Plan
@@ -134,8 +134,8 @@ def _eight_bit_pv_bits(fn: str, precision: str, pv_bits: int | None) -> int:
     own = precision_pv_bits(precision)
     if pv_bits is None:
         return own
-    if pv_bits not in quantize.PV_BITS:
-        raise ValueError(f"{fn}: unknown pv_bits={pv_bits!r}; expected one of {quantize.PV_BITS}")
+    if pv_bits not in PV_BITS:
+        raise ValueError(f"{fn}: unknown pv_bits={pv_bits!r}; expected one of {PV_BITS}")
     if precision == "fp8" and pv_bits != own:
         raise ValueError(f"{fn}: precision='fp8' computes P V in FP8 e4m3 (pv_bits=8), got pv_bits={pv_bits!r}; "
                          "for P V in 16 bits use precision='int8'")

@@ -62,12 +62,11 @@ and the measurements behind the configs: docs/notes/hopper.md.
 """
 from __future__ import annotations
 
-import math
 from types import MappingProxyType
 
 import torch
 
-from ..rules import SHIFT_BLOCK
+from ..rules import LOG2E, SHIFT_BLOCK
 from .call import Call, Kernel, Plan
 from .common import INTERPRET, LN2, cdiv, lse_arg
 from .gluon_common import (CENTRE_ROWS, PRODUCER_WARPS, ROWS_PER_CONSUMER, descriptor,
@@ -494,7 +493,7 @@ def kernel_call(q, k_c, v, centres, out, *, scale: float, config: dict | None = 
     args = (descriptor(q, ROWS_PER_CONSUMER, tile), descriptor(k_c, cfg["BLOCK_N"], tile),
             descriptor(v, cfg["BLOCK_N"], tile), descriptor(c_g, CENTRE_ROWS, tile),
             descriptor(out, ROWS_PER_CONSUMER, tile), lse_arg(lse, q.device),
-            h_q, h_q // h_k, n_q, n_k, float(scale) * math.log2(math.e))
+            h_q, h_q // h_k, n_q, n_k, float(scale) * LOG2E)
     meta = dict(HEAD_DIM=tile, BLOCK_N=cfg["BLOCK_N"], NUM_STAGES=cfg["num_stages"],
                 NUM_CONSUMERS=cfg["consumers"], SHIFT_BLOCK_N=SHIFT_BLOCK, MASK_N=n_k % cfg["BLOCK_N"] != 0,
                 OVERLAP=bool(cfg["overlap"]), STORE_LSE=lse is not None, PINGPONG=cfg["pingpong"],

@@ -32,17 +32,18 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import rules
 from ..rules import INT8_FALLBACK_TAU, SHIFT_BLOCK
 from .common import INTERPRET, binade, cdiv, log2_units, round_to, strides3
 from .tuning import pow2_tile
 
 __all__ = ["colstats_kernel", "colstats_reduce_kernel", "quantize_kernel", "fallback_flags_kernel", "Prepared",
-           "Scratch", "allocate", "quantize_call", "flags_call", "prepare", "PV_BITS"]
+           "Scratch", "allocate", "quantize_call", "flags_call", "prepare"]
 
-PV_BITS = (16, 8)
-"""What ``P V`` takes: the inputs' dtype (16) or FP8 e4m3 (8)."""
-QMAX = tl.constexpr(127.0)
-FP8_MAX = tl.constexpr(448.0)
+QMAX = tl.constexpr(rules.QMAX)
+"""``rules.QMAX`` (the largest INT8 code) as the kernels' constexpr."""
+FP8_MAX = tl.constexpr(rules.FP8_MAX)
+"""``rules.FP8_MAX`` (e4m3's largest finite value) as the kernels' constexpr."""
 RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23
 
 
