@@ -8,7 +8,7 @@
     python -m bench.dit --model ltx-video --backends sdpa pasa fa3 --out DIR
     python -m bench.dit --model mochi-1 --resolution 480x848x19 480x848x163 --out DIR
     python -m bench.dit --model tiny-wan --out DIR                          # any machine, the CPU included
-    python -m bench.dit --resolution 720p --backends sdpa pasa pasa-sparse pasa-fp8-sparse --mask radial --out DIR
+    python -m bench.dit --resolution 720p --backends sdpa pasa pasa-sparse pasa-fp8-sparse --mask tile-window --out DIR
 
 The transformer of ``pipelines.video_dits`` (``FULL_SIZE``: Wan 2.1 1.3B / 14B, CogVideoX-5B, HunyuanVideo,
 LTX-Video 0.9 (2B), Mochi 1 preview from their released configs, random weights, bf16 on the GPU; or a
