@@ -116,6 +116,15 @@ class BlockSparseMask:
         object.__setattr__(mask, "keeps_all", self.keeps_all)
         return mask
 
+    def keys_prefix(self, kv_len: int) -> BlockSparseMask:
+        """This mask over the first ``kv_len`` keys only (a key-padding mask that drops a suffix of the keys): the
+        key blocks past them dropped, the last one left ragged."""
+        if not (isinstance(kv_len, int) and 0 < kv_len <= self.kv_len):
+            raise ValueError(f"BlockSparseMask.keys_prefix: kv_len must be an int in [1, {self.kv_len}], got "
+                             f"kv_len={kv_len!r}")
+        blocks = self.dense_blocks()[..., :_blocks(kv_len, self.block_k)]
+        return BlockSparseMask.from_dense(blocks, self.q_len, kv_len, block_q=self.block_q, block_k=self.block_k)
+
     def select(self, batches: tuple[int, int], heads: tuple[int, int]) -> BlockSparseMask:
         """This mask on batch elements ``[b0, b1)`` and mask heads ``[h0, h1)``: views, not validated again
         (:meth:`from_checked`); a shared (size 1) batch or head dimension stays whole."""

@@ -15,9 +15,12 @@ module of the denoiser, from 0):
    mask (a static mask once per binding, the pooled mask from the call's own q and k), runs the op with it and
    puts the output back in the model's order.  The reorder costs three gathers of q, k, v and one of the output.
 
-Counted (eager mode, as ``calls``): ``sparse_calls``, and ``dense_calls`` per reason: ``"schedule"``, and
-``"key padding"`` for a key-padding mask that drops keys (HunyuanVideo's padded prompt tokens: the kept keys
-are no longer the grid's blocks, so the call runs dense on them; logged once per process).  Cross-attention and
+A key-padding mask that drops keys (a padded prompt in a joint attention) keeps the call sparse where each batch
+element's kept keys are the first ones of the sequence in the mask's order (the text after the video, its padding
+at the end: HunyuanVideo, Mochi): each element attends its kept keys with the mask's blocks over them.  Counted
+(eager mode, as ``calls``): ``sparse_calls``, and ``dense_calls`` per reason: ``"schedule"``, and ``"key
+padding"`` for a key-padding mask whose kept keys are not such a prefix (padding before the video tokens: the
+call runs dense on its kept keys; logged once per process).  Cross-attention and
 every other module run dense, as ``PASAAttnProcessor`` does.  A bound call whose sequence is not the bound
 grid's, or a self-attention call before any binding, raises ``ValueError`` naming the module: a sparse backend
 never runs dense without saying so.
@@ -31,7 +34,7 @@ import torch
 
 from .block_sparse import DEFAULT_BLOCK
 from .mask_coverage import head_density
-from .masks import kept_keys
+from .masks import KeptKeys, kept_keys
 from .ops import pasa_attention
 from .processors import PASAAttnProcessor
 from .variants import DEFAULT_PRECISION, DEFAULT_SHIFT
@@ -70,6 +73,19 @@ class SparseBinding:
     build: MaskBuilder
     layer: int
     clock: DenoisingClock
+
+
+def _prefix_lengths(kept: KeptKeys, order: TokenOrder | None) -> list[int] | None:
+    """Per batch element how many keys a key-padding mask keeps, where they are the first ones of the sequence in
+    the mask's ``order`` (text tokens after the video's, their padding at the end: HunyuanVideo's and Mochi's joint
+    attention); ``None`` where any element keeps others."""
+    lengths = []
+    for positions in kept.positions:
+        placed = positions if order is None else order.inverse.to(positions.device)[positions]
+        if not bool((torch.sort(placed).values == torch.arange(len(placed), device=placed.device)).all()):
+            return None
+        lengths.append(len(placed))
+    return lengths
 
 
 class SparsePASAAttnProcessor(PASAAttnProcessor):
@@ -176,18 +192,33 @@ class SparsePASAAttnProcessor(PASAAttnProcessor):
         if not self.schedule.sparse(bound.clock.step, bound.layer):
             self._count_dense("schedule")
             return super().attention(query, key, value, scale, attention_mask)
-        if attention_mask is not None and not kept_keys(attention_mask, key.shape[0], key.shape[1]).all_kept:
-            self._count_dense("key padding")
-            return super().attention(query, key, value, scale, attention_mask)
+        lengths = None
+        if attention_mask is not None:
+            kept = kept_keys(attention_mask, key.shape[0], key.shape[1])
+            lengths = None if kept.all_kept else _prefix_lengths(kept, bound.order)
+            if not kept.all_kept and lengths is None:
+                self._count_dense("key padding")
+                return super().attention(query, key, value, scale, attention_mask)
         if not torch.compiler.is_compiling():
             self.sparse_calls += 1
         order = bound.order
         if order is not None:
             query, key, value = (order.apply(x, dim=1) for x in (query, key, value))
-        block_mask = bound.build(query.transpose(1, 2), key.transpose(1, 2))
         try:
-            out = pasa_attention(query, key, value, scale=scale, precision=self.precision, shift=self.shift,
-                                 beta=self.beta, layout="bnhd", block_mask=block_mask)
+            if lengths is None:
+                out = self._masked(query, key, value, scale)
+            else:  # each batch element on its kept keys, a prefix of the sequence
+                out = torch.cat([self._masked(query[b:b + 1], key[b:b + 1, :n], value[b:b + 1, :n], scale)
+                                 for b, n in enumerate(lengths)])
         except ValueError as error:
             raise ValueError(f"{where}: {error}") from error
         return out if order is None else order.undo(out, dim=1)
+
+    def _masked(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None) -> torch.Tensor:
+        """The op with the call's mask on ``(B, N, H, D)`` tensors in the mask's order; keys a prefix of the bound
+        sequence (a key-padding mask's kept keys) take the mask's blocks over them."""
+        block_mask = self.binding.build(query.transpose(1, 2), key.transpose(1, 2))
+        if block_mask.kv_len != key.shape[1]:
+            block_mask = block_mask.keys_prefix(key.shape[1])
+        return pasa_attention(query, key, value, scale=scale, precision=self.precision, shift=self.shift,
+                              beta=self.beta, layout="bnhd", block_mask=block_mask)

@@ -322,3 +322,14 @@ def test_the_docs_python_blocks_run():
     assert blocks
     for code in blocks:
         exec(compile(code, "docs/SPARSE.md", "exec"), {})
+
+
+def test_keys_prefix_keeps_the_blocks_over_the_first_keys():
+    dense = torch.tensor([[True, False, True, True], [False, True, False, True]])
+    mask = BlockSparseMask.from_dense(dense, 200, 400)
+    short = mask.keys_prefix(300)
+    assert (short.kv_len, short.n_k_blocks) == (300, 3)
+    assert torch.equal(short.dense_blocks()[0, 0], dense[:, :3])
+    assert torch.equal(short.element_mask(), mask.element_mask()[..., :300])
+    with pytest.raises(ValueError, match=r"keys_prefix: kv_len must be an int in \[1, 400\], got kv_len=401"):
+        mask.keys_prefix(401)

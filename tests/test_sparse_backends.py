@@ -123,13 +123,42 @@ def test_other_modules_and_the_one_key_block_fallback_run_dense(gen):
     assert fp8.fallback_reason(short[0], short[1], None) == "one key block"
 
 
-def test_a_key_padding_mask_that_drops_keys_runs_dense_and_is_counted(gen):
+def test_a_padded_prompt_after_the_video_stays_sparse(gen):
+    """Text after the video (HunyuanVideo, Mochi) with its padding at the end: each batch element attends its kept
+    keys with the mask's blocks over them: the masked golden with the padding removed too."""
+    tokens = VideoTokens(3, 16, 16, text=20, text_at="last")
+    processor = SparsePASAAttnProcessor(mask="tile-window", window=(0, 1, 1), dense_steps=0, dense_layers=0)
+    processor.kind, processor.name = SELF_KIND, "transformer_blocks.0.attn"
+    processor.bind(tokens, layer=0, clock=DenoisingClock(), device="cpu")
+    q, k, v = (torch.cat([x, y]) for x, y in zip(_qkv(gen, tokens.n_tokens), _qkv(gen, tokens.n_tokens)))
+    kept = torch.ones(2, 1, 1, tokens.n_tokens, dtype=torch.bool)
+    kept[0, ..., -5:] = False
+    kept[1, ..., -9:] = False
+    out = processor.attention(q, k, v, None, kept)
+    assert (processor.sparse_calls, processor.dense_calls) == (1, {})
+
+    order = processor.binding.order
+    qo, ko = (_bhnd(x[:, order.perm]) for x in (q, k))
+    element = processor.binding.build(qo, ko).element_mask()[..., order.inverse, :][..., order.inverse]
+    golden = F.scaled_dot_product_attention(*(_bhnd(x).double() for x in (q, k, v)), attn_mask=element & kept)
+    references = []
+    for b, n in enumerate((tokens.n_tokens - 5, tokens.n_tokens - 9)):
+        qb = _bhnd(q[b:b + 1, order.perm])
+        kb, vb = (_bhnd(x[b:b + 1, order.perm][:, :n]) for x in (k, v))
+        mask = processor.binding.build(qb, kb).keys_prefix(n)
+        references.append(R.exact_shift_reference(qb, kb, vb, precision="hybrid", block_mask=mask))
+    reference = torch.cat(references)[..., order.inverse, :]
+    err, err_ref = numerics.rel_rmse(_bhnd(out), golden), numerics.rel_rmse(reference, golden)
+    assert torch.isfinite(out).all() and err <= K_BOUND["exact", "hybrid"] * err_ref + TINY
+
+
+def test_padding_that_is_not_a_prefix_runs_dense_and_is_counted(gen):
     processor = _processor()
     q, k, v = _qkv(gen)
     keep_all = torch.ones(1, 1, 1, TOKENS.n_tokens, dtype=torch.bool)
     processor.attention(q, k, v, None, keep_all)
     drop = keep_all.clone()
-    drop[..., -5:] = False
+    drop[..., :3] = False  # the first video tokens: no prefix of the sequence
     out = processor.attention(q, k, v, None, drop)
     assert torch.equal(out, PASAAttnProcessor().attention(q, k, v, None, drop))
     assert (processor.sparse_calls, processor.dense_calls) == (1, {"key padding": 1})
