@@ -40,7 +40,7 @@ from .processors import PASAAttnProcessor
 from .variants import DEFAULT_PRECISION, DEFAULT_SHIFT
 from .video_masks import MaskBuilder, MaskChoice, SparseSchedule, TokenOrder, VideoTokens, tile_order
 
-__all__ = ["SELF_KIND", "ORDERS", "DenoisingClock", "SparseBinding", "SparsePASAAttnProcessor"]
+__all__ = ["SELF_KIND", "ORDERS", "SparseBinding", "SparsePASAAttnProcessor"]
 
 logger = logging.getLogger("pasa_diffusers")
 
@@ -54,25 +54,16 @@ _WARNED: set[str] = set()
 """The dense-call reasons already logged (once per process)."""
 
 
-class DenoisingClock:
-    """The denoising step a generation is at (0-based), shared by the processors it binds; ``pipelines.sparse``
-    advances it when the denoiser is called with a new timestep."""
-
-    def __init__(self) -> None:
-        self.step = 0
-
-
 @dataclass(frozen=True, eq=False)
 class SparseBinding:
     """What a bound processor needs: the ``tokens`` of the self-attention sequence, the ``order`` the mask is
-    built in (``None``: the model's), the mask ``build``er of a call (q, k in that order, (B, H, N, D)), the
-    processor's ``layer`` (its index among the denoiser's self-attention modules) and the generation's ``clock``."""
+    built in (``None``: the model's), the mask ``build``er of a call (q, k in that order, (B, H, N, D)) and the
+    processor's ``layer`` (its index among the denoiser's self-attention modules)."""
 
     tokens: VideoTokens
     order: TokenOrder | None
     build: MaskBuilder
     layer: int
-    clock: DenoisingClock
 
 
 def _prefix_lengths(kept: KeptKeys, order: TokenOrder | None) -> list[int] | None:
@@ -102,7 +93,9 @@ class SparsePASAAttnProcessor(PASAAttnProcessor):
 
     Attributes:
         choice: the ``MaskChoice``; ``schedule``: the ``SparseSchedule``; ``binding``: the ``SparseBinding`` or
-        ``None``; ``sparse_calls`` and ``dense_calls`` (per reason): the self-attention calls, in eager mode;
+        ``None``; ``sparse_now``: whether the bound step and layer run sparse (:meth:`at_step`; a bool, so that
+        a compiled model holds two graphs at most, not one per step); ``sparse_calls`` and ``dense_calls`` (per
+        reason): the self-attention calls, in eager mode;
         ``density``: the share of (query, key) pairs a static mask keeps (``mask_coverage.head_density``), from
         the last binding (``None`` for the pooled mask, whose density is each call's).
     """
@@ -137,10 +130,11 @@ class SparsePASAAttnProcessor(PASAAttnProcessor):
         self.sparse_calls = 0
         self.dense_calls: dict[str, int] = {}
         self.density: float | None = None
+        self.sparse_now = False
 
-    def bind(self, tokens: VideoTokens, *, layer: int, clock: DenoisingClock, device: torch.device | str) -> None:
-        """Run sparse on the self-attention of ``tokens`` as layer ``layer`` of a generation timed by ``clock``; a
-        static mask is built here, once, on ``device``."""
+    def bind(self, tokens: VideoTokens, *, layer: int, device: torch.device | str) -> None:
+        """Run sparse on the self-attention of ``tokens`` as layer ``layer``, from denoising step 0 (:meth:`at_step`
+        moves it on); a static mask is built here, once, on ``device``."""
         choice = self.choice
         if choice.kind == "radial" and choice.spatial_window is None:
             choice = replace(choice, spatial_window=max(tokens.height, tokens.width))
@@ -150,10 +144,16 @@ class SparsePASAAttnProcessor(PASAAttnProcessor):
             self.density = float(head_density(build(None, None), 1, 1).mean())
         if order is not None:  # on the device once, not copied there at every call
             order = TokenOrder(order.perm.to(device), order.inverse.to(device))
-        self.binding = SparseBinding(tokens, order, build, layer, clock)
+        self.binding = SparseBinding(tokens, order, build, layer)
+        self.at_step(0)
+
+    def at_step(self, step: int) -> None:
+        """The generation is at denoising step ``step`` (from 0): ``sparse_now`` from the schedule."""
+        self.sparse_now = self.schedule.sparse(step, self.binding.layer)
 
     def unbind(self) -> None:
         self.binding = None
+        self.sparse_now = False
 
     def _count_dense(self, reason: str) -> None:
         if torch.compiler.is_compiling():
@@ -189,7 +189,7 @@ class SparsePASAAttnProcessor(PASAAttnProcessor):
             raise ValueError(f"{where}: attends {query.shape[1]} queries to {key.shape[1]} keys, but it is bound to "
                              f"the {t.frames}x{t.height}x{t.width} video tokens + {t.text} text tokens "
                              f"({t.n_tokens}); bind it to this generation's size")
-        if not self.schedule.sparse(bound.clock.step, bound.layer):
+        if not self.sparse_now:
             self._count_dense("schedule")
             return super().attention(query, key, value, scale, attention_mask)
         lengths = None

@@ -24,7 +24,7 @@ from pasa_diffusers.backends import BACKENDS
 from pasa_diffusers.install import apply, module_kind
 from pasa_diffusers.pipelines.names import COVERAGE_MASKS
 from pasa_diffusers.processors import PASAAttnProcessor
-from pasa_diffusers.sparse_processor import SELF_KIND, DenoisingClock, SparsePASAAttnProcessor
+from pasa_diffusers.sparse_processor import SELF_KIND, SparsePASAAttnProcessor
 from pasa_diffusers.video_masks import MASK_KINDS, VideoTokens
 from tests.test_kernel_interpret import K_BOUND, TINY
 
@@ -38,9 +38,8 @@ def _processor(mask: str = "tile-window", *, step: int = 5, layer: int = 3, kind
                **options) -> SparsePASAAttnProcessor:
     processor = SparsePASAAttnProcessor(mask=mask, **{**MASKS[mask], "dense_steps": 2, "dense_layers": 1, **options})
     processor.kind, processor.name = kind, "blocks.3.attn1"
-    clock = DenoisingClock()
-    clock.step = step
-    processor.bind(TOKENS, layer=layer, clock=clock, device="cpu")
+    processor.bind(TOKENS, layer=layer, device="cpu")
+    processor.at_step(step)
     return processor
 
 
@@ -86,7 +85,7 @@ def test_gpu_a_sparse_call_is_the_masked_attention_in_the_models_order(mask, gen
     """The same on CUDA tensors: the portable kernel skipping the missing blocks, the mask built on the GPU."""
     processor = SparsePASAAttnProcessor(mask=mask, **MASKS[mask], dense_steps=0, dense_layers=0)
     processor.kind, processor.name = SELF_KIND, "blocks.3.attn1"
-    processor.bind(TOKENS, layer=0, clock=DenoisingClock(), device="cuda")
+    processor.bind(TOKENS, layer=0, device="cuda")
     q, k, v = _qkv(gen)
     out = processor.attention(q.cuda(), k.cuda(), v.cuda(), None).cpu()
     bound = processor.binding
@@ -129,7 +128,7 @@ def test_a_padded_prompt_after_the_video_stays_sparse(gen):
     tokens = VideoTokens(3, 16, 16, text=20, text_at="last")
     processor = SparsePASAAttnProcessor(mask="tile-window", window=(0, 1, 1), dense_steps=0, dense_layers=0)
     processor.kind, processor.name = SELF_KIND, "transformer_blocks.0.attn"
-    processor.bind(tokens, layer=0, clock=DenoisingClock(), device="cpu")
+    processor.bind(tokens, layer=0, device="cpu")
     q, k, v = (torch.cat([x, y]) for x, y in zip(_qkv(gen, tokens.n_tokens), _qkv(gen, tokens.n_tokens)))
     kept = torch.ones(2, 1, 1, tokens.n_tokens, dtype=torch.bool)
     kept[0, ..., -5:] = False
@@ -229,7 +228,7 @@ def test_a_generation_binds_counts_steps_and_releases(tiny_wan):
     assert summary["layers"] == 2 and summary["sparse_calls"] == 2 * 2 * 1  # steps 1-2, two passes, layer 1 only
     assert summary["dense_calls"] == {"schedule": 3 * 2 * 2 - 4}
     assert all(p.binding is None for p in sparse_processors(tiny_wan.transformer))
-    assert not tiny_wan.transformer._forward_pre_hooks
+    assert "step" not in vars(tiny_wan.scheduler)
     assert torch.isfinite(torch.as_tensor(sparse)).all() and not (sparse == dense).all()
     apply(tiny_wan, "pasa-sparse", mask="tile-window", window=(9, 99, 99), dense_steps=0, dense_layers=0,
           order="model")
@@ -287,3 +286,29 @@ def test_compare_refuses_a_sparse_backend_for_svd_before_any_video(tmp_path, cap
     err = capsys.readouterr().err
     assert "--backends pasa,pasa-sparse: pasa-sparse mask(s) a video transformer's self-attention" in err
     assert not (tmp_path / "samples.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_a_compiled_transformer_holds_a_dense_and_a_sparse_graph(gen):
+    """``torch.compile(fullgraph=True)`` of a routed transformer with the sparse backend: one graph for the dense
+    steps and one for the sparse ones (the schedule is a bool per processor, not the step), each eager's output."""
+    from torch._dynamo.testing import CompileCounter
+
+    from pasa_diffusers.pipelines.sparse import sparse_bound
+    from pasa_diffusers.pipelines.video_dits import example_inputs, tiny_transformer
+
+    model = tiny_transformer("wan")
+    apply(model, "pasa-sparse", mask="tile-window", window=(0, 1, 1), dense_steps=1, dense_layers=0)
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    try:
+        with torch.no_grad(), sparse_bound(model, TOKENS) as bound:
+            for step in range(3):
+                for processor in bound:
+                    processor.at_step(step)
+                inputs = {**example_inputs("wan", model, gen),
+                          "hidden_states": torch.randn(2, model.config.in_channels, 3, 32, 32, generator=gen)}
+                torch.testing.assert_close(compiled(**inputs)[0], model(**inputs)[0])
+    finally:
+        torch._dynamo.reset()
+    assert counter.frame_count == 2

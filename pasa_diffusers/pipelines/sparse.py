@@ -4,24 +4,25 @@ A sparse backend's processors (``sparse_processor.SparsePASAAttnProcessor``) nee
 does not carry: the self-attention's token sequence (``VideoTokens``: the latent grid over the patch, and the text
 tokens a joint attention adds; ``video.self_attention_tokens``) and the denoising step (for the schedule).
 :func:`sparse_bound` binds every such processor of a pipeline's denoisers for the ``with`` block, numbering the
-layers in module order, and advances one ``DenoisingClock`` each time a denoiser is called with a new timestep (a
-forward pre-hook reading the ``timestep`` keyword every diffusers video pipeline passes; the classifier-free
-guidance pass of a step sees the same timestep).  ``video.generate`` binds for each video; a user calling the
-pipeline directly wraps the call::
+layers in module order, and moves them to the next step after each call of the pipeline's ``scheduler.step`` (one
+per denoising step in every diffusers video pipeline; the classifier-free guidance passes of a step come before
+it).  Outside the models, so that a compiled transformer traces no step counting.  A model bound alone (no
+scheduler) stays at step 0.  ``video.generate`` binds for each video; a user calling the pipeline directly wraps
+the call::
 
     with sparse_bound(pipe, self_attention_tokens(pipe, num_frames=81, height=480, width=832)):
         pipe(...)
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from pasa_diffusers.install import attention_processors, counted_processor, denoisers
-from pasa_diffusers.sparse_processor import SELF_KIND, DenoisingClock, SparsePASAAttnProcessor
+from pasa_diffusers.sparse_processor import SELF_KIND, SparsePASAAttnProcessor
 from pasa_diffusers.video_masks import VideoTokens
 
 __all__ = ["sparse_processors", "sparse_bound", "sparse_summary", "sparse_line"]
@@ -33,42 +34,38 @@ def sparse_processors(model: torch.nn.Module) -> list[SparsePASAAttnProcessor]:
     return [p for p in found if isinstance(p, SparsePASAAttnProcessor) and p.kind == SELF_KIND]
 
 
-def _timestep_hook(clock: DenoisingClock, seen: list[float]) -> Any:
-    """A forward pre-hook that moves ``clock`` to the next step when the ``timestep`` keyword changes (``seen``
-    holds the last value, shared by the denoisers of one generation)."""
+def _counting_steps(scheduler: Any, processors: list[SparsePASAAttnProcessor]) -> Callable[..., Any]:
+    """``scheduler.step`` that moves ``processors`` to the next denoising step after each call."""
+    stock, done = scheduler.step, [0]
 
-    def hook(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        timestep = kwargs.get("timestep")
-        if timestep is None:
-            raise ValueError(f"sparse_bound: {type(module).__name__} was called without a timestep= keyword, which "
-                             "the sparse backends' schedule counts the denoising steps by")
-        value = float(torch.as_tensor(timestep).flatten()[0])
-        if seen and value != seen[-1]:
-            clock.step += 1
-        seen[:] = [value]
+    def step(*args: Any, **kwargs: Any) -> Any:
+        out = stock(*args, **kwargs)
+        done[0] += 1
+        for processor in processors:
+            processor.at_step(done[0])
+        return out
 
-    return hook
+    return step
 
 
 @contextmanager
 def sparse_bound(model_or_pipeline: Any, tokens: VideoTokens) -> Iterator[list[SparsePASAAttnProcessor]]:
     """Bind the sparse processors of a pipeline's denoisers (or of one model) to the self-attention of ``tokens``
     while the ``with`` block runs; yields them (none: nothing to bind, the block runs as it is).  Static masks
-    are built here, once, on each model's device; the step clock starts at 0."""
-    clock, seen = DenoisingClock(), []
-    bound, hooks = [], []
+    are built here, once, on each model's device; a pipeline's ``scheduler.step`` counts the steps from 0."""
+    bound = []
+    scheduler = getattr(model_or_pipeline, "scheduler", None)
     try:
         for model in denoisers(model_or_pipeline):
-            mine = sparse_processors(model)
-            for layer, processor in enumerate(mine):
-                processor.bind(tokens, layer=layer, clock=clock, device=model.device)
+            for layer, processor in enumerate(sparse_processors(model)):
+                processor.bind(tokens, layer=layer, device=model.device)
                 bound.append(processor)
-            if mine:
-                hooks.append(model.register_forward_pre_hook(_timestep_hook(clock, seen), with_kwargs=True))
+        if bound and scheduler is not None:
+            scheduler.step = _counting_steps(scheduler, bound)
         yield bound
     finally:
-        for hook in hooks:
-            hook.remove()
+        if bound and scheduler is not None:
+            vars(scheduler).pop("step", None)
         for processor in bound:
             processor.unbind()
 
