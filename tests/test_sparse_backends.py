@@ -276,6 +276,8 @@ def test_compare_scores_a_sparse_backend_against_the_fp32_reference(tmp_path, ca
     assert record["backend"] == "pasa-sparse" and record["sparse"]["mask"] == "tile-window (window 0,1,1)"
     assert record["sparse"]["sparse_calls"] == 2 * 2 and record["sparse"]["dense_calls"] == {}
     assert math.isfinite(record["psnr"]) and record["nonfinite_frames"] == 0
+    assert ("pasa-sparse: block-sparse mask tile-window (window 0,1,1), density 0.556 on 4 of 4 self-attention "
+            "calls (dense for the first 0 steps and 0 layers).") in (tmp_path / "report.md").read_text()
 
 
 @pytest.mark.slow

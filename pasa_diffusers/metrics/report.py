@@ -15,7 +15,8 @@ Report layout (``report.json``)::
                              "identical_samples", "fallbacks": {"calls", "fallback_calls", "share",
                                                                 "reasons": {reason: calls},
                                                                 "int8_blocks": {"blocks", "in_16_bits",
-                                                                                "share"}}}},
+                                                                                "share"}},
+                             "sparse": None or {"mask", "density", "schedule", "sparse_calls", "dense_calls"}}},
      "per_frame": {backend: {"psnr": {"mean": [...], "ci95": [[lo, hi], ...], "n": [...]}}},
      "worst":     {backend: [{"sample", "image", "seed", "psnr", "ssim", "nonfinite_frames", "video"}]},
      "records": "samples.jsonl"}
@@ -84,6 +85,21 @@ def _fallbacks(backend: str, records: list[dict[str, Any]]) -> dict[str, Any]:
             "int8_blocks": {"blocks": blocks, "in_16_bits": in_16_bits, "share": in_16_bits / blocks if blocks else None}}
 
 
+def _sparse(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """A sparse backend's mask over its records (``pipelines.sparse.sparse_summary``: the first record's mask,
+    density and schedule, the calls added up), or ``None`` for a backend that runs no mask."""
+    summaries = [r["sparse"] for r in records if r.get("sparse")]
+    if not summaries:
+        return None
+    dense: dict[str, int] = {}
+    for summary in summaries:
+        for reason, calls in summary["dense_calls"].items():
+            dense[reason] = dense.get(reason, 0) + calls
+    first = summaries[0]
+    return {"mask": first["mask"], "density": first["density"], "schedule": first["schedule"],
+            "sparse_calls": sum(summary["sparse_calls"] for summary in summaries), "dense_calls": dense}
+
+
 def worst_key(record: dict[str, Any]) -> tuple[int, float] | None:
     """How bad a record is, for the worst-samples list: ascending keys are worse first (most non-finite
     frames, then lowest PSNR); ``None`` for a video identical to the reference, never listed.  Ties
@@ -137,7 +153,7 @@ def build_report(records: Sequence[dict[str, Any]], *, backends: Sequence[str], 
                      "frames": sum(r["frames"] for r in rows),
                      "nonfinite_frames": sum(r["nonfinite_frames"] for r in rows),
                      "identical_samples": int(np.isposinf(values[name]["psnr"]).sum()),
-                     "fallbacks": _fallbacks(name, rows)}
+                     "fallbacks": _fallbacks(name, rows), "sparse": _sparse(rows)}
               for name, rows in by_backend.items()}
     per_frame = {name: {"psnr": stats.per_frame([[from_json_float(v) for v in r["psnr_per_frame"]] for r in rows])}
                  for name, rows in by_backend.items()}
@@ -412,6 +428,21 @@ def _fallback_note(report: dict[str, Any]) -> str:
     return text
 
 
+def _sparse_notes(report: dict[str, Any]) -> list[str]:
+    """Per sparse backend its mask in one line: the mask, its density, and how many self-attention calls ran it."""
+    notes = []
+    for name, health in report["health"].items():
+        sparse = health.get("sparse")
+        if not sparse:
+            continue
+        dense = sum(sparse["dense_calls"].values())
+        kept = "" if sparse["density"] is None else f", density {sparse['density']:.3f}"
+        notes.append(f"{name}: block-sparse mask {sparse['mask']}{kept} on {sparse['sparse_calls']} of "
+                     f"{sparse['sparse_calls'] + dense} self-attention calls (dense for the first "
+                     f"{sparse['schedule']['dense_steps']} steps and {sparse['schedule']['dense_layers']} layers).")
+    return notes
+
+
 def _timing_note(report: dict[str, Any]) -> list[str]:
     """On a CPU: the times are CPU times, which say nothing about GPU speed."""
     if not _on_cpu(report):
@@ -475,7 +506,7 @@ def format_markdown(report: dict[str, Any], plots: Sequence[str] = ()) -> str:
         lines += [report["lpips"], ""]
     lines += ["Temporal PSNR compares frame differences (data range 2); flicker is the mean frame change of the "
               "backend over the reference's.", "", _fallback_note(report)]
-    for note in _timing_note(report):
+    for note in _sparse_notes(report) + _timing_note(report):
         lines += ["", note]
     columns, rows = paired_rows(report)
     note = _unpaired_note(report)
