@@ -16,7 +16,8 @@ Report layout (``report.json``)::
                                                                 "reasons": {reason: calls},
                                                                 "int8_blocks": {"blocks", "in_16_bits",
                                                                                 "share"}},
-                             "sparse": None or {"mask", "density", "schedule", "sparse_calls", "dense_calls"}}},
+                             "sparse": {"mask", "density", "schedule", "sparse_calls", "dense_calls"}}},
+                                                                              # (a sparse backend's only)
      "per_frame": {backend: {"psnr": {"mean": [...], "ci95": [[lo, hi], ...], "n": [...]}}},
      "worst":     {backend: [{"sample", "image", "seed", "psnr", "ssim", "nonfinite_frames", "video"}]},
      "records": "samples.jsonl"}
@@ -153,7 +154,8 @@ def build_report(records: Sequence[dict[str, Any]], *, backends: Sequence[str], 
                      "frames": sum(r["frames"] for r in rows),
                      "nonfinite_frames": sum(r["nonfinite_frames"] for r in rows),
                      "identical_samples": int(np.isposinf(values[name]["psnr"]).sum()),
-                     "fallbacks": _fallbacks(name, rows), "sparse": _sparse(rows)}
+                     "fallbacks": _fallbacks(name, rows),
+                     **({"sparse": sparse} if (sparse := _sparse(rows)) else {})}
               for name, rows in by_backend.items()}
     per_frame = {name: {"psnr": stats.per_frame([[from_json_float(v) for v in r["psnr_per_frame"]] for r in rows])}
                  for name, rows in by_backend.items()}

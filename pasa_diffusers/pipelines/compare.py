@@ -24,7 +24,9 @@ A record of ``samples.jsonl``::
      "psnr_per_frame": [...], "ssim_per_frame": [...],
      "fallbacks": {"calls", "fallback_calls", "reasons": {reason: calls},
                    "int8_blocks": {"blocks", "in_16_bits"}},   # the 8-bit backends' key blocks, those in 16 bits
-     "seconds", "rank"}
+     "seconds", "rank",
+     "sparse": {"mask", "parameters", "density", "schedule", "order", "layers", "sparse_calls", "dense_calls"}}
+                                                            # a sparse backend's records only (sparse.sparse_summary)
 
 A video's PSNR (and temporal PSNR) is the mean over its frames with a finite value, ``inf`` when every
 scored frame is identical to the reference, ``null`` when no frame could be scored (non-finite pixels).
@@ -241,9 +243,9 @@ def sample_record(sample: Sample, run: VideoRun, scores: dict[str, Any], *, rank
         "ssim_per_frame": scores["ssim"]["per_frame"],
         "fallbacks": {"calls": fallbacks["calls"], "fallback_calls": fallbacks["fallback_calls"],
                       "reasons": fallbacks["fallbacks"], "int8_blocks": run.processors["int8_blocks"]},
-        "sparse": run.processors["sparse"],
         "seconds": run.seconds,
         "rank": rank,
+        **({"sparse": run.processors["sparse"]} if run.processors["sparse"] else {}),
     })
 
 
