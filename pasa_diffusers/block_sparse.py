@@ -53,8 +53,11 @@ class BlockSparseMask:
     # --- construction -------------------------------------------------------------------------------------
     @classmethod
     def from_dense(cls, blocks: torch.Tensor, q_len: int, kv_len: int, *, block_q: int = DEFAULT_BLOCK,
-                   block_k: int = DEFAULT_BLOCK) -> BlockSparseMask:
-        """From a bool block tensor (n_q_blocks, n_k_blocks), (H, nq, nk) or (B, H, nq, nk): True = kept."""
+                   block_k: int = DEFAULT_BLOCK, validate: bool = True) -> BlockSparseMask:
+        """From a bool block tensor (n_q_blocks, n_k_blocks), (H, nq, nk) or (B, H, nq, nk): True = kept.
+        ``validate=False`` reads nothing back from the device (:meth:`from_checked`: no sync, so a mask computed
+        inside an attention call keeps the GPU's queue full, a CUDA graph capture and ``torch.compile``'s graph
+        whole); the compact form made here is valid by construction, and ``keeps_all`` is then ``False``."""
         fn = "BlockSparseMask.from_dense"
         if not isinstance(blocks, torch.Tensor) or blocks.dtype != torch.bool:
             raise ValueError(f"{fn}: blocks must be a bool tensor, got "
@@ -75,6 +78,8 @@ class BlockSparseMask:
         order = torch.sort(key, dim=-1).values % n_k
         idx = torch.arange(n_k, device=blocks.device)
         indices = torch.where(idx < counts[..., None], order, torch.full_like(order, n_k)).to(torch.int32)
+        if not validate:
+            return cls.from_checked(counts, indices, q_len, kv_len, block_q, block_k)
         return cls(counts, indices, q_len, kv_len, block_q, block_k)
 
     @classmethod

@@ -230,8 +230,9 @@ def pooled_mask(q: torch.Tensor, k: torch.Tensor, *, mass: float = 0.9, min_bloc
     """Dynamic mask from pooled scores: per (batch, query head, query block) the key blocks in decreasing
     estimated mass ``softmax_j(scale qbar_i . kbar_j + log n_j)`` (``qbar``/``kbar`` the block means, ``n_j``
     the block's keys) until their share reaches ``mass`` (the block that crosses it included), at least
-    ``min_blocks``.  Torch ops on ``q``'s device, fp32; q (B, Hq, Nq, D), k (B, Hk, Nk, D) with GQA.  The
-    estimate is only as good as the blocks are uniform: check it with ``mask_coverage.coverage``."""
+    ``min_blocks``.  Torch ops on ``q``'s device, fp32, nothing read back (``from_dense(validate=False)``: a
+    compiled or captured call stays whole); q (B, Hq, Nq, D), k (B, Hk, Nk, D) with GQA.  The estimate is only as
+    good as the blocks are uniform: check it with ``mask_coverage.coverage``."""
     if not 0.0 < mass <= 1.0:
         raise ValueError(f"pooled_mask: mass must be in (0, 1], got mass={mass!r}")
     if q.dim() != 4 or k.dim() != 4 or q.shape[1] % k.shape[1] or q.shape[-1] != k.shape[-1]:
@@ -247,7 +248,8 @@ def pooled_mask(q: torch.Tensor, k: torch.Tensor, *, mass: float = 0.9, min_bloc
     rank = torch.arange(share.shape[-1], device=q.device)
     take = (before < mass) | (rank < min_blocks)
     dense = torch.zeros_like(take).scatter_(-1, idx, take)
-    return BlockSparseMask.from_dense(dense, q.shape[-2], k.shape[-2], block_q=block_q, block_k=block_k)
+    return BlockSparseMask.from_dense(dense, q.shape[-2], k.shape[-2], block_q=block_q, block_k=block_k,
+                                      validate=False)  # built on the device in the call: nothing read back
 
 
 @dataclass(frozen=True)

@@ -333,3 +333,15 @@ def test_keys_prefix_keeps_the_blocks_over_the_first_keys():
     assert torch.equal(short.element_mask(), mask.element_mask()[..., :300])
     with pytest.raises(ValueError, match=r"keys_prefix: kv_len must be an int in \[1, 400\], got kv_len=401"):
         mask.keys_prefix(401)
+
+
+def test_a_mask_built_without_validation_is_the_validated_one():
+    """``from_dense(validate=False)`` (the pooled mask's: nothing read back) makes the same compact form; only
+    ``keeps_all`` is not known (``False``)."""
+    blocks = torch.rand(2, 3, 4, 5, generator=torch.Generator().manual_seed(3)) < 0.5
+    blocks[..., 0, :] = True
+    checked = BlockSparseMask.from_dense(blocks, 500, 600)
+    built = BlockSparseMask.from_dense(blocks, 500, 600, validate=False)
+    assert torch.equal(built.kv_counts, checked.kv_counts) and torch.equal(built.kv_indices, checked.kv_indices)
+    assert (built.q_len, built.kv_len, built.keeps_all) == (500, 600, False)
+    built.validate()

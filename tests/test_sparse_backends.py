@@ -291,16 +291,18 @@ def test_compare_refuses_a_sparse_backend_for_svd_before_any_video(tmp_path, cap
 
 
 @pytest.mark.slow
-def test_a_compiled_transformer_holds_a_dense_and_a_sparse_graph(gen):
+@pytest.mark.parametrize("mask", ["tile-window", "pooled"])
+def test_a_compiled_transformer_holds_a_dense_and_a_sparse_graph(mask, gen):
     """``torch.compile(fullgraph=True)`` of a routed transformer with the sparse backend: one graph for the dense
-    steps and one for the sparse ones (the schedule is a bool per processor, not the step), each eager's output."""
+    steps and one for the sparse ones (the schedule is a bool per processor, not the step; the pooled mask is built
+    in the graph, nothing read back), each eager's output."""
     from torch._dynamo.testing import CompileCounter
 
     from pasa_diffusers.pipelines.sparse import sparse_bound
     from pasa_diffusers.pipelines.video_dits import example_inputs, tiny_transformer
 
     model = tiny_transformer("wan")
-    apply(model, "pasa-sparse", mask="tile-window", window=(0, 1, 1), dense_steps=1, dense_layers=0)
+    apply(model, "pasa-sparse", mask=mask, **MASKS[mask], dense_steps=1, dense_layers=0)
     counter = CompileCounter()
     compiled = torch.compile(model, backend=counter, fullgraph=True)
     try:
