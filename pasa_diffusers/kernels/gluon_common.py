@@ -30,7 +30,7 @@ except ImportError as exc:  # an older or newer triton without these names: impo
 
 __all__ = ["gl", "gluon_jit", "fence_async_shared", "mbarrier", "tma", "warpgroup_mma", "warpgroup_mma_wait",
            "TensorDescriptor", "GLUON_IMPORT_ERROR", "GLUON_VERSION", "HEAD_DIMS", "ROWS_PER_CONSUMER", "CENTRE_ROWS",
-           "PRODUCER_WARPS", "REGISTERS_PER_SM", "PRODUCER_REGS", "unavailable_reason", "sm90_problem",
+           "PRODUCER_WARPS", "REGISTERS_PER_SM", "PRODUCER_REGS", "SHORT_KEYS", "unavailable_reason", "sm90_problem",
            "operand_problem", "descriptor_layout_problem", "head_dim_tile", "registers", "descriptor", "kept_descriptor",
            "kept_config", "row_shift", "round_p", "widen_p", "release"]
 
@@ -48,6 +48,8 @@ PRODUCER_WARPS = 4
 REGISTERS_PER_SM = 65536
 PRODUCER_REGS = 24
 """Registers per thread of the producer warpgroup (TMA copies only)."""
+SHORT_KEYS = 1024
+"""The most keys the Gluon kernels' short-keys configs (64-key tiles) serve, in 16 and 8 bits alike."""
 _GL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.int8: "int8",
               torch.float8_e4m3fn: "float8e4nv"}
 _OPERAND_DTYPES = (torch.float16, torch.bfloat16)

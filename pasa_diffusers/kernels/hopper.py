@@ -69,7 +69,7 @@ import torch
 from ..rules import LOG2E, SHIFT_BLOCK
 from .call import Call, Kernel, Plan
 from .common import INTERPRET, LN2, cdiv, lse_arg
-from .gluon_common import (CENTRE_ROWS, PRODUCER_WARPS, ROWS_PER_CONSUMER, descriptor,
+from .gluon_common import (CENTRE_ROWS, PRODUCER_WARPS, ROWS_PER_CONSUMER, SHORT_KEYS, descriptor,
                            descriptor_layout_problem, fence_async_shared, gl, gluon_jit, head_dim_tile, kept_config,
                            mbarrier, operand_problem, registers, release, round_p, row_shift, sm90_problem, tma,
                            unavailable_reason, warpgroup_mma, warpgroup_mma_wait, widen_p)
@@ -399,8 +399,6 @@ registers (240) for a (64, 128) fp32 accumulator beside its (64, 128) scores and
 FA3's overlap and ping-pong (measured: docs/notes/hopper.md)."""
 WIDE_SHORT_KEYS_CONFIG = {"BLOCK_N": 64, "num_stages": 3, "overlap": True, "consumers": 2, "pingpong": False}
 """The config for at most ``SHORT_KEYS`` keys at head dims above 64."""
-SHORT_KEYS = 1024
-"""The most keys the short-keys configs serve."""
 
 
 def shared_bytes(cfg: dict, tile: int, element_size: int) -> int:

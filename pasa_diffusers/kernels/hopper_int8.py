@@ -75,10 +75,10 @@ import triton.language as tl
 from ..rules import SHIFT_BLOCK
 from .call import Call, Kernel, Plan
 from .common import INTERPRET, LN2, P_SHIFT, cdiv, log2_units
-from .gluon_common import (CENTRE_ROWS, PRODUCER_WARPS, ROWS_PER_CONSUMER, TensorDescriptor, descriptor,
-                           descriptor_layout_problem, fence_async_shared, gl, gluon_jit, kept_config, kept_descriptor,
-                           mbarrier, operand_problem, registers, release, round_p, row_shift, sm90_problem, tma,
-                           warpgroup_mma, warpgroup_mma_wait)
+from .gluon_common import (CENTRE_ROWS, PRODUCER_WARPS, ROWS_PER_CONSUMER, SHORT_KEYS, TensorDescriptor,
+                           descriptor, descriptor_layout_problem, fence_async_shared, gl, gluon_jit, kept_config,
+                           kept_descriptor, mbarrier, operand_problem, registers, release, round_p, row_shift,
+                           sm90_problem, tma, warpgroup_mma, warpgroup_mma_wait)
 from .tuning import SMEM_LIMIT
 
 __all__ = ["int8_fwd_gluon_kernel", "forward", "kernel_call", "unsuitable_reason", "tuned_config", "shared_bytes",
@@ -93,7 +93,6 @@ CONFIGS = {64: {"BLOCK_N": 128, "num_stages": 2, "consumers": 2, "lazy": False},
 (the fastest on the H200; the measurements: docs/notes/int8_kernel.md)."""
 SHORT_KEYS_CONFIG = {"BLOCK_N": 64, "num_stages": 3, "consumers": 3, "lazy": False}
 """The config at DP 64 for at most :data:`SHORT_KEYS` keys: 64-key tiles, three consumers (docs/notes/int8_kernel.md)."""
-SHORT_KEYS = 1024
 
 
 @gluon_jit
