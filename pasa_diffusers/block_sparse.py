@@ -121,14 +121,16 @@ class BlockSparseMask:
         object.__setattr__(mask, "keeps_all", self.keeps_all)
         return mask
 
-    def keys_prefix(self, kv_len: int) -> BlockSparseMask:
-        """This mask over the first ``kv_len`` keys only (a key-padding mask that drops a suffix of the keys): the
-        key blocks past them dropped, the last one left ragged."""
-        if not (isinstance(kv_len, int) and 0 < kv_len <= self.kv_len):
-            raise ValueError(f"BlockSparseMask.keys_prefix: kv_len must be an int in [1, {self.kv_len}], got "
-                             f"kv_len={kv_len!r}")
-        blocks = self.dense_blocks()[..., :_blocks(kv_len, self.block_k)]
-        return BlockSparseMask.from_dense(blocks, self.q_len, kv_len, block_q=self.block_q, block_k=self.block_k)
+    def prefix(self, q_len: int, kv_len: int) -> BlockSparseMask:
+        """This mask over the first ``q_len`` queries and ``kv_len`` keys only (a key-padding mask that drops a
+        suffix of the keys; a model that drops its padded tokens from the end of the sequence): the blocks past
+        them dropped, the last ones left ragged."""
+        for name, value, whole in (("q_len", q_len, self.q_len), ("kv_len", kv_len, self.kv_len)):
+            if not (isinstance(value, int) and 0 < value <= whole):
+                raise ValueError(f"BlockSparseMask.prefix: {name} must be an int in [1, {whole}], got "
+                                 f"{name}={value!r}")
+        blocks = self.dense_blocks()[..., :_blocks(q_len, self.block_q), :_blocks(kv_len, self.block_k)]
+        return BlockSparseMask.from_dense(blocks, q_len, kv_len, block_q=self.block_q, block_k=self.block_k)
 
     def select(self, batches: tuple[int, int], heads: tuple[int, int]) -> BlockSparseMask:
         """This mask on batch elements ``[b0, b1)`` and mask heads ``[h0, h1)``: views, not validated again

@@ -17,7 +17,9 @@ module of the denoiser, from 0):
 
 A key-padding mask that drops keys (a padded prompt in a joint attention) keeps the call sparse where each batch
 element's kept keys are the first ones of the sequence in the mask's order (the text after the video, its padding
-at the end: HunyuanVideo, Mochi): each element attends its kept keys with the mask's blocks over them.  Counted
+at the end: HunyuanVideo): each element attends its kept keys with the mask's blocks over them.  A model that
+drops its padded text tokens from the sequence itself (Mochi, per batch element) calls with a prefix of the bound
+sequence: it runs with the mask's blocks over that prefix.  Counted
 (eager mode, as ``calls``): ``sparse_calls``, and ``dense_calls`` per reason: ``"schedule"``, and ``"key
 padding"`` for a key-padding mask whose kept keys are not such a prefix (padding before the video tokens: the
 call runs dense on its kept keys; logged once per process).  Cross-attention and
@@ -38,7 +40,7 @@ from .masks import KeptKeys, kept_keys
 from .ops import pasa_attention
 from .processors import PASAAttnProcessor
 from .variants import DEFAULT_PRECISION, DEFAULT_SHIFT
-from .video_masks import MaskBuilder, MaskChoice, SparseSchedule, TokenOrder, VideoTokens, tile_order
+from .video_masks import TEXT_LAST, MaskBuilder, MaskChoice, SparseSchedule, TokenOrder, VideoTokens, tile_order
 
 __all__ = ["SELF_KIND", "ORDERS", "SparseBinding", "SparsePASAAttnProcessor"]
 
@@ -184,11 +186,12 @@ class SparsePASAAttnProcessor(PASAAttnProcessor):
                              "pasa_diffusers.pipelines.video.generate, or call the pipeline inside "
                              "pipelines.sparse.sparse_bound(pipe, video.self_attention_tokens(pipe, num_frames=..., "
                              "height=..., width=...))")
-        t = bound.tokens
-        if query.shape[1] != t.n_tokens or key.shape[1] != t.n_tokens:
+        t, n = bound.tokens, query.shape[1]
+        if key.shape[1] != n or not (n == t.n_tokens or (t.text_at == TEXT_LAST and t.n_video <= n < t.n_tokens)):
             raise ValueError(f"{where}: attends {query.shape[1]} queries to {key.shape[1]} keys, but it is bound to "
                              f"the {t.frames}x{t.height}x{t.width} video tokens + {t.text} text tokens "
-                             f"({t.n_tokens}); bind it to this generation's size")
+                             f"({t.n_tokens}, or a prefix of them holding every video token where the text comes "
+                             "last); bind it to this generation's size")
         if not self.sparse_now:
             self._count_dense("schedule")
             return super().attention(query, key, value, scale, attention_mask)
@@ -202,6 +205,8 @@ class SparsePASAAttnProcessor(PASAAttnProcessor):
         if not torch.compiler.is_compiling():
             self.sparse_calls += 1
         order = bound.order
+        if order is not None and n < t.n_tokens:  # padded text dropped from the end: the order's first n places
+            order = TokenOrder(order.perm[:n], order.inverse[:n])
         if order is not None:
             query, key, value = (order.apply(x, dim=1) for x in (query, key, value))
         try:
@@ -215,10 +220,10 @@ class SparsePASAAttnProcessor(PASAAttnProcessor):
         return out if order is None else order.undo(out, dim=1)
 
     def _masked(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None) -> torch.Tensor:
-        """The op with the call's mask on ``(B, N, H, D)`` tensors in the mask's order; keys a prefix of the bound
-        sequence (a key-padding mask's kept keys) take the mask's blocks over them."""
+        """The op with the call's mask on ``(B, N, H, D)`` tensors in the mask's order; queries and keys a prefix
+        of the bound sequence (dropped padding, a key-padding mask's kept keys) take the mask's blocks over them."""
         block_mask = self.binding.build(query.transpose(1, 2), key.transpose(1, 2))
-        if block_mask.kv_len != key.shape[1]:
-            block_mask = block_mask.keys_prefix(key.shape[1])
+        if (block_mask.q_len, block_mask.kv_len) != (query.shape[1], key.shape[1]):
+            block_mask = block_mask.prefix(query.shape[1], key.shape[1])
         return pasa_attention(query, key, value, scale=scale, precision=self.precision, shift=self.shift,
                               beta=self.beta, layout="bnhd", block_mask=block_mask)

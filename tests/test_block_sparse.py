@@ -324,15 +324,18 @@ def test_the_docs_python_blocks_run():
         exec(compile(code, "docs/SPARSE.md", "exec"), {})
 
 
-def test_keys_prefix_keeps_the_blocks_over_the_first_keys():
+def test_a_prefix_keeps_the_blocks_over_the_first_queries_and_keys():
     dense = torch.tensor([[True, False, True, True], [False, True, False, True]])
     mask = BlockSparseMask.from_dense(dense, 200, 400)
-    short = mask.keys_prefix(300)
-    assert (short.kv_len, short.n_k_blocks) == (300, 3)
+    short = mask.prefix(200, 300)
+    assert (short.q_len, short.kv_len, short.n_k_blocks) == (200, 300, 3)
     assert torch.equal(short.dense_blocks()[0, 0], dense[:, :3])
     assert torch.equal(short.element_mask(), mask.element_mask()[..., :300])
-    with pytest.raises(ValueError, match=r"keys_prefix: kv_len must be an int in \[1, 400\], got kv_len=401"):
-        mask.keys_prefix(401)
+    assert torch.equal(mask.prefix(100, 257).element_mask(), mask.element_mask()[..., :100, :257])
+    with pytest.raises(ValueError, match=r"prefix: kv_len must be an int in \[1, 400\], got kv_len=401"):
+        mask.prefix(200, 401)
+    with pytest.raises(ValueError, match=r"prefix: q_len must be an int in \[1, 200\], got q_len=0"):
+        mask.prefix(0, 400)
 
 
 def test_a_mask_built_without_validation_is_the_validated_one():

@@ -144,11 +144,37 @@ def test_a_padded_prompt_after_the_video_stays_sparse(gen):
     for b, n in enumerate((tokens.n_tokens - 5, tokens.n_tokens - 9)):
         qb = _bhnd(q[b:b + 1, order.perm])
         kb, vb = (_bhnd(x[b:b + 1, order.perm][:, :n]) for x in (k, v))
-        mask = processor.binding.build(qb, kb).keys_prefix(n)
+        mask = processor.binding.build(qb, kb).prefix(tokens.n_tokens, n)
         references.append(R.exact_shift_reference(qb, kb, vb, precision="hybrid", block_mask=mask))
     reference = torch.cat(references)[..., order.inverse, :]
     err, err_ref = numerics.rel_rmse(_bhnd(out), golden), numerics.rel_rmse(reference, golden)
     assert torch.isfinite(out).all() and err <= K_BOUND["exact", "hybrid"] * err_ref + TINY
+
+
+@pytest.mark.parametrize("mask", ["radial", "pooled"])
+def test_a_sequence_without_its_padded_text_is_a_prefix_of_the_grid(mask, gen):
+    """Mochi drops a prompt's padded text tokens from the sequence (text last): the call is the bound sequence's
+    first ``n`` tokens, run with the mask's blocks over them: the masked golden of that prefix."""
+    tokens = VideoTokens(3, 16, 16, text=20, text_at="last")
+    processor = SparsePASAAttnProcessor(mask=mask, **MASKS[mask], dense_steps=0, dense_layers=0)
+    processor.kind, processor.name = SELF_KIND, "transformer_blocks.0.attn1"
+    processor.bind(tokens, layer=0, device="cpu")
+    n = tokens.n_tokens - 7
+    q, k, v = _qkv(gen, n)
+    out = processor.attention(q, k, v, None)
+    perm, inverse = processor.binding.order.perm[:n], processor.binding.order.inverse[:n]
+    qo, ko, vo = (_bhnd(x[:, perm]) for x in (q, k, v))
+    block_mask = processor.binding.build(qo, ko)
+    block_mask = block_mask if block_mask.kv_len == n else block_mask.prefix(n, n)
+    element = block_mask.element_mask()[..., inverse, :][..., inverse]
+    assert element.double().mean() < 0.9
+    golden = F.scaled_dot_product_attention(*(_bhnd(x).double() for x in (q, k, v)), attn_mask=element)
+    reference = R.exact_shift_reference(qo, ko, vo, precision="hybrid", block_mask=block_mask)[..., inverse, :]
+    err, err_ref = numerics.rel_rmse(_bhnd(out), golden), numerics.rel_rmse(reference, golden)
+    assert processor.sparse_calls == 1 and err <= K_BOUND["exact", "hybrid"] * err_ref + TINY
+    with pytest.raises(ValueError, match=r"attends 767 queries to 767 keys, but it is bound to the 3x16x16 video "
+                                         r"tokens \+ 20 text tokens \(788, or a prefix of them holding every video"):
+        processor.attention(*(x[:, :767] for x in (q, k, v)), None)
 
 
 def test_padding_that_is_not_a_prefix_runs_dense_and_is_counted(gen):
@@ -172,7 +198,7 @@ def test_an_unbound_processor_and_another_grid_are_refused(gen):
         processor.attention(q, k, v, None)
     short = tuple(x[:, :700] for x in _qkv(gen))
     with pytest.raises(ValueError, match=r"attends 700 queries to 700 keys, but it is bound to the 3x16x16 video "
-                                         r"tokens \+ 0 text tokens \(768\)"):
+                                         r"tokens \+ 0 text tokens \(768, or a prefix"):
         _processor().attention(*short, None)
 
 
