@@ -10,24 +10,18 @@ through ``diagnose.recording``) and the generation flags.
 from __future__ import annotations
 
 import argparse
-import math
 
 from pasa_diffusers.pipelines.names import BUILTIN_MODELS, BUILTIN_VIDEO_MODELS, COVERAGE_MASKS, TINY_VIDEO_SETTINGS
 
 from .common import (FOLDER, MIN_FRAMES, MIN_SIZE, SIZE_MULTIPLE, UsageError, add_model_args, check_device,
                      check_memory, check_model, check_out_dir, generation_settings, int_range, load_model,
                      requested_sizes, seed)
+from .mask_flags import add_mask_parameters, flag_of_another_mask
 
-__all__ = ["DEFAULT_MODEL", "DEFAULT_STEPS", "MASK_FLAGS", "mask_names", "window", "share", "add_parser", "validate",
-           "run"]
+__all__ = ["DEFAULT_MODEL", "DEFAULT_STEPS", "mask_names", "add_parser", "validate", "run"]
 
 DEFAULT_MODEL = "tiny-wan"
 DEFAULT_STEPS = 2
-MASK_FLAGS: dict[str, tuple[str, ...]] = {"tile-window": ("--window",), "radial": ("--spatial-window", "--sink-frames"),
-                                          "pooled": ("--keep",)}
-"""Mask -> the flags that set its parameters (refused when that mask is not measured)."""
-
-
 def mask_names(text: str) -> list[str]:
     """An argparse ``type=``: a comma-separated list of distinct ``COVERAGE_MASKS``."""
     names = [name.strip() for name in text.split(",")]
@@ -40,38 +34,14 @@ def mask_names(text: str) -> list[str]:
     return names
 
 
-def window(text: str) -> tuple[int, int, int]:
-    """An argparse ``type=``: ``F,H,W``, three integers >= 0 (frames, rows, columns of video tokens)."""
-    parts = text.split(",")
-    try:
-        values = tuple(int(part) for part in parts)
-    except ValueError:
-        values = ()
-    if len(values) != 3 or min(values) < 0:
-        raise argparse.ArgumentTypeError(f"expected F,H,W: three integers >= 0 (frames, rows, columns of video "
-                                         f"tokens), got {text!r}")
-    return values
-
-
-def share(text: str) -> float:
-    """An argparse ``type=``: a number in (0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
-    if not (math.isfinite(value) and 0.0 < value <= 1.0):
-        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text}")
-    return value
-
-
 def validate(args: argparse.Namespace) -> None:
     """Check before anything is loaded: the mask flags against ``--mask``, the model (an SVD built-in is no video
     transformer), the device, the memory the run needs and, last, the output folder."""
-    for mask, flags in MASK_FLAGS.items():
-        for flag in flags:
-            if getattr(args, flag.removeprefix("--").replace("-", "_")) is not None and mask not in args.mask:
-                raise UsageError(f"{flag}: sets the {mask} mask, which --mask {','.join(args.mask)} does not "
-                                 f"measure; add {mask} to --mask or leave {flag} out")
+    other = flag_of_another_mask(args, args.mask)
+    if other is not None:
+        flag, mask = other
+        raise UsageError(f"{flag}: sets the {mask} mask, which --mask {','.join(args.mask)} does not measure; add "
+                         f"{mask} to --mask or leave {flag} out")
     if args.model in BUILTIN_MODELS:
         raise UsageError(f"--model {args.model}: an SVD pipeline (a UNet), not a video transformer; pasa coverage "
                          f"measures a video transformer's self-attention: {', '.join(BUILTIN_VIDEO_MODELS)}, or a "
@@ -146,17 +116,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mask", type=mask_names, default=every,
                    help=f"the masks measured, comma-separated (default {every}): "
                         + "; ".join(f"{name}: {what}" for name, what in COVERAGE_MASKS.items()))
-    p.add_argument("--window", type=window, default=None,
-                   help="tile-window: F,H,W, the frames, rows and columns of video tokens a query block reaches "
-                        "(default 1,3,3)")
-    p.add_argument("--spatial-window", type=int_range(1), default=None,
-                   help="radial: the spatial window in the same frame, halved each time the temporal distance doubles "
-                        "(default: the larger side of the token grid)")
-    p.add_argument("--sink-frames", type=int_range(0), default=None,
-                   help="radial: the first frames every query keeps (the attention sink; default 1)")
-    p.add_argument("--keep", type=share, default=None,
-                   help="pooled: the share of the estimated attention mass the kept key blocks reach, in (0, 1] "
-                        "(default 0.9)")
+    add_mask_parameters(p)
     p.add_argument("--block", type=int_range(1), default=None,
                    help="query and key block of the masks, in tokens, fewer than a call's (default 128, the kernels' "
                         "key block, where a call has 8 blocks of it; a shorter sequence, such as a tiny model's, the "

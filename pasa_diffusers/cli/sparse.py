@@ -13,7 +13,7 @@ from pasa_diffusers.backends import BACKENDS
 from pasa_diffusers.pipelines.names import COVERAGE_MASKS
 
 from .common import UsageError, int_range
-from .coverage import MASK_FLAGS, share, window
+from .mask_flags import add_mask_parameters, flag_of_another_mask
 
 __all__ = ["SPARSE_BACKENDS", "DEFAULT_MASK", "add_sparse_args", "sparse_options"]
 
@@ -33,17 +33,7 @@ def add_sparse_args(p: argparse.ArgumentParser) -> None:
     group.add_argument("--mask", choices=tuple(COVERAGE_MASKS), default=None,
                        help=f"the block-sparse mask of the self-attention (default {DEFAULT_MASK}): "
                             + "; ".join(f"{name}: {what}" for name, what in COVERAGE_MASKS.items()))
-    group.add_argument("--window", type=window, default=None,
-                       help="tile-window: F,H,W, the frames, rows and columns of video tokens a query block reaches "
-                            "(default 1,3,3)")
-    group.add_argument("--spatial-window", type=int_range(1), default=None,
-                       help="radial: the spatial window in the same frame, halved each time the temporal distance "
-                            "doubles (default: the larger side of the token grid)")
-    group.add_argument("--sink-frames", type=int_range(0), default=None,
-                       help="radial: the first frames every query keeps (the attention sink; default 1)")
-    group.add_argument("--keep", type=share, default=None,
-                       help="pooled: the share of the estimated attention mass the kept key blocks reach, in (0, 1] "
-                            "(default 0.9)")
+    add_mask_parameters(group)
     group.add_argument("--dense-steps", type=int_range(0), default=None,
                        help="the first denoising steps that run dense (default 12)")
     group.add_argument("--dense-layers", type=int_range(0), default=None,
@@ -62,9 +52,9 @@ def sparse_options(args: argparse.Namespace, backends: Sequence[str], flag: str)
         raise UsageError(f"{', '.join(given)}: set(s) the mask of a sparse backend ({', '.join(SPARSE_BACKENDS)}), "
                          f"and {flag} {','.join(backends)} runs none; leave it out or choose a sparse backend")
     mask = given.get("--mask", DEFAULT_MASK)
-    for kind, flags in MASK_FLAGS.items():
-        for option in flags:
-            if option in given and kind != mask:
-                raise UsageError(f"{option}: sets the {kind} mask, and the mask is {mask}; pass --mask {kind} or "
-                                 f"leave {option} out")
+    other = flag_of_another_mask(args, [mask])
+    if other is not None:
+        flag, kind = other
+        raise UsageError(f"{flag}: sets the {kind} mask, and the mask is {mask}; pass --mask {kind} or leave {flag} "
+                         "out")
     return {_OPTIONS[option]: value for option, value in given.items()}
