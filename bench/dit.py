@@ -59,7 +59,7 @@ from dataclasses import asdict
 
 import torch
 
-from pasa_diffusers.backends import BACKENDS
+from pasa_diffusers.backends import BACKENDS, SPARSE
 from pasa_diffusers.metrics import records
 from pasa_diffusers.pipelines.names import COVERAGE_MASKS
 from pasa_diffusers.pipelines.video_dits import (FAMILIES, FULL_SIZE, VIDEO_SIZES, example_inputs,
@@ -119,7 +119,7 @@ def forward_rows(model: torch.nn.Module, name: str, resolution: str, args, timer
     inputs = make_inputs(name, model, resolution)
     regions = None if args.whole_graph or args.compile is None else repeated_blocks(model)
     sparse = {"mask": args.mask, "dense_steps": 0, "dense_layers": args.dense_layers}
-    options = {backend: sparse for backend in args.backends if BACKENDS[backend].needs_kind}
+    options = {backend: sparse for backend in args.backends if backend in SPARSE}
     tokens = tokens_of(name, resolution)
     rows = harness.model_runs(model, args.backends, args.compile, lambda runner: runner(**inputs)[0], timer,
                               regions=regions, options=options, tokens=tokens)
@@ -159,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = sorted(set(args.compile or ()) - set(args.backends))
     if unknown:
         p.error(f"--compile {' '.join(unknown)}: not among --backends {' '.join(args.backends)}")
-    sparse = [b for b in args.backends if BACKENDS[b].needs_kind]
+    sparse = [b for b in args.backends if b in SPARSE]
     if sparse and args.model.startswith("tiny-") and args.model not in TINY_TOKENS:
         p.error(f"--backends {' '.join(sparse)}: the sparse backends need the self-attention's token grid, which "
                 f"bench.dit knows for the full-size models and {', '.join(TINY_TOKENS)}, not {args.model}")

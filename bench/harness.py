@@ -615,14 +615,14 @@ def model_runs(model: torch.nn.Module, backends: Sequence[str], compiled: Sequen
     call one denoising step, past the dense ones when its options say ``dense_steps=0``), and its row holds
     ``sparse_summary``."""
     from pasa_diffusers import install
-    from pasa_diffusers.backends import BACKENDS
+    from pasa_diffusers.backends import SPARSE
     from pasa_diffusers.pipelines.sparse import sparse_bound, sparse_summary
 
     rows: list[dict[str, Any]] = []
     baseline: tuple[float, torch.Tensor] | None = None
     for backend in backends:
         install.apply(model, backend, **(options or {}).get(backend, {}))
-        sparse = BACKENDS[backend].needs_kind is not None
+        sparse = backend in SPARSE
         if sparse and tokens is None:
             raise ValueError(f"model_runs: backend {backend!r} needs the self-attention's tokens (tokens=)")
         modes = ["eager"]

@@ -14,7 +14,11 @@ from typing import Any
 
 from .variants import DEFAULT, Variant
 
-__all__ = ["Backend", "BACKENDS", "REFERENCE", "COMPARED", "DEFAULT_COMPARED", "get", "missing"]
+__all__ = ["Backend", "BACKENDS", "SELF_KIND", "SPARSE", "REFERENCE", "COMPARED", "DEFAULT_COMPARED", "get", "missing"]
+
+
+SELF_KIND = "video-self"
+"""The module kind (``install.module_kind``) of a video transformer's self-attention: what the sparse backends mask."""
 
 
 @dataclass(frozen=True)
@@ -46,7 +50,7 @@ def _pasa(name: str, summary: str, variant: Variant) -> Backend:
 def _sparse(name: str, summary: str, variant: Variant) -> Backend:
     """A ``SparsePASAAttnProcessor`` backend that fixes ``variant``, for a video transformer's self-attention."""
     return Backend(name, "SparsePASAAttnProcessor", summary, variant,
-                   {"precision": variant.precision, "shift": variant.shift}, needs_kind="video-self")
+                   {"precision": variant.precision, "shift": variant.shift}, needs_kind=SELF_KIND)
 
 
 _ALL = (
@@ -82,6 +86,9 @@ _ALL = (
 
 BACKENDS: dict[str, Backend] = {b.name: b for b in _ALL}
 """Every backend by name, in the order help texts list them."""
+
+SPARSE = tuple(name for name, entry in BACKENDS.items() if entry.needs_kind == SELF_KIND)
+"""The backends that run a block-sparse mask (``pasa-sparse``, ``pasa-fp8-sparse``)."""
 
 REFERENCE = "fp32"
 """The backend every comparison scores against."""

@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from .backends import SELF_KIND
 from .block_sparse import DEFAULT_BLOCK
 from .mask_coverage import head_density
 from .masks import KeptKeys, kept_keys
@@ -42,12 +43,10 @@ from .processors import PASAAttnProcessor
 from .variants import DEFAULT_PRECISION, DEFAULT_SHIFT
 from .video_masks import TEXT_LAST, MaskBuilder, MaskChoice, SparseSchedule, TokenOrder, VideoTokens, tile_order
 
-__all__ = ["SELF_KIND", "ORDERS", "SparseBinding", "SparsePASAAttnProcessor"]
+__all__ = ["ORDERS", "SparseBinding", "SparsePASAAttnProcessor"]
 
 logger = logging.getLogger("pasa_diffusers")
 
-SELF_KIND = "video-self"
-"""The module kind (``install.module_kind``) whose calls run sparse: a video transformer's self-attention."""
 ORDERS = ("tile", "model")
 """``tile``: the masks are built on the sequence reordered into compact 3D tiles (``video_masks.tile_order``);
 ``model``: on the model's own order (frame, row, column)."""

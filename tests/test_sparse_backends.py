@@ -20,11 +20,11 @@ import torch.nn.functional as F
 
 from pasa_diffusers import numerics, pasa_attention
 from pasa_diffusers import reference as R
-from pasa_diffusers.backends import BACKENDS
+from pasa_diffusers.backends import BACKENDS, SELF_KIND
 from pasa_diffusers.install import apply, module_kind
 from pasa_diffusers.pipelines.names import COVERAGE_MASKS
 from pasa_diffusers.processors import PASAAttnProcessor
-from pasa_diffusers.sparse_processor import SELF_KIND, SparsePASAAttnProcessor
+from pasa_diffusers.sparse_processor import SparsePASAAttnProcessor
 from pasa_diffusers.video_masks import MASK_KINDS, VideoTokens
 from tests.test_kernel_interpret import K_BOUND, TINY
 

@@ -456,10 +456,10 @@ def check_sparse_model(pipe: Any, backends: list[str] | tuple[str, ...], flag: s
     """Refuse a sparse backend (``pasa-sparse``, ``pasa-fp8-sparse``: a mask over a video transformer's
     self-attention) for a pipeline that is not a video transformer's, once the model is loaded and before any
     video (``pasa compare`` would otherwise generate the reference first)."""
-    from pasa_diffusers.backends import BACKENDS
+    from pasa_diffusers.backends import SPARSE
     from pasa_diffusers.pipelines.video import is_video_pipeline
 
-    sparse = [name for name in backends if BACKENDS[name].needs_kind]
+    sparse = [name for name in backends if name in SPARSE]
     if sparse and not is_video_pipeline(pipe):
         raise UsageError(f"{flag} {','.join(backends)}: {', '.join(sparse)} mask(s) a video transformer's "
                          f"self-attention, and {type(pipe).__name__} has none (SVD's UNet); choose another backend "

@@ -9,16 +9,14 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-from pasa_diffusers.backends import BACKENDS
+from pasa_diffusers.backends import SPARSE
 from pasa_diffusers.pipelines.names import COVERAGE_MASKS
 
 from .common import UsageError, int_range
 from .mask_flags import add_mask_parameters, flag_of_another_mask
 
-__all__ = ["SPARSE_BACKENDS", "DEFAULT_MASK", "add_sparse_args", "sparse_options"]
+__all__ = ["DEFAULT_MASK", "add_sparse_args", "sparse_options"]
 
-SPARSE_BACKENDS = tuple(name for name, entry in BACKENDS.items() if entry.needs_kind == "video-self")
-"""The backends that take a block-sparse mask (``pasa-sparse``, ``pasa-fp8-sparse``)."""
 DEFAULT_MASK = "radial"
 
 _OPTIONS = {"--mask": "mask", "--window": "window", "--spatial-window": "spatial_window",
@@ -29,7 +27,7 @@ _OPTIONS = {"--mask": "mask", "--window": "window", "--spatial-window": "spatial
 
 def add_sparse_args(p: argparse.ArgumentParser) -> None:
     """The sparse backends' flags, in their own group (each defaults to ``None``: the processor's default)."""
-    group = p.add_argument_group(f"sparse backends ({', '.join(SPARSE_BACKENDS)})")
+    group = p.add_argument_group(f"sparse backends ({', '.join(SPARSE)})")
     group.add_argument("--mask", choices=tuple(COVERAGE_MASKS), default=None,
                        help=f"the block-sparse mask of the self-attention (default {DEFAULT_MASK}): "
                             + "; ".join(f"{name}: {what}" for name, what in COVERAGE_MASKS.items()))
@@ -48,8 +46,8 @@ def sparse_options(args: argparse.Namespace, backends: Sequence[str], flag: str)
     while none of ``backends`` (named by ``flag``) is sparse, or a mask parameter of another mask than ``--mask``."""
     given = {option: getattr(args, option.removeprefix("--").replace("-", "_")) for option in _OPTIONS}
     given = {option: value for option, value in given.items() if value is not None}
-    if given and not set(backends) & set(SPARSE_BACKENDS):
-        raise UsageError(f"{', '.join(given)}: set(s) the mask of a sparse backend ({', '.join(SPARSE_BACKENDS)}), "
+    if given and not set(backends) & set(SPARSE):
+        raise UsageError(f"{', '.join(given)}: set(s) the mask of a sparse backend ({', '.join(SPARSE)}), "
                          f"and {flag} {','.join(backends)} runs none; leave it out or choose a sparse backend")
     mask = given.get("--mask", DEFAULT_MASK)
     other = flag_of_another_mask(args, [mask])

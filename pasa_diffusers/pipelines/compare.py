@@ -47,7 +47,7 @@ import PIL.Image
 import torch
 
 from pasa_diffusers import install, metrics
-from pasa_diffusers.backends import BACKENDS, COMPARED, DEFAULT_COMPARED, REFERENCE
+from pasa_diffusers.backends import COMPARED, DEFAULT_COMPARED, REFERENCE, SPARSE
 from pasa_diffusers.kernels import block_tally
 from pasa_diffusers.metrics import records
 from pasa_diffusers.metrics.report import worst_key, worst_records
@@ -180,7 +180,7 @@ class VideoRun:
 
 def _generate(pipe: Any, backend: str, image: PIL.Image.Image | None, latents: torch.Tensor,
               settings: dict[str, int], seed: int, sparse: dict[str, Any]) -> VideoRun:
-    summary = install.apply(pipe, backend, **(sparse if BACKENDS[backend].needs_kind else {}))
+    summary = install.apply(pipe, backend, **(sparse if backend in SPARSE else {}))
     try:
         block_tally.reset()
         start = time.perf_counter()
@@ -370,7 +370,7 @@ def _run_identity(config: CompareConfig, cond: Conditioning, device: str, dtype:
         "attention_cast": {b: install.cast_dtype(b, dtype) or "none" for b in config.backends},
         "fps": config.fps, "lpips": lpips_note, "versions": records.versions(),
     }
-    if any(BACKENDS[b].needs_kind for b in config.backends):
+    if set(config.backends) & set(SPARSE):
         identity["sparse"] = dict(config.sparse)
     if torch.device(device).type == "cpu":
         identity["cpu_threads"] = torch.get_num_threads()

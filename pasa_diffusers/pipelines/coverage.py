@@ -35,7 +35,8 @@ from pasa_diffusers.diagnose import StepClock, recording
 from pasa_diffusers.install import attention_processors, module_kind
 from pasa_diffusers.mask_coverage import head_density, plot_coverage, row_coverage
 from pasa_diffusers.metrics.records import versions
-from pasa_diffusers.sparse_processor import ORDERS, SELF_KIND
+from pasa_diffusers.backends import SELF_KIND
+from pasa_diffusers.sparse_processor import ORDERS
 from pasa_diffusers.video_masks import MaskBuilder, MaskChoice, TokenOrder, VideoTokens, tile_order
 
 from .diagnose import DiagnosticAttnProcessor, _timed_generate, recorders_on

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from pasa_diffusers.install import attention_processors, counted_processor, denoisers
-from pasa_diffusers.sparse_processor import SELF_KIND, SparsePASAAttnProcessor
+from pasa_diffusers.backends import SELF_KIND
+from pasa_diffusers.sparse_processor import SparsePASAAttnProcessor
 from pasa_diffusers.video_masks import VideoTokens
 
 __all__ = ["sparse_processors", "sparse_bound", "sparse_summary", "sparse_line"]
