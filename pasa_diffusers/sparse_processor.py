@@ -30,7 +30,7 @@ never runs dense without saying so.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -136,13 +136,11 @@ class SparsePASAAttnProcessor(PASAAttnProcessor):
     def bind(self, tokens: VideoTokens, *, layer: int, device: torch.device | str) -> None:
         """Run sparse on the self-attention of ``tokens`` as layer ``layer``, from denoising step 0 (:meth:`at_step`
         moves it on); a static mask is built here, once, on ``device``."""
-        choice = self.choice
-        if choice.kind == "radial" and choice.spatial_window is None:
-            choice = replace(choice, spatial_window=max(tokens.height, tokens.width))
+        choice = self.choice.resolved(tokens)
         order = tile_order(tokens) if self.order == "tile" else None
-        build = choice.builder(tokens, order, DEFAULT_BLOCK, device)
-        if choice.kind != "pooled":  # a static mask: the builder ignores q and k
-            self.density = float(head_density(build(None, None), 1, 1).mean())
+        static = choice.static_mask(tokens, order, DEFAULT_BLOCK, device)
+        self.density = None if static is None else float(head_density(static, 1, 1).mean())
+        build = choice.builder(tokens, order, DEFAULT_BLOCK, device) if static is None else lambda q, k: static
         if order is not None:  # on the device once, not copied there at every call
             order = TokenOrder(order.perm.to(device), order.inverse.to(device))
         self.binding = SparseBinding(tokens, order, build, layer)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -310,15 +310,28 @@ class MaskChoice:
         names = {"tile-window": ("window",), "radial": ("spatial_window", "sink_frames"), "pooled": ("keep",)}
         return {name: value for name, value in asdict(self).items() if name in names[self.kind]}
 
+    def resolved(self, tokens: VideoTokens) -> MaskChoice:
+        """This choice with the defaults that depend on the grid made explicit (``radial``'s ``spatial_window``:
+        the larger side of the frame), as a report names it."""
+        if self.kind == "radial" and self.spatial_window is None:
+            return replace(self, spatial_window=max(tokens.height, tokens.width))
+        return self
+
+    def static_mask(self, tokens: VideoTokens, order: TokenOrder | None, block: int,
+                    device: torch.device | str) -> BlockSparseMask | None:
+        """The static mask of ``tokens`` (in ``order``) on ``device``; ``None`` for the pooled mask (each call's)."""
+        if self.kind == "tile-window":
+            return tile_window_mask(tokens, self.window, order=order, block=block, device=device)
+        if self.kind == "radial":
+            return radial_mask(tokens, spatial_window=self.spatial_window, sink_frames=self.sink_frames, order=order,
+                               block=block, device=device)
+        return None
+
     def builder(self, tokens: VideoTokens, order: TokenOrder | None, block: int,
                 device: torch.device | str) -> MaskBuilder:
-        """The mask of a call: a static mask built once for ``tokens`` (in ``order``) on ``device``, or the pooled
-        mask of the call's own q and k."""
-        if self.kind == "pooled":
+        """The mask of a call: the static mask built once (:meth:`static_mask`), or the pooled mask of the call's
+        own q and k."""
+        mask = self.static_mask(tokens, order, block, device)
+        if mask is None:
             return lambda q, k: pooled_mask(q, k, mass=self.keep, block_q=block, block_k=block)
-        if self.kind == "tile-window":
-            mask = tile_window_mask(tokens, self.window, order=order, block=block, device=device)
-        else:
-            mask = radial_mask(tokens, spatial_window=self.spatial_window, sink_frames=self.sink_frames, order=order,
-                               block=block, device=device)
         return lambda q, k: mask

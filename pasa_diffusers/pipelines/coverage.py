@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -214,8 +213,7 @@ def coverage_run(pipe: Any, masks: Sequence[MaskChoice], *, num_frames: int, num
     if not (isinstance(rows, int) and 1 <= rows <= n):
         raise ValueError(f"coverage_run: sample_rows must be an int in [1, {n}] (the queries of a self-attention "
                          f"call), got sample_rows={sample_rows!r}")
-    masks = [replace(m, spatial_window=max(tokens.height, tokens.width)) if m.kind == "radial"
-             and m.spatial_window is None else m for m in masks]  # the default resolved, as the report names it
+    masks = [m.resolved(tokens) for m in masks]  # the defaults of this grid, as the report names them
     net = denoiser(pipe)
     token_order = tile_order(tokens, block=block) if order == "tile" else None
     builders = {m.kind: m.builder(tokens, token_order, block, pipe.device) for m in masks}
