@@ -46,7 +46,7 @@ CogVideoX-5B 1.73 s against 1.58 s measured): HunyuanVideo 720p ~27 s a forward,
 frames ~0.9 s, 163 frames ~9 s; LTX-Video ~0.2 s.  A backend's row takes ``--iters`` + 6 forwards.
 
 The sparse backends (``pasa-sparse``, ``pasa-fp8-sparse``) run ``--mask`` (default ``radial``) on the
-self-attention's token sequence of the resolution (``video_dits.self_attention_tokens``; ``tiny-wan``'s 3 x 4 x 4,
+self-attention's token sequence of the resolution (``video_dits.full_size_tokens``; ``tiny-wan``'s 3 x 4 x 4,
 one block: dense), as a step past the dense steps, the first ``--dense-layers`` layers dense (default 1); the
 row's ``mask density`` is the share of (query, key) pairs the mask keeps.  Its quality is a checkpoint's question
 (random weights attend almost uniformly): ``pasa coverage`` and ``pasa compare`` on the user's model.
@@ -63,7 +63,7 @@ from pasa_diffusers.backends import BACKENDS, SPARSE
 from pasa_diffusers.metrics import records
 from pasa_diffusers.pipelines.names import COVERAGE_MASKS
 from pasa_diffusers.pipelines.video_dits import (FAMILIES, FULL_SIZE, VIDEO_SIZES, example_inputs,
-                                                 full_size_inputs, full_size_transformer, self_attention_tokens,
+                                                 full_size_inputs, full_size_transformer, full_size_tokens,
                                                  tiny_transformer)
 from pasa_diffusers.video_masks import VideoTokens
 
@@ -111,7 +111,7 @@ over Wan's 2 x 2 patch)."""
 
 def tokens_of(name: str, resolution: str) -> VideoTokens | None:
     """The self-attention sequence of one forward (``None``: a tiny model other than ``TINY_TOKENS``')."""
-    return TINY_TOKENS.get(name) if name.startswith("tiny-") else self_attention_tokens(name, resolution)
+    return TINY_TOKENS.get(name) if name.startswith("tiny-") else full_size_tokens(name, resolution)
 
 
 def forward_rows(model: torch.nn.Module, name: str, resolution: str, args, timer: harness.Timer) -> list[dict]:

@@ -162,10 +162,10 @@ def test_dit_runs_a_sparse_backend_bound_to_the_tokens(tmp_path, monkeypatch):
 
 
 def test_full_size_self_attention_tokens():
-    from pasa_diffusers.pipelines.video_dits import self_attention_tokens
+    from pasa_diffusers.pipelines.video_dits import full_size_tokens
 
-    assert self_attention_tokens("wan2.1-1.3b", "720p").n_tokens == 21 * 45 * 80
-    cog, hunyuan = self_attention_tokens("cogvideox-5b"), self_attention_tokens("hunyuan-video", "540p")
+    assert full_size_tokens("wan2.1-1.3b", "720p").n_tokens == 21 * 45 * 80
+    cog, hunyuan = full_size_tokens("cogvideox-5b"), full_size_tokens("hunyuan-video", "540p")
     assert (cog.frames, cog.height, cog.width, cog.text, cog.text_at) == (13, 30, 45, 226, "first")
     assert (hunyuan.n_video, hunyuan.text, hunyuan.text_at) == (67320, 256, "last")
 

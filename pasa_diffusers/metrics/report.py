@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -92,13 +93,10 @@ def _sparse(records: list[dict[str, Any]]) -> dict[str, Any] | None:
     summaries = [r["sparse"] for r in records if r.get("sparse")]
     if not summaries:
         return None
-    dense: dict[str, int] = {}
-    for summary in summaries:
-        for reason, calls in summary["dense_calls"].items():
-            dense[reason] = dense.get(reason, 0) + calls
+    dense = sum((Counter(summary["dense_calls"]) for summary in summaries), Counter())
     first = summaries[0]
     return {"mask": first["mask"], "density": first["density"], "schedule": first["schedule"],
-            "sparse_calls": sum(summary["sparse_calls"] for summary in summaries), "dense_calls": dense}
+            "sparse_calls": sum(summary["sparse_calls"] for summary in summaries), "dense_calls": dict(dense)}
 
 
 def worst_key(record: dict[str, Any]) -> tuple[int, float] | None:

@@ -15,6 +15,7 @@ the call::
 """
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -79,15 +80,12 @@ def sparse_summary(model_or_pipeline: Any) -> dict[str, Any] | None:
     found = [p for model in denoisers(model_or_pipeline) for p in sparse_processors(model)]
     if not found:
         return None
-    dense: dict[str, int] = {}
-    for processor in found:
-        for reason, calls in processor.dense_calls.items():
-            dense[reason] = dense.get(reason, 0) + calls
+    dense = sum((Counter(p.dense_calls) for p in found), Counter())
     first = found[0]
     return {"mask": first.choice.label, "parameters": first.choice.parameters(), "density": first.density,
             "schedule": {"dense_steps": first.schedule.dense_steps, "dense_layers": first.schedule.dense_layers},
             "order": first.order, "layers": len(found), "sparse_calls": sum(p.sparse_calls for p in found),
-            "dense_calls": dense}
+            "dense_calls": dict(dense)}
 
 
 def sparse_line(summary: dict[str, Any]) -> str:

@@ -23,7 +23,7 @@ from pasa_diffusers.video_masks import VideoTokens
 
 __all__ = ["FAMILIES", "FULL_SIZE", "LATENTS", "JOINT_FAMILIES", "JOINT_TEXT_AT", "VIDEO_SIZES", "tiny_transformer", "tiny_wan_vae", "tiny_ltx_video_vae",
            "tiny_cogvideox_vae", "tiny_hunyuan_video_vae", "tiny_mochi_vae", "full_size_transformer", "example_inputs",
-           "full_size_inputs", "video_tokens", "self_attention_tokens"]
+           "full_size_inputs", "video_tokens", "full_size_tokens"]
 
 TEXT_TOKENS = 7
 """Text tokens of the example prompts (the last two are padding where the family takes a mask)."""
@@ -219,15 +219,15 @@ def _size(name: str, resolution: str | None, frames: int | None) -> tuple[Latent
 def video_tokens(name: str, resolution: str | None = None, *, frames: int | None = None) -> int:
     """The video tokens of one forward of the ``FULL_SIZE`` model ``name`` at ``resolution`` (a name of its family's
     ``VIDEO_SIZES``; ``None``: the first) and ``frames`` (``None``: the size's)."""
-    return self_attention_tokens(name, resolution, frames=frames).n_video
+    return full_size_tokens(name, resolution, frames=frames).n_video
 
 
-def self_attention_tokens(name: str, resolution: str | None = None, *, frames: int | None = None) -> VideoTokens:
+def full_size_tokens(name: str, resolution: str | None = None, *, frames: int | None = None) -> VideoTokens:
     """The self-attention sequence of one forward of the ``FULL_SIZE`` model ``name`` (``full_size_inputs``): the
     video tokens' grid (latent frames over the temporal patch, rows and columns over the patch) and the text
     tokens a joint attention adds (``JOINT_TEXT_AT``)."""
     if name not in FULL_SIZE:
-        raise ValueError(f"self_attention_tokens: unknown name={name!r}; expected one of {tuple(FULL_SIZE)}")
+        raise ValueError(f"full_size_tokens: unknown name={name!r}; expected one of {tuple(FULL_SIZE)}")
     latent, frames, height, width = _size(name, resolution, frames)
     latent_frames = (frames - 1) // latent.time + 1
     side = latent.space * latent.patch
