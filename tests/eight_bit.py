@@ -32,13 +32,14 @@ def _one_flip(delta: torch.Tensor, values: torch.Tensor, row_norm: float, one: f
 
 def assert_spec_to_one_ulp(out: torch.Tensor, spec: torch.Tensor, v: torch.Tensor, pv_bits: int) -> None:
     """The kernel is the spec to one ``g`` ulp (relative RMS over the output).  With FP8 ``P`` (``pv_bits`` 8)
-    one row may be left out of that, if it differs by one ``P`` rounded to e4m3 the other way and nothing
-    else: the kernel's and the spec's fp32 logits are summed in other orders, so an ``exp2`` within an fp32 ulp
+    a few rows (at most 1 % of them, one at least) may be left out of that, each if it differs by one ``P``
+    rounded to e4m3 the other way and nothing else: the kernel's and the spec's fp32 logits are summed in other orders, so an ``exp2`` within an fp32 ulp
     of an e4m3 rounding boundary may land on its other side (about one score in 2^20; seen once at 2 x 40 x 300
     scores, where the flip moved its row by 1.4 %).  That row's difference from the spec is one key's value row
     ``c v_j`` (``|dP_j / l| <= E4M3_STEP``, as ``P_j <= l``) to two ``g`` ulps of the row (seed 930979058: key
     152 of a row at 420 keys moved it by 4.8 %, the rest 1.4 ulps).  A tile visited out
-    of order or a wrong maximum changes many ``P`` in every row: no single row explains it."""
+    of order or a wrong maximum changes many ``P`` in every row: no single row explains it, so a count of 1 %
+    still fails it (seed 3414439459, the masked kernel at 2 x 260 rows: two rows, each one flip)."""
     one = ulp(spec.dtype)
     assert torch.isfinite(out).all()
     out, spec = out.cpu().double(), spec.double()
@@ -49,7 +50,8 @@ def assert_spec_to_one_ulp(out: torch.Tensor, spec: torch.Tensor, v: torch.Tenso
         flips = [(b, h, i) for b, h, i in beyond
                  if _one_flip(out[b, h, i] - spec[b, h, i], v[b, h // group].cpu().double(),
                               spec[b, h, i].norm().item(), one)]
-        assert len(flips) <= 1, f"{len(flips)} rows each one e4m3 rounding of P apart from the spec: {flips}"
+        allowed = max(1, out.shape[:-1].numel() // 100)
+        assert len(flips) <= allowed, f"{len(flips)} rows each one e4m3 rounding of P apart from the spec: {flips}"
         for b, h, i in flips:
             kept[b, h, i] = False
     diff = numerics.rel_rmse(out[kept], spec[kept])
