@@ -1,10 +1,10 @@
 """A/B of the key ranges: the default run in ranges of (batch, kv head) against one whole launch.
 
-``kernels.dispatch`` runs a call whose key pre-pass would copy more than ``KEY_COPY_SHARE`` of the output
+``kernels.dispatch`` runs a call whose key pre-pass would copy more than ``PREPASS_SHARE`` of the output
 in ranges, one after the other (its peak memory within 1.25x of cuDNN's), where its work fills ranges of
 ``MIN_RANGE_FLOP``.  This script times, at the
 issue's DiT (bf16) and SVD (fp16) shapes, cuDNN, the default as it runs, and the default in one launch
-(``KEY_COPY_SHARE`` lifted for the call), each with its peak memory of one call, and checks that both runs
+(``PREPASS_SHARE`` lifted for the call), each with its peak memory of one call, and checks that both runs
 of the default give the same bits.  For the two runs of the default it also times one CUDA-graph replay of
 the call (GPU time alone) and the host's time to issue one call while the GPU is busy: where the host's
 time exceeds the graph's, the call is bound by the host, not the GPU.
@@ -30,19 +30,19 @@ SVD_SHAPES = [s for s in harness.svd_spatial(25) if s.nk >= 576]
 
 
 def whole_launch() -> harness.Method:
-    """The default with every call in one launch (``KEY_COPY_SHARE`` lifted around the call)."""
+    """The default with every call in one launch (``PREPASS_SHARE`` lifted around the call)."""
     ranged = harness.op_method(Variant("exact", "hybrid"))
 
     def build(q, k, v):
         prepared = ranged.build(q, k, v)
 
         def call():
-            share = dispatch.KEY_COPY_SHARE
-            dispatch.KEY_COPY_SHARE = 1e9
+            share = dispatch.PREPASS_SHARE
+            dispatch.PREPASS_SHARE = 1e9
             try:
                 return prepared.call()
             finally:
-                dispatch.KEY_COPY_SHARE = share
+                dispatch.PREPASS_SHARE = share
         return harness.Prepared(call, prepared.note + ", one launch", prepared.details)
 
     return harness.Method("exact-hybrid one launch", "ours", build)

@@ -40,7 +40,7 @@ from pasa_diffusers import numerics, pasa_attention  # noqa: E402
 from pasa_diffusers import reference as R  # noqa: E402
 from pasa_diffusers import reference_int8 as r8  # noqa: E402
 from pasa_diffusers.block_sparse import BlockSparseMask  # noqa: E402
-from pasa_diffusers.kernels import dispatch, quantize  # noqa: E402
+from pasa_diffusers.kernels import dispatch, hopper, quantize  # noqa: E402
 from pasa_diffusers.kernels.common import INTERPRET  # noqa: E402
 from pasa_diffusers.rules import SHIFT_BLOCK  # noqa: E402
 from pasa_diffusers.variants import Variant  # noqa: E402
@@ -243,9 +243,9 @@ def test_key_ranges_with_a_mask_give_the_whole_calls_bits(monkeypatch, gen):
     assert len(dispatch.key_chunks(k, q)) > 1
     for kind in ("per-head", "key-heads"):
         mask = _mask(shape, kind, gen, empty_block=0)
-        monkeypatch.setattr(dispatch, "KEY_COPY_SHARE", 0.2)
+        monkeypatch.setattr(dispatch, "PREPASS_SHARE", 0.2)
         ranged = _kernel(q, k, v, Variant("exact", "hybrid"), block_mask=mask)
-        monkeypatch.setattr(dispatch, "KEY_COPY_SHARE", 1e9)
+        monkeypatch.setattr(dispatch, "PREPASS_SHARE", 1e9)
         whole = _kernel(q, k, v, Variant("exact", "hybrid"), block_mask=mask)
         assert torch.equal(ranged[0], whole[0]) and torch.equal(ranged[1], whole[1])
 
@@ -334,7 +334,7 @@ def test_the_op_names_the_mask_in_one_line(mask, match):
     assert str(info.value).startswith("pasa_attention: ") and "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("kernel,precision", [("gluon", "hybrid"), ("packed", "hybrid"), ("gluon-int8", "int8")])
+@pytest.mark.parametrize("kernel,precision", [("packed", "hybrid"), ("gluon-int8", "int8")])
 def test_kernels_without_masks_say_so(kernel, precision):
     """An explicit request is refused in one line; under ``"auto"`` the plan keeps the reason and runs the
     portable kernel of the precision."""
@@ -467,6 +467,51 @@ def test_gpu_skipped_blocks_give_the_kept_keys_alone(precision, gen):
     idx = torch.cat([torch.arange(0, 128), torch.arange(256, 384), torch.arange(512, n_k)]).cuda()
     masked = pasa_attention(q, k, v, precision=precision, block_mask=mask)
     assert torch.equal(masked, pasa_attention(q, k[:, :, idx], v[:, :, idx], precision=precision))
+
+
+GLUON_CASES = [((1, 8, 4, 2100, 2100, 64), torch.float16, "per-head"), ((2, 4, 4, 1000, 1300, 128), torch.bfloat16,
+                                                                        "shared"),
+               ((1, 4, 2, 700, 900, 96), torch.float16, "key-heads")]
+"""(B, Hq, Hk, Nq, Nk, D), dtype, mask kind for the Gluon kernel with a mask: its config at the 64 tile (GQA,
+ragged), at the 128 tile (a mask shared by batch and heads) and a head dim the copy engine pads (96)."""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,dtype,mask_kind", GLUON_CASES, ids=["d64-fp16", "d128-bf16", "d96-fp16"])
+@pytest.mark.parametrize("input_kind", ["drift", "outlier"])
+def test_gpu_gluon_kernel_with_mask_within_its_reference_bound(shape, dtype, mask_kind, input_kind, gen):
+    """The default's Gluon kernel skipping key blocks (an empty query block among them, the ragged last key block
+    kept) is within ``GPU_K`` of the masked exact-shift reference, and the router takes it for the default."""
+    q, k, v = (t.cuda() for t in _inputs(shape, input_kind, gen, dtype))
+    mask = _checked_on(_mask(shape, mask_kind, gen), "cuda")
+    variant = Variant("exact", "hybrid")
+    assert dispatch.plan(q, k, v, torch.empty_like(q), variant=variant, block_mask=mask).kernel == "gluon"
+    out, lse = _kernel(q, k, v, variant, kernel="gluon", block_mask=mask)
+    ref, ref_lse = _reference(q, k, v, "exact", "hybrid", mask)
+    gold, gold_lse = R.golden_attention(q, k, v, return_lse=True, block_mask=mask)
+    _assert_masked_bound(out, lse, ref, ref_lse, gold, gold_lse, mask, "exact", "hybrid")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_gluon_skipped_blocks_give_the_kept_keys_alone(head_dim, gen):
+    """Blocks {0, 2, 4} of five through the mask are the same kernel and config on those keys alone, bit for bit
+    (the centres are per block; ``q . c_j`` is the same product in whichever column of ``rc`` it lands); so is a
+    mask that keeps every block and no mask."""
+    n_k = 4 * SHIFT_BLOCK + 44
+    q, k, v = _gpu_inputs((2, 4, 4, 256, n_k, head_dim), gen)
+    config = hopper.tuned_config(n_k, head_dim, sparse=True)
+    variant = Variant("exact", "hybrid")
+    blocks = torch.tensor([[True, False, True, False, True]] * 2, device="cuda")
+    mask = BlockSparseMask.from_dense(blocks, 256, n_k)
+    idx = torch.cat([torch.arange(0, 128), torch.arange(256, 384), torch.arange(512, n_k)]).cuda()
+    masked = _kernel(q, k, v, variant, kernel="gluon", block_mask=mask)
+    alone = _kernel(q, k[:, :, idx].contiguous(), v[:, :, idx].contiguous(), variant, kernel="gluon", config=config)
+    assert torch.equal(masked[0], alone[0]) and torch.equal(masked[1], alone[1])
+    full = BlockSparseMask.full(256, n_k, device="cuda")
+    dense = _kernel(q, k, v, variant, kernel="gluon", config=config)
+    every = _kernel(q, k, v, variant, kernel="gluon", block_mask=full)
+    assert torch.equal(dense[0], every[0]) and torch.equal(dense[1], every[1])
 
 
 GPU_INT8_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}

@@ -12,6 +12,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from pasa_diffusers.block_sparse import BlockSparseMask  # noqa: E402
 from pasa_diffusers.kernels import gluon_common, hopper  # noqa: E402
 from pasa_diffusers.kernels.tuning import SMEM_LIMIT  # noqa: E402
 
@@ -55,6 +56,23 @@ def test_head_dims_map_to_their_tile_and_tuned_config(head_dim, tile):
         cfg = hopper.tuned_config(n_k, head_dim)
         assert cfg["consumers"] == (3 if tile == 64 else 2)
         assert hopper.shared_bytes(cfg, tile, 2) <= SMEM_LIMIT
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+def test_a_block_mask_runs_one_key_tile_per_block_and_one_query_block_per_program(head_dim):
+    """With a mask the config is the sparse one at any number of keys (128-key tiles, two consumers: 128 rows),
+    and a config that breaks either is refused by name."""
+    tile = hopper.head_dim_tile(head_dim)
+    for n_k in (576, 32760):
+        cfg = hopper.tuned_config(n_k, head_dim, sparse=True)
+        assert (cfg["BLOCK_N"], cfg["consumers"]) == (128, 2)
+        assert hopper.shared_bytes(cfg, tile, 2) <= SMEM_LIMIT
+    q = torch.randn(1, 2, 200, head_dim).half()
+    mask = BlockSparseMask.full(200, 200, heads=2)
+    for config in ({"BLOCK_N": 64}, {"consumers": 3, "num_stages": 2}):
+        with pytest.raises(ValueError, match=r"with a block_mask the config needs BLOCK_N=128 and consumers=2"):
+            hopper.kernel_call(q, q, q, torch.zeros(1, 2, 2, head_dim), torch.empty_like(q), scale=0.125,
+                               config=config, block_mask=mask)
 
 
 @pytest.mark.skipif(gluon_common.GLUON_IMPORT_ERROR is not None, reason="this triton has no Gluon")

@@ -451,7 +451,7 @@ def test_dispatch_refuses_unknown_options(gen):
 @pytest.mark.parametrize("kind,precision", [("exact", "hybrid"), ("exact", "half"), ("pasa", "hybrid")],
                          ids=["exact-hybrid", "exact-half", "pasa-hybrid"])
 def test_key_ranges_one_after_the_other_give_the_whole_calls_bits(monkeypatch, kind, precision, shape, gen):
-    """A call whose pre-pass copy of the keys would exceed ``KEY_COPY_SHARE`` of the output runs in ranges of
+    """A call whose pre-pass copy of the keys would exceed ``PREPASS_SHARE`` of the output runs in ranges of
     batch and kv head: every head is attended as in one launch, so the output and the LSE keep their bits
     (through (B, N, H, D) views too)."""
     q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in _biased_inputs(shape, gen, bias=20.0))
@@ -466,7 +466,7 @@ def test_key_ranges_one_after_the_other_give_the_whole_calls_bits(monkeypatch, k
         return out, lse
 
     ranged_out, ranged_lse = run()
-    monkeypatch.setattr(dispatch, "KEY_COPY_SHARE", 1e9)
+    monkeypatch.setattr(dispatch, "PREPASS_SHARE", 1e9)
     assert dispatch.key_chunks(k, q) == [((0, shape[0]), (0, shape[2]))]
     whole_out, whole_lse = run()
     assert torch.isfinite(whole_out).all() and torch.isfinite(whole_lse).all()
@@ -483,7 +483,7 @@ def test_key_ranges_one_after_the_other_give_the_whole_calls_bits(monkeypatch, k
 def test_key_ranges_cover_every_head_once_within_the_share(shape, keys):
     """The ranges of :func:`key_chunks` cover each (batch, kv head) exactly once; where the call's work fills
     its ranges (twice :data:`MIN_RANGE_FLOP` per range the copy needs), each range's copy of the keys is within
-    ``KEY_COPY_SHARE`` of the output (unless it is one head); a call of less than twice that work runs in one
+    ``PREPASS_SHARE`` of the output (unless it is one head); a call of less than twice that work runs in one
     range, and no range of a ranged call holds less than half of it."""
     batch, heads, queries, dim = shape
     out = torch.empty(shape, dtype=torch.bfloat16, device="meta")
@@ -493,7 +493,7 @@ def test_key_ranges_cover_every_head_once_within_the_share(shape, keys):
     assert sorted(covered) == [(b, h) for b in range(batch) for h in range(heads)]
     per_head = keys * dim * k.element_size()
     work_per_head = 4.0 * queries * keys * dim
-    budget = dispatch.KEY_COPY_SHARE * out.numel() * out.element_size()
+    budget = dispatch.PREPASS_SHARE * out.numel() * out.element_size()
     needed = math.ceil(batch * heads * per_head / budget)
     if batch * heads * work_per_head >= 2 * dispatch.MIN_RANGE_FLOP * needed:
         for (b0, b1), (h0, h1) in ranges:

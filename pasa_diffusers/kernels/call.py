@@ -16,15 +16,16 @@ import torch
 from ..block_sparse import BlockSparseMask
 from ..variants import Variant
 
-__all__ = ["Call", "Plan", "Kernel", "PREPASSES", "KEY_COPYING_PREPASSES", "NO_SHIFT", "BlockSparseMask"]
+__all__ = ["Call", "Plan", "Kernel", "PREPASSES", "COPYING_PREPASSES", "NO_SHIFT", "BlockSparseMask"]
 
 PREPASSES = ("centre", "shift", "quantize")
 """The pre-passes a kernel may ask for: ``"centre"`` (the exact shift: each block's centre removed once per head,
 ``prepass.centre_keys``), ``"shift"`` (PASA: the shifted keys once per head, ``prepass.shift_keys``) and
 ``"quantize"`` (q, k, v to the 8-bit codes, ``quantize.prepare``)."""
 
-KEY_COPYING_PREPASSES = ("centre", "shift")
-"""The pre-passes that write a copy of the keys: their calls may run in ranges (``dispatch.key_chunks``)."""
+COPYING_PREPASSES = ("centre", "shift", "quantize")
+"""The pre-passes that write a copy of the inputs (the keys centred or shifted; the 8-bit codes of q, k and v with
+their statistics): their calls may run in ranges (``dispatch.key_chunks``)."""
 
 NO_SHIFT = (0.0, 0.0, 0.0, 0.0, 0.0, 1.0)
 """The shift constants of a call that is not PASA's (read by no kernel)."""

@@ -24,14 +24,16 @@ shifted keys once per head, for the portable kernel where several query blocks r
 the plan's pre-pass (:data:`PREPASS_RUNS`), then the entry's ``launch``.
 
 A block-sparse mask (``block_mask``, a ``block_sparse.BlockSparseMask`` in ``call.Call.block_mask``) reaches the
-kernels through the call: the portable kernels visit only its kept key blocks; a kernel that cannot says so in
+kernels through the call: the portable kernels and the 16-bit Gluon kernel visit only its kept key blocks; a
+kernel that cannot says so in
 ``unsuitable`` ("it takes no block_mask yet"), so ``"auto"`` passes it over and a request by name is refused.
 Its blocks must be those the kernels walk (:func:`_check_mask_blocks`).
 
-A call whose key pre-pass would copy more than a fifth of the output's bytes (:data:`KEY_COPY_SHARE`) runs
-in ranges of batch and kv head, one after the other (:func:`key_chunks`), so that its peak memory stays
-within 1.25x of cuDNN's, as long as each range keeps the GPU busy for much longer than the host takes to
-issue it (:data:`MIN_RANGE_FLOP`); shorter calls run in one launch and allocate the whole copy.
+A call whose pre-pass would write more than a fifth of the output's bytes (:data:`PREPASS_SHARE`: the keys
+centred or shifted; the 8-bit codes with their statistics) runs in ranges of batch and kv head, one after the
+other (:func:`key_chunks`), so that its peak memory stays within 1.25x (16 bits) or 1.4x (8 bits) of cuDNN's,
+as long as each range keeps the GPU busy for much longer than the host takes to issue it
+(:data:`MIN_RANGE_FLOP`); shorter calls run in one launch and allocate the whole copy.
 
 ``kernel="auto"`` takes the first entry of :data:`TABLE` that runs the call's precision and shift and has no
 reason against it (``unsuitable``).  A kernel named explicitly runs the call or
@@ -50,12 +52,12 @@ from ..rules import MASK_QUERY_TILE, SHIFT_BLOCK
 from ..variants import KERNEL_PRECISIONS, PV_BITS, Variant, eight_bit
 from ..variants import pv_bits as precision_pv_bits
 from . import hopper, hopper_int8, int8, packed, portable, quantize
-from .call import KEY_COPYING_PREPASSES, Call, Kernel, Plan
+from .call import COPYING_PREPASSES, Call, Kernel, Plan
 from .common import cdiv
 from .prepass import centre_keys, shift_keys
 from .tuning import pow2_tile
 
-__all__ = ["TABLE", "KERNELS", "INT8_KERNELS", "KEY_COPY_SHARE", "MIN_RANGE_FLOP", "FP8_MIN_CAPABILITY",
+__all__ = ["TABLE", "KERNELS", "INT8_KERNELS", "PREPASS_SHARE", "MIN_RANGE_FLOP", "FP8_MIN_CAPABILITY",
            "Plan", "plan", "forward", "key_chunks", "forget_plans", "fp8_problem", "kernel_names"]
 
 TABLE: tuple[Kernel, ...] = (packed.ENTRY, hopper.ENTRY, portable.ENTRY, hopper_int8.ENTRY, int8.ENTRY)
@@ -79,12 +81,14 @@ FP8_MIN_CAPABILITY = (8, 9)
 """The least CUDA compute capability with FP8 e4m3 tensor cores (Ada, Hopper and later): ``P V`` in 8 bits
 (``precision="fp8"``, or ``pv_bits=8``) needs it."""
 
-KEY_COPY_SHARE = 0.2
-"""The key pre-pass's copy of the keys takes at most this share of the output's bytes: a call whose copy
-would be larger runs its (batch, kv head) ranges one after the other (:func:`key_chunks`), each range's keys
-prepared and attended before the next's.  With the range's centres (1/64 of its keys, in fp32 for the portable
-kernel or in the inputs' dtype for the Gluon one) such a call allocates at most 1.25x what cuDNN does (its
-output and log-sum-exp)."""
+PREPASS_SHARE = 0.2
+"""The pre-pass's writes take at most this share of the output's bytes: a call whose pre-pass would write more
+runs its (batch, kv head) ranges one after the other (:func:`key_chunks`), each range prepared and attended
+before the next's.  The centring and shifting pre-passes write a copy of the keys and their centres (1/64 of
+the keys, in fp32 for the portable kernel or in the inputs' dtype for the Gluon one), so such a call allocates at
+most 1.25x what cuDNN does (its output and log-sum-exp); the 8-bit pre-pass writes the codes of q and k, their
+statistics and, for the Gluon kernel's 16-bit blocks, each key's ``hi`` and ``lo`` (``quantize.written_bytes``:
+3.2x the output at SVD's (50, 5, 9216, 64) in one launch, in 10 ranges 0.32x)."""
 
 MIN_RANGE_FLOP = 5e11
 """The least attention work (``4 Nq Nk D`` per query head) of one range: about 1 ms of the H200 at cuDNN's
@@ -334,7 +338,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
     entry = _BY_NAME[chosen.kernel]
     if variant.shift == "pasa":
         call.constants = shift_constants(float(beta), k.shape[2], chosen.block_n, q.dtype, float(scale))
-    ranges = _key_ranges(k, out) if chosen.prepass in KEY_COPYING_PREPASSES else ()
+    ranges = _key_ranges(call, chosen, entry) if chosen.prepass in COPYING_PREPASSES else ()
     if len(ranges) <= 1:  # one launch over the whole call: the tensors as they are, no views
         _run(entry, call, chosen)
         return out
@@ -343,16 +347,18 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
     return out
 
 
-def key_chunks(k: torch.Tensor, out: torch.Tensor) -> list[tuple[tuple[int, int], tuple[int, int]]]:
-    """The ``((b0, b1), (h0, h1))`` ranges of batch and kv head that a call with a key pre-pass runs one
-    after the other: the fewest that keep the pre-pass's copy of one range's keys within
-    :data:`KEY_COPY_SHARE` of ``out``'s bytes, but no more than the call's work fills at
+def key_chunks(k: torch.Tensor, out: torch.Tensor,
+               written: int | None = None) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """The ``((b0, b1), (h0, h1))`` ranges of batch and kv head that a call with a pre-pass writing ``written``
+    bytes (default: a copy of ``k``) runs one after the other: the fewest that keep one range's share of those
+    bytes within :data:`PREPASS_SHARE` of ``out``'s bytes, but no more than the call's work fills at
     :data:`MIN_RANGE_FLOP` each (one range of whole batches, or one of heads within a batch element, at
     least one head; ranges of one kind have equal sizes but the last, and ranges of heads are counted per
     batch element, which can add a range to each)."""
     batch, h_k = k.shape[:2]
     heads = batch * h_k
-    fit = max(1, int(KEY_COPY_SHARE * out.numel() * out.element_size() * heads // (k.numel() * k.element_size())))
+    written = k.numel() * k.element_size() if written is None else written
+    fit = max(1, int(PREPASS_SHARE * out.numel() * out.element_size() * heads // max(written, 1)))
     work = 4.0 * out.shape[2] * k.shape[2] * k.shape[3] * out.shape[1] * batch
     ranges = max(1, min(cdiv(heads, fit), int(work // MIN_RANGE_FLOP)))
     if ranges == 1:
@@ -368,15 +374,22 @@ def key_chunks(k: torch.Tensor, out: torch.Tensor) -> list[tuple[tuple[int, int]
 _RANGES: dict[tuple, list] = {}
 
 
-def _key_ranges(k: torch.Tensor, out: torch.Tensor) -> list[tuple[tuple[int, int], tuple[int, int]]]:
-    """:func:`key_chunks`, kept per what it reads (the shapes and dtypes of ``k`` and ``out``, and the two
-    module constants it is ruled by, which a test or a script may change)."""
-    key = (k.shape, k.dtype, out.shape, out.dtype, KEY_COPY_SHARE, MIN_RANGE_FLOP)
+def _key_ranges(call: Call, plan: Plan, entry: Kernel) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """:func:`key_chunks` of ``call`` under ``plan``'s pre-pass (the 8-bit one's bytes from
+    ``quantize.written_bytes``), kept per what it reads (the shapes and dtypes, the pre-pass and its options,
+    and the two module constants it is ruled by, which a test or a script may change)."""
+    q, k, out = call.q, call.k, call.out
+    split = _splits(call, entry)
+    key = (q.shape, k.shape, k.dtype, out.shape, out.dtype, plan.prepass, plan.pv_bits, call.fallback, split,
+           PREPASS_SHARE, MIN_RANGE_FLOP)
     found = _RANGES.get(key)
     if found is None:
         if len(_RANGES) >= PLAN_CACHE_SIZE:
             _RANGES.clear()
-        found = _RANGES[key] = key_chunks(k, out)
+        written = None
+        if plan.prepass == "quantize":
+            written = quantize.written_bytes(q, k, call.v, pv_bits=plan.pv_bits, fallback=call.fallback, split=split)
+        found = _RANGES[key] = key_chunks(k, out, written)
     return found
 
 
@@ -409,9 +422,14 @@ def _quantize(call: Call, plan: Plan, entry: Kernel) -> bool:
         return False
     fallback = call.fallback
     call.prep = quantize.prepare(call.q, call.k, call.v, scale=call.scale, pv_bits=plan.pv_bits, fallback=fallback,
-                             split=entry.prepass_options.get("split", False) and fallback,
-                             tally=block_tally.counter(call.q.device) if fallback else None)
+                                 split=_splits(call, entry), tally=block_tally.counter(call.q.device) if fallback else None)
     return True
+
+
+def _splits(call: Call, entry: Kernel) -> bool:
+    """Whether the 8-bit pre-pass writes each key's ``hi`` and ``lo`` for ``entry``: where it asks and the 16-bit
+    blocks are on."""
+    return entry.prepass_options.get("split", False) and call.fallback
 
 
 PREPASS_RUNS = {"centre": _centre, "shift": _shift, "quantize": _quantize}

@@ -32,7 +32,7 @@ __all__ = ["gl", "gluon_jit", "fence_async_shared", "mbarrier", "tma", "warpgrou
            "TensorDescriptor", "GLUON_IMPORT_ERROR", "GLUON_VERSION", "HEAD_DIMS", "ROWS_PER_CONSUMER", "CENTRE_ROWS",
            "PRODUCER_WARPS", "REGISTERS_PER_SM", "PRODUCER_REGS", "SHORT_KEYS", "unavailable_reason", "sm90_problem",
            "operand_problem", "descriptor_layout_problem", "head_dim_tile", "registers", "descriptor", "kept_descriptor",
-           "kept_config", "row_shift", "round_p", "widen_p", "release"]
+           "kept_config", "row_shift", "round_p", "widen_p", "release", "kept_row", "tile_start"]
 
 GLUON_VERSION = "3.6"
 """The Triton release whose Gluon API the kernels are written for (``warp_specialize``'s signature changed in 3.6)."""
@@ -215,3 +215,25 @@ def widen_p(p):
 def release(empty, i):
     """This consumer is done with stage ``i % NUM_STAGES`` of a ring: one arrival on its ``empty`` barrier."""
     mbarrier.arrive(empty.index(i % empty.shape[0]))
+
+
+@gluon_jit
+def kept_row(mc_ptr, mi_ptr, off_z, off_hq, start_m, stride_mcz, stride_mch, stride_mcq, stride_miz, stride_mih,
+             stride_miq, MASK_GROUP, MASK_BLOCK_Q):
+    """A block mask's row for the program's query rows ``start_m ..`` (all in one query block: the program's rows
+    divide ``MASK_BLOCK_Q``) of batch ``off_z`` and query head ``off_hq`` (mask head ``off_hq // MASK_GROUP``; a
+    shared batch or head has stride 0): ``(count, indices)``, how many key blocks it visits and the pointer to
+    their ascending indices (``block_sparse.BlockSparseMask``; ``common.kept_blocks`` for the Triton kernels)."""
+    off_mh = off_hq // MASK_GROUP
+    q_blk = start_m // MASK_BLOCK_Q
+    count = gl.load(mc_ptr + off_z * stride_mcz + off_mh * stride_mch + q_blk * stride_mcq)
+    return count, mi_ptr + off_z * stride_miz + off_mh * stride_mih + q_blk * stride_miq
+
+
+@gluon_jit
+def tile_start(indices, stride_mij, i, BLOCK_N: gl.constexpr, SPARSE: gl.constexpr):
+    """The first key of the ``i``-th key tile a program visits: tile ``i`` of the keys, or with ``SPARSE`` (key
+    tiles of one mask block each) the ``i``-th kept block ``indices[i]``."""
+    if SPARSE:
+        return gl.load(indices + i * stride_mij) * BLOCK_N
+    return i * BLOCK_N

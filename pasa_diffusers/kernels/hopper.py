@@ -68,24 +68,28 @@ import torch
 
 from ..rules import LOG2E, SHIFT_BLOCK
 from .call import Call, Kernel, Plan
-from .common import INTERPRET, LN2, cdiv, lse_arg
+from ..block_sparse import BlockSparseMask
+from .common import INTERPRET, LN2, cdiv, lse_arg, mask_args
 from .gluon_common import (CENTRE_ROWS, PRODUCER_WARPS, ROWS_PER_CONSUMER, SHORT_KEYS, descriptor,
                            descriptor_layout_problem, fence_async_shared, gl, gluon_jit, head_dim_tile, kept_config,
-                           mbarrier, operand_problem, registers, release, round_p, row_shift, sm90_problem, tma,
-                           unavailable_reason, warpgroup_mma, warpgroup_mma_wait, widen_p)
+                           kept_row, mbarrier, operand_problem, registers, release, round_p, row_shift, sm90_problem,
+                           tile_start, tma, unavailable_reason, warpgroup_mma, warpgroup_mma_wait, widen_p)
 from .tuning import SMEM_LIMIT
 
 __all__ = ["exact_fwd_gluon_kernel", "forward", "kernel_call", "unsuitable_reason", "tuned_config", "DEFAULT_CONFIG",
-           "SHORT_KEYS_CONFIG", "WIDE_CONFIG", "WIDE_SHORT_KEYS_CONFIG", "SHORT_KEYS", "HEAD_DIM", "shared_bytes",
-           "unavailable_reason"]
+           "SHORT_KEYS_CONFIG", "WIDE_CONFIG", "WIDE_SHORT_KEYS_CONFIG", "SPARSE_CONFIG", "SHORT_KEYS", "HEAD_DIM",
+           "shared_bytes", "unavailable_reason"]
 
 HEAD_DIM = 64
 """The head dim the config defaults are stated for."""
 
 
 @gluon_jit
-def _producer(descs, q_bufs, q_ready, ring, bars, off_z, off_hq, off_hk, start_m, N_K, SHIFT_BLOCK_N: gl.constexpr):
-    """TMA copies only: each consumer's q tile, then per key tile ``i`` into stage ``i % NUM_STAGES``:
+def _producer(descs, q_bufs, q_ready, ring, bars, off_z, off_hq, off_hk, start_m, kept, n_tiles,
+              SHIFT_BLOCK_N: gl.constexpr, SPARSE: gl.constexpr):
+    """TMA copies only: each consumer's q tile, then per key tile ``i`` (of ``n_tiles``, starting at
+    ``gluon_common.tile_start``: with ``SPARSE`` the kept blocks ``kept = (indices, stride)``) into stage
+    ``i % NUM_STAGES``:
     k_c and the centre rows ``j, j + 1, ...`` (``j = start_n // SHIFT_BLOCK_N``) on ``k_ready``, v on
     ``v_ready``, each after the consumers have released the stage (``k_empty`` / ``v_empty``).  The
     centre rows (2 KB) come with every tile; the consumers read them on the first tile of every 16th
@@ -105,11 +109,12 @@ def _producer(descs, q_bufs, q_ready, ring, bars, off_z, off_hq, off_hk, start_m
         mbarrier.expect(q_ready.index(w), desc_q.block_type.nbytes)
         tma.async_copy_global_to_shared(desc_q, [off_z, off_hq, start_m + w * rows, 0], q_ready.index(w),
                                         q_bufs.index(w))
+    indices, stride_mij = kept
     kc_bytes: gl.constexpr = desc_k.block_type.nbytes + desc_c.block_type.nbytes
-    for i in range(gl.cdiv(N_K, BLOCK_N)):
+    for i in range(n_tiles):
         stage = i % NUM_STAGES
         phase = (i // NUM_STAGES) & 1
-        start_n = i * BLOCK_N
+        start_n = tile_start(indices, stride_mij, i, BLOCK_N, SPARSE)
         mbarrier.wait(k_empty.index(stage), phase ^ 1)
         mbarrier.expect(k_ready.index(stage), kc_bytes)
         tma.async_copy_global_to_shared(desc_k, [off_z, off_hk, start_n, 0], k_ready.index(stage), k_bufs.index(stage))
@@ -139,25 +144,34 @@ def _softmax_step(s, r_j, m_i, l_i, start_n, N_K, qk_scale, p_dtype: gl.constexp
 
 
 @gluon_jit
-def _issue_scores(q, ring, k_ready, i, s_zero, rc, SHIFT_BLOCK_N: gl.constexpr):
-    """Wait until key tile ``i``'s k_c and centre rows have landed; issue ``s = q k_c^T`` (async wgmma, q and
-    k_c from shared memory) and return its token with ``rc``.
+def _issue_scores(q, ring, k_ready, i, start_n, s_zero, rc, base, SHIFT_BLOCK_N: gl.constexpr, SPARSE: gl.constexpr):
+    """Wait until key tile ``i`` (keys ``start_n ..``)'s k_c and centre rows have landed; issue ``s = q k_c^T``
+    (async wgmma, q and k_c from shared memory) and return its token with ``rc`` and ``base``.
 
-    ``rc = q c^T`` (64, 16) holds ``q . c_j`` for 16 consecutive centre blocks, so it is recomputed (a
-    synchronous wgmma on the centre rows ``j .. j + 15`` copied with the tile) only on the first tile
-    of every 16th block, and carried between: 1/16 of the (64, 16) products, the same values."""
+    ``rc = q c^T`` (64, 16) holds ``q . c_j`` for the 16 consecutive centre blocks ``base .. base + 15``, so it
+    is recomputed (a synchronous wgmma on the centre rows ``j .. j + 15`` copied with the tile) only on the
+    first tile of every 16th block, and carried between: 1/16 of the (64, 16) products, the same values.
+    With ``SPARSE`` (one tile per block, ascending) it is recomputed at the first block ``j`` past the
+    window, which becomes ``base``: once per 16 blocks where the kept blocks are contiguous."""
     k_bufs, v_bufs, c_bufs = ring
     NUM_STAGES: gl.constexpr = k_bufs.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
-    REFRESH: gl.constexpr = c_bufs.shape[3] * SHIFT_BLOCK_N // BLOCK_N
+    C_ROWS: gl.constexpr = c_bufs.shape[3]
+    REFRESH: gl.constexpr = C_ROWS * SHIFT_BLOCK_N // BLOCK_N
     stage = i % NUM_STAGES
     k_blk = k_bufs.index(stage).reshape([BLOCK_N, k_bufs.shape[4]])
+    c_blk = c_bufs.index(stage).reshape([C_ROWS, c_bufs.shape[4]])
     mbarrier.wait(k_ready.index(stage), (i // NUM_STAGES) & 1)
-    if i % REFRESH == 0:
-        c_blk = c_bufs.index(stage).reshape([c_bufs.shape[3], c_bufs.shape[4]])
-        rc = warpgroup_mma(q, c_blk.permute((1, 0)), gl.zeros_like(rc), use_acc=False)
+    if SPARSE:
+        blk = start_n // SHIFT_BLOCK_N
+        if blk - base >= C_ROWS:
+            rc = warpgroup_mma(q, c_blk.permute((1, 0)), gl.zeros_like(rc), use_acc=False)
+            base = blk
+    else:
+        if i % REFRESH == 0:
+            rc = warpgroup_mma(q, c_blk.permute((1, 0)), gl.zeros_like(rc), use_acc=False)
     s = warpgroup_mma(q, k_blk.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    return s, rc
+    return s, rc, base
 
 
 @gluon_jit
@@ -174,13 +188,18 @@ def _issue_pv(p, acc, alpha, ring, v_ready, i):
 
 
 @gluon_jit
-def _tile_softmax(s, rc, m_i, l_i, i, N_K, qk_scale, p_dtype: gl.constexpr, p_layout: gl.constexpr,
-                  MASK_N: gl.constexpr, SHIFT_BLOCK_N: gl.constexpr):
-    """Tile ``i``'s softmax from its finished ``s`` and ``rc``: ``(p in p_layout, alpha, m_i, l_i)``."""
+def _tile_softmax(s, rc, base, m_i, l_i, start_n, N_K, qk_scale, p_dtype: gl.constexpr, p_layout: gl.constexpr,
+                  MASK_N: gl.constexpr, SHIFT_BLOCK_N: gl.constexpr, SPARSE: gl.constexpr):
+    """The softmax of the tile of keys ``start_n ..`` from its finished ``s`` and ``rc`` (centre blocks from
+    ``base``, :func:`_issue_scores`): ``(p in p_layout, alpha, m_i, l_i)``."""
     row_layout: gl.constexpr = gl.SliceLayout(1, s.type.layout)
-    BLOCK_N: gl.constexpr = s.shape[1]
-    r_j = row_shift(rc, (i * BLOCK_N // SHIFT_BLOCK_N) % rc.shape[1], qk_scale, row_layout)
-    p, alpha, m_i, l_i = _softmax_step(s, r_j, m_i, l_i, i * BLOCK_N, N_K, qk_scale, p_dtype, MASK_N)
+    blk = start_n // SHIFT_BLOCK_N
+    if SPARSE:
+        col = blk - base
+    else:
+        col = blk % rc.shape[1]
+    r_j = row_shift(rc, col, qk_scale, row_layout)
+    p, alpha, m_i, l_i = _softmax_step(s, r_j, m_i, l_i, start_n, N_K, qk_scale, p_dtype, MASK_N)
     return gl.convert_layout(p, p_layout), alpha, m_i, l_i
 
 
@@ -203,19 +222,25 @@ def _pass_turn(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
 
 
 @gluon_jit
-def _key_loop(q, ring, bars, m_i, l_i, acc, s_zero, rc, N_K, qk_scale, p_layout: gl.constexpr,
-              MASK_N: gl.constexpr, SHIFT_BLOCK_N: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr):
-    """The key loop without overlap: per tile ``S`` (its issue in turn with the other consumers under
-    ``PINGPONG``), wait, softmax, ``P V``, wait.  Returns ``(acc, m_i, l_i)``."""
+def _key_loop(q, ring, bars, kept, n_tiles, m_i, l_i, acc, s_zero, rc, N_K, qk_scale, p_layout: gl.constexpr,
+              MASK_N: gl.constexpr, SHIFT_BLOCK_N: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
+              SPARSE: gl.constexpr):
+    """The key loop without overlap over ``n_tiles`` tiles (``kept`` as for :func:`_producer`): per tile ``S``
+    (its issue in turn with the other consumers under ``PINGPONG``), wait, softmax, ``P V``, wait.  Returns
+    ``(acc, m_i, l_i)``."""
     k_ready, k_empty, v_ready, v_empty, turn = bars
-    for i in range(gl.cdiv(N_K, s_zero.shape[1])):
+    indices, stride_mij = kept
+    BLOCK_N: gl.constexpr = s_zero.shape[1]
+    base = gl.to_tensor(-rc.shape[1])  # the first tile refreshes rc
+    for i in range(n_tiles):
+        start_n = tile_start(indices, stride_mij, i, BLOCK_N, SPARSE)
         _wait_turn(turn, i, WG, PINGPONG)
-        s, rc = _issue_scores(q, ring, k_ready, i, s_zero, rc, SHIFT_BLOCK_N)
+        s, rc, base = _issue_scores(q, ring, k_ready, i, start_n, s_zero, rc, base, SHIFT_BLOCK_N, SPARSE)
         _pass_turn(turn, WG, PINGPONG)
         s = warpgroup_mma_wait(0, deps=(s, ))
         release(k_empty, i)
-        p, alpha, m_i, l_i = _tile_softmax(s, rc, m_i, l_i, i, N_K, qk_scale, q.dtype, p_layout, MASK_N,
-                                                 SHIFT_BLOCK_N)
+        p, alpha, m_i, l_i = _tile_softmax(s, rc, base, m_i, l_i, start_n, N_K, qk_scale, q.dtype, p_layout, MASK_N,
+                                           SHIFT_BLOCK_N, SPARSE)
         acc = _issue_pv(p, acc, alpha, ring, v_ready, i)
         acc, p = warpgroup_mma_wait(0, deps=(acc, p))
         release(v_empty, i)
@@ -223,35 +248,39 @@ def _key_loop(q, ring, bars, m_i, l_i, acc, s_zero, rc, N_K, qk_scale, p_layout:
 
 
 @gluon_jit
-def _key_loop_overlapped(q, ring, bars, m_i, l_i, acc, s_zero, rc, N_K, qk_scale, p_layout: gl.constexpr,
-                         MASK_N: gl.constexpr, SHIFT_BLOCK_N: gl.constexpr, WG: gl.constexpr,
-                         PINGPONG: gl.constexpr):
+def _key_loop_overlapped(q, ring, bars, kept, n_tiles, m_i, l_i, acc, s_zero, rc, N_K, qk_scale,
+                         p_layout: gl.constexpr, MASK_N: gl.constexpr, SHIFT_BLOCK_N: gl.constexpr, WG: gl.constexpr,
+                         PINGPONG: gl.constexpr, SPARSE: gl.constexpr):
     """The key loop with FA3's intra-warpgroup overlap: tile ``i``'s softmax runs while the tensor cores do
     tile ``i - 1``'s ``P V``.  Order per tile ``i >= 1``: issue ``S_i``; issue ``P_{i-1} V_{i-1}``; wait
     until one wgmma group is left (``S_i`` done: groups finish in order); softmax ``i``; wait for ``P V``.
     Same arithmetic as :func:`_key_loop` (``alpha_i`` scales ``acc`` when ``P_i V_i`` is issued).
     Under ``PINGPONG`` the issue of ``S_i`` (with ``P_{i-1} V_{i-1}``) takes turns with the other consumers.
-    Returns ``(acc, m_i, l_i)``.
+    ``n_tiles >= 1`` (``kept`` as for :func:`_producer`).  Returns ``(acc, m_i, l_i)``.
     """
     k_ready, k_empty, v_ready, v_empty, turn = bars
-    n_tiles = gl.cdiv(N_K, s_zero.shape[1])
+    indices, stride_mij = kept
+    BLOCK_N: gl.constexpr = s_zero.shape[1]
+    start_n = tile_start(indices, stride_mij, 0, BLOCK_N, SPARSE)
     _wait_turn(turn, 0, WG, PINGPONG)
-    s, rc = _issue_scores(q, ring, k_ready, 0, s_zero, rc, SHIFT_BLOCK_N)
+    s, rc, base = _issue_scores(q, ring, k_ready, 0, start_n, s_zero, rc, gl.to_tensor(-rc.shape[1]),
+                                SHIFT_BLOCK_N, SPARSE)
     _pass_turn(turn, WG, PINGPONG)
     s = warpgroup_mma_wait(0, deps=(s, ))
     release(k_empty, 0)
-    p, alpha, m_i, l_i = _tile_softmax(s, rc, m_i, l_i, 0, N_K, qk_scale, q.dtype, p_layout, MASK_N,
-                                             SHIFT_BLOCK_N)
+    p, alpha, m_i, l_i = _tile_softmax(s, rc, base, m_i, l_i, start_n, N_K, qk_scale, q.dtype, p_layout, MASK_N,
+                                       SHIFT_BLOCK_N, SPARSE)
     for i in range(1, n_tiles):
+        start_n = tile_start(indices, stride_mij, i, BLOCK_N, SPARSE)
         _wait_turn(turn, i, WG, PINGPONG)
-        s, rc = _issue_scores(q, ring, k_ready, i, s_zero, rc, SHIFT_BLOCK_N)
+        s, rc, base = _issue_scores(q, ring, k_ready, i, start_n, s_zero, rc, base, SHIFT_BLOCK_N, SPARSE)
         acc = _issue_pv(p, acc, alpha, ring, v_ready, i - 1)
         _pass_turn(turn, WG, PINGPONG)
         s = warpgroup_mma_wait(1, deps=(s, ))
         release(k_empty, i)
         p_prev = p
-        p, alpha, m_i, l_i = _tile_softmax(s, rc, m_i, l_i, i, N_K, qk_scale, q.dtype, p_layout, MASK_N,
-                                                 SHIFT_BLOCK_N)
+        p, alpha, m_i, l_i = _tile_softmax(s, rc, base, m_i, l_i, start_n, N_K, qk_scale, q.dtype, p_layout,
+                                           MASK_N, SHIFT_BLOCK_N, SPARSE)
         acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
         release(v_empty, i - 1)
     acc = _issue_pv(p, acc, alpha, ring, v_ready, n_tiles - 1)
@@ -261,10 +290,11 @@ def _key_loop_overlapped(q, ring, bars, m_i, l_i, acc, s_zero, rc, N_K, qk_scale
 
 
 @gluon_jit
-def _consumer(desc_o, q_tile, q_ready, ring, bars, off_z, off_hq, start_row, N_K, qk_scale, lse_ptr, N_Q,
-              MASK_N: gl.constexpr, OVERLAP: gl.constexpr, SHIFT_BLOCK_N: gl.constexpr, STORE_LSE: gl.constexpr,
-              WG: gl.constexpr, PINGPONG: gl.constexpr):
-    """One consumer warpgroup: query rows ``start_row ..`` (its own q tile, (1, 1, 64, D), and ``q_ready``).
+def _consumer(desc_o, q_tile, q_ready, ring, bars, kept, n_tiles, off_z, off_hq, start_row, N_K, qk_scale, lse_ptr,
+              N_Q, MASK_N: gl.constexpr, OVERLAP: gl.constexpr, SHIFT_BLOCK_N: gl.constexpr, STORE_LSE: gl.constexpr,
+              WG: gl.constexpr, PINGPONG: gl.constexpr, SPARSE: gl.constexpr):
+    """One consumer warpgroup: query rows ``start_row ..`` (its own q tile, (1, 1, 64, D), and ``q_ready``),
+    over ``n_tiles`` key tiles (``kept`` as for :func:`_producer`).
 
     Per key tile: wait ``k_ready``; issue ``s = q k_c^T`` (async; ``rc = q c^T`` first, every 16th
     centre block), wait, release the stage's k_c / centres (``k_empty``); softmax; wait ``v_ready``;
@@ -273,7 +303,9 @@ def _consumer(desc_o, q_tile, q_ready, ring, bars, off_z, off_hq, start_row, N_K
     Then ``out = acc / l_i`` into the q tile and a TMA store (rows past N_Q are clipped by the copy
     engine); with ``STORE_LSE`` also ``lse = ln 2 (m_i + log2 l_i)`` (fp32, natural log, of the true
     logits: ``m_i`` carries the removed ``r_j``) at ``lse_ptr + start_row ..``, rows below ``N_Q``
-    (``lse_ptr`` points at this (batch, head)'s row 0).  ``ring``, ``bars`` as for :func:`_producer`.
+    (``lse_ptr`` points at this (batch, head)'s row 0).  ``ring``, ``bars`` as for :func:`_producer`.  A row
+    that visits no key block (``SPARSE``, an empty mask row) keeps ``acc = 0``, ``l_i = 0``, ``m_i = -inf``:
+    ``out = 0``, ``lse = -inf``.
     """
     k_bufs, v_bufs, c_bufs = ring
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
@@ -297,15 +329,18 @@ def _consumer(desc_o, q_tile, q_ready, ring, bars, off_z, off_hq, start_row, N_K
     r_zero = gl.zeros([rows, C_ROWS], gl.float32, layout=r_layout)
     mbarrier.wait(q_ready, 0)
     if OVERLAP:
-        acc, m_i, l_i = _key_loop_overlapped(q, ring, bars, m_i, l_i, acc, s_zero, r_zero, N_K, qk_scale, p_layout,
-                                             MASK_N, SHIFT_BLOCK_N, WG, PINGPONG)
+        if not SPARSE or n_tiles > 0:  # a dense call has a tile at least
+            acc, m_i, l_i = _key_loop_overlapped(q, ring, bars, kept, n_tiles, m_i, l_i, acc, s_zero, r_zero, N_K,
+                                                 qk_scale, p_layout, MASK_N, SHIFT_BLOCK_N, WG, PINGPONG, SPARSE)
     else:
-        acc, m_i, l_i = _key_loop(q, ring, bars, m_i, l_i, acc, s_zero, r_zero, N_K, qk_scale, p_layout, MASK_N,
-                                  SHIFT_BLOCK_N, WG, PINGPONG)
+        acc, m_i, l_i = _key_loop(q, ring, bars, kept, n_tiles, m_i, l_i, acc, s_zero, r_zero, N_K, qk_scale,
+                                  p_layout, MASK_N, SHIFT_BLOCK_N, WG, PINGPONG, SPARSE)
     if STORE_LSE:
         offs_m = start_row + gl.arange(0, rows, layout=row_layout)
         gl.store(lse_ptr + offs_m, (m_i + gl.log2(l_i)) * LN2, mask=offs_m < N_Q)
 
+    if SPARSE:
+        l_i = gl.where(l_i > 0, l_i, 1.0)
     inv_l = gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, o_layout))
     q.store((acc * inv_l[:, None]).to(q.dtype))
     fence_async_shared()
@@ -317,9 +352,11 @@ def _consumer(desc_o, q_tile, q_ready, ring, bars, off_z, off_hq, start_row, N_K
 def exact_fwd_gluon_kernel(
     desc_q, desc_k, desc_v, desc_c, desc_o, lse_ptr,
     H_Q, KV_GROUP, N_Q, N_K, qk_scale,
+    mc_ptr, mi_ptr, stride_mcz, stride_mch, stride_mcq, stride_miz, stride_mih, stride_miq, stride_mij,
+    MASK_GROUP, MASK_BLOCK_Q,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr,
     SHIFT_BLOCK_N: gl.constexpr, MASK_N: gl.constexpr, OVERLAP: gl.constexpr, STORE_LSE: gl.constexpr,
-    PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, SPARSE: gl.constexpr,
 ):
     """``out = softmax(scale q k^T) v`` for ``BLOCK_M = 64 NUM_CONSUMERS`` query rows of one (batch, head).
 
@@ -329,8 +366,12 @@ def exact_fwd_gluon_kernel(
     ceil(N_K / 128), D) in the inputs' dtype (exact: the centres are values of it), boxes (1, 1, 16,
     HEAD_DIM).  ``HEAD_DIM`` is the tile (64 or 128); a head dim ``D`` below it is padded by the copy
     engine, which reads the columns past ``D`` as zeros and clips them on the store.  ``lse_ptr``: the
-    fp32 (B, H_Q, N_Q) log-sum-exp, written when ``STORE_LSE``.  This function allocates the shared
-    tiles and the barriers and forks into the producer and the consumers.
+    fp32 (B, H_Q, N_Q) log-sum-exp, written when ``STORE_LSE``.  With ``SPARSE`` the program visits only the
+    key blocks its query block keeps in the block mask (``mc_ptr`` its ``kv_counts``, ``mi_ptr`` its
+    ``kv_indices``, their strides, ``MASK_GROUP`` query heads per mask head, ``MASK_BLOCK_Q`` rows per query
+    block: ``common.mask_args``), one key tile of ``BLOCK_N = SHIFT_BLOCK_N`` keys per kept block, its
+    ``BLOCK_M = 128`` rows (two consumers) in one query block.  This function allocates the shared tiles and the
+    barriers and forks into the producer and the consumers.
     """
     rows: gl.constexpr = desc_q.block_type.shape[2]
     pid = gl.program_id(0)
@@ -342,6 +383,15 @@ def exact_fwd_gluon_kernel(
     off_hk = off_hq // KV_GROUP
     start_m = pid_m * (rows * NUM_CONSUMERS)
     lse_ptr += pid_bh.to(gl.int64) * N_Q
+    if SPARSE:
+        gl.static_assert(BLOCK_N == SHIFT_BLOCK_N, "a block mask's key tile is one centre block")
+        gl.static_assert(NUM_CONSUMERS == 2, "a block mask's query block holds 128 rows: two consumers")
+        n_tiles, indices = kept_row(mc_ptr, mi_ptr, off_z, off_hq, start_m, stride_mcz, stride_mch, stride_mcq,
+                                    stride_miz, stride_mih, stride_miq, MASK_GROUP, MASK_BLOCK_Q)
+    else:
+        n_tiles = gl.cdiv(N_K, BLOCK_N)
+        indices = mi_ptr
+    kept = (indices, stride_mij)
 
     q_bufs = gl.allocate_shared_memory(desc_q.dtype, [NUM_CONSUMERS] + desc_q.block_type.shape, desc_q.layout)
     k_bufs = gl.allocate_shared_memory(desc_k.dtype, [NUM_STAGES] + desc_k.block_type.shape, desc_k.layout)
@@ -370,21 +420,28 @@ def exact_fwd_gluon_kernel(
     gl.static_assert(NUM_CONSUMERS == 2 or NUM_CONSUMERS == 3, "partition lists are written for 2 and 3 consumers")
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
-            (_producer, (descs, q_bufs, q_ready, ring, bars, off_z, off_hq, off_hk, start_m, N_K, SHIFT_BLOCK_N)),
-            (_consumer, (desc_o, q_bufs.index(0), q_ready.index(0), ring, bars, off_z, off_hq, start_m, N_K,
-                         qk_scale, lse_ptr, N_Q, MASK_N, OVERLAP, SHIFT_BLOCK_N, STORE_LSE, 0, PINGPONG)),
-            (_consumer, (desc_o, q_bufs.index(1), q_ready.index(1), ring, bars, off_z, off_hq, start_m + rows, N_K,
-                         qk_scale, lse_ptr, N_Q, MASK_N, OVERLAP, SHIFT_BLOCK_N, STORE_LSE, 1, PINGPONG)),
+            (_producer, (descs, q_bufs, q_ready, ring, bars, off_z, off_hq, off_hk, start_m, kept, n_tiles,
+                         SHIFT_BLOCK_N, SPARSE)),
+            (_consumer, (desc_o, q_bufs.index(0), q_ready.index(0), ring, bars, kept, n_tiles, off_z, off_hq,
+                         start_m, N_K, qk_scale, lse_ptr, N_Q, MASK_N, OVERLAP, SHIFT_BLOCK_N, STORE_LSE, 0,
+                         PINGPONG, SPARSE)),
+            (_consumer, (desc_o, q_bufs.index(1), q_ready.index(1), ring, bars, kept, n_tiles, off_z, off_hq,
+                         start_m + rows, N_K, qk_scale, lse_ptr, N_Q, MASK_N, OVERLAP, SHIFT_BLOCK_N, STORE_LSE, 1,
+                         PINGPONG, SPARSE)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
-            (_producer, (descs, q_bufs, q_ready, ring, bars, off_z, off_hq, off_hk, start_m, N_K, SHIFT_BLOCK_N)),
-            (_consumer, (desc_o, q_bufs.index(0), q_ready.index(0), ring, bars, off_z, off_hq, start_m, N_K,
-                         qk_scale, lse_ptr, N_Q, MASK_N, OVERLAP, SHIFT_BLOCK_N, STORE_LSE, 0, PINGPONG)),
-            (_consumer, (desc_o, q_bufs.index(1), q_ready.index(1), ring, bars, off_z, off_hq, start_m + rows, N_K,
-                         qk_scale, lse_ptr, N_Q, MASK_N, OVERLAP, SHIFT_BLOCK_N, STORE_LSE, 1, PINGPONG)),
-            (_consumer, (desc_o, q_bufs.index(2), q_ready.index(2), ring, bars, off_z, off_hq, start_m + 2 * rows,
-                         N_K, qk_scale, lse_ptr, N_Q, MASK_N, OVERLAP, SHIFT_BLOCK_N, STORE_LSE, 2, PINGPONG)),
+            (_producer, (descs, q_bufs, q_ready, ring, bars, off_z, off_hq, off_hk, start_m, kept, n_tiles,
+                         SHIFT_BLOCK_N, SPARSE)),
+            (_consumer, (desc_o, q_bufs.index(0), q_ready.index(0), ring, bars, kept, n_tiles, off_z, off_hq,
+                         start_m, N_K, qk_scale, lse_ptr, N_Q, MASK_N, OVERLAP, SHIFT_BLOCK_N, STORE_LSE, 0,
+                         PINGPONG, SPARSE)),
+            (_consumer, (desc_o, q_bufs.index(1), q_ready.index(1), ring, bars, kept, n_tiles, off_z, off_hq,
+                         start_m + rows, N_K, qk_scale, lse_ptr, N_Q, MASK_N, OVERLAP, SHIFT_BLOCK_N, STORE_LSE, 1,
+                         PINGPONG, SPARSE)),
+            (_consumer, (desc_o, q_bufs.index(2), q_ready.index(2), ring, bars, kept, n_tiles, off_z, off_hq,
+                         start_m + 2 * rows, N_K, qk_scale, lse_ptr, N_Q, MASK_N, OVERLAP, SHIFT_BLOCK_N, STORE_LSE, 2,
+                         PINGPONG, SPARSE)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -399,6 +456,10 @@ registers (240) for a (64, 128) fp32 accumulator beside its (64, 128) scores and
 FA3's overlap and ping-pong (measured: docs/notes/hopper.md)."""
 WIDE_SHORT_KEYS_CONFIG = {"BLOCK_N": 64, "num_stages": 3, "overlap": True, "consumers": 2, "pingpong": False}
 """The config for at most ``SHORT_KEYS`` keys at head dims above 64."""
+SPARSE_CONFIG = {"BLOCK_N": 128, "num_stages": 3, "overlap": True, "consumers": 2, "pingpong": True}
+"""The config of a call with a block mask at head dim 64 (at the 128 tile: :data:`WIDE_CONFIG`): a mask's query
+block of 128 rows is one program (two consumers), its key block of 128 keys one tile; the overlap and ping-pong of
+the wide config."""
 
 
 def shared_bytes(cfg: dict, tile: int, element_size: int) -> int:
@@ -431,23 +492,29 @@ def unsuitable_reason(q: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, pr
     return descriptor_layout_problem((("q", q), ("v", v), ("out", out)))
 
 
-def tuned_config(n_k: int, head_dim: int = HEAD_DIM) -> dict:
+def tuned_config(n_k: int, head_dim: int = HEAD_DIM, sparse: bool = False) -> dict:
     """The measured config for ``n_k`` keys of ``head_dim``: the short-keys config up to ``SHORT_KEYS``
-    keys, the long one above, for the head dim's tile."""
+    keys, the long one above, for the head dim's tile; with a block mask (``sparse``) :data:`SPARSE_CONFIG` or,
+    at the 128 tile, :data:`WIDE_CONFIG`, at any number of keys."""
+    wide = head_dim_tile(head_dim) != 64
+    if sparse:
+        return dict(WIDE_CONFIG if wide else SPARSE_CONFIG)
     short = n_k <= SHORT_KEYS
-    if head_dim_tile(head_dim) == 64:
+    if not wide:
         return dict(SHORT_KEYS_CONFIG if short else DEFAULT_CONFIG)
     return dict(WIDE_SHORT_KEYS_CONFIG if short else WIDE_CONFIG)
 
 
 _CONFIGS: dict[tuple, dict] = {}
-"""The checked configs by (config, short keys or not, head dim, element size): ``gluon_common.kept_config``."""
+"""The checked configs by (config, short keys or not, head dim, element size, sparse or not):
+``gluon_common.kept_config``."""
 
 
-def _config(config: dict | None, n_k: int, head_dim: int, element_size: int) -> dict:
-    """:func:`tuned_config` updated by ``config``; ``ValueError`` for unknown keys or values."""
+def _config(config: dict | None, n_k: int, head_dim: int, element_size: int, sparse: bool) -> dict:
+    """:func:`tuned_config` updated by ``config``; ``ValueError`` for unknown keys or values, or values a block
+    mask's call cannot run (``sparse``)."""
     fn = "hopper.forward"
-    base = tuned_config(n_k, head_dim)
+    base = tuned_config(n_k, head_dim, sparse)
     unknown = set(config or {}) - set(base)
     if unknown:
         raise ValueError(f"{fn}: unknown config keys {sorted(unknown)}; expected {sorted(base)}")
@@ -463,6 +530,10 @@ def _config(config: dict | None, n_k: int, head_dim: int, element_size: int) -> 
         raise ValueError(f"{fn}: config pingpong={cfg['pingpong']!r} must be a bool")
     if cfg["consumers"] not in (2, 3):
         raise ValueError(f"{fn}: config consumers={cfg['consumers']!r} must be 2 or 3 (consumer warpgroups)")
+    if sparse and (cfg["BLOCK_N"], cfg["consumers"]) != (SHIFT_BLOCK, 2):
+        raise ValueError(f"{fn}: with a block_mask the config needs BLOCK_N={SHIFT_BLOCK} and consumers=2 (one key "
+                         f"tile per mask block, one program per query block), got BLOCK_N={cfg['BLOCK_N']}, "
+                         f"consumers={cfg['consumers']}")
     tile = head_dim_tile(head_dim)
     needed = shared_bytes(cfg, tile, element_size)
     if needed > SMEM_LIMIT:
@@ -472,7 +543,7 @@ def _config(config: dict | None, n_k: int, head_dim: int, element_size: int) -> 
 
 
 def kernel_call(q, k_c, v, centres, out, *, scale: float, config: dict | None = None,
-                lse: torch.Tensor | None = None):
+                lse: torch.Tensor | None = None, block_mask: BlockSparseMask | None = None):
     """``(grid, args, meta)`` of the launch ``exact_fwd_gluon_kernel[grid](*args, **meta)``.
 
     Split from :func:`forward` so that ``tools.compile_sm90`` compiles exactly what :func:`forward`
@@ -481,8 +552,9 @@ def kernel_call(q, k_c, v, centres, out, *, scale: float, config: dict | None = 
     batch, h_q, n_q, head_dim = q.shape
     h_k, n_k = k_c.shape[1], k_c.shape[2]
     element_size = q.element_size()
-    cfg = kept_config(_CONFIGS, config, (n_k <= SHORT_KEYS, head_dim, element_size),
-                      lambda: _config(config, n_k, head_dim, element_size))
+    sparse = block_mask is not None
+    cfg = kept_config(_CONFIGS, config, (n_k <= SHORT_KEYS, head_dim, element_size, sparse),
+                      lambda: _config(config, n_k, head_dim, element_size, sparse))
     tile = head_dim_tile(head_dim)
     c_g = centres if centres.dtype == q.dtype else centres.to(q.dtype)  # exact: values of the inputs' dtype
     block_m = ROWS_PER_CONSUMER * cfg["consumers"]
@@ -491,16 +563,17 @@ def kernel_call(q, k_c, v, centres, out, *, scale: float, config: dict | None = 
     args = (descriptor(q, ROWS_PER_CONSUMER, tile), descriptor(k_c, cfg["BLOCK_N"], tile),
             descriptor(v, cfg["BLOCK_N"], tile), descriptor(c_g, CENTRE_ROWS, tile),
             descriptor(out, ROWS_PER_CONSUMER, tile), lse_arg(lse, q.device),
-            h_q, h_q // h_k, n_q, n_k, float(scale) * LOG2E)
+            h_q, h_q // h_k, n_q, n_k, float(scale) * LOG2E, *mask_args(block_mask, q))
     meta = dict(HEAD_DIM=tile, BLOCK_N=cfg["BLOCK_N"], NUM_STAGES=cfg["num_stages"],
                 NUM_CONSUMERS=cfg["consumers"], SHIFT_BLOCK_N=SHIFT_BLOCK, MASK_N=n_k % cfg["BLOCK_N"] != 0,
                 OVERLAP=bool(cfg["overlap"]), STORE_LSE=lse is not None, PINGPONG=cfg["pingpong"],
-                CONSUMER_REGS=consumer_regs, num_warps=PRODUCER_WARPS, maxnreg=maxnreg)
+                CONSUMER_REGS=consumer_regs, SPARSE=sparse, num_warps=PRODUCER_WARPS, maxnreg=maxnreg)
     return grid, args, meta
 
 
 def forward(q: torch.Tensor, k_c: torch.Tensor, v: torch.Tensor, centres: torch.Tensor, out: torch.Tensor, *,
-            scale: float, config: dict | None = None, lse: torch.Tensor | None = None) -> torch.Tensor:
+            scale: float, config: dict | None = None, lse: torch.Tensor | None = None,
+            block_mask: BlockSparseMask | None = None) -> torch.Tensor:
     """Write ``softmax(scale q k^T) v`` into ``out`` from the pre-pass's ``k_c`` and ``centres``; return it.
 
     Resolved arguments (``dispatch.forward`` checks the call and :func:`unsuitable_reason` returned ``None``):
@@ -518,16 +591,18 @@ def forward(q: torch.Tensor, k_c: torch.Tensor, v: torch.Tensor, centres: torch.
             schedule); missing keys from :func:`tuned_config`.
         lse: ``None``, or a contiguous fp32 ``(B, Hq, Nq)`` tensor that receives the natural-log
             log-sum-exp of each row's true logits ``scale q . k``.
+        block_mask: ``None``, or a ``block_sparse.BlockSparseMask`` fitting the call (``dispatch`` checks it),
+            128-key blocks and query blocks a multiple of 128 rows: only the kept key blocks are loaded and
+            multiplied (:data:`SPARSE_CONFIG`); a query block that keeps none gets zeros and ``lse = -inf``.
     """
-    grid, args, meta = kernel_call(q, k_c, v, centres, out, scale=scale, config=config, lse=lse)
+    grid, args, meta = kernel_call(q, k_c, v, centres, out, scale=scale, config=config, lse=lse,
+                                   block_mask=block_mask)
     exact_fwd_gluon_kernel[grid](*args, **meta)
     return out
 
 
 def unsuitable(call: Call) -> str | None:
     """Why the Gluon kernel cannot run ``call`` (an exact-shift call in the hybrid precision), or ``None``."""
-    if call.block_mask is not None:
-        return "it takes no block_mask yet"
     if not (not call.one_block if call.prepass is None else call.prepass):
         return "all keys form one block, centred inside the kernel (no pre-pass)"
     if call.kernel == "auto" and call.config is not None:
@@ -539,7 +614,8 @@ def unsuitable(call: Call) -> str | None:
 
 def launch(call: Call, plan: Plan) -> None:
     """:func:`forward` on the centre pre-pass's keys and centres."""
-    forward(call.q, call.keys, call.v, call.centres, call.out, scale=call.scale, config=call.config, lse=call.lse)
+    forward(call.q, call.keys, call.v, call.centres, call.out, scale=call.scale, config=call.config, lse=call.lse,
+            block_mask=call.block_mask)
 
 
 ENTRY = Kernel("gluon", ("hybrid",), ("exact",), launch, unsuitable, prepass="centre",

@@ -38,7 +38,7 @@ from .common import INTERPRET, binade, cdiv, log2_units, round_to, strides3
 from .tuning import pow2_tile
 
 __all__ = ["colstats_kernel", "colstats_reduce_kernel", "quantize_kernel", "fallback_flags_kernel", "Prepared",
-           "Scratch", "allocate", "quantize_call", "flags_call", "prepare"]
+           "Scratch", "allocate", "written_bytes", "quantize_call", "flags_call", "prepare"]
 
 QMAX = tl.constexpr(rules.QMAX)
 """``rules.QMAX`` (the largest INT8 code) as the kernels' constexpr."""
@@ -452,6 +452,16 @@ def allocate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, pv_bits: int 
                       empty(batch * h_q, q_blocks, 2, dtype=torch.float64),
                       empty(batch * h_k, k_blocks, dp) if fp8 else None, empty(batch, h_k, dp) if fp8 else None)
     return prep, scratch
+
+
+def written_bytes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, pv_bits: int = 16, fallback: bool = True,
+                  split: bool = False) -> int:
+    """The bytes :func:`prepare` allocates for these inputs (the storage of :func:`allocate`'s tensors, the inputs it
+    passes through not counted), read from an allocation on the ``meta`` device."""
+    meta = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in (q, k, v)]
+    prep, scratch = allocate(*meta, pv_bits=pv_bits, fallback=fallback, split=split)
+    written = (t for t in (*prep, *scratch) if t is not None and all(t is not given for given in meta))
+    return sum(t.untyped_storage().nbytes() for t in written)
 
 
 def quantize_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prep: Prepared, scratch: Scratch, *,
