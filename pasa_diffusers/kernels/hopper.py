@@ -67,8 +67,7 @@ from types import MappingProxyType
 import torch
 
 from ..rules import LOG2E, SHIFT_BLOCK
-from .call import Call, Kernel, Plan
-from ..block_sparse import BlockSparseMask
+from .call import BlockSparseMask, Call, Kernel, Plan
 from .common import INTERPRET, LN2, cdiv, lse_arg, mask_args
 from .gluon_common import (CENTRE_ROWS, PRODUCER_WARPS, ROWS_PER_CONSUMER, SHORT_KEYS, descriptor,
                            descriptor_layout_problem, fence_async_shared, gl, gluon_jit, head_dim_tile, kept_config,
