@@ -469,8 +469,8 @@ def test_gpu_skipped_blocks_give_the_kept_keys_alone(precision, gen):
     assert torch.equal(masked, pasa_attention(q, k[:, :, idx], v[:, :, idx], precision=precision))
 
 
-GLUON_CASES = [((1, 8, 4, 2100, 2100, 64), torch.float16, "per-head"), ((2, 4, 4, 1000, 1300, 128), torch.bfloat16,
-                                                                        "shared"),
+GLUON_CASES = [((1, 8, 4, 2100, 2100, 64), torch.float16, "per-head"),
+               ((2, 4, 4, 1000, 1300, 128), torch.bfloat16, "shared"),
                ((1, 4, 2, 700, 900, 96), torch.float16, "key-heads")]
 """(B, Hq, Hk, Nq, Nk, D), dtype, mask kind for the Gluon kernel with a mask: its config at the 64 tile (GQA,
 ragged), at the 128 tile (a mask shared by batch and heads) and a head dim the copy engine pads (96)."""
