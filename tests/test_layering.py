@@ -84,7 +84,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     (f"{PACKAGE}.shift_matrix", f"{PACKAGE}.backends", f"{PACKAGE}.attention_modules", f"{PACKAGE}.files",
      f"{PACKAGE}.block_sparse"),
     (f"{PACKAGE}.rules",),
-    (f"{PACKAGE}.variants", f"{PACKAGE}.compat", f"{PACKAGE}.env"),
+    (f"{PACKAGE}.variants", f"{PACKAGE}.compat", f"{PACKAGE}.env", f"{PACKAGE}.cpu_math"),
 )
 """The layers, from the top; each a tuple of independent units: a module, a package with its modules, or
 ``PACKAGE.__init__``, a package's own module alone (the top-level package's face)."""

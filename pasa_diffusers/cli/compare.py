@@ -19,6 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from pasa_diffusers import cpu_math
 from pasa_diffusers.backends import COMPARED, DEFAULT_COMPARED, REFERENCE, missing
 from pasa_diffusers.metrics.limits import MAX_GIF_FPS, MIN_GIF_FPS, fps_argument
 from pasa_diffusers.pipelines.names import BUILTIN_IMAGES, TINY_VIDEO_SETTINGS
@@ -153,7 +154,9 @@ def validate(args: argparse.Namespace) -> None:
     """What ``type=`` cannot check, before any heavy import and before anything is written: model, images,
     LPIPS weights, device, torchrun, backends that cannot run on the device, whether a video of this size fits
     in memory (``check_memory``; a loaded video pipeline's own size, not known yet, is at least SVD's default),
-    output folder (checked, not created; refused while another run holds it)."""
+    output folder (checked, not created; refused while another run holds it). Then, on the CPU, it pins torch's
+    AVX2 math (``cpu_math``) before the first torch op, so that a run gives the same bits on every x86-64
+    machine."""
     check_model(args.model)
     for image in args.images:
         if not image.startswith("builtin:"):
@@ -174,6 +177,8 @@ def validate(args: argparse.Namespace) -> None:
     args.sparse_options = sparse_options(args, args.backends, "--backends")
     check_out(args.out)
     check_not_in_use(args.out)
+    if args.device == "cpu":
+        cpu_math.pin()
 
 
 def run(args: argparse.Namespace) -> int:
