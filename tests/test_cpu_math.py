@@ -11,7 +11,7 @@ import torch
 
 from pasa_diffusers import cpu_math
 
-x86_64 = pytest.mark.skipif(platform.machine().lower() not in cpu_math.X86_64, reason="the AVX2 paths are x86-64's")
+x86_64 = pytest.mark.skipif(not cpu_math.portable_host(), reason="the AVX2 paths are x86-64's")
 
 
 def _python(code: str, **env: str) -> subprocess.CompletedProcess:

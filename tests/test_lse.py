@@ -338,7 +338,7 @@ def test_the_lse_table_is_what_its_block_prints():
     import contextlib
     import io
 
-    if platform.machine().lower() not in cpu_math.X86_64:
+    if not cpu_math.portable_host():
         pytest.skip(f"the table is x86-64's AVX2 math; this is {platform.machine()}")
     code, table = _lse_block_and_table()
     header, rows = table[0], table[2:]
