@@ -215,9 +215,9 @@ def pasa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
             each query block attends only to its kept key blocks, as ``softmax`` over those keys alone (the
             references' ``block_mask``: PASA's pseudo-average runs over the visited blocks).  A query block that
             keeps no key block gets zeros, and ``lse = -inf``.  The portable kernels (``"portable"``,
-            ``"portable-int8"``) and the default's Gluon kernel (``"gluon"``) skip the missing blocks (neither
-            loaded nor multiplied); ``"packed"`` and ``"gluon-int8"`` take no mask yet, so an 8-bit call with one
-            runs the portable 8-bit kernel.  A mask that keeps every block (``keeps_all``) runs as ``None``: the
+            ``"portable-int8"``) and the Gluon kernels (``"gluon"``, ``"gluon-int8"``) skip the missing blocks
+            (neither loaded nor multiplied); ``"packed"`` takes no mask, so a short-keys call with one runs the
+            portable kernel.  A mask that keeps every block (``keeps_all``) runs as ``None``: the
             same kernels, the same bits.
 
     Returns:

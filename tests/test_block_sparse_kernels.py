@@ -1,5 +1,6 @@
 """Block-sparse masks in the op and the kernels (issue 46): ``pasa_attention(..., block_mask=)``, the portable
-16-bit kernel (``kernels/portable.py``) and the portable 8-bit one (``kernels/int8.py``) skipping key blocks.
+16-bit kernel (``kernels/portable.py``), the portable 8-bit one (``kernels/int8.py``) and the Gluon kernels
+(``kernels/hopper.py``, ``kernels/hopper_int8.py``) skipping key blocks.
 
 The kernels run under Triton's interpreter (``tests/conftest.py`` builds them for it on hosts without CUDA); the
 ``gpu`` tests at the end run the compiled kernels through the op on a CUDA GPU.  Masks have the kernels' blocks
@@ -40,7 +41,7 @@ from pasa_diffusers import numerics, pasa_attention  # noqa: E402
 from pasa_diffusers import reference as R  # noqa: E402
 from pasa_diffusers import reference_int8 as r8  # noqa: E402
 from pasa_diffusers.block_sparse import BlockSparseMask  # noqa: E402
-from pasa_diffusers.kernels import dispatch, hopper, quantize  # noqa: E402
+from pasa_diffusers.kernels import dispatch, hopper, hopper_int8, quantize  # noqa: E402
 from pasa_diffusers.kernels.common import INTERPRET  # noqa: E402
 from pasa_diffusers.rules import SHIFT_BLOCK  # noqa: E402
 from pasa_diffusers.variants import Variant  # noqa: E402
@@ -334,18 +335,74 @@ def test_the_op_names_the_mask_in_one_line(mask, match):
     assert str(info.value).startswith("pasa_attention: ") and "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("kernel,precision", [("packed", "hybrid"), ("gluon-int8", "int8")])
-def test_kernels_without_masks_say_so(kernel, precision):
+def test_kernels_without_masks_say_so():
     """An explicit request is refused in one line; under ``"auto"`` the plan keeps the reason and runs the
-    portable kernel of the precision."""
-    q, k, v = _qkv(nk=100 if kernel == "packed" else 300)
+    portable kernel."""
+    q, k, v = _qkv(nk=100)
     mask = BlockSparseMask.full(q.shape[2], k.shape[2])
-    variant = Variant("exact", precision)
-    with pytest.raises(ValueError, match=f"kernel={kernel!r} cannot run this call: it takes no block_mask yet$"):
-        dispatch.plan(q, k, v, torch.empty_like(q), variant=variant, kernel=kernel, block_mask=mask)
+    variant = Variant("exact", "hybrid")
+    with pytest.raises(ValueError, match="kernel='packed' cannot run this call: it takes no block_mask yet$"):
+        dispatch.plan(q, k, v, torch.empty_like(q), variant=variant, kernel="packed", block_mask=mask)
     plan = dispatch.plan(q, k, v, torch.empty_like(q), variant=variant, block_mask=mask)
-    assert plan.kernel == ("portable-int8" if precision == "int8" else "portable")
-    assert plan.rejected[kernel] == "it takes no block_mask yet"
+    assert plan.kernel == "portable" and plan.rejected["packed"] == "it takes no block_mask yet"
+
+
+# --- the 8-bit Gluon kernel's walk, on the host ---------------------------------------------------------------
+@pytest.mark.parametrize("mask_kind", ["per-head", "shared", "key-heads"])
+def test_the_gluon_int8_visit_order_is_the_spec_order_per_query_block(mask_kind, gen):
+    """``hopper_int8.visit_order``: per (batch, query head, query block) the kept coded blocks ascending, then the
+    kept flagged ones ascending (``reference_int8.block_order`` restricted to the kept blocks), the mask's counts,
+    and how many of each list are coded; written out here by a loop over the rows."""
+    shape = (2, 4, 2, 700, 1300, 16)
+    b, hq = shape[:2]
+    mask = _mask(shape, mask_kind, gen)
+    flags = (torch.rand(b, hq, mask.n_k_blocks, generator=gen) < 0.4).to(torch.int8)
+    lists, coded = hopper_int8.visit_order(mask, flags)
+    kept = mask.kept_blocks(b, hq)
+    assert lists.kv_counts.shape == coded.shape == (b, hq, mask.n_q_blocks)
+    assert lists.kv_indices.dtype == coded.dtype == torch.int32
+    for z in range(b):
+        for h in range(hq):
+            for qb in range(mask.n_q_blocks):
+                blocks = kept[z, h, qb].nonzero().flatten().tolist()
+                first = [j for j in blocks if not flags[z, h, j]]
+                want = first + [j for j in blocks if flags[z, h, j]]
+                count = int(lists.kv_counts[z, h, qb])
+                assert count == len(want) and int(coded[z, h, qb]) == len(first)
+                assert lists.kv_indices[z, h, qb, :count].tolist() == want
+
+
+def _eight_bit_launch(mask: BlockSparseMask | None, *, fallback: bool = True, config: dict | None = None):
+    q, k, v = _qkv(hq=4, nk=700, d=64)
+    prep, _ = quantize.allocate(q, k, v, fallback=fallback, split=fallback)
+    if fallback:
+        prep.flags.copy_(torch.arange(prep.flags.shape[-1]) % 2)
+    return prep, hopper_int8.kernel_call(q, prep, torch.empty_like(q), scale=0.125, config=config, block_mask=mask)
+
+
+def test_the_gluon_int8_launch_walks_the_mask_or_its_visit_order():
+    """The launch with a mask: ``SPARSE``, the mask's config (128-key tiles, two consumers, also at 700 keys where
+    the dense call takes 64-key tiles), the mask's counts and lists as they are without 16-bit blocks, and
+    :func:`visit_order`'s lists and coded counts (in the ``coded`` argument's place) with them."""
+    mask = BlockSparseMask.full(200, 700, heads=2)
+    _, (_, _, dense) = _eight_bit_launch(None)
+    assert not dense["SPARSE"] and dense["BLOCK_N"] == 64 and dense["NUM_CONSUMERS"] == 3
+    _, (grid, args, meta) = _eight_bit_launch(mask, fallback=False)
+    assert meta["SPARSE"] and meta["BLOCK_N"] == 128 and meta["NUM_CONSUMERS"] == 2 and grid == (2 * 4,)
+    assert args[24] is mask.kv_counts and args[25] is mask.kv_indices and args[-2:] == (2, 128)
+    prep, (_, args, meta) = _eight_bit_launch(mask)
+    lists, coded = hopper_int8.visit_order(mask, prep.flags)
+    assert meta["SPARSE"] and meta["FALLBACK"]
+    assert torch.equal(args[16], coded) and torch.equal(args[24], lists.kv_counts)
+    assert torch.equal(args[25], lists.kv_indices) and args[15] is prep.order
+    assert lists.kv_indices[0, 0, 0].tolist() == [0, 2, 4, 1, 3, 5] and coded.flatten().tolist() == [3] * 8
+
+
+@pytest.mark.parametrize("config", [{"BLOCK_N": 64}, {"consumers": 3}])
+def test_the_gluon_int8_mask_refuses_other_tiles(config):
+    with pytest.raises(ValueError, match=r"with a block_mask the config needs BLOCK_N=128 and consumers=2 \(one key "
+                                         r"tile per mask block, one program per query block\), got BLOCK_N="):
+        _eight_bit_launch(BlockSparseMask.full(200, 700), config=config)
 
 
 def test_the_router_checks_the_mask_blocks_against_the_shift_block():
@@ -459,14 +516,15 @@ def test_gpu_all_kept_mask_gives_the_dense_bits(shift, precision, gen):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision", ["hybrid", "int8"])
-def test_gpu_skipped_blocks_give_the_kept_keys_alone(precision, gen):
+def test_gpu_skipped_blocks_give_the_kept_keys_alone(gen):
+    """The op's default (the 8-bit Gluon kernel's mask takes another config than its dense call at these keys:
+    ``test_gpu_gluon_int8_skipped_blocks_give_the_kept_keys_alone``)."""
     n_k = 4 * SHIFT_BLOCK + 44
     q, k, v = _gpu_inputs((1, 8, 4, 128, n_k, 64), gen)
     mask = BlockSparseMask.from_dense(torch.tensor([[True, False, True, False, True]], device="cuda"), 128, n_k)
     idx = torch.cat([torch.arange(0, 128), torch.arange(256, 384), torch.arange(512, n_k)]).cuda()
-    masked = pasa_attention(q, k, v, precision=precision, block_mask=mask)
-    assert torch.equal(masked, pasa_attention(q, k[:, :, idx], v[:, :, idx], precision=precision))
+    masked = pasa_attention(q, k, v, block_mask=mask)
+    assert torch.equal(masked, pasa_attention(q, k[:, :, idx], v[:, :, idx]))
 
 
 GLUON_CASES = [((1, 8, 4, 2100, 2100, 64), torch.float16, "per-head"),
@@ -520,19 +578,49 @@ GPU_INT8_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("pv_bits", [16, 8])
-def test_gpu_eight_bit_kernel_with_a_mask_is_the_masked_spec(pv_bits, gen):
-    q, k, v = (t.cuda() for t in _mixed_blocks(gen, n_q=1000, n_k=2100))
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_eight_bit_kernels_with_a_mask_are_the_masked_spec(pv_bits, head_dim, gen):
+    """Both 8-bit kernels skipping key blocks of both kinds (coded and 16-bit, the ragged flagged one kept by some,
+    an empty query block) are the masked spec at their key tiles: the Gluon kernel, which ``"auto"`` takes, at 128
+    keys, the portable one at :data:`GPU_INT8_CONFIG`'s 64."""
+    q, k, v = (t.cuda() for t in _mixed_blocks(gen, n_q=1000, n_k=2100, d=head_dim))
     n_q, n_k = math.ceil(1000 / 128), math.ceil(2100 / 128)
     dense = torch.rand(1, 2, n_q, n_k, generator=gen) < 0.4
     dense[..., 2, :] = False
     mask = BlockSparseMask.from_dense(dense, 1000, 2100)
+    on_gpu = _checked_on(mask, "cuda")
     variant = Variant("exact", "int8" if pv_bits == 16 else "fp8")
-    assert dispatch.plan(q, k, v, torch.empty_like(q), variant=variant,
-                         block_mask=_checked_on(mask, "cuda")).kernel == "portable-int8"
-    out, lse = _kernel(q, k, v, variant, config=GPU_INT8_CONFIG, block_mask=_checked_on(mask, "cuda"))
-    spec, spec_lse = r8.int8_reference(q.cpu(), k.cpu(), v.cpu(), pv_bits=pv_bits, block_n=GPU_INT8_CONFIG["BLOCK_N"],
-                                       return_lse=True, block_mask=mask)
-    _assert_masked_spec(out, lse, spec, spec_lse, mask, q, k, v, pv_bits)
+    assert dispatch.plan(q, k, v, torch.empty_like(q), variant=variant, block_mask=on_gpu).kernel == "gluon-int8"
+    for kernel, config, block_n in (("gluon-int8", None, SHIFT_BLOCK),
+                                    ("portable-int8", GPU_INT8_CONFIG, GPU_INT8_CONFIG["BLOCK_N"])):
+        out, lse = _kernel(q, k, v, variant, kernel=kernel, config=config, block_mask=on_gpu)
+        spec, spec_lse = r8.int8_reference(q.cpu(), k.cpu(), v.cpu(), pv_bits=pv_bits, block_n=block_n,
+                                           return_lse=True, block_mask=mask)
+        _assert_masked_spec(out, lse, spec, spec_lse, mask, q, k, v, pv_bits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_gluon_int8_skipped_blocks_give_the_kept_keys_alone(head_dim, gen):
+    """The 8-bit Gluon kernel: blocks {0, 1, 3, 4} of five (the last ragged, odd ones 16-bit: ``_mixed_blocks``)
+    through the mask are the same kernel and config on those keys alone, bit for bit (codes, centres and flags are
+    per key or per block, the visiting order coded first in both), ``P V`` in 16 bits (FP8's V scale is per
+    channel over all keys); so is a mask that keeps every block and no mask."""
+    n_k = 4 * SHIFT_BLOCK + 44
+    q, k, v = (t.cuda() for t in _mixed_blocks(gen, n_q=256, n_k=n_k, d=head_dim))
+    config = hopper_int8.tuned_config(head_dim, n_k, sparse=True)
+    variant = Variant("exact", "int8")
+    mask = BlockSparseMask.from_dense(torch.tensor([[True, True, False, True, True]] * 2, device="cuda"), 256, n_k)
+    idx = torch.cat([torch.arange(0, 256), torch.arange(384, n_k)]).cuda()
+    masked = _kernel(q, k, v, variant, kernel="gluon-int8", block_mask=mask)
+    alone = _kernel(q, k[:, :, idx].contiguous(), v[:, :, idx].contiguous(), variant, kernel="gluon-int8",
+                    config=config)
+    assert torch.isfinite(alone[0]).all()
+    assert torch.equal(masked[0], alone[0]) and torch.equal(masked[1], alone[1])
+    full = BlockSparseMask.full(256, n_k, device="cuda")
+    dense = _kernel(q, k, v, variant, kernel="gluon-int8", config=config)
+    every = _kernel(q, k, v, variant, kernel="gluon-int8", block_mask=full)
+    assert torch.equal(dense[0], every[0]) and torch.equal(dense[1], every[1])
 
 
 @pytest.mark.gpu

@@ -14,6 +14,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from pasa_diffusers.block_sparse import BlockSparseMask  # noqa: E402
 from pasa_diffusers.kernels import dispatch, gluon_common, hopper_int8, quantize  # noqa: E402
 from pasa_diffusers.kernels.common import INTERPRET  # noqa: E402
 from pasa_diffusers.kernels.tuning import SMEM_LIMIT  # noqa: E402
@@ -78,10 +79,13 @@ def test_per_key_vectors_are_padded_rows_for_tma(n_k):
 @pytest.mark.parametrize("fallback", [True, False])
 @pytest.mark.parametrize("pv_bits", PV_BITS)
 @pytest.mark.parametrize("n_k", [hopper_int8.SHORT_KEYS, hopper_int8.SHORT_KEYS + 1])
-def test_tuned_configs_fit_the_shared_memory(head_dim, fallback, pv_bits, n_k):
+@pytest.mark.parametrize("sparse", [False, True])
+def test_tuned_configs_fit_the_shared_memory(head_dim, fallback, pv_bits, n_k, sparse):
+    """The tuned configs fit; a block mask's call always takes :data:`hopper_int8.CONFIGS` (128-key tiles, two
+    consumers: the mask's blocks)."""
     dp = 64 if head_dim <= 64 else 128
-    cfg = hopper_int8.tuned_config(head_dim, n_k)
-    short = dp == 64 and n_k <= hopper_int8.SHORT_KEYS
+    cfg = hopper_int8.tuned_config(head_dim, n_k, sparse)
+    short = dp == 64 and n_k <= hopper_int8.SHORT_KEYS and not sparse
     assert cfg == (hopper_int8.SHORT_KEYS_CONFIG if short else hopper_int8.CONFIGS[dp])
     assert hopper_int8.shared_bytes(cfg, dp, 2, fallback, pv_bits) <= SMEM_LIMIT
 
@@ -111,6 +115,8 @@ def test_auto_takes_the_gluon_kernel_from_its_minimum_keys(monkeypatch, fresh_pl
                                             f"the faster one, got {hopper_int8.AUTO_MIN_KEYS - 1} keys")
     assert chosen(v, config={"BLOCK_N": 64}).kernel == "portable-int8"
     assert chosen(v[:, :, 1:], kernel="gluon-int8").kernel == "gluon-int8"
+    mask = BlockSparseMask.full(q.shape[2], v.shape[2])
+    assert chosen(v, block_mask=mask).kernel == "gluon-int8"
 
 
 @pytest.mark.parametrize("n_k", [200, 208, 4097])

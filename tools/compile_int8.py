@@ -71,7 +71,10 @@ GLUON_CONFIGS = {64: ((128, 3, 3), (128, 2, 2), (64, 3, 3), (128, 2, 3)),
 
 def gluon_cases() -> list[dict]:
     """The Gluon attention kernel (``kernels/hopper_int8.py``): its configs at head dims 64 and 128, with and
-    without the 16-bit blocks, ``P V`` in 16 bits and FP8, fp16 and bf16."""
+    without the 16-bit blocks, ``P V`` in 16 bits and FP8, fp16 and bf16, and with a block mask at the config a
+    mask takes (``hopper_int8.tuned_config(d, sparse=True)``)."""
+    from pasa_diffusers.kernels import hopper_int8
+
     found = []
     for d, configs in GLUON_CONFIGS.items():
         for cfg in configs:
@@ -79,6 +82,12 @@ def gluon_cases() -> list[dict]:
                 for fallback in (True, False):
                     found.append({"kernel": "gluon", "d": d, "dtype": "bfloat16", "config": cfg,
                                   "fallback": fallback, "pv_bits": pv_bits})
+        sparse = hopper_int8.tuned_config(d, sparse=True)
+        for pv_bits in (16, 8):
+            for fallback in (True, False):
+                found.append({"kernel": "gluon", "d": d, "dtype": "bfloat16", "fallback": fallback, "pv_bits": pv_bits,
+                              "config": (sparse["BLOCK_N"], sparse["num_stages"], sparse["consumers"]),
+                              "sparse": True})
         found.append({"kernel": "gluon", "d": d, "dtype": "float16", "config": configs[0], "fallback": True,
                       "pv_bits": 16})
     return found
@@ -106,7 +115,8 @@ def _launch(case: dict):
         prep, _ = quantize.allocate(q, k, v, pv_bits=case["pv_bits"], fallback=case["fallback"], split=case["fallback"])
         block_n, stages, consumers = case["config"]
         _, args, meta = hopper_int8.kernel_call(q, prep, bnhd(h), scale=d ** -0.5, config={
-            "BLOCK_N": block_n, "num_stages": stages, "consumers": consumers})
+            "BLOCK_N": block_n, "num_stages": stages, "consumers": consumers},
+            block_mask=_key_head_mask(n, b) if case.get("sparse") else None)
         options = {name: meta.pop(name) for name in ("num_warps", "maxnreg")}
         return hopper_int8.int8_fwd_gluon_kernel, args, meta, options
     prep, scratch = quantize.allocate(q, k, v, pv_bits=case.get("pv_bits", 8 if case.get("amax") else 16))
@@ -207,8 +217,9 @@ def _what(row: dict) -> str:
         return f"attention BLOCK_M {bm}, BLOCK_N {bn}, {w} warps, {s} stages, P V {row['pv_bits']}-bit{mask}"
     if row["kernel"] == "gluon":
         bn, s, c = row["config"]
+        mask = ", block mask" if row.get("sparse") else ""
         return (f"Gluon attention BLOCK_N {bn}, {s} stages, {c} consumers, "
-                f"{'with' if row['fallback'] else 'without'} 16-bit blocks, P V {row['pv_bits']}-bit")
+                f"{'with' if row['fallback'] else 'without'} 16-bit blocks, P V {row['pv_bits']}-bit{mask}")
     if row["kernel"] == "quantize":
         return f"quantize (pre-pass), V {'e4m3' if row['pv_bits'] == 8 else 'as is'}"
     if row["kernel"] == "flags":

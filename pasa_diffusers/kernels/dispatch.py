@@ -24,9 +24,9 @@ shifted keys once per head, for the portable kernel where several query blocks r
 the plan's pre-pass (:data:`PREPASS_RUNS`), then the entry's ``launch``.
 
 A block-sparse mask (``block_mask``, a ``block_sparse.BlockSparseMask`` in ``call.Call.block_mask``) reaches the
-kernels through the call: the portable kernels and the 16-bit Gluon kernel visit only its kept key blocks; a
-kernel that cannot says so in
-``unsuitable`` ("it takes no block_mask yet"), so ``"auto"`` passes it over and a request by name is refused.
+kernels through the call: the portable kernels and both Gluon kernels visit only its kept key blocks; a kernel
+that cannot (``packed``) says so in ``unsuitable`` ("it takes no block_mask yet"), so ``"auto"`` passes it over
+and a request by name is refused.
 Its blocks must be those the kernels walk (:func:`_check_mask_blocks`).
 
 A call whose pre-pass would write more than a fifth of the output's bytes (:data:`PREPASS_SHARE`: the keys

@@ -8,7 +8,10 @@ those blocks' ``hi``/``lo`` keys) and computes ``reference_int8.attention_from_c
 does, up to fp32 rounding (FMA contraction, ``ex2.approx``, the tensor cores' sums; under the lazy rescale the
 ``p`` are rounded at another offset).  The tiles come in the spec's order (step 4c, the pre-pass's ``order`` and
 ``coded``): the coded blocks' tiles first, in a loop with no branch on a flag, then the flagged blocks' tiles
-in a loop of their own.  Per key tile of ``BLOCK_N`` keys inside centre block ``b`` (``qk_scale = u``, the
+in a loop of their own.  With a block mask (``SPARSE``, ``block_sparse.BlockSparseMask``) a program visits only
+its query block's kept key blocks, one ``BLOCK_N = 128`` tile each, in the same order per query block
+(:func:`visit_order`: the kept coded blocks ascending, then the kept flagged ones); a query block that keeps
+none gets zeros and ``lse = -inf``.  Per key tile of ``BLOCK_N`` keys inside centre block ``b`` (``qk_scale = u``, the
 spec's ``fp32(scale) log2(e)`` in fp32, ``a_i = q_scale_i qk_scale / DP``, ``mu_u_i = mu_i qk_scale``, per key
 ``ks_j``, ``sigma_j``, ``uA_j``):
 
@@ -73,16 +76,16 @@ import torch
 import triton.language as tl
 
 from ..rules import SHIFT_BLOCK
-from .call import Call, Kernel, Plan
-from .common import INTERPRET, LN2, P_SHIFT, cdiv, log2_units
+from .call import BlockSparseMask, Call, Kernel, Plan
+from .common import INTERPRET, LN2, P_SHIFT, cdiv, log2_units, mask_args
 from .gluon_common import (CENTRE_ROWS, PRODUCER_WARPS, ROWS_PER_CONSUMER, SHORT_KEYS, TensorDescriptor,
                            descriptor, descriptor_layout_problem, fence_async_shared, gl, gluon_jit, kept_config,
-                           kept_descriptor, mbarrier, operand_problem, registers, release, round_p, row_shift,
-                           sm90_problem, tma, warpgroup_mma, warpgroup_mma_wait)
+                           kept_descriptor, kept_row, mbarrier, operand_problem, registers, release, round_p,
+                           row_shift, sm90_problem, tma, warpgroup_mma, warpgroup_mma_wait)
 from .tuning import SMEM_LIMIT
 
 __all__ = ["int8_fwd_gluon_kernel", "forward", "kernel_call", "unsuitable_reason", "tuned_config", "shared_bytes",
-           "CONFIGS", "SHORT_KEYS_CONFIG", "SHORT_KEYS"]
+           "visit_order", "CONFIGS", "SHORT_KEYS_CONFIG", "SHORT_KEYS"]
 
 LAZY_RESCALE = tl.constexpr(8.0)
 """The growth of a row's maximum (log2 units) past which the lazy rescale moves it: ``p <= 2^8``, far inside
@@ -113,10 +116,15 @@ def _tile_counts(flag_ptr, coded_ptr, N_K, BLOCK_N: gl.constexpr, SHIFT_BLOCK_N:
 
 
 @gluon_jit
-def _tile_start(order_ptr, first, j, n, BLOCK_N: gl.constexpr, SHIFT_BLOCK_N: gl.constexpr,
-                FALLBACK: gl.constexpr):
-    """The first key of tile ``j`` of a pass of ``n`` tiles (0 past it): in block ``order[first + j //
-    (SHIFT_BLOCK_N / BLOCK_N)]`` with ``FALLBACK``, else the ``j``-th tile of the keys."""
+def _tile_start(visits, first, j, n, BLOCK_N: gl.constexpr, SHIFT_BLOCK_N: gl.constexpr, FALLBACK: gl.constexpr,
+                SPARSE: gl.constexpr):
+    """The first key of tile ``j`` of a pass of ``n`` tiles (0 past it), ``visits = (order, stride, ...)``: with
+    ``SPARSE`` (one tile per block) the block ``order[(first + j) stride]`` of the query block's visit list; with
+    ``FALLBACK`` in block ``order[first + j // (SHIFT_BLOCK_N / BLOCK_N)]``; else the ``j``-th tile of the keys."""
+    order_ptr = visits[0]
+    if SPARSE:
+        blk = gl.load(order_ptr + (first + j) * visits[1], mask=j < n, other=0)
+        return blk * SHIFT_BLOCK_N
     if FALLBACK:
         per_block: gl.constexpr = SHIFT_BLOCK_N // BLOCK_N
         blk = gl.load(order_ptr + first + j // per_block, mask=j < n, other=0)
@@ -125,17 +133,18 @@ def _tile_start(order_ptr, first, j, n, BLOCK_N: gl.constexpr, SHIFT_BLOCK_N: gl
 
 
 @gluon_jit
-def _producer(descs, q_bufs, q8_bufs, q_ready, ring, bars, tiles, off_z, off_hq, off_hk, start_m, N_K, key_row, a_row,
-              SHIFT_BLOCK_N: gl.constexpr, FALLBACK: gl.constexpr, PV_FP8: gl.constexpr):
+def _producer(descs, q_bufs, q8_bufs, q_ready, ring, bars, visits, off_z, off_hq, off_hk, start_m, key_row, a_row,
+              SHIFT_BLOCK_N: gl.constexpr, FALLBACK: gl.constexpr, SPARSE: gl.constexpr, PV_FP8: gl.constexpr):
     """TMA copies only (module docstring).  ``descs = (q, q codes, k codes, v, centres, hi, lo, ks, sigma, A)``,
     ``ring = (k codes, v, centres, hi, lo, ks, sigma, A)``, ``bars = (k_ready, k_empty, v_ready, v_empty,
-    w_ready, w_empty)``; ``tiles = (flag, order, coded)`` at this (batch, query head)'s blocks; ``key_row``,
+    w_ready, w_empty)``; ``visits = (order, stride, coded blocks, coded tiles, 16-bit tiles)`` (the kernel's
+    prologue: :func:`int8_fwd_gluon_kernel`); ``key_row``,
     ``a_row``: the element of key 0 of this key head in the flat (1-d) ``ks``, ``sigma`` and of this query head
     in ``A``.  Ring slot ``i`` counts the coded tiles, then the 16-bit ones."""
     desc_q, desc_q8, desc_k, desc_v, desc_c, desc_hi, desc_lo, desc_ks, desc_sig, desc_a = descs
     k_bufs, v_bufs, c_bufs, hi_buf, lo_buf, ks_bufs, sig_bufs, a_bufs = ring
     k_ready, k_empty, v_ready, v_empty, w_ready, w_empty = bars
-    flag_ptr, order_ptr, coded_ptr = tiles
+    coded_blocks, n_coded, n_16 = visits[2], visits[3], visits[4]
     NUM_CONSUMERS: gl.constexpr = q_bufs.shape[0]
     NUM_STAGES: gl.constexpr = k_bufs.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
@@ -151,11 +160,10 @@ def _producer(descs, q_bufs, q8_bufs, q_ready, ring, bars, tiles, off_z, off_hq,
     kc_bytes: gl.constexpr = (desc_k.block_type.nbytes + desc_c.block_type.nbytes + 2 * desc_ks.block_type.nbytes
                               + desc_a.block_type.nbytes)
     w_bytes: gl.constexpr = desc_hi.block_type.nbytes + desc_lo.block_type.nbytes
-    coded_blocks, n_coded, n_16 = _tile_counts(flag_ptr, coded_ptr, N_K, BLOCK_N, SHIFT_BLOCK_N, FALLBACK)
     for i in range(n_coded):
         stage = i % NUM_STAGES
         phase = (i // NUM_STAGES) & 1
-        start_n = _tile_start(order_ptr, 0, i, n_coded, BLOCK_N, SHIFT_BLOCK_N, FALLBACK)
+        start_n = _tile_start(visits, 0, i, n_coded, BLOCK_N, SHIFT_BLOCK_N, FALLBACK, SPARSE)
         centre_row = start_n // (SHIFT_BLOCK_N * C_ROWS) * C_ROWS
         mbarrier.wait(k_empty.index(stage), phase ^ 1)
         mbarrier.expect(k_ready.index(stage), kc_bytes)
@@ -170,7 +178,7 @@ def _producer(descs, q_bufs, q8_bufs, q_ready, ring, bars, tiles, off_z, off_hq,
         for j in range(n_16):
             i = n_coded + j
             stage = i % NUM_STAGES
-            start_n = _tile_start(order_ptr, coded_blocks, j, n_16, BLOCK_N, SHIFT_BLOCK_N, FALLBACK)
+            start_n = _tile_start(visits, coded_blocks, j, n_16, BLOCK_N, SHIFT_BLOCK_N, FALLBACK, SPARSE)
             mbarrier.wait(k_empty.index(stage), ((i // NUM_STAGES) & 1) ^ 1)
             mbarrier.expect(k_ready.index(stage), desc_c.block_type.nbytes)
             tma.async_copy_global_to_shared(desc_c, [off_z, off_hk, start_n // (SHIFT_BLOCK_N * C_ROWS) * C_ROWS, 0],
@@ -314,21 +322,22 @@ def _wait_codes(i_sum, in_flight: gl.constexpr):
 
 
 @gluon_jit
-def _key_loop(q, q8, ring, bars, row_vecs, tiles, m_i, l_i, acc, rc, rc_group, i_zero, N_K, qk_scale,
-              SHIFT_BLOCK_N: gl.constexpr, MASK_N: gl.constexpr, FALLBACK: gl.constexpr, LAZY: gl.constexpr):
+def _key_loop(q, q8, ring, bars, row_vecs, visits, m_i, l_i, acc, rc, rc_group, i_zero, N_K, qk_scale,
+              SHIFT_BLOCK_N: gl.constexpr, MASK_N: gl.constexpr, FALLBACK: gl.constexpr, SPARSE: gl.constexpr,
+              LAZY: gl.constexpr):
     """The coded tiles' loop with ``P V`` in 16 bits, FA3's overlap: per tile ``i >= 1`` issue ``I_i``, then
     ``acc = alpha acc + P_{i-1} V_{i-1}`` (``p`` from registers); wait until one group is left (``I_i`` done:
     groups finish in order); dequantise and softmax tile ``i`` while ``P V`` runs; wait for it.  No branch on a
-    flag: ``tiles = (order, n)``, the coded tiles' order (read a tile ahead) and count (>= 1).  Returns ``(acc,
-    m_i, l_i, rc, rc_group)``."""
+    flag: the coded tiles of ``visits`` (:func:`_producer`; their order read a tile ahead, their count >= 1).
+    Returns ``(acc, m_i, l_i, rc, rc_group)``."""
     k_ready, k_empty, v_ready, v_empty, w_ready, w_empty = bars
     v_bufs = ring[1]
-    order_ptr, n = tiles
+    n = visits[3]
     BLOCK_N: gl.constexpr = i_zero.shape[1]
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
     row_layout: gl.constexpr = m_i.type.layout
-    start_n = _tile_start(order_ptr, 0, 0, n, BLOCK_N, SHIFT_BLOCK_N, FALLBACK)
-    next_n = _tile_start(order_ptr, 0, 1, n, BLOCK_N, SHIFT_BLOCK_N, FALLBACK)
+    start_n = _tile_start(visits, 0, 0, n, BLOCK_N, SHIFT_BLOCK_N, FALLBACK, SPARSE)
+    next_n = _tile_start(visits, 0, 1, n, BLOCK_N, SHIFT_BLOCK_N, FALLBACK, SPARSE)
     i_sum, r, rc, rc_group = _issue_codes(q, q8, ring, k_ready, 0, start_n, i_zero, rc, rc_group, qk_scale,
                                           SHIFT_BLOCK_N, row_layout)
     i_sum = _wait_codes(i_sum, 0)
@@ -337,7 +346,7 @@ def _key_loop(q, q8, ring, bars, row_vecs, tiles, m_i, l_i, acc, rc, rc_group, i
     p = gl.convert_layout(p, p_layout)
     for i in range(1, n):
         start_n = next_n
-        next_n = _tile_start(order_ptr, 0, i + 1, n, BLOCK_N, SHIFT_BLOCK_N, FALLBACK)
+        next_n = _tile_start(visits, 0, i + 1, n, BLOCK_N, SHIFT_BLOCK_N, FALLBACK, SPARSE)
         i_sum, r, rc, rc_group = _issue_codes(q, q8, ring, k_ready, i, start_n, i_zero, rc, rc_group, qk_scale,
                                               SHIFT_BLOCK_N, row_layout)
         acc = _issue_pv(p, acc, alpha, rescale, v_bufs, v_ready, i - 1, LAZY)
@@ -391,15 +400,16 @@ def _stage_p8(p, p_buf):
 
 
 @gluon_jit
-def _key_loop_fp8(q, q8, ring, bars, row_vecs, tiles, p_bufs, P_BASE: gl.constexpr, m_i, l_i, acc, rc, rc_group,
-                  i_zero, N_K, qk_scale, SHIFT_BLOCK_N: gl.constexpr, MASK_N: gl.constexpr, FALLBACK: gl.constexpr):
+def _key_loop_fp8(q, q8, ring, bars, row_vecs, visits, p_bufs, P_BASE: gl.constexpr, m_i, l_i, acc, rc, rc_group,
+                  i_zero, N_K, qk_scale, SHIFT_BLOCK_N: gl.constexpr, MASK_N: gl.constexpr, FALLBACK: gl.constexpr,
+                  SPARSE: gl.constexpr):
     """The coded tiles' loop with FP8 ``P V``, overlapped as :func:`_key_loop`: each key tile's ``P8 V8`` goes
     to a fresh fp32 tile ``t`` (the tensor cores keep about 22 bits inside one FP8 product), promoted after the
     wait as ``acc = alpha acc + t``.  Returns ``(acc, m_i, l_i, rc, rc_group)`` (``acc`` without V's channel
     scales)."""
     k_ready, k_empty, v_ready, v_empty, w_ready, w_empty = bars
     v_bufs = ring[1]
-    order_ptr, n = tiles
+    n = visits[3]
     BLOCK_N: gl.constexpr = i_zero.shape[1]
     DP: gl.constexpr = acc.shape[1]
     o_layout: gl.constexpr = acc.type.layout
@@ -407,8 +417,8 @@ def _key_loop_fp8(q, q8, ring, bars, row_vecs, tiles, p_bufs, P_BASE: gl.constex
     t_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, DP, 32])
     t_zero = gl.zeros([acc.shape[0], DP], gl.float32, layout=t_layout)
-    start_n = _tile_start(order_ptr, 0, 0, n, BLOCK_N, SHIFT_BLOCK_N, FALLBACK)
-    next_n = _tile_start(order_ptr, 0, 1, n, BLOCK_N, SHIFT_BLOCK_N, FALLBACK)
+    start_n = _tile_start(visits, 0, 0, n, BLOCK_N, SHIFT_BLOCK_N, FALLBACK, SPARSE)
+    next_n = _tile_start(visits, 0, 1, n, BLOCK_N, SHIFT_BLOCK_N, FALLBACK, SPARSE)
     i_sum, r, rc, rc_group = _issue_codes(q, q8, ring, k_ready, 0, start_n, i_zero, rc, rc_group, qk_scale,
                                           SHIFT_BLOCK_N, row_layout)
     i_sum = _wait_codes(i_sum, 0)
@@ -417,7 +427,7 @@ def _key_loop_fp8(q, q8, ring, bars, row_vecs, tiles, p_bufs, P_BASE: gl.constex
     _stage_p8(p, p_bufs.index(P_BASE))
     for i in range(1, n):
         start_n = next_n
-        next_n = _tile_start(order_ptr, 0, i + 1, n, BLOCK_N, SHIFT_BLOCK_N, FALLBACK)
+        next_n = _tile_start(visits, 0, i + 1, n, BLOCK_N, SHIFT_BLOCK_N, FALLBACK, SPARSE)
         i_sum, r, rc, rc_group = _issue_codes(q, q8, ring, k_ready, i, start_n, i_zero, rc, rc_group, qk_scale,
                                               SHIFT_BLOCK_N, row_layout)
         t = _issue_pv8(p_bufs.index(P_BASE + (i - 1) % 2), t_zero, v_bufs, v_ready, i - 1)
@@ -437,16 +447,16 @@ def _key_loop_fp8(q, q8, ring, bars, row_vecs, tiles, p_bufs, P_BASE: gl.constex
 
 
 @gluon_jit
-def _sixteen_bit_loop(q, ring, bars, tiles, p_buf, m_i, l_i, acc, rc, rc_group, N_K, qk_scale,
-                      SHIFT_BLOCK_N: gl.constexpr, MASK_N: gl.constexpr, PV_FP8: gl.constexpr):
+def _sixteen_bit_loop(q, ring, bars, visits, p_buf, m_i, l_i, acc, rc, rc_group, N_K, qk_scale,
+                      SHIFT_BLOCK_N: gl.constexpr, MASK_N: gl.constexpr, SPARSE: gl.constexpr, PV_FP8: gl.constexpr):
     """The flagged tiles after the coded ones (``reference_int8`` step 4c), on the same running state and
     synchronous (no product in flight, no overlap: they are the rare case).  Per tile: ``r``, the 16-bit pair
     ``z = qk_scale fp32(q . hi + q . lo)`` once ``w_ready``, its softmax and ``P V`` (``p`` from registers, or
-    FP8 ``P8`` through ``p_buf``).  ``tiles = (order, coded blocks, coded tiles, 16-bit tiles)``; ring slots
-    continue after the coded tiles'.  Returns ``(acc, m_i, l_i)``."""
+    FP8 ``P8`` through ``p_buf``).  ``visits`` as :func:`_producer`'s; ring slots continue after the coded
+    tiles'.  Returns ``(acc, m_i, l_i)``."""
     k_ready, k_empty, v_ready, v_empty, w_ready, w_empty = bars
     k_bufs, v_bufs, c_bufs, hi_buf, lo_buf = ring[0], ring[1], ring[2], ring[3], ring[4]
-    order_ptr, coded_blocks, n_coded, n = tiles
+    coded_blocks, n_coded, n = visits[2], visits[3], visits[4]
     NUM_STAGES: gl.constexpr = k_bufs.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
     DP: gl.constexpr = k_bufs.shape[4]
@@ -462,7 +472,7 @@ def _sixteen_bit_loop(q, ring, bars, tiles, p_buf, m_i, l_i, acc, rc, rc_group, 
     for j in range(n):
         i = n_coded + j
         stage = i % NUM_STAGES
-        start_n = _tile_start(order_ptr, coded_blocks, j, n, BLOCK_N, SHIFT_BLOCK_N, True)
+        start_n = _tile_start(visits, coded_blocks, j, n, BLOCK_N, SHIFT_BLOCK_N, True, SPARSE)
         mbarrier.wait(k_ready.index(stage), (i // NUM_STAGES) & 1)
         r, rc, rc_group = _centre_logits(q, c_bufs.index(stage).reshape([C_ROWS, DP]), rc, rc_group, start_n,
                                          qk_scale, SHIFT_BLOCK_N, row_layout)
@@ -490,16 +500,18 @@ def _sixteen_bit_loop(q, ring, bars, tiles, p_buf, m_i, l_i, acc, rc, rc_group, 
 
 
 @gluon_jit
-def _consumer(desc_o, q_tile, q8_tile, q_ready, ring, bars, row_ptrs, vs_ptr, tiles, p_bufs, P_BASE: gl.constexpr,
+def _consumer(desc_o, q_tile, q8_tile, q_ready, ring, bars, row_ptrs, vs_ptr, visits, p_bufs, P_BASE: gl.constexpr,
               off_z, off_hq, start_row, N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N: gl.constexpr, MASK_N: gl.constexpr,
-              FALLBACK: gl.constexpr, STORE_LSE: gl.constexpr, PV_FP8: gl.constexpr, LAZY: gl.constexpr):
+              FALLBACK: gl.constexpr, SPARSE: gl.constexpr, STORE_LSE: gl.constexpr, PV_FP8: gl.constexpr,
+              LAZY: gl.constexpr):
     """One consumer warpgroup: query rows ``start_row ..`` of this (batch, head): the coded tiles' loop
     (:func:`_key_loop` or, with ``PV_FP8``, :func:`_key_loop_fp8`), with ``FALLBACK`` then the 16-bit tiles'
     (:func:`_sixteen_bit_loop`), then ``out = acc / l_i`` (FP8: ``(acc / l_i) vs``) through the q tile and a
     TMA store, and with ``STORE_LSE`` the log-sum-exp (FP8: less ``P_SHIFT``).  ``row_ptrs = (q_scale, mu)``
-    at this (batch, head)'s row 0; ``vs_ptr`` V's (DP,) channel scales; ``tiles = (flag, order, coded)`` at this
-    (batch, query head)'s blocks; ``p_bufs.index(P_BASE)`` and ``P_BASE + 1``: this consumer's two ``P8``
-    tiles (FP8); ``ring``, ``bars`` as :func:`_producer`'s."""
+    at this (batch, head)'s row 0; ``vs_ptr`` V's (DP,) channel scales; ``p_bufs.index(P_BASE)`` and ``P_BASE +
+    1``: this consumer's two ``P8`` tiles (FP8); ``ring``, ``bars``, ``visits`` as :func:`_producer`'s.  A row that
+    visits no key block (``SPARSE``, an empty mask row) keeps ``acc = 0``, ``l_i = 0``, ``m_i = -inf``: ``out =
+    0``, ``lse = -inf``."""
     k_bufs = ring[0]
     c_bufs = ring[2]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
@@ -518,7 +530,6 @@ def _consumer(desc_o, q_tile, q8_tile, q_ready, ring, bars, row_ptrs, vs_ptr, ti
     q = q_tile.reshape([rows, DP])
     q8 = q8_tile.reshape([rows, DP])
     qs_ptr, mu_ptr = row_ptrs
-    flag_ptr, order_ptr, coded_ptr = tiles
     offs_m = start_row + gl.arange(0, rows, layout=row_layout)
     row_vecs = (gl.load(qs_ptr + offs_m, mask=offs_m < N_Q, other=0.0) * (qk_scale / DP),
                 gl.load(mu_ptr + offs_m, mask=offs_m < N_Q, other=0.0) * qk_scale)
@@ -528,30 +539,32 @@ def _consumer(desc_o, q_tile, q8_tile, q_ready, ring, bars, row_ptrs, vs_ptr, ti
     rc = gl.zeros([rows, C_ROWS], gl.float32, layout=r_layout)
     rc_group = -1
     i_zero = gl.zeros([rows, BLOCK_N], gl.int32, layout=i_layout)
-    coded_blocks, n_coded, n_16 = _tile_counts(flag_ptr, coded_ptr, N_K, BLOCK_N, SHIFT_BLOCK_N, FALLBACK)
     mbarrier.wait(q_ready, 0)
-    if n_coded > 0:
+    if visits[3] > 0:
         if PV_FP8:
-            acc, m_i, l_i, rc, rc_group = _key_loop_fp8(q, q8, ring, bars, row_vecs, (order_ptr, n_coded), p_bufs,
-                                                        P_BASE, m_i, l_i, acc, rc, rc_group, i_zero, N_K, qk_scale,
-                                                        SHIFT_BLOCK_N, MASK_N, FALLBACK)
+            acc, m_i, l_i, rc, rc_group = _key_loop_fp8(q, q8, ring, bars, row_vecs, visits, p_bufs, P_BASE, m_i,
+                                                        l_i, acc, rc, rc_group, i_zero, N_K, qk_scale, SHIFT_BLOCK_N,
+                                                        MASK_N, FALLBACK, SPARSE)
         else:
-            acc, m_i, l_i, rc, rc_group = _key_loop(q, q8, ring, bars, row_vecs, (order_ptr, n_coded), m_i, l_i, acc,
-                                                    rc, rc_group, i_zero, N_K, qk_scale, SHIFT_BLOCK_N, MASK_N,
-                                                    FALLBACK, LAZY)
+            acc, m_i, l_i, rc, rc_group = _key_loop(q, q8, ring, bars, row_vecs, visits, m_i, l_i, acc, rc, rc_group,
+                                                    i_zero, N_K, qk_scale, SHIFT_BLOCK_N, MASK_N, FALLBACK, SPARSE,
+                                                    LAZY)
     if FALLBACK:
-        acc, m_i, l_i = _sixteen_bit_loop(q, ring, bars, (order_ptr, coded_blocks, n_coded, n_16),
-                                          p_bufs.index(P_BASE), m_i, l_i, acc, rc, rc_group, N_K, qk_scale,
-                                          SHIFT_BLOCK_N, MASK_N, PV_FP8)
+        acc, m_i, l_i = _sixteen_bit_loop(q, ring, bars, visits, p_bufs.index(P_BASE), m_i, l_i, acc, rc, rc_group,
+                                          N_K, qk_scale, SHIFT_BLOCK_N, MASK_N, SPARSE, PV_FP8)
     if PV_FP8:
         if STORE_LSE:
             gl.store(lse_ptr + offs_m, (m_i + gl.log2(l_i) - P_SHIFT) * LN2, mask=offs_m < N_Q)
+        if SPARSE:
+            l_i = gl.where(l_i > 0, l_i, 1.0)
         vs = gl.load(vs_ptr + gl.arange(0, DP, layout=gl.SliceLayout(0, o_layout)))
         inv_l = gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, o_layout))
         out = (acc * inv_l[:, None]) * vs[None, :]
     else:
         if STORE_LSE:
             gl.store(lse_ptr + offs_m, (m_i + gl.log2(l_i)) * LN2, mask=offs_m < N_Q)
+        if SPARSE:
+            l_i = gl.where(l_i > 0, l_i, 1.0)
         inv_l = gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, o_layout))
         out = acc * inv_l[:, None]
     q.store(out.to(q.dtype))
@@ -565,9 +578,11 @@ def int8_fwd_gluon_kernel(
     desc_q, desc_q8, desc_k, desc_v, desc_c, desc_hi, desc_lo, desc_ks, desc_sig, desc_a, desc_o,
     qs_ptr, mu_ptr, vs_ptr, flag_ptr, order_ptr, coded_ptr, lse_ptr,
     H_Q, KV_GROUP, N_Q, N_K, N_ROW, qk_scale,
+    mc_ptr, mi_ptr, stride_mcz, stride_mch, stride_mcq, stride_miz, stride_mih, stride_miq, stride_mij,
+    MASK_GROUP, MASK_BLOCK_Q,
     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, SHIFT_BLOCK_N: gl.constexpr,
-    MASK_N: gl.constexpr, FALLBACK: gl.constexpr, STORE_LSE: gl.constexpr, PV_FP8: gl.constexpr,
-    P8_LAYOUT: gl.constexpr, LAZY: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    MASK_N: gl.constexpr, FALLBACK: gl.constexpr, SPARSE: gl.constexpr, STORE_LSE: gl.constexpr,
+    PV_FP8: gl.constexpr, P8_LAYOUT: gl.constexpr, LAZY: gl.constexpr, CONSUMER_REGS: gl.constexpr,
 ):
     """``out = softmax(scale q k^T) v`` from the 8-bit codes for ``64 NUM_CONSUMERS`` query rows of one
     (batch, head) (the module docstring states the math, tiles and partitions).
@@ -577,8 +592,14 @@ def int8_fwd_gluon_kernel(
     boxes (1, 1, DP, BLOCK_N)), centres (B, Hk, blocks, DP) in ``g`` (16 rows), hi and lo (``g``, BLOCK_N
     rows; read only with ``FALLBACK``).  Pointers (contiguous fp32): ``q_scale``, ``mu`` (B, Hq, Nq),
     ``k_scale``, ``sigma`` (B, Hk, Nk), ``A`` (B, Hq, Nk), ``vs`` (B, Hk, DP) (read with ``PV_FP8``); ``flag``
-    (B, Hq, blocks) int8; ``lse`` (B, Hq, Nq) fp32, written with ``STORE_LSE``.  This function allocates the
-    shared tiles and barriers and forks into the producer and the consumers.
+    (B, Hq, blocks) int8, ``order`` (B, Hq, blocks) and ``coded`` (B, Hq) int32 (the visiting order, read with
+    ``FALLBACK``); ``lse`` (B, Hq, Nq) fp32, written with ``STORE_LSE``.  With ``SPARSE`` the program visits the
+    key blocks its query block keeps (``mc_ptr``, ``mi_ptr``, their strides, ``MASK_GROUP``, ``MASK_BLOCK_Q``:
+    ``common.mask_args`` of :func:`visit_order`'s mask, whose lists hold the coded blocks first; ``coded``
+    then (B, Hq, query blocks) int32), one ``BLOCK_N = SHIFT_BLOCK_N`` tile per block, its 128 rows (two
+    consumers) in one query block.  The prologue reads the program's visits once: ``(order, stride, coded
+    blocks, coded tiles, 16-bit tiles)``.  This function allocates the shared tiles and barriers and forks into
+    the producer and the consumers.
     """
     rows: gl.constexpr = desc_q.block_type.shape[2]
     pid = gl.program_id(0)
@@ -595,9 +616,22 @@ def int8_fwd_gluon_kernel(
     vs_ptr += bh_k * desc_q.block_type.shape[3]
     key_row = bh_k.to(gl.int32) * N_ROW
     a_row = bh_q.to(gl.int32) * N_ROW
-    tiles = (flag_ptr + bh_q * gl.cdiv(N_K, SHIFT_BLOCK_N), order_ptr + bh_q * gl.cdiv(N_K, SHIFT_BLOCK_N),
-             coded_ptr + bh_q)
     lse_ptr += bh_q * N_Q
+    if SPARSE:
+        gl.static_assert(BLOCK_N == SHIFT_BLOCK_N, "a block mask's key tile is one centre block")
+        gl.static_assert(NUM_CONSUMERS == 2, "a block mask's query block holds 128 rows: two consumers")
+        count, order = kept_row(mc_ptr, mi_ptr, off_z, off_hq, start_m, stride_mcz, stride_mch, stride_mcq, stride_miz,
+                                stride_mih, stride_miq, MASK_GROUP, MASK_BLOCK_Q)
+        if FALLBACK:
+            coded_blocks = gl.load(coded_ptr + bh_q * gl.cdiv(N_Q, MASK_BLOCK_Q) + start_m // MASK_BLOCK_Q)
+        else:
+            coded_blocks = count
+        visits = (order, stride_mij, coded_blocks, coded_blocks, count - coded_blocks)
+    else:
+        n_blocks = gl.cdiv(N_K, SHIFT_BLOCK_N)
+        coded_blocks, n_coded, n_16 = _tile_counts(flag_ptr + bh_q * n_blocks, coded_ptr + bh_q, N_K, BLOCK_N,
+                                                   SHIFT_BLOCK_N, FALLBACK)
+        visits = (order_ptr + bh_q * n_blocks, 1, coded_blocks, n_coded, n_16)
 
     q_bufs = gl.allocate_shared_memory(desc_q.dtype, [NUM_CONSUMERS] + desc_q.block_type.shape, desc_q.layout)
     q8_bufs = gl.allocate_shared_memory(desc_q8.dtype, [NUM_CONSUMERS] + desc_q8.block_type.shape, desc_q8.layout)
@@ -637,35 +671,36 @@ def int8_fwd_gluon_kernel(
     gl.static_assert(NUM_CONSUMERS == 2 or NUM_CONSUMERS == 3, "partition lists are written for 2 and 3 consumers")
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
-            (_producer, (descs, q_bufs, q8_bufs, q_ready, ring, bars, tiles, off_z, off_hq, off_hk, start_m, N_K,
-                         key_row, a_row, SHIFT_BLOCK_N, FALLBACK, PV_FP8)),
+            (_producer, (descs, q_bufs, q8_bufs, q_ready, ring, bars, visits, off_z, off_hq, off_hk, start_m, key_row,
+                         a_row, SHIFT_BLOCK_N, FALLBACK, SPARSE, PV_FP8)),
             (_consumer, (desc_o, q_bufs.index(0), q8_bufs.index(0), q_ready.index(0), ring, bars, row_ptrs, vs_ptr,
-                         tiles, p8_bufs, 0, off_z, off_hq, start_m, N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N,
-                         MASK_N, FALLBACK, STORE_LSE, PV_FP8, LAZY)),
+                         visits, p8_bufs, 0, off_z, off_hq, start_m, N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N,
+                         MASK_N, FALLBACK, SPARSE, STORE_LSE, PV_FP8, LAZY)),
             (_consumer, (desc_o, q_bufs.index(1), q8_bufs.index(1), q_ready.index(1), ring, bars, row_ptrs, vs_ptr,
-                         tiles, p8_bufs, 2, off_z, off_hq, start_m + rows, N_Q, N_K, qk_scale, lse_ptr,
-                         SHIFT_BLOCK_N, MASK_N, FALLBACK, STORE_LSE, PV_FP8, LAZY)),
+                         visits, p8_bufs, 2, off_z, off_hq, start_m + rows, N_Q, N_K, qk_scale, lse_ptr,
+                         SHIFT_BLOCK_N, MASK_N, FALLBACK, SPARSE, STORE_LSE, PV_FP8, LAZY)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
-            (_producer, (descs, q_bufs, q8_bufs, q_ready, ring, bars, tiles, off_z, off_hq, off_hk, start_m, N_K,
-                         key_row, a_row, SHIFT_BLOCK_N, FALLBACK, PV_FP8)),
+            (_producer, (descs, q_bufs, q8_bufs, q_ready, ring, bars, visits, off_z, off_hq, off_hk, start_m, key_row,
+                         a_row, SHIFT_BLOCK_N, FALLBACK, SPARSE, PV_FP8)),
             (_consumer, (desc_o, q_bufs.index(0), q8_bufs.index(0), q_ready.index(0), ring, bars, row_ptrs, vs_ptr,
-                         tiles, p8_bufs, 0, off_z, off_hq, start_m, N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N,
-                         MASK_N, FALLBACK, STORE_LSE, PV_FP8, LAZY)),
+                         visits, p8_bufs, 0, off_z, off_hq, start_m, N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N,
+                         MASK_N, FALLBACK, SPARSE, STORE_LSE, PV_FP8, LAZY)),
             (_consumer, (desc_o, q_bufs.index(1), q8_bufs.index(1), q_ready.index(1), ring, bars, row_ptrs, vs_ptr,
-                         tiles, p8_bufs, 2, off_z, off_hq, start_m + rows, N_Q, N_K, qk_scale, lse_ptr,
-                         SHIFT_BLOCK_N, MASK_N, FALLBACK, STORE_LSE, PV_FP8, LAZY)),
+                         visits, p8_bufs, 2, off_z, off_hq, start_m + rows, N_Q, N_K, qk_scale, lse_ptr,
+                         SHIFT_BLOCK_N, MASK_N, FALLBACK, SPARSE, STORE_LSE, PV_FP8, LAZY)),
             (_consumer, (desc_o, q_bufs.index(2), q8_bufs.index(2), q_ready.index(2), ring, bars, row_ptrs, vs_ptr,
-                         tiles, p8_bufs, 4, off_z, off_hq, start_m + 2 * rows, N_Q, N_K, qk_scale, lse_ptr,
-                         SHIFT_BLOCK_N, MASK_N, FALLBACK, STORE_LSE, PV_FP8, LAZY)),
+                         visits, p8_bufs, 4, off_z, off_hq, start_m + 2 * rows, N_Q, N_K, qk_scale, lse_ptr,
+                         SHIFT_BLOCK_N, MASK_N, FALLBACK, SPARSE, STORE_LSE, PV_FP8, LAZY)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
 
 
-def tuned_config(head_dim: int, n_k: int = SHORT_KEYS + 1) -> dict:
+def tuned_config(head_dim: int, n_k: int = SHORT_KEYS + 1, sparse: bool = False) -> dict:
     """The config for ``head_dim`` and ``n_k`` keys: :data:`CONFIGS` of its DP, or :data:`SHORT_KEYS_CONFIG` at DP
-    64 for at most :data:`SHORT_KEYS` keys."""
-    if head_dim <= 64 and n_k <= SHORT_KEYS:
+    64 for at most :data:`SHORT_KEYS` keys; with a block mask (``sparse``) always :data:`CONFIGS` (its 128-key
+    tile is the mask's block, its two consumers the mask's 128-row query block)."""
+    if head_dim <= 64 and n_k <= SHORT_KEYS and not sparse:
         return dict(SHORT_KEYS_CONFIG)
     return dict(CONFIGS[64 if head_dim <= 64 else 128])
 
@@ -695,13 +730,16 @@ def unsuitable_reason(q: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, pv
 
 
 _CONFIGS: dict[tuple, dict] = {}
-"""The checked configs by (config, DP, short keys, element size, fallback, pv_bits): ``gluon_common.kept_config``."""
+"""The checked configs by (config, DP, short keys, element size, fallback, pv_bits, sparse):
+``gluon_common.kept_config``."""
 
 
-def _config(config: dict | None, dp: int, n_k: int, element_size: int, fallback: bool, pv_bits: int) -> dict:
-    """:func:`tuned_config` updated by ``config``; ``ValueError`` for unknown keys or values."""
+def _config(config: dict | None, dp: int, n_k: int, element_size: int, fallback: bool, pv_bits: int,
+            sparse: bool) -> dict:
+    """:func:`tuned_config` updated by ``config``; ``ValueError`` for unknown keys or values, and for a config a
+    block mask's call cannot run (``sparse``)."""
     fn = "hopper_int8.forward"
-    base = tuned_config(dp, n_k)
+    base = tuned_config(dp, n_k, sparse)
     unknown = set(config or {}) - set(base)
     if unknown:
         raise ValueError(f"{fn}: unknown config keys {sorted(unknown)}; expected {sorted(base)}")
@@ -715,6 +753,10 @@ def _config(config: dict | None, dp: int, n_k: int, element_size: int, fallback:
         raise ValueError(f"{fn}: config consumers={cfg['consumers']!r} must be 2 or 3 (consumer warpgroups)")
     if not isinstance(cfg["lazy"], bool):
         raise ValueError(f"{fn}: config lazy={cfg['lazy']!r} must be True or False (the lazy rescale)")
+    if sparse and (cfg["BLOCK_N"], cfg["consumers"]) != (SHIFT_BLOCK, 2):
+        raise ValueError(f"{fn}: with a block_mask the config needs BLOCK_N={SHIFT_BLOCK} and consumers=2 (one key "
+                         f"tile per mask block, one program per query block), got BLOCK_N={cfg['BLOCK_N']}, "
+                         f"consumers={cfg['consumers']}")
     needed = shared_bytes(cfg, dp, element_size, fallback, pv_bits)
     if needed > SMEM_LIMIT:
         raise ValueError(f"{fn}: config {cfg} needs {needed} bytes of shared memory at DP {dp}, more than sm_90's "
@@ -747,11 +789,32 @@ def _row_layout():
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
 
 
+def visit_order(mask: BlockSparseMask, flags: torch.Tensor) -> tuple[BlockSparseMask, torch.Tensor]:
+    """The kept key blocks of ``mask`` in the order the kernel visits them when some blocks run in 16 bits
+    (``reference_int8`` step 4c, per query block): per (batch, query head, query block) its kept coded blocks
+    ascending, then its kept flagged blocks ascending.  ``flags`` (B, Hq, key blocks) int8 (1: in 16 bits).
+    Returns ``(lists, coded)``: a mask (B, Hq, ...) whose ``kv_indices`` hold those lists (the rest of each row
+    the skipped blocks, never read) with the same ``kv_counts``, and ``coded`` (B, Hq, query blocks) int32, how
+    many of each list are coded.  Device tensors only, no host sync (a CUDA graph captures it)."""
+    batch, heads, n_k = flags.shape
+    kept = mask.kept_blocks(batch, heads)
+    blocks = torch.arange(n_k, dtype=torch.int32, device=flags.device)
+    flagged = flags.to(torch.int32)[:, :, None, :]
+    rank = torch.where(kept, flagged * n_k + blocks, 2 * n_k + blocks)  # coded, then flagged, then skipped
+    order = torch.sort(rank, dim=-1).values.remainder_(n_k)
+    counts = kept.sum(-1, dtype=torch.int32)
+    coded = (kept & (flagged == 0)).sum(-1, dtype=torch.int32)
+    lists = BlockSparseMask.from_checked(counts, order, mask.q_len, mask.kv_len, mask.block_q, mask.block_k)
+    return lists, coded
+
+
 def kernel_call(q: torch.Tensor, prep, out: torch.Tensor, *, scale: float, config: dict | None = None,
-                lse: torch.Tensor | None = None) -> tuple[tuple[int], tuple, dict]:
+                lse: torch.Tensor | None = None,
+                block_mask: BlockSparseMask | None = None) -> tuple[tuple[int], tuple, dict]:
     """``(grid, args, meta)`` of ``int8_fwd_gluon_kernel[grid](*args, **meta)`` on ``prep`` (``quantize.Prepared``,
-    with ``k_split`` where it has flags); split from :func:`forward` so that a compile check builds exactly
-    this launch from meta tensors."""
+    with ``k_split`` where it has flags), with ``block_mask`` (checked against the call by ``dispatch``) the
+    kept blocks' walk (:func:`visit_order` where ``prep`` has flags); split from :func:`forward` so that a
+    compile check builds exactly this launch from meta tensors."""
     batch, h_q, n_q, _ = q.shape
     h_k, n_k, dp = prep.k_codes.shape[1:]
     fallback = prep.flags is not None
@@ -760,14 +823,18 @@ def kernel_call(q: torch.Tensor, prep, out: torch.Tensor, *, scale: float, confi
         raise ValueError("hopper_int8.forward: prep has flags but no k_split (quantize.prepare(..., split=True) writes "
                          "the 16-bit blocks' hi and lo)")
     element_size = q.element_size()
-    cfg = kept_config(_CONFIGS, config, (dp, n_k <= SHORT_KEYS, element_size, fallback, pv_bits),
-                      lambda: _config(config, dp, n_k, element_size, fallback, pv_bits))
+    sparse = block_mask is not None
+    cfg = kept_config(_CONFIGS, config, (dp, n_k <= SHORT_KEYS, element_size, fallback, pv_bits, sparse),
+                      lambda: _config(config, dp, n_k, element_size, fallback, pv_bits, sparse))
     block_n = cfg["BLOCK_N"]
     maxnreg, consumer_regs = registers(cfg["consumers"])
     c_g = prep.centres.to(q.dtype)  # exact: the centres are values of the inputs' dtype
     hi, lo = (prep.k_split[0], prep.k_split[1]) if fallback else (c_g, c_g)
     wide_rows = block_n if fallback else CENTRE_ROWS
     tiles = (prep.flags, prep.order, prep.coded) if fallback else (prep.k_codes,) * 3  # unread without
+    if sparse and fallback:
+        block_mask, coded = visit_order(block_mask, prep.flags)
+        tiles = (prep.flags, prep.order, coded)
     grid = (cdiv(n_q, ROWS_PER_CONSUMER * cfg["consumers"]) * batch * h_q,)
     args = (descriptor(q, ROWS_PER_CONSUMER, dp), descriptor(prep.q_codes, ROWS_PER_CONSUMER, dp),
             descriptor(prep.k_codes, block_n, dp),
@@ -777,9 +844,10 @@ def kernel_call(q: torch.Tensor, prep, out: torch.Tensor, *, scale: float, confi
             _row_descriptor(prep.au, block_n), descriptor(out, ROWS_PER_CONSUMER, dp),
             prep.q_scale, prep.mu, prep.q_scale if pv_bits == 16 else prep.v_scale, *tiles,
             prep.q_scale if lse is None else lse,
-            h_q, h_q // h_k, n_q, n_k, prep.k_scale.stride(1), log2_units(scale))
+            h_q, h_q // h_k, n_q, n_k, prep.k_scale.stride(1), log2_units(scale), *mask_args(block_mask, q))
     meta = dict(BLOCK_N=block_n, NUM_STAGES=cfg["num_stages"], NUM_CONSUMERS=cfg["consumers"],
-                SHIFT_BLOCK_N=SHIFT_BLOCK, MASK_N=n_k % block_n != 0, FALLBACK=fallback, STORE_LSE=lse is not None,
+                SHIFT_BLOCK_N=SHIFT_BLOCK, MASK_N=n_k % block_n != 0, FALLBACK=fallback, SPARSE=sparse,
+                STORE_LSE=lse is not None,
                 PV_FP8=pv_bits == 8, P8_LAYOUT=_p8_layout(block_n if pv_bits == 8 else 16),
                 LAZY=cfg["lazy"] and pv_bits == 16,
                 CONSUMER_REGS=consumer_regs, num_warps=PRODUCER_WARPS, maxnreg=maxnreg)
@@ -787,15 +855,18 @@ def kernel_call(q: torch.Tensor, prep, out: torch.Tensor, *, scale: float, confi
 
 
 def forward(q: torch.Tensor, prep, out: torch.Tensor, *, scale: float, config: dict | None = None,
-            lse: torch.Tensor | None = None) -> torch.Tensor:
+            lse: torch.Tensor | None = None, block_mask: BlockSparseMask | None = None) -> torch.Tensor:
     """Write ``softmax(scale q k^T) v`` of the 8-bit exact shift into ``out`` from ``quantize.prepare``'s outputs
     (with ``split=True`` where the 16-bit blocks are on) and return it.
 
     q: (B, Hq, Nq, D), out: (B, Hq, Nq, D), ``prep.v`` (B, Hk, Nk, D): fp16 or bf16 on an sm_90 GPU, head dim
     in ``gluon_common.HEAD_DIMS``, TMA-addressable (:func:`unsuitable_reason` returned ``None``); config:
     ``BLOCK_N`` (64 / 128), ``num_stages``, ``consumers`` (2 / 3), missing keys from :func:`tuned_config`;
-    lse: ``None`` or a contiguous fp32 (B, Hq, Nq) tensor for the natural-log log-sum-exp."""
-    grid, args, meta = kernel_call(q, prep, out, scale=scale, config=config, lse=lse)
+    lse: ``None`` or a contiguous fp32 (B, Hq, Nq) tensor for the natural-log log-sum-exp.
+    block_mask: ``None``, or a ``block_sparse.BlockSparseMask`` fitting the call (``dispatch`` checks it), whose
+        missing key blocks are skipped (neither loaded nor multiplied; the config's ``BLOCK_N`` 128 and two
+        consumers); a query block that keeps none gets zeros and ``lse = -inf``."""
+    grid, args, meta = kernel_call(q, prep, out, scale=scale, config=config, lse=lse, block_mask=block_mask)
     int8_fwd_gluon_kernel[grid](*args, **meta)
     return out
 
@@ -808,8 +879,6 @@ the faster one on the H200 (``bench.int8_fallback``; docs/notes/int8_kernel.md h
 def unsuitable(call: Call) -> str | None:
     """Why this kernel cannot run ``call`` (an 8-bit call), or ``None``; ``kernel="auto"`` also leaves it for a
     given config (a config names one kernel's tiles) and for fewer than :data:`AUTO_MIN_KEYS` keys."""
-    if call.block_mask is not None:
-        return "it takes no block_mask yet"
     if INTERPRET:
         return "Triton's interpreter runs no Gluon"
     reason = unsuitable_reason(call.q, call.v, call.out, pv_bits=call.bits)
@@ -824,7 +893,8 @@ def unsuitable(call: Call) -> str | None:
 
 def launch(call: Call, plan: Plan) -> None:
     """:func:`forward` on the quantizing pre-pass's outputs (``call.prep``, with the split keys)."""
-    forward(call.q, call.prep, call.out, scale=call.scale, config=call.config, lse=call.lse)
+    forward(call.q, call.prep, call.out, scale=call.scale, config=call.config, lse=call.lse,
+            block_mask=call.block_mask)
 
 
 ENTRY = Kernel("gluon-int8", ("int8", "fp8"), ("exact",), launch, unsuitable, prepass="quantize",
