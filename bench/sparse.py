@@ -18,7 +18,9 @@ Methods at each mask (--methods, comma-separated, default all):
 
   pasa      pasa_attention(..., block_mask=) in the default variant (exact shift, hybrid): the kernel the
             dispatcher's plan names, the missing blocks neither loaded nor multiplied
-  pasa-fp8  the same in precision="fp8" (the 8-bit kernel)
+  pasa-fp8  the same in precision="fp8" (the 8-bit kernel the plan names)
+  gluon-fp8 precision="fp8" on the Gluon 8-bit kernel by name (dispatch.forward(kernel="gluon-int8")), which
+            kernel="auto" leaves masked calls to the portable one (hopper_int8.AUTO_MASK_REASON)
   flex      torch's FlexAttention with the same mask (BlockSparseMask.to_flex), compiled on CUDA (eager on a CPU)
   sdpa      the fastest of SDPA's flash and cuDNN backends, dense: what the mask has to beat
   pooled    building the dynamic mask (video_masks.pooled_mask, keep 0.9 of the estimated mass) from q and k:
@@ -26,7 +28,9 @@ Methods at each mask (--methods, comma-separated, default all):
 
 Columns: density (the share of (query, key) pairs kept, on the block grid), ms (the timer's median), effective
 TFLOP/s (4 B Hq Nq Nk D density / t), vs own dense (the method's dense ms / ms: 1 / density is ideal), vs flex
-(FlexAttention's ms at the same mask / ms; > 1: faster), and the kernel or the error.
+(FlexAttention's ms at the same mask / ms; > 1: faster), and the kernel or the error.  On CUDA, for our methods,
+graph ms (one CUDA-graph replay of the call: the GPU's time alone) and host us (the host's time to issue one
+call while the GPU sleeps): where host us exceeds graph ms, the call waits on the host, not the GPU.
 """
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ from pasa_diffusers.block_sparse import BlockSparseMask
 from pasa_diffusers.mask_coverage import head_density
 
 from . import harness
+from .overhead import graph_replay, host_us
 
 NAME = "sparse"
 SHAPES = {"dit": harness.Shape("sparse", "Wan 2.1 1.3B 480p, one pass", 1, 12, 12, 32760, 32760, 128),
@@ -47,7 +52,7 @@ SHAPES = {"dit": harness.Shape("sparse", "Wan 2.1 1.3B 480p, one pass", 1, 12, 1
 GRIDS = {"dit": (21, 30, 52)}
 """The latent grid (frames, rows, columns of tokens) behind a shape, for the radial mask."""
 MASKS = ("random", "radial", "dense")
-METHODS = ("pasa", "pasa-fp8", "flex", "sdpa", "pooled")
+METHODS = ("pasa", "pasa-fp8", "gluon-fp8", "flex", "sdpa", "pooled")
 DEFAULT_DENSITIES = (0.25, 0.10, 0.05)
 
 
@@ -94,6 +99,25 @@ def _op(precision: str, mask: BlockSparseMask) -> harness.Method:
     return harness.Method("pasa" if precision == "hybrid" else f"pasa-{precision}", "ours", build)
 
 
+def _gluon_fp8(mask: BlockSparseMask) -> harness.Method:
+    """``precision="fp8"`` on the Gluon 8-bit kernel by name, the mask as the op would pass it."""
+    def build(q, k, v):
+        from pasa_diffusers.kernels import dispatch
+        from pasa_diffusers.shift_matrix import DEFAULT_BETA
+        from pasa_diffusers.variants import Variant
+
+        on_device = mask.to(q.device)
+        kept = None if on_device.keeps_all else on_device
+        out, variant, scale = torch.empty_like(q), Variant("exact", "fp8"), q.shape[-1] ** -0.5
+
+        def call():
+            return dispatch.forward(q, k, v, out, scale=scale, variant=variant, beta=DEFAULT_BETA,
+                                    kernel="gluon-int8", block_mask=kept)
+        return harness.Prepared(call, "gluon-int8")
+
+    return harness.Method("gluon-fp8", "ours", build)
+
+
 def _flex(mask: BlockSparseMask) -> harness.Method:
     def build(q, k, v):
         from torch.nn.attention.flex_attention import flex_attention
@@ -131,6 +155,8 @@ def methods_at(label: str, mask: BlockSparseMask, chosen: Sequence[str]) -> list
         found.append(_op("hybrid", mask))
     if "pasa-fp8" in chosen:
         found.append(_op("fp8", mask))
+    if "gluon-fp8" in chosen:
+        found.append(_gluon_fp8(mask))
     if "flex" in chosen:
         found.append(_flex(mask))
     if label == "dense" and "sdpa" in chosen:
@@ -159,14 +185,32 @@ def _densities(text: str) -> list[float]:
     return values
 
 
+def split_time(method: harness.Method, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               timer: harness.Timer) -> dict:
+    """``graph_ms`` (one CUDA-graph replay of ``method``'s call, timed) and ``host_us`` (the host's time to issue
+    it while the GPU sleeps): where the call's time goes.  ``None`` both off CUDA; a call that cannot be captured
+    keeps its host time and names why in ``graph_error``."""
+    if not q.is_cuda:
+        return {"graph_ms": None, "host_us": None}
+    call = method.build(q, k, v).call
+    found = {"host_us": host_us(call)}
+    try:
+        found["graph_ms"] = timer(graph_replay(call))
+    except RuntimeError as exc:
+        found["graph_ms"], found["graph_error"] = None, f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+    return found
+
+
 def table(rows: list[dict]) -> str:
-    lines = ["| mask | density | method | ms | eff. TFLOP/s | vs own dense | vs flex | kernel / note |",
-             "| --- | ---: | --- | ---: | ---: | ---: | ---: | --- |"]
+    lines = ["| mask | density | method | ms | eff. TFLOP/s | vs own dense | vs flex | graph ms | host us "
+             "| kernel / note |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
         lines.append(f"| {r['mask']} | {harness.fmt(r['density'], '.3f')} | {r['method']} "
                      f"| {harness.fmt(r['ms'], '.3f')} | {harness.fmt(r['effective_tflops'])} "
-                     f"| {harness.fmt(r['vs_own_dense'], '.2f')} "
-                     f"| {harness.fmt(r['vs_flex'], '.2f')} | {r['error'] or r['note']} |")
+                     f"| {harness.fmt(r['vs_own_dense'], '.2f')} | {harness.fmt(r['vs_flex'], '.2f')} "
+                     f"| {harness.fmt(r.get('graph_ms'), '.3f')} | {harness.fmt(r.get('host_us'), '.0f')} "
+                     f"| {r['error'] or r.get('graph_error') or r['note']} |")
     return "\n".join(lines)
 
 
@@ -184,7 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     kinds, chosen = _names(args.masks, MASKS, "masks"), _names(args.methods, METHODS, "methods")
     densities = _densities(args.densities)
-    problem = harness.cpu_problem(NAME) if {"pasa", "pasa-fp8"} & set(chosen) else None
+    problem = harness.cpu_problem(NAME) if {"pasa", "pasa-fp8", "gluon-fp8"} & set(chosen) else None
     if problem:
         print(problem, file=sys.stderr)
         return 2
@@ -199,15 +243,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     for label, mask in harness.progress(masks(args.shapes, kinds, densities, torch.Generator().manual_seed(args.seed)),
                                         NAME):
         density = float(head_density(mask, 1, 1).mean())
-        measured = harness.measure(replace(shape, name=f"{shape.name}, {label}"), methods_at(label, mask, chosen),
-                                   q, k, v, timer=timer)
+        at_mask = methods_at(label, mask, chosen)
+        measured = harness.measure(replace(shape, name=f"{shape.name}, {label}"), at_mask, q, k, v, timer=timer)
+        ran = {r.method for r in measured if r.ms}
+        split = {m.name: split_time(m, q, k, v, timer) for m in at_mask if m.kind == "ours" and m.name in ran}
         flex_ms = next((r.ms for r in measured if r.method == "flex"), None)
         for r in measured:
             if label == "dense" and r.ms:
                 dense_ms[r.method] = r.ms
             attends = r.kind != "mask"
             counted = density if r.kind in ("ours", "peer") else 1.0
-            rows.append({**asdict(r), "mask": label, "density": density,
+            rows.append({**asdict(r), **split.get(r.method, {}), "mask": label, "density": density,
                          "effective_tflops": r.tflops * counted if r.tflops and attends else None,
                          "vs_own_dense": dense_ms[r.method] / r.ms if r.ms and attends and r.method in dense_ms
                          else None,
