@@ -5,6 +5,9 @@
 #
 #     OUT=out/gpu_suite SHARDS=4 bash scripts/gpu_suite.sh [extra pytest arguments, e.g. -k temporal]
 #
+# SHARDS unset: one shard per 10 GiB of the first GPU's memory, at most one per CPU (14 on an H200, 7 on an H100:
+# a shard's tests peak near 10 GiB, and 10 shards ran an H100's 80 GiB out of memory), or 4 without nvidia-smi.
+#
 # Runs on a GPU machine after `pip install -e .` (docs/DEVELOPING.md); where that cannot fetch, carried wheels
 # (WHEELS, default .whl: diffusers, optionally the peers, whose tests skip without them) are installed first
 # (device_env.sh, which also stops with one line if the package or what it needs does not import).
@@ -19,7 +22,16 @@ set -uo pipefail
 . "$(dirname "$0")/device_env.sh"
 
 OUT=${OUT:-$PWD/out/gpu_suite}
-SHARDS=${SHARDS:-4}
+if [[ -z "${SHARDS:-}" ]]; then
+  mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0 2>/dev/null | head -1)
+  if [[ "$mib" =~ ^[0-9]+$ ]]; then
+    SHARDS=$(( mib / 10240 ))
+    (( SHARDS > $(nproc) )) && SHARDS=$(nproc)
+    (( SHARDS < 1 )) && SHARDS=1
+  else
+    SHARDS=4
+  fi
+fi
 mkdir -p "$OUT"
 ids="$OUT/test_ids.txt"
 python -m pytest tests -m gpu --collect-only -q -p no:cacheprovider "$@" \

@@ -47,6 +47,27 @@ def _suite(tmp_path: Path, *pytest_args: str, path: str | None = None, **extra: 
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("total_mib,shards", [("81559", 7), ("", 4)], ids=["h100", "no-gpu"])
+def test_the_gpu_suite_takes_a_shard_per_ten_gib(tmp_path, total_mib, shards):
+    """Without ``SHARDS``, one shard per 10 GiB of the GPU's memory (an ``nvidia-smi`` on PATH that prints an
+    H100's total), at most one per CPU (``nproc``); 4 where ``nvidia-smi`` prints nothing."""
+    if any((ROOT / ".whl").glob("*.whl")):
+        pytest.skip("this checkout carries wheels in .whl/: the suite would install them")
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text(f"#!/bin/sh\necho {total_mib}\n")
+    (fake / "nvidia-smi").chmod(0o755)
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("WHEELS", "TRITON_INTERPRET", "SHARDS", "OMP_NUM_THREADS")}
+    env.update(PATH=f"{fake}:{Path(sys.executable).parent}:{env.get('PATH', '')}", OUT=str(tmp_path / "suite"))
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_suite.sh"), "-k", "test_gpu_ring_merge_of_the_default"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    expected = min(shards, len(os.sched_getaffinity(0))) if total_mib else shards
+    assert done.stdout.splitlines()[0] == f"2 tests in {expected} shards"
+
+
+@pytest.mark.slow
 def test_the_gpu_suite_needs_no_wheel_folder(tmp_path):
     """docs/DEVELOPING.md: after ``pip install -e .``, ``bash scripts/gpu_suite.sh`` (it stopped asking for a
     ``.whl/`` folder the page never mentions).  Here the selected GPU tests skip (no CUDA); on a GPU they run."""
