@@ -45,10 +45,14 @@ class BlockSparseMask:
     keeps_all: bool = field(init=False, default=False)
     """Every query block keeps every key block (found by :meth:`validate`'s reading of the counts; ``False`` for
     a mask made by :meth:`from_checked`, which reads nothing): the op then runs without the mask."""
+    kept_share: float | None = field(init=False, default=None)
+    """The share of the (query block, key block) pairs kept, read with ``keeps_all`` (``None`` for a mask made by
+    :meth:`from_checked`: not known): what the router scales a call's work by when it cuts it into ranges."""
 
     def __post_init__(self) -> None:
         self.validate()
         object.__setattr__(self, "keeps_all", bool((self.kv_counts == self.n_k_blocks).all()))
+        object.__setattr__(self, "kept_share", float(self.kv_counts.double().mean()) / self.n_k_blocks)
 
     # --- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -119,6 +123,7 @@ class BlockSparseMask:
         mask = self.from_checked(self.kv_counts.to(device), self.kv_indices.to(device), self.q_len, self.kv_len,
                                  self.block_q, self.block_k)
         object.__setattr__(mask, "keeps_all", self.keeps_all)
+        object.__setattr__(mask, "kept_share", self.kept_share)
         return mask
 
     def prefix(self, q_len: int, kv_len: int) -> BlockSparseMask:

@@ -338,6 +338,20 @@ def test_a_prefix_keeps_the_blocks_over_the_first_queries_and_keys():
         mask.prefix(0, 400)
 
 
+def test_the_kept_share_is_read_with_the_counts():
+    """``kept_share``: the share of the block pairs kept, read where ``keeps_all`` is, kept by ``to``; ``None``
+    where nothing is read (``from_checked``, ``select``)."""
+    blocks = torch.zeros(2, 3, 4, 5, dtype=torch.bool)
+    blocks[..., 0] = True
+    blocks[0, 0, :, 1:3] = True
+    mask = BlockSparseMask.from_dense(blocks, 500, 600)
+    assert mask.kept_share == pytest.approx((2 * 3 * 4 + 4 * 2) / (2 * 3 * 4 * 5))
+    assert mask.to("cpu").kept_share == mask.kept_share
+    assert BlockSparseMask.full(500, 600).kept_share == 1.0
+    assert mask.select((0, 1), (0, 2)).kept_share is None
+    assert BlockSparseMask.from_dense(blocks, 500, 600, validate=False).kept_share is None
+
+
 def test_a_mask_built_without_validation_is_the_validated_one():
     """``from_dense(validate=False)`` (the pooled mask's: nothing read back) makes the same compact form; only
     ``keeps_all`` is not known (``False``)."""

@@ -31,6 +31,7 @@ Tolerances, each derived as the dense kernels' tests derive them (none measured)
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -249,6 +250,31 @@ def test_key_ranges_with_a_mask_give_the_whole_calls_bits(monkeypatch, gen):
         monkeypatch.setattr(dispatch, "PREPASS_SHARE", 1e9)
         whole = _kernel(q, k, v, Variant("exact", "hybrid"), block_mask=mask)
         assert torch.equal(ranged[0], whole[0]) and torch.equal(ranged[1], whole[1])
+
+
+def test_a_sparse_call_runs_in_the_ranges_its_kept_work_fills(monkeypatch):
+    """A masked call's work is its kept blocks' (``kept_share``): no more ranges than that work fills at
+    ``MIN_RANGE_FLOP`` each (issue 46: twelve ranges of a 5 % call each waited on the host), where a mask whose
+    share is not known (``from_checked``) counts every block."""
+    q, k, v = (torch.empty(1, 12, 32760, 128, dtype=torch.float16, device="meta") for _ in range(3))
+    written = quantize.written_bytes(q, k, v, pv_bits=8, split=True)
+    assert [len(dispatch.key_chunks(k, q, written, kept)) for kept in (1.0, 0.25, 0.05)] == [12, 3, 1]
+    shape = (1, 4, 2, 500, 600, 16)
+    q, k, v = _inputs(shape, "biased", torch.Generator().manual_seed(0))
+    blocks = torch.zeros(4, 5, dtype=torch.bool)
+    blocks[:, 0] = True
+    mask = BlockSparseMask.from_dense(blocks, 500, 600)
+    work = 4.0 * 500 * 600 * 16 * 4
+    monkeypatch.setattr(dispatch, "PREPASS_SHARE", 0.01)
+    monkeypatch.setattr(dispatch, "MIN_RANGE_FLOP", work / 10 * 1.01)  # every block: 2 ranges (its kv heads); 1/5: 1
+    dispatch.forget_plans()
+    call = dispatch.Call(q, k, v, torch.empty_like(q), Variant("exact", "hybrid"), block_mask=mask)
+    plan = dispatch.plan(q, k, v, torch.empty_like(q), variant=Variant("exact", "hybrid"), block_mask=mask)
+    entry = dispatch._BY_NAME[plan.kernel]
+    assert len(dispatch._key_ranges(call, plan, entry)) == 1
+    unknown = BlockSparseMask.from_checked(mask.kv_counts, mask.kv_indices, 500, 600, 128, 128)
+    assert len(dispatch._key_ranges(replace(call, block_mask=unknown), plan, entry)) > 1
+    dispatch.forget_plans()
 
 
 # --- 8 bits -------------------------------------------------------------------------------------------------

@@ -33,7 +33,8 @@ A call whose pre-pass would write more than a fifth of the output's bytes (:data
 centred or shifted; the 8-bit codes with their statistics) runs in ranges of batch and kv head, one after the
 other (:func:`key_chunks`), so that its peak memory stays within 1.25x (16 bits) or 1.4x (8 bits) of cuDNN's,
 as long as each range keeps the GPU busy for much longer than the host takes to issue it
-(:data:`MIN_RANGE_FLOP`); shorter calls run in one launch and allocate the whole copy.
+(:data:`MIN_RANGE_FLOP`, of the work a block mask keeps: ``BlockSparseMask.kept_share``); shorter calls run in
+one launch and allocate the whole copy.
 
 ``kernel="auto"`` takes the first entry of :data:`TABLE` that runs the call's precision and shift and has no
 reason against it (``unsuitable``).  A kernel named explicitly runs the call or
@@ -347,19 +348,19 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
     return out
 
 
-def key_chunks(k: torch.Tensor, out: torch.Tensor,
-               written: int | None = None) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+def key_chunks(k: torch.Tensor, out: torch.Tensor, written: int | None = None,
+               kept: float = 1.0) -> list[tuple[tuple[int, int], tuple[int, int]]]:
     """The ``((b0, b1), (h0, h1))`` ranges of batch and kv head that a call with a pre-pass writing ``written``
     bytes (default: a copy of ``k``) runs one after the other: the fewest that keep one range's share of those
-    bytes within :data:`PREPASS_SHARE` of ``out``'s bytes, but no more than the call's work fills at
-    :data:`MIN_RANGE_FLOP` each (one range of whole batches, or one of heads within a batch element, at
+    bytes within :data:`PREPASS_SHARE` of ``out``'s bytes, but no more than the call's work (``kept`` of the dense
+    work: a block mask's share of the blocks) fills at :data:`MIN_RANGE_FLOP` each (one range of whole batches, or one of heads within a batch element, at
     least one head; ranges of one kind have equal sizes but the last, and ranges of heads are counted per
     batch element, which can add a range to each)."""
     batch, h_k = k.shape[:2]
     heads = batch * h_k
     written = k.numel() * k.element_size() if written is None else written
     fit = max(1, int(PREPASS_SHARE * out.numel() * out.element_size() * heads // max(written, 1)))
-    work = 4.0 * out.shape[2] * k.shape[2] * k.shape[3] * out.shape[1] * batch
+    work = 4.0 * out.shape[2] * k.shape[2] * k.shape[3] * out.shape[1] * batch * kept
     ranges = max(1, min(cdiv(heads, fit), int(work // MIN_RANGE_FLOP)))
     if ranges == 1:
         return [((0, batch), (0, h_k))]
@@ -376,11 +377,15 @@ _RANGES: dict[tuple, list] = {}
 
 def _key_ranges(call: Call, plan: Plan, entry: Kernel) -> list[tuple[tuple[int, int], tuple[int, int]]]:
     """:func:`key_chunks` of ``call`` under ``plan``'s pre-pass (the 8-bit one's bytes from
-    ``quantize.written_bytes``), kept per what it reads (the shapes and dtypes, the pre-pass and its options,
-    and the two module constants it is ruled by, which a test or a script may change)."""
+    ``quantize.written_bytes``) and of the share of blocks its block mask keeps where the mask knows it
+    (``BlockSparseMask.kept_share``; not known: every block), kept per what it reads (the shapes and dtypes, the
+    pre-pass and its options, that share, and the two module constants it is ruled by, which a test or a script
+    may change)."""
     q, k, out = call.q, call.k, call.out
     split = _splits(call, entry)
-    key = (q.shape, k.shape, k.dtype, out.shape, out.dtype, plan.prepass, plan.pv_bits, call.fallback, split,
+    mask = call.block_mask
+    kept = 1.0 if mask is None or mask.kept_share is None else mask.kept_share
+    key = (q.shape, k.shape, k.dtype, out.shape, out.dtype, plan.prepass, plan.pv_bits, call.fallback, split, kept,
            PREPASS_SHARE, MIN_RANGE_FLOP)
     found = _RANGES.get(key)
     if found is None:
@@ -389,7 +394,7 @@ def _key_ranges(call: Call, plan: Plan, entry: Kernel) -> list[tuple[tuple[int, 
         written = None
         if plan.prepass == "quantize":
             written = quantize.written_bytes(q, k, call.v, pv_bits=plan.pv_bits, fallback=call.fallback, split=split)
-        found = _RANGES[key] = key_chunks(k, out, written)
+        found = _RANGES[key] = key_chunks(k, out, written, kept)
     return found
 
 
