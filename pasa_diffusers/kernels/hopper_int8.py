@@ -795,7 +795,7 @@ def visit_order(mask: BlockSparseMask, flags: torch.Tensor) -> tuple[BlockSparse
     ascending, then its kept flagged blocks ascending.  ``flags`` (B, Hq, key blocks) int8 (1: in 16 bits).
     Returns ``(lists, coded)``: a mask (B, Hq, ...) whose ``kv_indices`` hold those lists (the rest of each row
     the skipped blocks, never read) with the same ``kv_counts``, and ``coded`` (B, Hq, query blocks) int32, how
-    many of each list are coded.  Device tensors only, no host sync (a CUDA graph captures it)."""
+    many of each list are coded.  Torch ops on the mask's device, nothing read back on the host."""
     batch, heads, n_k = flags.shape
     kept = mask.kept_blocks(batch, heads)
     blocks = torch.arange(n_k, dtype=torch.int32, device=flags.device)
