@@ -17,7 +17,12 @@ Tolerances, each derived as the dense kernels' tests derive them (none measured)
   error of a correctly rounded output, below which no 16-bit kernel can be held (a row whose softmax is one key,
   as outlier keys make, is exact in the reference: its error 0).  The LSE on the rows that keep a block:
   ``err_lse(kernel) <= K err_lse(reference) + FLOOR`` (``test_lse.py``'s rule, ``FLOOR`` one fp32 ulp of the
-  LSE, twice).  The rows of a query block that keeps none: zeros and ``-inf``, exactly.
+  LSE, twice).  The rows of a query block that keeps none: zeros and ``-inf``, exactly.  In half precision
+  (scores rounded to fp16) one row may be set aside, if it is within one score's fp16 rounding the other way of
+  the reference (:func:`_score_flips`) and the other rows meet the rule: with outlier keys nearly every row's
+  softmax is one key, exact in both, so the RMS can be one row's, where two keys compete at logits near 800
+  (fp16's ulp 0.5: one rounding moves the row by percent) and the kernel and the reference sum the scores in other
+  orders (seed 2068388932: the kernel's row 3.0 %, the reference's 0.7 %, every other row the same to 1e-9).
 - 8 bits, against the masked spec (``int8_reference(block_mask=)``, its key tile the kernel's): the kernel reads
   the spec's codes and differs in fp32 rounding only, so within one ``g`` ulp relative (with FP8 ``P``, one row
   may be one e4m3 rounding of ``P`` apart: ``tests/eight_bit.assert_spec_to_one_ulp``) and ``test_int8.py``'s
@@ -126,8 +131,34 @@ def _bound(k: float, err_ref: float, dtype: torch.dtype) -> float:
     return max(k * err_ref, 2.0 ** -(11 if dtype == torch.float16 else 8))
 
 
-def _assert_masked_bound(out, lse, ref, ref_lse, gold, gold_lse, mask, shift, precision):
-    """The 16-bit rule of the module docstring on the kept rows; zeros and ``-inf`` on the empty ones."""
+def _score_flips(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockSparseMask,
+                 gold: torch.Tensor) -> torch.Tensor:
+    """(B, Hq, Nq) float64: how far one score of each row, rounded to fp16 the other way (one ulp), can move the
+    row's output, to first order: ``max_j p_j (e^ulp_j - 1) |v_j - o|``, ``p`` the golden softmax over the kept
+    keys, ``o`` the golden output, ``ulp_j`` fp16's at ``|s_j| + |mean of s over key j's block|``: every 16-bit
+    variant rounds its logit less a shift of at most its block's mean (the exact shift ``q . c_j``, PASA's
+    ``beta`` times the mean, none for plain FlashAttention)."""
+    b, hq, n_q, d = q.shape
+    n_k = k.shape[2]
+    group = hq // k.shape[1]
+    keys, values = (t.double().repeat_interleave(group, 1) for t in (k, v))
+    allowed = mask.kept_blocks(b, hq).repeat_interleave(mask.block_q, -2)[..., :n_q, :]
+    allowed = allowed.repeat_interleave(mask.block_k, -1)[..., :n_k]
+    logits = (q.double() * d ** -0.5) @ keys.transpose(-1, -2)
+    block = torch.arange(n_k) // mask.block_k
+    sizes = torch.bincount(block).double()
+    means = torch.zeros(b, hq, n_q, len(sizes), dtype=torch.float64).index_add_(-1, block, logits) / sizes
+    rounded = logits.abs() + means[..., block].abs()
+    ulp = torch.exp2(torch.floor(torch.log2(rounded.clamp_min(2.0 ** -14))) - 10)
+    p = torch.softmax(logits.masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)
+    spread = (values[:, :, None] - gold.double()[..., None, :]).norm(dim=-1)
+    return (p * torch.expm1(ulp) * spread).amax(-1)
+
+
+def _assert_masked_bound(out, lse, ref, ref_lse, gold, gold_lse, mask, shift, precision, flips=None):
+    """The 16-bit rule of the module docstring on the kept rows; zeros and ``-inf`` on the empty ones.  With
+    ``flips`` (:func:`_score_flips`, half precision) one row may be set aside, if its distance from the reference
+    is within one score's flip (and two output roundings): the module docstring says why."""
     name = f"{shift}-{precision}"
     empty = _empty_rows(mask, out.shape[0], out.shape[1])
     assert empty.any() and (~empty).any()
@@ -137,6 +168,15 @@ def _assert_masked_bound(out, lse, ref, ref_lse, gold, gold_lse, mask, shift, pr
     assert torch.isfinite(out).all() and torch.isfinite(lse[kept]).all(), f"{name}: non-finite output or LSE"
     k_bound = K_BOUND[shift, precision]
     err, err_ref = numerics.rel_rmse(out[kept], gold[kept]), numerics.rel_rmse(ref[kept], gold[kept])
+    if err > _bound(k_bound, err_ref, out.dtype) and flips is not None:
+        rows = kept.nonzero()
+        worst = tuple(rows[(out[kept].double() - gold[kept]).norm(dim=-1).argmax()].tolist())
+        apart = (out[worst].double() - ref[worst].double()).norm().item()
+        rounding = 2 * 2.0 ** -11 * gold[worst].norm().item()
+        if apart <= flips[worst].item() + rounding:
+            rest = kept.clone()
+            rest[worst] = False
+            err, err_ref = numerics.rel_rmse(out[rest], gold[rest]), numerics.rel_rmse(ref[rest], gold[rest])
     assert err <= _bound(k_bound, err_ref, out.dtype), f"{name}: kernel {err:.3e} > {k_bound} x reference {err_ref:.3e}"
     floor = 2 * EPS32 * gold_lse[kept].pow(2).mean().sqrt().item()
     err_l, err_l_ref = _err_lse(lse[kept], gold_lse[kept]), _err_lse(ref_lse[kept], gold_lse[kept])
@@ -157,7 +197,8 @@ def _check_variant(shift, precision, input_kind, mask_kind, shape, gen, **option
     out, lse = _kernel(q, k, v, Variant(shift, precision), block_mask=mask, **options)
     ref, ref_lse = _reference(q, k, v, shift, precision, mask)
     gold, gold_lse = R.golden_attention(q, k, v, return_lse=True, block_mask=mask)
-    _assert_masked_bound(out, lse, ref, ref_lse, gold, gold_lse, mask, shift, precision)
+    flips = _score_flips(q, k, v, mask, gold) if precision == "half" else None
+    _assert_masked_bound(out, lse, ref, ref_lse, gold, gold_lse, mask, shift, precision, flips)
 
 
 @interpreted
@@ -166,6 +207,26 @@ def test_kernel_with_mask_within_its_reference_bound(shift, precision, gen):
     """Each variant on one input class and mask kind (ragged tails, GQA, an empty query block)."""
     input_kind, mask_kind, shape = QUICK_CASES[shift, precision]
     _check_variant(shift, precision, input_kind, mask_kind, shape, gen)
+
+
+@interpreted
+def test_a_half_row_is_set_aside_only_within_one_score_flip():
+    """Seed 2068388932's call, whose RMS was one row here (the module docstring; another machine's BLAS may round
+    it otherwise): it meets the rule with the one-row allowance; its worst row moved by one more unit per element
+    is no score's flip, and fails."""
+    gen = torch.Generator().manual_seed(2068388932)
+    q, k, v = _inputs(GQA, "outlier", gen)
+    mask = _mask(GQA, "shared", gen)
+    out, lse = _kernel(q, k, v, Variant("pasa", "half"), block_mask=mask)
+    ref, ref_lse = _reference(q, k, v, "pasa", "half", mask)
+    gold, gold_lse = R.golden_attention(q, k, v, return_lse=True, block_mask=mask)
+    flips = _score_flips(q, k, v, mask, gold)
+    _assert_masked_bound(out, lse, ref, ref_lse, gold, gold_lse, mask, "pasa", "half", flips)
+    worst = (out.double() - gold).norm(dim=-1).argmax()
+    moved = out.clone()
+    moved.view(-1, out.shape[-1])[worst] += 1.0
+    with pytest.raises(AssertionError, match="pasa-half: kernel"):
+        _assert_masked_bound(moved, lse, ref, ref_lse, gold, gold_lse, mask, "pasa", "half", flips)
 
 
 @interpreted
