@@ -552,21 +552,19 @@ def _consumer(desc_o, q_tile, q8_tile, q_ready, ring, bars, row_ptrs, vs_ptr, vi
     if FALLBACK:
         acc, m_i, l_i = _sixteen_bit_loop(q, ring, bars, visits, p_bufs.index(P_BASE), m_i, l_i, acc, rc, rc_group,
                                           N_K, qk_scale, SHIFT_BLOCK_N, MASK_N, SPARSE, PV_FP8)
+    if STORE_LSE:
+        lse = m_i + gl.log2(l_i)
+        if PV_FP8:
+            lse = lse - P_SHIFT
+        gl.store(lse_ptr + offs_m, lse * LN2, mask=offs_m < N_Q)
+    if SPARSE:
+        l_i = gl.where(l_i > 0, l_i, 1.0)
     if PV_FP8:
-        if STORE_LSE:
-            gl.store(lse_ptr + offs_m, (m_i + gl.log2(l_i) - P_SHIFT) * LN2, mask=offs_m < N_Q)
-        if SPARSE:
-            l_i = gl.where(l_i > 0, l_i, 1.0)
         vs = gl.load(vs_ptr + gl.arange(0, DP, layout=gl.SliceLayout(0, o_layout)))
-        inv_l = gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, o_layout))
-        out = (acc * inv_l[:, None]) * vs[None, :]
-    else:
-        if STORE_LSE:
-            gl.store(lse_ptr + offs_m, (m_i + gl.log2(l_i)) * LN2, mask=offs_m < N_Q)
-        if SPARSE:
-            l_i = gl.where(l_i > 0, l_i, 1.0)
-        inv_l = gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, o_layout))
-        out = acc * inv_l[:, None]
+    inv_l = gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, o_layout))
+    out = acc * inv_l[:, None]
+    if PV_FP8:
+        out = out * vs[None, :]
     q.store(out.to(q.dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(desc_o, [off_z, off_hq, start_row, 0], q_tile)
@@ -831,10 +829,10 @@ def kernel_call(q: torch.Tensor, prep, out: torch.Tensor, *, scale: float, confi
     c_g = prep.centres.to(q.dtype)  # exact: the centres are values of the inputs' dtype
     hi, lo = (prep.k_split[0], prep.k_split[1]) if fallback else (c_g, c_g)
     wide_rows = block_n if fallback else CENTRE_ROWS
-    tiles = (prep.flags, prep.order, prep.coded) if fallback else (prep.k_codes,) * 3  # unread without
+    coded = prep.coded
     if sparse and fallback:
         block_mask, coded = visit_order(block_mask, prep.flags)
-        tiles = (prep.flags, prep.order, coded)
+    tiles = (prep.flags, prep.order, coded) if fallback else (prep.k_codes,) * 3  # unread without
     grid = (cdiv(n_q, ROWS_PER_CONSUMER * cfg["consumers"]) * batch * h_q,)
     args = (descriptor(q, ROWS_PER_CONSUMER, dp), descriptor(prep.q_codes, ROWS_PER_CONSUMER, dp),
             descriptor(prep.k_codes, block_n, dp),
