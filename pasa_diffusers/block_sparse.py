@@ -51,8 +51,9 @@ class BlockSparseMask:
 
     def __post_init__(self) -> None:
         self.validate()
-        object.__setattr__(self, "keeps_all", bool((self.kv_counts == self.n_k_blocks).all()))
-        object.__setattr__(self, "kept_share", float(self.kv_counts.double().mean()) / self.n_k_blocks)
+        kept_share = float(self.kv_counts.double().mean()) / self.n_k_blocks  # 1.0 exactly when every count is full
+        object.__setattr__(self, "kept_share", kept_share)
+        object.__setattr__(self, "keeps_all", kept_share == 1.0)
 
     # --- construction -------------------------------------------------------------------------------------
     @classmethod
