@@ -13,6 +13,7 @@ the host adds to each call; the plan column names the kernel.
 from __future__ import annotations
 
 import math
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -33,18 +34,23 @@ MAX_TOKENS = 2304
 """The longest sequences timed here (SVD's second-level spatial attention); above it the kernel dominates."""
 
 
-def host_us(fn: harness.Call, calls: int = 20) -> float:
-    """Microseconds of host time per call of ``fn``: ``calls`` calls issued while the GPU sleeps (nothing
-    waits on it), after one call and a synchronize."""
+def host_us(fn: harness.Call, calls: int = 9) -> float:
+    """Microseconds of host time per call of ``fn``: the median of ``calls`` calls, each timed alone, issued while
+    the GPU sleeps (nothing waits on it), after one call and a synchronize.  The median, not the mean: CUDA's
+    launch queue holds about a thousand pending kernels, and a call issued while it is full waits for the GPU
+    (here: for the sleep).  A 12-range 8-bit call launches 84 Triton kernels (7 per range) and torch's, so 20 of them in a row measured the
+    sleep (82 ms per call, where each took 9 ms); the median is the host's time as long as the queue fills in
+    the later half of the calls or never."""
     fn()
     torch.cuda.synchronize()
     torch.cuda._sleep(3_000_000_000)
-    start = time.perf_counter()
+    seconds = []
     for _ in range(calls):
+        start = time.perf_counter()
         fn()
-    elapsed = time.perf_counter() - start
+        seconds.append(time.perf_counter() - start)
     torch.cuda.synchronize()
-    return 1e6 * elapsed / calls
+    return 1e6 * statistics.median(seconds)
 
 
 def graph_replay(fn: harness.Call) -> harness.Call:

@@ -30,7 +30,7 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
-from .compile_sm90 import loop_text, run_tool, spilled
+from .compile_sm90 import loop_text, meta_block_mask, run_tool, spilled
 
 NAME = "compile_int8"
 ROOT = Path(__file__).resolve().parents[1]
@@ -151,17 +151,8 @@ def _launch(case: dict):
 
 
 def _key_head_mask(n: int, batch: int):
-    """A block mask of meta tensors for ``n`` queries and keys, per batch element and key head (as
-    ``BlockSparseMask.from_dense`` lays it out: contiguous, int32)."""
-    import torch
-
-    from pasa_diffusers.block_sparse import BlockSparseMask
-    from pasa_diffusers.rules import SHIFT_BLOCK
-
-    blocks = -(-n // SHIFT_BLOCK)
-    counts = torch.empty(batch, KV_HEADS, blocks, dtype=torch.int32, device="meta")
-    indices = torch.empty(batch, KV_HEADS, blocks, blocks, dtype=torch.int32, device="meta")
-    return BlockSparseMask.from_checked(counts, indices, n, n, SHIFT_BLOCK, SHIFT_BLOCK)
+    """A block mask of meta tensors for ``n`` queries and keys, per batch element and key head."""
+    return meta_block_mask(n, n, batch, KV_HEADS)
 
 
 def mma_report(ptx: str) -> dict:

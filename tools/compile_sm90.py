@@ -2,6 +2,7 @@
 
     python -m tools.compile_sm90 --python PYTHON --out DIR     # PYTHON: an interpreter with triton 3.6
     python -m tools.compile_sm90 --jobs 2 --out DIR            # this interpreter has triton 3.6
+    python -m tools.compile_sm90 --sparse --out DIR            # with a block mask, at the masked config
 
 Needs, in the interpreter --python names (default: this one), triton 3.6 (the GPU machine's version, whose
 Gluon API kernels/hopper.py is written for) and torch; no GPU.  Each (config, shape) is compiled in its
@@ -69,6 +70,20 @@ def meta_inputs(shape: Sequence[int], shift_block: int, dtype: str = "float16"):
 
     centres = torch.empty(b, h, -(-n_k // shift_block), d, dtype=torch.float32, device="meta")
     return bnhd(n_q), torch.empty(b, h, n_k, d, dtype=dt, device="meta"), bnhd(n_k), bnhd(n_q), centres
+
+
+def meta_block_mask(n_q: int, n_k: int, batch: int, heads: int):
+    """A block mask of meta tensors over ``n_q`` queries and ``n_k`` keys, per batch element and head (as
+    ``BlockSparseMask.from_dense`` lays it out: contiguous int32 counts and indices)."""
+    import torch
+
+    from pasa_diffusers.block_sparse import BlockSparseMask
+    from pasa_diffusers.rules import SHIFT_BLOCK
+
+    q_blocks, k_blocks = -(-n_q // SHIFT_BLOCK), -(-n_k // SHIFT_BLOCK)
+    counts = torch.empty(batch, heads, q_blocks, dtype=torch.int32, device="meta")
+    indices = torch.empty(batch, heads, q_blocks, k_blocks, dtype=torch.int32, device="meta")
+    return BlockSparseMask.from_checked(counts, indices, n_q, n_k, SHIFT_BLOCK, SHIFT_BLOCK)
 
 
 def _first_int(pattern: str, text: str) -> int | None:
@@ -160,16 +175,23 @@ def kernel_report(kern) -> dict:
 
 def compile_one(case: dict) -> dict:
     """Compile one ``{"config": (BLOCK_N, num_stages, overlap, consumers), "shape": (B, H, Nq, Nk, D),
-    "dtype": name}`` for sm_90."""
+    "dtype": name}`` for sm_90; with ``"sparse": True`` (and ``"config": None``) with a block mask at the
+    config the launch picks for one, which the row's ``config`` then names."""
     from pasa_diffusers.kernels import hopper
 
     row, t0 = dict(case), time.time()
-    block_n, stages, overlap, consumers, *pingpong = case["config"]
-    config = {"BLOCK_N": block_n, "num_stages": stages, "overlap": bool(overlap), "consumers": consumers,
-              "pingpong": bool(pingpong and pingpong[0])}
+    config = None
+    if case["config"] is not None:
+        block_n, stages, overlap, consumers, *pingpong = case["config"]
+        config = {"BLOCK_N": block_n, "num_stages": stages, "overlap": bool(overlap), "consumers": consumers,
+                  "pingpong": bool(pingpong and pingpong[0])}
     try:
         q, k_c, v, out, centres = meta_inputs(case["shape"], hopper.SHIFT_BLOCK, case["dtype"])
-        _, args, meta = hopper.kernel_call(q, k_c, v, centres, out, scale=q.shape[-1] ** -0.5, config=config)
+        b, h, n_q, n_k, _ = case["shape"]
+        mask = meta_block_mask(n_q, n_k, b, h) if case.get("sparse") else None
+        _, args, meta = hopper.kernel_call(q, k_c, v, centres, out, scale=q.shape[-1] ** -0.5, config=config,
+                                           block_mask=mask)
+        row["config"] = (meta["BLOCK_N"], meta["NUM_STAGES"], meta["OVERLAP"], meta["NUM_CONSUMERS"])
         options = {name: meta.pop(name) for name in ("num_warps", "maxnreg")}
         signature, constexprs, attrs = specialization(hopper.exact_fwd_gluon_kernel, args, meta)
         kern = compile_for_cuda(hopper.exact_fwd_gluon_kernel, signature, constexprs, attrs, options, gluon=True)
@@ -228,7 +250,7 @@ def table_row(row: dict) -> list:
     """One markdown row of a compiled (or failed) case."""
     block_n, stages, overlap, consumers = row["config"]
     head = [f"BLOCK_N {block_n}, {stages} stages, {'overlap' if overlap else 'serial'}, {consumers} consumers",
-            f"Nk={row['shape'][3]}, D={row['shape'][4]}, {row['dtype']}"]
+            f"Nk={row['shape'][3]}, D={row['shape'][4]}, {row['dtype']}{', block mask' if row.get('sparse') else ''}"]
     if not row["ok"]:
         return head + [f"FAILED: {row['error']}"] + [""] * 9 + [row["seconds"]]
     ws = (f"yes, workers {row['partitions']} warps, setmaxnreg {'/'.join(map(str, row['setmaxnreg']))}"
@@ -328,8 +350,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.add_argument("--configs", type=_parse_config, nargs="+", metavar="BLOCK_N,STAGES,OVERLAP,CONSUMERS",
                        help="the configs to compile at every shape (default: CONFIGS at head dim 64, WIDE_CONFIGS "
                             "above it)")
+        p.add_argument("--sparse", action="store_true",
+                       help="compile with a block mask instead, at the config the launch picks for one")
 
     def cases(args):
+        if args.sparse:
+            return [{"config": None, "shape": s, "dtype": dtype, "sparse": True} for s, dtype, _ in SHAPES]
         return [{"config": c, "shape": s, "dtype": dtype}
                 for s, dtype, configs in SHAPES for c in args.configs or configs]
 
