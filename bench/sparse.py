@@ -19,8 +19,8 @@ Methods at each mask (--methods, comma-separated, default all):
   pasa      pasa_attention(..., block_mask=) in the default variant (exact shift, hybrid): the kernel the
             dispatcher's plan names, the missing blocks neither loaded nor multiplied
   pasa-fp8  the same in precision="fp8" (the 8-bit kernel the plan names)
-  gluon-fp8 precision="fp8" on the Gluon 8-bit kernel by name (dispatch.forward(kernel="gluon-int8")), which
-            kernel="auto" leaves masked calls to the portable one (hopper_int8.AUTO_MASK_REASON)
+  portable-fp8 precision="fp8" on the portable 8-bit kernel by name (dispatch.forward(kernel="portable-int8")),
+            which kernel="auto" takes below hopper_int8.AUTO_MIN_KEYS keys or off sm_90
   flex      torch's FlexAttention with the same mask (BlockSparseMask.to_flex), compiled on CUDA (eager on a CPU)
   sdpa      the fastest of SDPA's flash and cuDNN backends, dense: what the mask has to beat
   pooled    building the dynamic mask (video_masks.pooled_mask, keep 0.9 of the estimated mass) from q and k:
@@ -52,7 +52,7 @@ SHAPES = {"dit": harness.Shape("sparse", "Wan 2.1 1.3B 480p, one pass", 1, 12, 1
 GRIDS = {"dit": (21, 30, 52)}
 """The latent grid (frames, rows, columns of tokens) behind a shape, for the radial mask."""
 MASKS = ("random", "radial", "dense")
-METHODS = ("pasa", "pasa-fp8", "gluon-fp8", "flex", "sdpa", "pooled")
+METHODS = ("pasa", "pasa-fp8", "portable-fp8", "flex", "sdpa", "pooled")
 DEFAULT_DENSITIES = (0.25, 0.10, 0.05)
 
 
@@ -99,8 +99,8 @@ def _op(precision: str, mask: BlockSparseMask) -> harness.Method:
     return harness.Method("pasa" if precision == "hybrid" else f"pasa-{precision}", "ours", build)
 
 
-def _gluon_fp8(mask: BlockSparseMask) -> harness.Method:
-    """``precision="fp8"`` on the Gluon 8-bit kernel by name, the mask as the op would pass it."""
+def _portable_fp8(mask: BlockSparseMask) -> harness.Method:
+    """``precision="fp8"`` on the portable 8-bit kernel by name, the mask as the op would pass it."""
     def build(q, k, v):
         from pasa_diffusers.kernels import dispatch
         from pasa_diffusers.shift_matrix import DEFAULT_BETA
@@ -112,10 +112,10 @@ def _gluon_fp8(mask: BlockSparseMask) -> harness.Method:
 
         def call():
             return dispatch.forward(q, k, v, out, scale=scale, variant=variant, beta=DEFAULT_BETA,
-                                    kernel="gluon-int8", block_mask=kept)
-        return harness.Prepared(call, "gluon-int8")
+                                    kernel="portable-int8", block_mask=kept)
+        return harness.Prepared(call, "portable-int8")
 
-    return harness.Method("gluon-fp8", "ours", build)
+    return harness.Method("portable-fp8", "ours", build)
 
 
 def _flex(mask: BlockSparseMask) -> harness.Method:
@@ -155,8 +155,8 @@ def methods_at(label: str, mask: BlockSparseMask, chosen: Sequence[str]) -> list
         found.append(_op("hybrid", mask))
     if "pasa-fp8" in chosen:
         found.append(_op("fp8", mask))
-    if "gluon-fp8" in chosen:
-        found.append(_gluon_fp8(mask))
+    if "portable-fp8" in chosen:
+        found.append(_portable_fp8(mask))
     if "flex" in chosen:
         found.append(_flex(mask))
     if label == "dense" and "sdpa" in chosen:
@@ -228,7 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     kinds, chosen = _names(args.masks, MASKS, "masks"), _names(args.methods, METHODS, "methods")
     densities = _densities(args.densities)
-    problem = harness.cpu_problem(NAME) if {"pasa", "pasa-fp8", "gluon-fp8"} & set(chosen) else None
+    problem = harness.cpu_problem(NAME) if {"pasa", "pasa-fp8", "portable-fp8"} & set(chosen) else None
     if problem:
         print(problem, file=sys.stderr)
         return 2

@@ -6,7 +6,8 @@
 #     OUT=out/gpu_suite SHARDS=4 bash scripts/gpu_suite.sh [extra pytest arguments, e.g. -k temporal]
 #
 # SHARDS unset: one shard per 10 GiB of the first GPU's memory, at most one per CPU (14 on an H200, 7 on an H100:
-# a shard's tests peak near 10 GiB, and 10 shards ran an H100's 80 GiB out of memory), or 4 without nvidia-smi.
+# a shard's tests peak near 10-16 GiB; 10 shards ran an H100's 80 GiB out of memory in 48 tests, 7 in 2 of 678,
+# which the memory rerun below takes), or 4 without nvidia-smi.
 #
 # Runs on a GPU machine after `pip install -e .` (docs/DEVELOPING.md); where that cannot fetch, carried wheels
 # (WHEELS, default .whl: diffusers, optionally the peers, whose tests skip without them) are installed first
@@ -16,8 +17,9 @@
 # failure, and the shard's remaining tests rerun in a new process.  Writes, per shard,
 # $OUT/gpu_suite_<i>.log (-v: a line per test, so a shard cut short by a time limit still says what
 # passed; its last line the shard's counts) and $OUT/ratios_<i>/gpu_error_ratios.md (the kernel /
-# reference error ratios), and prints each shard's summary line; the exit status is non-zero if any
-# shard failed.
+# reference error ratios), and prints each shard's summary line.  Tests that ran out of GPU memory beside the
+# other shards then rerun alone in one process (scripts/gpu_memory_retry.py, log $OUT/gpu_suite_memory.log, one
+# line printed); the exit status is non-zero if any other test failed or a rerun one failed again.
 set -uo pipefail
 . "$(dirname "$0")/device_env.sh"
 
@@ -55,4 +57,8 @@ done
 for ((i = 0; i < SHARDS; i++)); do
   [[ -f "$OUT/gpu_suite_$i.log" ]] && echo "shard $i: $(tail -1 "$OUT/gpu_suite_$i.log")"
 done
+if (( status != 0 )); then
+  python scripts/gpu_memory_retry.py "$OUT" "$@"
+  status=$?
+fi
 exit $status

@@ -112,15 +112,17 @@ def test_attention_tiny(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_sparse_tiny(tmp_path, monkeypatch):
     """The masked kernel skips blocks (the portable kernel named), its ratios are read against its own dense row
-    and FlexAttention's at the same mask, and the dynamic mask's build is timed; the Gluon 8-bit kernel by name is a
-    row naming why it cannot run here, and the GPU-only split of the time (graph ms, host us) is empty on a CPU."""
+    and FlexAttention's at the same mask, and the dynamic mask's build is timed; the portable 8-bit kernel by name
+    runs at both masks, and the GPU-only split of the time (graph ms, host us) is empty on a CPU."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert sparse.main(["--shapes", "tiny", "--densities", "0.5", "--methods", "pasa,gluon-fp8,flex,pooled", "--out",
-                        str(tmp_path), "--warmup-ms", "0", "--rep-ms", "0"]) == 0
+    assert sparse.main(["--shapes", "tiny", "--densities", "0.5", "--methods", "pasa,portable-fp8,flex,pooled",
+                        "--out", str(tmp_path), "--warmup-ms", "0", "--rep-ms", "0"]) == 0
     rows = json.loads((tmp_path / "sparse.json").read_text())["rows"]
-    gluon = [r for r in rows if r["method"] == "gluon-fp8"]
-    assert len(gluon) == 2 and all("Triton's interpreter runs no Gluon" in r["error"] for r in gluon)
-    rows = [r for r in rows if r["method"] != "gluon-fp8"]
+    portable = [r for r in rows if r["method"] == "portable-fp8"]
+    assert [(r["mask"], r["note"], r["error"]) for r in portable] == [("dense", "portable-int8", ""),
+                                                                      ("random 0.5", "portable-int8", "")]
+    assert portable[1]["vs_own_dense"] == pytest.approx(portable[0]["ms"] / portable[1]["ms"])
+    rows = [r for r in rows if r["method"] != "portable-fp8"]
     assert [(r["mask"], r["method"]) for r in rows] == [("dense", "pasa"), ("dense", "flex"), ("dense", "pooled"),
                                                         ("random 0.5", "pasa"), ("random 0.5", "flex")]
     assert all(r["error"] == "" and r["ms"] > 0 for r in rows)

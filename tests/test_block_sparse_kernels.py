@@ -668,8 +668,8 @@ GPU_INT8_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_gpu_eight_bit_kernels_with_a_mask_are_the_masked_spec(pv_bits, head_dim, gen):
     """Both 8-bit kernels skipping key blocks of both kinds (coded and 16-bit, the ragged flagged one kept by some,
-    an empty query block) are the masked spec at their key tiles: the Gluon kernel at 128 keys, the portable one,
-    which ``"auto"`` takes (``hopper_int8.AUTO_MASK_REASON``), at :data:`GPU_INT8_CONFIG`'s 64."""
+    an empty query block) are the masked spec at their key tiles: the Gluon kernel, which ``"auto"`` takes, at 128
+    keys, the portable one at :data:`GPU_INT8_CONFIG`'s 64."""
     q, k, v = (t.cuda() for t in _mixed_blocks(gen, n_q=1000, n_k=2100, d=head_dim))
     n_q, n_k = math.ceil(1000 / 128), math.ceil(2100 / 128)
     dense = torch.rand(1, 2, n_q, n_k, generator=gen) < 0.4
@@ -677,7 +677,7 @@ def test_gpu_eight_bit_kernels_with_a_mask_are_the_masked_spec(pv_bits, head_dim
     mask = BlockSparseMask.from_dense(dense, 1000, 2100)
     on_gpu = _checked_on(mask, "cuda")
     variant = Variant("exact", "int8" if pv_bits == 16 else "fp8")
-    assert dispatch.plan(q, k, v, torch.empty_like(q), variant=variant, block_mask=on_gpu).kernel == "portable-int8"
+    assert dispatch.plan(q, k, v, torch.empty_like(q), variant=variant, block_mask=on_gpu).kernel == "gluon-int8"
     for kernel, config, block_n in (("gluon-int8", None, SHIFT_BLOCK),
                                     ("portable-int8", GPU_INT8_CONFIG, GPU_INT8_CONFIG["BLOCK_N"])):
         out, lse = _kernel(q, k, v, variant, kernel=kernel, config=config, block_mask=on_gpu)

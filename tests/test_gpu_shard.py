@@ -70,3 +70,37 @@ def test_shard_usage(args, capsys):
         sys.path.remove(str(ROOT / "scripts"))
     assert gpu_shard.main(args) == (0 if args else 2)
     assert "python scripts/gpu_shard.py IDS_FILE LOG" in capsys.readouterr().out
+
+
+SHARD_LOG = '''test_sim.py::test_a PASSED
+FAILED test_sim.py::test_{memory} - torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 6.33 GiB.
+{other}
+{counts} in 3s (0 restarts after a lost CUDA context)
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("memory, other, counts, status", [
+    ("b", "", "1 failed, 1 passed", 0),
+    ("c", "", "1 failed, 1 passed", 1),
+    ("b", "FAILED test_sim.py::test_d - AssertionError: assert 0.3 <= 0.01", "2 failed", 1),
+    ("b", "", "2 failed, 1 passed", 1),
+], ids=["memory-alone", "memory-fails-again", "another-failure", "a-failure-without-its-line"])
+def test_memory_retry_reruns_only_what_ran_out_of_memory(tmp_path, memory, other, counts, status):
+    """``scripts/gpu_memory_retry.py``: the tests that ran out of memory beside the other shards rerun alone (the
+    suite passes if they pass and nothing else failed); an assertion's failure stands and is not rerun, and a shard
+    counting more failures than its summary lines name fails the suite."""
+    (tmp_path / "conftest.py").write_text("from tests.conftest import pytest_runtest_logreport  # noqa: F401\n")
+    (tmp_path / "test_sim.py").write_text(TESTS)
+    out = tmp_path / "suite"
+    out.mkdir()
+    (out / "gpu_suite_0.log").write_text(SHARD_LOG.format(memory=memory, other=other, counts=counts))
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_memory_retry.py"), str(out),
+                             "--rootdir", str(tmp_path), "-p", "no:randomly"], cwd=tmp_path, text=True,
+                            env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, capture_output=True)
+    assert result.returncode == status, (result.stdout, result.stderr)
+    rerun = (out / "gpu_suite_memory.log").read_text()
+    assert f"test_sim.py::test_{memory} " in rerun and "test_sim.py::test_d" not in rerun
+    outcome = "1 passed" if memory == "b" else "1 failed"
+    assert result.stdout == (f"out of GPU memory beside the other shards, 1 rerun alone: {outcome} in "
+                             f"{rerun.strip().splitlines()[-1].split(' in ', 1)[1]}\n")

@@ -143,15 +143,16 @@ def _softmax_step(s, r_j, m_i, l_i, start_n, N_K, qk_scale, p_dtype: gl.constexp
 
 
 @gluon_jit
-def _issue_scores(q, ring, k_ready, i, start_n, s_zero, rc, base, SHIFT_BLOCK_N: gl.constexpr, SPARSE: gl.constexpr):
-    """Wait until key tile ``i`` (keys ``start_n ..``)'s k_c and centre rows have landed; issue ``s = q k_c^T``
-    (async wgmma, q and k_c from shared memory) and return its token with ``rc`` and ``base``.
+def _issue_scores(q, ring, k_ready, i, s_zero, rc, SHIFT_BLOCK_N: gl.constexpr, SPARSE: gl.constexpr):
+    """Wait until key tile ``i``'s k_c and centre rows have landed; issue ``s = q k_c^T``
+    (async wgmma, q and k_c from shared memory) and return its token with ``rc``.
 
-    ``rc = q c^T`` (64, 16) holds ``q . c_j`` for the 16 consecutive centre blocks ``base .. base + 15``, so it
+    ``rc = q c^T`` (64, 16) holds ``q . c_j`` for 16 consecutive centre blocks ``j0 .. j0 + 15``, so it
     is recomputed (a synchronous wgmma on the centre rows ``j .. j + 15`` copied with the tile) only on the
     first tile of every 16th block, and carried between: 1/16 of the (64, 16) products, the same values.
-    With ``SPARSE`` (one tile per block, ascending) it is recomputed at the first block ``j`` past the
-    window, which becomes ``base``: once per 16 blocks where the kept blocks are contiguous."""
+    With ``SPARSE`` (one tile per block, kept blocks anywhere) it is issued on every tile, async before ``s``,
+    as its own token: column 0 holds ``q . c_j``, and a scattered mask never waits on a synchronous refresh
+    (:func:`_wait_scores` waits for both)."""
     k_bufs, v_bufs, c_bufs = ring
     NUM_STAGES: gl.constexpr = k_bufs.shape[0]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
@@ -162,15 +163,23 @@ def _issue_scores(q, ring, k_ready, i, start_n, s_zero, rc, base, SHIFT_BLOCK_N:
     c_blk = c_bufs.index(stage).reshape([C_ROWS, c_bufs.shape[4]])
     mbarrier.wait(k_ready.index(stage), (i // NUM_STAGES) & 1)
     if SPARSE:
-        blk = start_n // SHIFT_BLOCK_N
-        if blk - base >= C_ROWS:
-            rc = warpgroup_mma(q, c_blk.permute((1, 0)), gl.zeros_like(rc), use_acc=False)
-            base = blk
+        rc = warpgroup_mma(q, c_blk.permute((1, 0)), gl.zeros_like(rc), use_acc=False, is_async=True)
     else:
         if i % REFRESH == 0:
             rc = warpgroup_mma(q, c_blk.permute((1, 0)), gl.zeros_like(rc), use_acc=False)
     s = warpgroup_mma(q, k_blk.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    return s, rc, base
+    return s, rc
+
+
+@gluon_jit
+def _wait_scores(s, rc, pending: gl.constexpr, SPARSE: gl.constexpr):
+    """Wait until at most ``pending`` wgmma groups are outstanding and ``s`` (with ``SPARSE`` also ``rc``,
+    issued before it by :func:`_issue_scores`) is finished: ``(s, rc)``."""
+    if SPARSE:
+        s, rc = warpgroup_mma_wait(pending, deps=(s, rc))
+    else:
+        s = warpgroup_mma_wait(pending, deps=(s, ))
+    return s, rc
 
 
 @gluon_jit
@@ -187,14 +196,14 @@ def _issue_pv(p, acc, alpha, ring, v_ready, i):
 
 
 @gluon_jit
-def _tile_softmax(s, rc, base, m_i, l_i, start_n, N_K, qk_scale, p_dtype: gl.constexpr, p_layout: gl.constexpr,
+def _tile_softmax(s, rc, m_i, l_i, start_n, N_K, qk_scale, p_dtype: gl.constexpr, p_layout: gl.constexpr,
                   MASK_N: gl.constexpr, SHIFT_BLOCK_N: gl.constexpr, SPARSE: gl.constexpr):
-    """The softmax of the tile of keys ``start_n ..`` from its finished ``s`` and ``rc`` (centre blocks from
-    ``base``, :func:`_issue_scores`): ``(p in p_layout, alpha, m_i, l_i)``."""
+    """The softmax of the tile of keys ``start_n ..`` from its finished ``s`` and ``rc`` (:func:`_issue_scores`:
+    with ``SPARSE`` column 0 is the tile's block, else column ``j % 16``): ``(p in p_layout, alpha, m_i, l_i)``."""
     row_layout: gl.constexpr = gl.SliceLayout(1, s.type.layout)
     blk = start_n // SHIFT_BLOCK_N
     if SPARSE:
-        col = blk - base
+        col = 0
     else:
         col = blk % rc.shape[1]
     r_j = row_shift(rc, col, qk_scale, row_layout)
@@ -230,15 +239,14 @@ def _key_loop(q, ring, bars, kept, n_tiles, m_i, l_i, acc, s_zero, rc, N_K, qk_s
     k_ready, k_empty, v_ready, v_empty, turn = bars
     indices, stride_mij = kept
     BLOCK_N: gl.constexpr = s_zero.shape[1]
-    base = gl.to_tensor(-rc.shape[1])  # the first tile refreshes rc
     for i in range(n_tiles):
         start_n = tile_start(indices, stride_mij, i, BLOCK_N, SPARSE)
         _wait_turn(turn, i, WG, PINGPONG)
-        s, rc, base = _issue_scores(q, ring, k_ready, i, start_n, s_zero, rc, base, SHIFT_BLOCK_N, SPARSE)
+        s, rc = _issue_scores(q, ring, k_ready, i, s_zero, rc, SHIFT_BLOCK_N, SPARSE)
         _pass_turn(turn, WG, PINGPONG)
-        s = warpgroup_mma_wait(0, deps=(s, ))
+        s, rc = _wait_scores(s, rc, 0, SPARSE)
         release(k_empty, i)
-        p, alpha, m_i, l_i = _tile_softmax(s, rc, base, m_i, l_i, start_n, N_K, qk_scale, q.dtype, p_layout, MASK_N,
+        p, alpha, m_i, l_i = _tile_softmax(s, rc, m_i, l_i, start_n, N_K, qk_scale, q.dtype, p_layout, MASK_N,
                                            SHIFT_BLOCK_N, SPARSE)
         acc = _issue_pv(p, acc, alpha, ring, v_ready, i)
         acc, p = warpgroup_mma_wait(0, deps=(acc, p))
@@ -262,23 +270,22 @@ def _key_loop_overlapped(q, ring, bars, kept, n_tiles, m_i, l_i, acc, s_zero, rc
     BLOCK_N: gl.constexpr = s_zero.shape[1]
     start_n = tile_start(indices, stride_mij, 0, BLOCK_N, SPARSE)
     _wait_turn(turn, 0, WG, PINGPONG)
-    s, rc, base = _issue_scores(q, ring, k_ready, 0, start_n, s_zero, rc, gl.to_tensor(-rc.shape[1]),
-                                SHIFT_BLOCK_N, SPARSE)
+    s, rc = _issue_scores(q, ring, k_ready, 0, s_zero, rc, SHIFT_BLOCK_N, SPARSE)
     _pass_turn(turn, WG, PINGPONG)
-    s = warpgroup_mma_wait(0, deps=(s, ))
+    s, rc = _wait_scores(s, rc, 0, SPARSE)
     release(k_empty, 0)
-    p, alpha, m_i, l_i = _tile_softmax(s, rc, base, m_i, l_i, start_n, N_K, qk_scale, q.dtype, p_layout, MASK_N,
+    p, alpha, m_i, l_i = _tile_softmax(s, rc, m_i, l_i, start_n, N_K, qk_scale, q.dtype, p_layout, MASK_N,
                                        SHIFT_BLOCK_N, SPARSE)
     for i in range(1, n_tiles):
         start_n = tile_start(indices, stride_mij, i, BLOCK_N, SPARSE)
         _wait_turn(turn, i, WG, PINGPONG)
-        s, rc, base = _issue_scores(q, ring, k_ready, i, start_n, s_zero, rc, base, SHIFT_BLOCK_N, SPARSE)
+        s, rc = _issue_scores(q, ring, k_ready, i, s_zero, rc, SHIFT_BLOCK_N, SPARSE)
         acc = _issue_pv(p, acc, alpha, ring, v_ready, i - 1)
         _pass_turn(turn, WG, PINGPONG)
-        s = warpgroup_mma_wait(1, deps=(s, ))
+        s, rc = _wait_scores(s, rc, 1, SPARSE)
         release(k_empty, i)
         p_prev = p
-        p, alpha, m_i, l_i = _tile_softmax(s, rc, base, m_i, l_i, start_n, N_K, qk_scale, q.dtype, p_layout,
+        p, alpha, m_i, l_i = _tile_softmax(s, rc, m_i, l_i, start_n, N_K, qk_scale, q.dtype, p_layout,
                                            MASK_N, SHIFT_BLOCK_N, SPARSE)
         acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
         release(v_empty, i - 1)
