@@ -22,6 +22,8 @@ from pathlib import Path
 LOST = "CUDA context lost"
 """The marker ``tests/conftest.py`` puts in the stop reason when the GPU probe after a test fails."""
 OUTCOMES_VARIABLE = "PASA_TEST_OUTCOMES"
+SLOWEST = 15
+"""Each run's log lists its slowest tests (pytest ``--durations``): where a shard's time goes."""
 
 
 def outcomes(path: Path) -> dict[str, str]:
@@ -50,7 +52,8 @@ def run_shard(ids: list[str], log: Path, pytest_args: list[str]) -> int:
             before = len(remaining)
             out.flush()
             start_of_run = out.tell()
-            subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-rf", *pytest_args,
+            subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-rf",
+                            f"--durations={SLOWEST}", *pytest_args,
                             *remaining], env=env, stdout=out, stderr=subprocess.STDOUT)
             with log.open() as written:
                 written.seek(start_of_run)

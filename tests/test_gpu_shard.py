@@ -47,6 +47,7 @@ def test_shard_reruns_the_tests_left_after_a_lost_context(tmp_path):
     assert result.returncode == 1, (result.stdout, result.stderr, text)
     assert last.startswith("1 failed, 3 passed in ") and last.endswith("(1 restarts after a lost CUDA context)"), text
     assert text.count("test_sim.py::test_c FAILED") == 1 and text.count("test_sim.py::test_a PASSED") == 1
+    assert text.count("slowest 15 durations") == 2  # one list per run: where a shard's time went
 
 
 def test_teardown_stops_the_session_when_the_probe_fails(monkeypatch):
