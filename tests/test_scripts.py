@@ -96,3 +96,23 @@ def test_the_gpu_suite_says_what_it_lacks_in_one_line(tmp_path):
     assert done.stderr == (f"{ROOT / 'scripts' / 'gpu_suite.sh'}: the package or what it needs does not import "
                            "(ModuleNotFoundError: No module named 'diffusers'): pip install -e . first "
                            "(docs/DEVELOPING.md), or put the wheels it lacks in .whl/ (scripts/README.md)\n")
+
+
+@pytest.mark.slow
+def test_the_gpu_suite_starts_each_shard_at_its_own_offset(tmp_path):
+    """The shards split the ids round-robin, and shard i starts i/SHARDS of the way into its list, so that the
+    shards do not run the same test's parametrisations at the same time: together they hold every id once."""
+    if any((ROOT / ".whl").glob("*.whl")):
+        pytest.skip("this checkout carries wheels in .whl/: the suite would install them")
+    env = {key: value for key, value in os.environ.items() if key not in ("WHEELS", "TRITON_INTERPRET")}
+    env.update(PATH=f"{Path(sys.executable).parent}:{env.get('PATH', '')}", SHARDS="3", OUT=str(tmp_path / "suite"))
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_suite.sh"), "-k",
+                           "test_gpu_gluon_kernel_matches_the_spec"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    ids = (tmp_path / "suite" / "test_ids.txt").read_text().splitlines()
+    assert len(ids) >= 6
+    for i in range(3):
+        dealt = ids[(i - 1) % 3::3]  # the ids on lines i, i + 3, .. counted from 1
+        start = len(dealt) * i // 3
+        assert (tmp_path / "suite" / f"shard_{i}.txt").read_text().splitlines() == dealt[start:] + dealt[:start]
