@@ -7,8 +7,9 @@ several GiB at once: when their peaks meet, one of them fails with ``torch.OutOf
 alone.  This reads the shards' logs ``OUT/gpu_suite_<i>.log`` (the ``-rf`` summary lines ``FAILED <id> - <error>``
 that :mod:`gpu_shard` writes), reruns the ids whose error says the GPU ran out of memory with
 :func:`gpu_shard.run_shard` into ``OUT/gpu_suite_memory.log``, and prints one line: how many reran and their
-counts.  Exit status: 0 when every failure was out of memory, every shard ran all its tests, and the rerun passed;
-else 1 (a failure of any other kind, or one without its summary line, stands as it is and is not rerun).
+counts (no rerun where a shard was cut short, e.g. by the suite's deadline).  Exit status: 0 when every failure
+was out of memory, every shard ran all its tests, and the rerun passed; else 1 (a failure of any other kind, or one
+without its summary line, stands as it is and is not rerun).
 """
 from __future__ import annotations
 
@@ -51,7 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     counted = sum(int(found.group(1)) for line in last_lines if (found := re.match(r"(\d+) failed", line)))
     cut_short = any("not run" in line or "no tests ran" in line for line in last_lines)
     status = 1 if other or cut_short or counted != len(memory) + len(other) else 0
-    if memory:
+    if memory and cut_short:
+        print(f"out of GPU memory beside the other shards: {len(memory)}, not rerun (shards were cut short)")
+    elif memory:
         retry = out / "gpu_suite_memory.log"
         retry.unlink(missing_ok=True)
         status |= run_shard(memory, retry, argv[1:])

@@ -4,6 +4,7 @@
 # CPU work, so several processes sharing the one GPU finish sooner than one.
 #
 #     OUT=out/gpu_suite SHARDS=4 bash scripts/gpu_suite.sh [extra pytest arguments, e.g. -k temporal]
+#     SUITE_SECONDS=420 bash scripts/gpu_suite.sh      # under a time limit: no test starts after 420 s
 #
 # SHARDS unset: one shard per 10 GiB of the first GPU's memory, at most one per CPU (14 on an H200, 7 on an H100:
 # a shard's tests peak near 10-16 GiB; 10 shards ran an H100's 80 GiB out of memory in 48 tests, 7 in 2 of 678,
@@ -28,6 +29,9 @@ set -uo pipefail
 . "$(dirname "$0")/device_env.sh"
 
 OUT=${OUT:-$PWD/out/gpu_suite}
+if [[ -n "${SUITE_SECONDS:-}" ]]; then  # shards start no test past this; they write their summaries and stop
+  export PASA_SUITE_DEADLINE=$(( $(date +%s) + SUITE_SECONDS ))
+fi
 if [[ -z "${SHARDS:-}" ]]; then
   mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0 2>/dev/null | head -1)
   if [[ "$mib" =~ ^[0-9]+$ ]]; then

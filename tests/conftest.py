@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -121,13 +122,24 @@ def _cuda_lost() -> str | None:
     return None
 
 
+DEADLINE_VARIABLE = "PASA_SUITE_DEADLINE"
+"""With it set (``scripts/gpu_suite.sh``'s ``SUITE_SECONDS``), the Unix time after which a session starts no further
+test: it stops and writes its summary (the failures' tracebacks, the counts), where a time limit killing it would
+leave a log without either."""
+PAST_DEADLINE = "the suite's deadline passed"
+
+
 def pytest_runtest_teardown(item, nextitem):
     """After a ``gpu`` test, probe the GPU: if the context is lost, stop the session here, so that the tests
-    after it are not reported as failures of their own (``scripts/gpu_shard.py`` reruns them)."""
+    after it are not reported as failures of their own (``scripts/gpu_shard.py`` reruns them).  Past the
+    deadline of :data:`DEADLINE_VARIABLE`, stop the session before the next test."""
     if "gpu" in item.keywords and torch.cuda.is_available():
         reason = _cuda_lost()
         if reason is not None:
             item.session.shouldstop = f"{LOST_CONTEXT} after {item.nodeid}: {reason}"
+    deadline = os.environ.get(DEADLINE_VARIABLE)
+    if deadline and nextitem is not None and not item.session.shouldstop and time.time() > float(deadline):
+        item.session.shouldstop = f"{PAST_DEADLINE} ({DEADLINE_VARIABLE}) after {item.nodeid}"
 
 
 def pytest_runtest_logreport(report):

@@ -105,3 +105,36 @@ def test_memory_retry_reruns_only_what_ran_out_of_memory(tmp_path, memory, other
     outcome = "1 passed" if memory == "b" else "1 failed"
     assert result.stdout == (f"out of GPU memory beside the other shards, 1 rerun alone: {outcome} in "
                              f"{rerun.strip().splitlines()[-1].split(' in ', 1)[1]}\n")
+
+
+@pytest.mark.slow
+def test_a_shard_past_the_suites_deadline_stops_with_its_summary(tmp_path):
+    """``PASA_SUITE_DEADLINE`` (``gpu_suite.sh``'s ``SUITE_SECONDS``) in the past: the shard stops after its
+    first test with pytest's summary written (a failure's traceback would be in it), the rest counted as not run,
+    and no restart (it is not a lost context)."""
+    (tmp_path / "conftest.py").write_text("from tests.conftest import pytest_runtest_logreport, "
+                                          "pytest_runtest_teardown  # noqa: F401\n")
+    (tmp_path / "test_sim.py").write_text(TESTS)
+    ids = tmp_path / "ids.txt"
+    ids.write_text("".join(f"test_sim.py::test_{name}\n" for name in "abcd"))
+    log = tmp_path / "shard.log"
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_shard.py"), str(ids), str(log),
+                             "--rootdir", str(tmp_path), "-p", "no:randomly"], cwd=tmp_path, text=True,
+                            env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", conftest.DEADLINE_VARIABLE: "0"},
+                            capture_output=True)
+    text = log.read_text()
+    assert result.returncode == 1, (result.stdout, result.stderr, text)
+    assert f"{conftest.PAST_DEADLINE} ({conftest.DEADLINE_VARIABLE}) after test_sim.py::test_a" in text
+    assert text.strip().splitlines()[-1].startswith("1 passed, 3 not run in ")
+    assert "(0 restarts after a lost CUDA context)" in text and "slowest 15 durations" in text
+
+
+@pytest.mark.slow
+def test_memory_retry_does_not_rerun_when_a_shard_was_cut_short(tmp_path):
+    out = tmp_path / "suite"
+    out.mkdir()
+    (out / "gpu_suite_0.log").write_text(SHARD_LOG.format(memory="b", other="", counts="1 failed, 1 passed, 2 not run"))
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_memory_retry.py"), str(out)], cwd=tmp_path,
+                            text=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, capture_output=True)
+    assert result.returncode == 1 and not (out / "gpu_suite_memory.log").exists()
+    assert result.stdout == "out of GPU memory beside the other shards: 1, not rerun (shards were cut short)\n"
