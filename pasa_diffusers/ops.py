@@ -217,9 +217,9 @@ def pasa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
             keeps no key block gets zeros, and ``lse = -inf``.  The portable kernels (``"portable"``,
             ``"portable-int8"``) and the Gluon kernels (``"gluon"``, ``"gluon-int8"``) skip the missing blocks
             (neither loaded nor multiplied); ``"packed"`` takes no mask, so a short-keys call with one runs the
-            portable kernel, and ``"auto"`` runs a masked 8-bit call on ``"portable-int8"``, today the faster
-            of the two 8-bit kernels with a mask (docs/SPARSE.md).  A mask that keeps every block (``keeps_all``) runs as ``None``: the
-            same kernels, the same bits.
+            portable kernel, and ``"auto"`` runs a masked 8-bit call as an unmasked one: on ``"gluon-int8"``
+            from ``hopper_int8.AUTO_MIN_KEYS`` keys on sm_90 (docs/SPARSE.md).  A mask that keeps every block
+            (``keeps_all``) runs as ``None``: the same kernels, the same bits.
 
     Returns:
         The attention output in ``q.dtype`` (float64 for ``precision="fp64"``), head dim 16 to 256; with
