@@ -24,12 +24,12 @@ MEMORY_ERRORS = ("OutOfMemoryError", "CUDA out of memory", "CUBLAS_STATUS_ALLOC_
 SUMMARY = re.compile(r"^FAILED (\S+)(?: - (.*))?$")
 
 
-def failures(logs: list[Path]) -> tuple[list[str], list[str]]:
-    """The failed test ids of the shard logs ``logs``, split into ``(out of memory, any other error)``."""
+def failures(logs: list[str]) -> tuple[list[str], list[str]]:
+    """The failed test ids of the shard logs' texts ``logs``, split into ``(out of memory, any other error)``."""
     memory: set[str] = set()
     other: set[str] = set()
-    for log in logs:
-        for line in log.read_text().splitlines():
+    for text in logs:
+        for line in text.splitlines():
             found = SUMMARY.match(line)
             if found:
                 nodeid, error = found.group(1), found.group(2) or ""
@@ -43,12 +43,12 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         return 0 if argv else 2
     out = Path(argv[0])
-    logs = sorted(out.glob("gpu_suite_[0-9]*.log"))
+    logs = [log.read_text() for log in sorted(out.glob("gpu_suite_[0-9]*.log"))]
     if not logs:
         print(f"{__file__}: no shard logs gpu_suite_<i>.log in {out}", file=sys.stderr)
         return 2
     memory, other = failures(logs)
-    last_lines = [log.read_text().strip().splitlines()[-1] for log in logs]
+    last_lines = [text.strip().splitlines()[-1] for text in logs]
     counted = sum(int(found.group(1)) for line in last_lines if (found := re.match(r"(\d+) failed", line)))
     cut_short = any("not run" in line or "no tests ran" in line for line in last_lines)
     status = 1 if other or cut_short or counted != len(memory) + len(other) else 0

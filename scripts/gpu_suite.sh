@@ -21,8 +21,8 @@
 # under scripts/gpu_shard.py: a test that loses its process's CUDA context (an illegal address) is one
 # failure, and the shard's remaining tests rerun in a new process.  Writes, per shard,
 # $OUT/gpu_suite_<i>.log (-v: a line per test, so a shard cut short by a time limit still says what
-# passed; the slowest tests of each run; its last line the shard's counts) and $OUT/ratios_<i>/gpu_error_ratios.md (the kernel /
-# reference error ratios), and prints each shard's summary line.  Tests that ran out of GPU memory beside the
+# passed; the slowest tests of each run; its last line the shard's counts) and
+# $OUT/ratios_<i>/gpu_error_ratios.md (the kernel / reference error ratios), and prints each shard's summary line.  Tests that ran out of GPU memory beside the
 # other shards then rerun alone in one process (scripts/gpu_memory_retry.py, log $OUT/gpu_suite_memory.log, one
 # line printed); the exit status is non-zero if any other test failed or a rerun one failed again.
 set -uo pipefail

@@ -32,17 +32,23 @@ def test_d(): pass
 '''
 
 
-@pytest.mark.slow
-def test_shard_reruns_the_tests_left_after_a_lost_context(tmp_path):
-    (tmp_path / "conftest.py").write_text(LOSING_CONFTEST)
+def _simulated_shard(tmp_path: Path, conftest_text: str, **env: str) -> tuple[subprocess.CompletedProcess, str]:
+    """``scripts/gpu_shard.py`` over :data:`TESTS` (ids ``test_a`` .. ``test_d``) in ``tmp_path`` with
+    ``conftest_text`` as its conftest and ``env`` added: the finished process and the shard's log."""
+    (tmp_path / "conftest.py").write_text(conftest_text)
     (tmp_path / "test_sim.py").write_text(TESTS)
     ids = tmp_path / "ids.txt"
     ids.write_text("".join(f"test_sim.py::test_{name}\n" for name in "abcd"))
     log = tmp_path / "shard.log"
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_shard.py"), str(ids), str(log),
                              "--rootdir", str(tmp_path), "-p", "no:randomly"], cwd=tmp_path, text=True,
-                            env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, capture_output=True)
-    text = log.read_text()
+                            env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", **env}, capture_output=True)
+    return result, log.read_text()
+
+
+@pytest.mark.slow
+def test_shard_reruns_the_tests_left_after_a_lost_context(tmp_path):
+    result, text = _simulated_shard(tmp_path, LOSING_CONFTEST)
     last = text.strip().splitlines()[-1]
     assert result.returncode == 1, (result.stdout, result.stderr, text)
     assert last.startswith("1 failed, 3 passed in ") and last.endswith("(1 restarts after a lost CUDA context)"), text
@@ -112,17 +118,8 @@ def test_a_shard_past_the_suites_deadline_stops_with_its_summary(tmp_path):
     """``PASA_SUITE_DEADLINE`` (``gpu_suite.sh``'s ``SUITE_SECONDS``) in the past: the shard stops after its
     first test with pytest's summary written (a failure's traceback would be in it), the rest counted as not run,
     and no restart (it is not a lost context)."""
-    (tmp_path / "conftest.py").write_text("from tests.conftest import pytest_runtest_logreport, "
-                                          "pytest_runtest_teardown  # noqa: F401\n")
-    (tmp_path / "test_sim.py").write_text(TESTS)
-    ids = tmp_path / "ids.txt"
-    ids.write_text("".join(f"test_sim.py::test_{name}\n" for name in "abcd"))
-    log = tmp_path / "shard.log"
-    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_shard.py"), str(ids), str(log),
-                             "--rootdir", str(tmp_path), "-p", "no:randomly"], cwd=tmp_path, text=True,
-                            env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", conftest.DEADLINE_VARIABLE: "0"},
-                            capture_output=True)
-    text = log.read_text()
+    result, text = _simulated_shard(tmp_path, "from tests.conftest import pytest_runtest_logreport, "
+                                    "pytest_runtest_teardown  # noqa: F401\n", **{conftest.DEADLINE_VARIABLE: "0"})
     assert result.returncode == 1, (result.stdout, result.stderr, text)
     assert f"{conftest.PAST_DEADLINE} ({conftest.DEADLINE_VARIABLE}) after test_sim.py::test_a" in text
     assert text.strip().splitlines()[-1].startswith("1 passed, 3 not run in ")

@@ -38,10 +38,10 @@ def test_a_gpu_script_without_a_gpu_is_one_line(script, args, message, tmp_path)
 
 def _suite(tmp_path: Path, *pytest_args: str, path: str | None = None, **extra: str) -> subprocess.CompletedProcess:
     """``bash scripts/gpu_suite.sh`` from the checkout in one shard, this interpreter's folder first on PATH (as
-    ``python`` after ``pip install -e .``), ``WHEELS`` unset unless ``extra`` sets it."""
+    ``python`` after ``pip install -e .``), ``WHEELS`` unset; ``extra`` sets more variables (or other ``SHARDS``)."""
     env = {key: value for key, value in os.environ.items() if key not in ("WHEELS", "TRITON_INTERPRET")}
-    env.update(PATH=path or f"{Path(sys.executable).parent}:{env.get('PATH', '')}", SHARDS="1",
-               OUT=str(tmp_path / "suite"), **extra)
+    env.update({"PATH": path or f"{Path(sys.executable).parent}:{env.get('PATH', '')}", "SHARDS": "1",
+                "OUT": str(tmp_path / "suite"), **extra})
     return subprocess.run(["bash", str(ROOT / "scripts" / "gpu_suite.sh"), *pytest_args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
 
@@ -104,11 +104,7 @@ def test_the_gpu_suite_starts_each_shard_at_its_own_offset(tmp_path):
     shards do not run the same test's parametrisations at the same time: together they hold every id once."""
     if any((ROOT / ".whl").glob("*.whl")):
         pytest.skip("this checkout carries wheels in .whl/: the suite would install them")
-    env = {key: value for key, value in os.environ.items() if key not in ("WHEELS", "TRITON_INTERPRET")}
-    env.update(PATH=f"{Path(sys.executable).parent}:{env.get('PATH', '')}", SHARDS="3", OUT=str(tmp_path / "suite"))
-    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_suite.sh"), "-k",
-                           "test_gpu_gluon_kernel_matches_the_spec"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
+    done = _suite(tmp_path, "-k", "test_gpu_gluon_kernel_matches_the_spec", SHARDS="3")
     assert done.returncode == 0, done.stdout + done.stderr
     ids = (tmp_path / "suite" / "test_ids.txt").read_text().splitlines()
     assert len(ids) >= 6
