@@ -64,8 +64,7 @@ def _int8_method(fallback: bool, kernel: str, config: dict | None = None, pv_bit
         call()
         share = block_tally.counts()["share"] if fallback else 0.0
         return harness.Prepared(call, f"{100 * share:.0f} % of blocks in 16 bits", {"share_16_bit": share})
-    tiles = "" if config is None else " " + ",".join(
-        ("lazy" if x else "eager") if isinstance(x, bool) else str(x) for x in config.values())
+    tiles = "" if config is None else " " + _config_label(config)
     pv = "" if pv_bits == 16 else ", FP8 P V"
     return harness.Method(f"int8 {kernel}{tiles}{pv}, fallback {'on' if fallback else 'off'}", "ours", build)
 
@@ -79,15 +78,32 @@ def _prepass_method(split: bool) -> harness.Method:
     return harness.Method(f"int8 pre-pass alone{' (with hi/lo)' if split else ''}", "ours", build)
 
 
+GLUON_WORDS = {"lazy": {"lazy": True}, "eager": {"lazy": False}, "pingpong": {"pingpong": True}}
+"""The words a ``--gluon-configs`` entry may end with, and the config keys each sets."""
+
+
 def _gluon_config(text: str) -> dict:
     fields = text.split(",")
     try:
         block_n, stages, consumers = (int(x) for x in fields[:3])
-        lazy = {"lazy": {"lazy": True, "eager": False}[fields[3]]} if len(fields) == 4 else {}
+        words = [GLUON_WORDS[word] for word in fields[3:]]
     except (ValueError, KeyError):
-        raise argparse.ArgumentTypeError(f"--gluon-configs {text!r}: expected BLOCK_N,STAGES,CONSUMERS[,lazy|eager], "
-                                         f"e.g. 64,4,2 or 64,4,2,eager")
-    return {"BLOCK_N": block_n, "num_stages": stages, "consumers": consumers, **lazy}
+        raise argparse.ArgumentTypeError(f"--gluon-configs {text!r}: expected BLOCK_N,STAGES,CONSUMERS followed by "
+                                         f"any of {', '.join(GLUON_WORDS)}, e.g. 64,4,2 or 128,2,2,eager,pingpong")
+    config = {"BLOCK_N": block_n, "num_stages": stages, "consumers": consumers}
+    for keys in words:
+        config.update(keys)
+    return config
+
+
+def _config_label(config: dict) -> str:
+    """``128,2,2 eager pingpong``: the tile sizes, then the rescale and the turns where the config names them."""
+    label = f"{config['BLOCK_N']},{config['num_stages']},{config['consumers']}"
+    if "lazy" in config:
+        label += " lazy" if config["lazy"] else " eager"
+    if config.get("pingpong"):
+        label += " pingpong"
+    return label
 
 
 def _pv_bits(text: str) -> list[int]:
@@ -141,9 +157,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--kernels", type=_kernels, default="gluon,portable",
                    help=f"the attention kernels on the codes, of {tuple(KERNELS)} (default: gluon,portable)")
     p.add_argument("--gluon-configs", type=_gluon_config, nargs="*", default=[],
-                   metavar="BLOCK_N,STAGES,CONSUMERS[,lazy|eager]",
-                   help="Gluon configs timed too, with the fallback on; lazy/eager: the accumulator's rescale "
-                        "(default: none)")
+                   metavar="BLOCK_N,STAGES,CONSUMERS[,lazy|eager][,pingpong]",
+                   help="Gluon configs timed too, with the fallback on; lazy/eager: the accumulator's rescale, "
+                        "pingpong: the consumers' GEMMs in turns (default: none)")
     p.add_argument("--prepass", action="store_true", help="also time the pre-pass alone")
     p.add_argument("--pv-bits", type=_pv_bits, default="16",
                    help=f"P V precisions, comma-separated, of {PV_BITS} (default: 16; 8 is FP8 e4m3)")

@@ -43,6 +43,20 @@ def test_accuracy_takes_the_eight_bit_shapes(capsys):
     assert stop.value.code == 2 and "invalid choice: 'eight-bits'" in capsys.readouterr().err
 
 
+def test_int8_fallback_gluon_configs_take_words(capsys):
+    """``bench.int8_fallback --gluon-configs``: tile sizes, then any of the rescale's and the turns' words, each
+    setting its config key; the rows are labelled by what the config names; an unknown word is refused."""
+    from bench import int8_fallback
+
+    config = int8_fallback._gluon_config("128,2,2,eager,pingpong")
+    assert config == {"BLOCK_N": 128, "num_stages": 2, "consumers": 2, "lazy": False, "pingpong": True}
+    assert int8_fallback._config_label(config) == "128,2,2 eager pingpong"
+    assert int8_fallback._config_label(int8_fallback._gluon_config("64,3,3")) == "64,3,3"
+    with pytest.raises(SystemExit) as stop:
+        int8_fallback.main(["--gluon-configs", "128,2,2,pingpang"])
+    assert stop.value.code == 2 and "'128,2,2,pingpang': expected BLOCK_N,STAGES,CONSUMERS" in capsys.readouterr().err
+
+
 def test_runs_as_module_from_the_root():
     run = subprocess.run([sys.executable, "-m", "bench.attention", "--help"], cwd=ROOT, capture_output=True,
                          text=True, timeout=300)

@@ -724,6 +724,34 @@ def test_gpu_gluon_kernel_matches_the_spec(case, config, pv_bits, gen):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("pv_bits", PV_BITS)
+@pytest.mark.parametrize("case", ["jump misaligned,d128", "sign change,bf16,d64", "three consumers,200 keys"])
+def test_gpu_gluon_turns_keep_every_bit(case, pv_bits, gen):
+    """The consumers' GEMMs in turns (config ``pingpong``) change when each warpgroup issues, not what it
+    computes: output and log-sum-exp bit for bit those without turns, with 16-bit tiles among the coded ones,
+    and in the three-consumer short-keys config."""
+    _gluon_or_skip()
+    if case.startswith("jump"):
+        q, k, v = _mixed_blocks_case("jump misaligned", 128, torch.float16, gen)
+    elif case.startswith("sign"):
+        q, k, v = _mixed_blocks_case("sign change in block", 64, torch.bfloat16, gen)
+    else:
+        q, k, v = _inputs((1, 4, 2, 300, 200, 64, torch.float16, 16), gen)
+    qc, kc, vc = (t.cuda() for t in (q, k, v))
+    config = hopper_int8.tuned_config(q.shape[-1], k.shape[2])
+    results = []
+    for pingpong in (False, True):
+        out = torch.full_like(qc, float("nan"))
+        lse = torch.full(q.shape[:3], float("nan"), device="cuda")
+        _int8(qc, kc, vc, out, scale=q.shape[-1] ** -0.5, kernel="gluon-int8", config={**config, "pingpong": pingpong},
+              lse=lse, pv_bits=pv_bits)
+        results.append((out, lse))
+    (out, lse), (turned, turned_lse) = results
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert torch.equal(turned, out) and torch.equal(turned_lse, lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pv_bits", PV_BITS)
 def test_gpu_ranged_call_keeps_its_bits_in_one_and_a_half_cudnns_memory(monkeypatch, pv_bits, gen):
     """SVD's 9216-token spatial attention through the Gluon kernel runs in ranges (``dispatch.PREPASS_SHARE``):
     its peak memory above the inputs is at most 1.5x cuDNN's output and log-sum-exp (the issue measured 4.2x in

@@ -48,6 +48,7 @@ def test_unsuitable_reason_names_what_is_missing():
     ({"num_stages": 5}, "num_stages=5 must be 1..4"),
     ({"consumers": 1}, "consumers=1 must be 2 or 3"),
     ({"lazy": 1}, r"lazy=1 must be True or False"),
+    ({"pingpong": "yes"}, r"pingpong='yes' must be True or False"),
     ({"BLOCK_N": 128, "num_stages": 3, "consumers": 3}, r"needs \d+ bytes of shared memory at DP 128"),
 ])
 def test_bad_configs_are_refused_by_name(config, match):

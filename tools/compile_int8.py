@@ -72,7 +72,8 @@ GLUON_CONFIGS = {64: ((128, 3, 3), (128, 2, 2), (64, 3, 3), (128, 2, 3)),
 def gluon_cases() -> list[dict]:
     """The Gluon attention kernel (``kernels/hopper_int8.py``): its configs at head dims 64 and 128, with and
     without the 16-bit blocks, ``P V`` in 16 bits and FP8, fp16 and bf16, and with a block mask at the config a
-    mask takes (``hopper_int8.tuned_config(d, sparse=True)``)."""
+    mask takes (``hopper_int8.tuned_config(d, sparse=True)``), and the tuned config with the consumers in turns
+    (``pingpong``)."""
     from pasa_diffusers.kernels import hopper_int8
 
     found = []
@@ -90,6 +91,10 @@ def gluon_cases() -> list[dict]:
                               "sparse": True})
         found.append({"kernel": "gluon", "d": d, "dtype": "float16", "config": configs[0], "fallback": True,
                       "pv_bits": 16})
+        tuned = hopper_int8.tuned_config(d)
+        for pv_bits in (16, 8):
+            found.append({"kernel": "gluon", "d": d, "dtype": "bfloat16", "fallback": True, "pv_bits": pv_bits,
+                          "config": (tuned["BLOCK_N"], tuned["num_stages"], tuned["consumers"]), "pingpong": True})
     return found
 
 
@@ -115,7 +120,7 @@ def _launch(case: dict):
         prep, _ = quantize.allocate(q, k, v, pv_bits=case["pv_bits"], fallback=case["fallback"], split=case["fallback"])
         block_n, stages, consumers = case["config"]
         _, args, meta = hopper_int8.kernel_call(q, prep, bnhd(h), scale=d ** -0.5, config={
-            "BLOCK_N": block_n, "num_stages": stages, "consumers": consumers},
+            "BLOCK_N": block_n, "num_stages": stages, "consumers": consumers, "pingpong": case.get("pingpong", False)},
             block_mask=_key_head_mask(n, b) if case.get("sparse") else None)
         options = {name: meta.pop(name) for name in ("num_warps", "maxnreg")}
         return hopper_int8.int8_fwd_gluon_kernel, args, meta, options
@@ -209,6 +214,7 @@ def _what(row: dict) -> str:
     if row["kernel"] == "gluon":
         bn, s, c = row["config"]
         mask = ", block mask" if row.get("sparse") else ""
+        mask += ", ping-pong" if row.get("pingpong") else ""
         return (f"Gluon attention BLOCK_N {bn}, {s} stages, {c} consumers, "
                 f"{'with' if row['fallback'] else 'without'} 16-bit blocks, P V {row['pv_bits']}-bit{mask}")
     if row["kernel"] == "quantize":

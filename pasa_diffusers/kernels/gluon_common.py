@@ -32,7 +32,7 @@ __all__ = ["gl", "gluon_jit", "fence_async_shared", "mbarrier", "tma", "warpgrou
            "TensorDescriptor", "GLUON_IMPORT_ERROR", "GLUON_VERSION", "HEAD_DIMS", "ROWS_PER_CONSUMER", "CENTRE_ROWS",
            "PRODUCER_WARPS", "REGISTERS_PER_SM", "PRODUCER_REGS", "SHORT_KEYS", "unavailable_reason", "sm90_problem",
            "operand_problem", "descriptor_layout_problem", "head_dim_tile", "registers", "descriptor", "kept_descriptor",
-           "kept_config", "row_shift", "round_p", "widen_p", "release", "kept_row", "tile_start"]
+           "kept_config", "row_shift", "round_p", "widen_p", "release", "wait_turn", "pass_turn", "kept_row", "tile_start"]
 
 GLUON_VERSION = "3.6"
 """The Triton release whose Gluon API the kernels are written for (``warp_specialize``'s signature changed in 3.6)."""
@@ -215,6 +215,26 @@ def widen_p(p):
 def release(empty, i):
     """This consumer is done with stage ``i % NUM_STAGES`` of a ring: one arrival on its ``empty`` barrier."""
     mbarrier.arrive(empty.index(i % empty.shape[0]))
+
+
+@gluon_jit
+def wait_turn(turn, i, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """Under ``PINGPONG`` (FA3's ping-pong between the consumer warpgroups), wait until consumer ``WG`` may issue
+    tile ``i``'s GEMMs: consumer ``WG - 1`` has issued its tile ``i`` (consumer 0: the last consumer its tile
+    ``i - 1``; tile 0 passes).  ``turn``: one count-1 mbarrier per consumer, each completing one phase per
+    tile; every consumer of the program takes the same number of turns."""
+    if PINGPONG:
+        if WG == 0:
+            mbarrier.wait(turn.index(0), (i & 1) ^ 1)
+        else:
+            mbarrier.wait(turn.index(WG), i & 1)
+
+
+@gluon_jit
+def pass_turn(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """Under ``PINGPONG``, hand the turn to the next consumer (one arrival on its ``turn`` barrier)."""
+    if PINGPONG:
+        mbarrier.arrive(turn.index((WG + 1) % turn.shape[0]))
 
 
 @gluon_jit

@@ -71,8 +71,9 @@ from .call import BlockSparseMask, Call, Kernel, Plan
 from .common import INTERPRET, LN2, cdiv, lse_arg, mask_args
 from .gluon_common import (CENTRE_ROWS, PRODUCER_WARPS, ROWS_PER_CONSUMER, SHORT_KEYS, descriptor,
                            descriptor_layout_problem, fence_async_shared, gl, gluon_jit, head_dim_tile, kept_config,
-                           kept_row, mbarrier, operand_problem, registers, release, round_p, row_shift, sm90_problem,
-                           tile_start, tma, unavailable_reason, warpgroup_mma, warpgroup_mma_wait, widen_p)
+                           kept_row, mbarrier, operand_problem, pass_turn, registers, release, round_p, row_shift,
+                           sm90_problem, tile_start, tma, unavailable_reason, wait_turn, warpgroup_mma,
+                           warpgroup_mma_wait, widen_p)
 from .tuning import SMEM_LIMIT
 
 __all__ = ["exact_fwd_gluon_kernel", "forward", "kernel_call", "unsuitable_reason", "tuned_config", "DEFAULT_CONFIG",
@@ -212,24 +213,6 @@ def _tile_softmax(s, rc, m_i, l_i, start_n, N_K, qk_scale, p_dtype: gl.constexpr
 
 
 @gluon_jit
-def _wait_turn(turn, i, WG: gl.constexpr, PINGPONG: gl.constexpr):
-    """Under ``PINGPONG``, wait until consumer ``WG`` may issue tile ``i``'s GEMMs: consumer ``WG - 1`` has
-    issued its tile ``i`` (consumer 0: the last consumer its tile ``i - 1``; tile 0 passes)."""
-    if PINGPONG:
-        if WG == 0:
-            mbarrier.wait(turn.index(0), (i & 1) ^ 1)
-        else:
-            mbarrier.wait(turn.index(WG), i & 1)
-
-
-@gluon_jit
-def _pass_turn(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
-    """Under ``PINGPONG``, hand the turn to the next consumer (one arrival on its ``turn`` barrier)."""
-    if PINGPONG:
-        mbarrier.arrive(turn.index((WG + 1) % turn.shape[0]))
-
-
-@gluon_jit
 def _key_loop(q, ring, bars, kept, n_tiles, m_i, l_i, acc, s_zero, rc, N_K, qk_scale, p_layout: gl.constexpr,
               MASK_N: gl.constexpr, SHIFT_BLOCK_N: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
               SPARSE: gl.constexpr):
@@ -241,9 +224,9 @@ def _key_loop(q, ring, bars, kept, n_tiles, m_i, l_i, acc, s_zero, rc, N_K, qk_s
     BLOCK_N: gl.constexpr = s_zero.shape[1]
     for i in range(n_tiles):
         start_n = tile_start(indices, stride_mij, i, BLOCK_N, SPARSE)
-        _wait_turn(turn, i, WG, PINGPONG)
+        wait_turn(turn, i, WG, PINGPONG)
         s, rc = _issue_scores(q, ring, k_ready, i, s_zero, rc, SHIFT_BLOCK_N, SPARSE)
-        _pass_turn(turn, WG, PINGPONG)
+        pass_turn(turn, WG, PINGPONG)
         s, rc = _wait_scores(s, rc, 0, SPARSE)
         release(k_empty, i)
         p, alpha, m_i, l_i = _tile_softmax(s, rc, m_i, l_i, start_n, N_K, qk_scale, q.dtype, p_layout, MASK_N,
@@ -269,19 +252,19 @@ def _key_loop_overlapped(q, ring, bars, kept, n_tiles, m_i, l_i, acc, s_zero, rc
     indices, stride_mij = kept
     BLOCK_N: gl.constexpr = s_zero.shape[1]
     start_n = tile_start(indices, stride_mij, 0, BLOCK_N, SPARSE)
-    _wait_turn(turn, 0, WG, PINGPONG)
+    wait_turn(turn, 0, WG, PINGPONG)
     s, rc = _issue_scores(q, ring, k_ready, 0, s_zero, rc, SHIFT_BLOCK_N, SPARSE)
-    _pass_turn(turn, WG, PINGPONG)
+    pass_turn(turn, WG, PINGPONG)
     s, rc = _wait_scores(s, rc, 0, SPARSE)
     release(k_empty, 0)
     p, alpha, m_i, l_i = _tile_softmax(s, rc, m_i, l_i, start_n, N_K, qk_scale, q.dtype, p_layout, MASK_N,
                                        SHIFT_BLOCK_N, SPARSE)
     for i in range(1, n_tiles):
         start_n = tile_start(indices, stride_mij, i, BLOCK_N, SPARSE)
-        _wait_turn(turn, i, WG, PINGPONG)
+        wait_turn(turn, i, WG, PINGPONG)
         s, rc = _issue_scores(q, ring, k_ready, i, s_zero, rc, SHIFT_BLOCK_N, SPARSE)
         acc = _issue_pv(p, acc, alpha, ring, v_ready, i - 1)
-        _pass_turn(turn, WG, PINGPONG)
+        pass_turn(turn, WG, PINGPONG)
         s, rc = _wait_scores(s, rc, 1, SPARSE)
         release(k_empty, i)
         p_prev = p

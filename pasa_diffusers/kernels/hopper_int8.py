@@ -48,7 +48,9 @@ Partitions (``gl.warp_specialize``; one program = ``64 NUM_CONSUMERS`` query row
   :func:`_key_loop_fp8`): per tile ``i`` the INT8 wgmma of ``I_i`` is issued, then tile ``i - 1``'s ``P V``,
   both async; tile ``i``'s dequantisation and softmax run while ``P V`` is on the tensor cores.  Then the
   flagged tiles (:func:`_sixteen_bit_loop`), synchronous: nothing is in flight while their 16-bit wgmmas run
-  (the overlapped loop holds no branch around a wgmma: docs/notes/int8_kernel.md says why).  FP8 ``P`` goes
+  (the overlapped loop holds no branch around a wgmma: docs/notes/int8_kernel.md says why).  With ``PINGPONG``
+  (config ``pingpong``, FA3's ping-pong) the consumers issue each coded tile's GEMMs in turns, so that one
+  warpgroup's softmax runs while another's GEMMs hold the tensor cores.  FP8 ``P`` goes
   through shared memory (two (64, BLOCK_N) e4m3 tiles per consumer, alternating), since Triton 3.6's wgmma wait
   takes no 8-bit register operand as a dependency.
 
@@ -65,7 +67,8 @@ codes (and zero V8 columns) and get ``z = -inf`` (``MASK_N``); rows past ``N_Q``
 the store.
 
 Barriers as ``hopper.py``'s (its module docstring states the protocol); ``w_ready`` / ``w_empty`` follow it
-with the count of flagged tiles in place of the tile index.
+with the count of flagged tiles in place of the tile index; ``turn`` (one per consumer) carries the ping-pong's
+turns (``gluon_common.wait_turn``).
 """
 from __future__ import annotations
 
@@ -80,8 +83,8 @@ from .call import BlockSparseMask, Call, Kernel, Plan
 from .common import INTERPRET, LN2, P_SHIFT, cdiv, log2_units, mask_args
 from .gluon_common import (CENTRE_ROWS, PRODUCER_WARPS, ROWS_PER_CONSUMER, SHORT_KEYS, TensorDescriptor,
                            descriptor, descriptor_layout_problem, fence_async_shared, gl, gluon_jit, kept_config,
-                           kept_descriptor, kept_row, mbarrier, operand_problem, registers, release, round_p,
-                           row_shift, sm90_problem, tma, warpgroup_mma, warpgroup_mma_wait)
+                           kept_descriptor, kept_row, mbarrier, operand_problem, pass_turn, registers, release,
+                           round_p, row_shift, sm90_problem, tma, wait_turn, warpgroup_mma, warpgroup_mma_wait)
 from .tuning import SMEM_LIMIT
 
 __all__ = ["int8_fwd_gluon_kernel", "forward", "kernel_call", "unsuitable_reason", "tuned_config", "shared_bytes",
@@ -90,11 +93,11 @@ __all__ = ["int8_fwd_gluon_kernel", "forward", "kernel_call", "unsuitable_reason
 LAZY_RESCALE = tl.constexpr(8.0)
 """The growth of a row's maximum (log2 units) past which the lazy rescale moves it: ``p <= 2^8``, far inside
 fp16's and bf16's range (FlashAttention-4's threshold)."""
-CONFIGS = {64: {"BLOCK_N": 128, "num_stages": 2, "consumers": 2, "lazy": False},
-           128: {"BLOCK_N": 128, "num_stages": 2, "consumers": 2, "lazy": False}}
+CONFIGS = {64: {"BLOCK_N": 128, "num_stages": 2, "consumers": 2, "lazy": False, "pingpong": False},
+           128: {"BLOCK_N": 128, "num_stages": 2, "consumers": 2, "lazy": False, "pingpong": False}}
 """The config per DP for more than :data:`SHORT_KEYS` keys: 128-key tiles, two consumers, the eager rescale
 (the fastest on the H200; the measurements: docs/notes/int8_kernel.md)."""
-SHORT_KEYS_CONFIG = {"BLOCK_N": 64, "num_stages": 3, "consumers": 3, "lazy": False}
+SHORT_KEYS_CONFIG = {"BLOCK_N": 64, "num_stages": 3, "consumers": 3, "lazy": False, "pingpong": False}
 """The config at DP 64 for at most :data:`SHORT_KEYS` keys: 64-key tiles, three consumers (docs/notes/int8_kernel.md)."""
 
 
@@ -137,13 +140,13 @@ def _producer(descs, q_bufs, q8_bufs, q_ready, ring, bars, visits, off_z, off_hq
               SHIFT_BLOCK_N: gl.constexpr, FALLBACK: gl.constexpr, SPARSE: gl.constexpr, PV_FP8: gl.constexpr):
     """TMA copies only (module docstring).  ``descs = (q, q codes, k codes, v, centres, hi, lo, ks, sigma, A)``,
     ``ring = (k codes, v, centres, hi, lo, ks, sigma, A)``, ``bars = (k_ready, k_empty, v_ready, v_empty,
-    w_ready, w_empty)``; ``visits = (order, stride, coded blocks, coded tiles, 16-bit tiles)`` (the kernel's
+    w_ready, w_empty, turn)``; ``visits = (order, stride, coded blocks, coded tiles, 16-bit tiles)`` (the kernel's
     prologue: :func:`int8_fwd_gluon_kernel`); ``key_row``,
     ``a_row``: the element of key 0 of this key head in the flat (1-d) ``ks``, ``sigma`` and of this query head
     in ``A``.  Ring slot ``i`` counts the coded tiles, then the 16-bit ones."""
     desc_q, desc_q8, desc_k, desc_v, desc_c, desc_hi, desc_lo, desc_ks, desc_sig, desc_a = descs
     k_bufs, v_bufs, c_bufs, hi_buf, lo_buf, ks_bufs, sig_bufs, a_bufs = ring
-    k_ready, k_empty, v_ready, v_empty, w_ready, w_empty = bars
+    k_ready, k_empty, v_ready, v_empty, w_ready, w_empty, turn = bars
     coded_blocks, n_coded, n_16 = visits[2], visits[3], visits[4]
     NUM_CONSUMERS: gl.constexpr = q_bufs.shape[0]
     NUM_STAGES: gl.constexpr = k_bufs.shape[0]
@@ -324,13 +327,15 @@ def _wait_codes(i_sum, in_flight: gl.constexpr):
 @gluon_jit
 def _key_loop(q, q8, ring, bars, row_vecs, visits, m_i, l_i, acc, rc, rc_group, i_zero, N_K, qk_scale,
               SHIFT_BLOCK_N: gl.constexpr, MASK_N: gl.constexpr, FALLBACK: gl.constexpr, SPARSE: gl.constexpr,
-              LAZY: gl.constexpr):
+              LAZY: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr):
     """The coded tiles' loop with ``P V`` in 16 bits, FA3's overlap: per tile ``i >= 1`` issue ``I_i``, then
     ``acc = alpha acc + P_{i-1} V_{i-1}`` (``p`` from registers); wait until one group is left (``I_i`` done:
     groups finish in order); dequantise and softmax tile ``i`` while ``P V`` runs; wait for it.  No branch on a
     flag: the coded tiles of ``visits`` (:func:`_producer`; their order read a tile ahead, their count >= 1).
+    Under ``PINGPONG`` consumer ``WG`` issues its GEMMs (``I_i`` with ``P_{i-1} V_{i-1}``) in turns with the
+    other consumers (``gluon_common.wait_turn``), so that one's softmax runs under another's GEMMs.
     Returns ``(acc, m_i, l_i, rc, rc_group)``."""
-    k_ready, k_empty, v_ready, v_empty, w_ready, w_empty = bars
+    k_ready, k_empty, v_ready, v_empty, w_ready, w_empty, turn = bars
     v_bufs = ring[1]
     n = visits[3]
     BLOCK_N: gl.constexpr = i_zero.shape[1]
@@ -338,8 +343,10 @@ def _key_loop(q, q8, ring, bars, row_vecs, visits, m_i, l_i, acc, rc, rc_group, 
     row_layout: gl.constexpr = m_i.type.layout
     start_n = _tile_start(visits, 0, 0, n, BLOCK_N, SHIFT_BLOCK_N, FALLBACK, SPARSE)
     next_n = _tile_start(visits, 0, 1, n, BLOCK_N, SHIFT_BLOCK_N, FALLBACK, SPARSE)
+    wait_turn(turn, 0, WG, PINGPONG)
     i_sum, r, rc, rc_group = _issue_codes(q, q8, ring, k_ready, 0, start_n, i_zero, rc, rc_group, qk_scale,
                                           SHIFT_BLOCK_N, row_layout)
+    pass_turn(turn, WG, PINGPONG)
     i_sum = _wait_codes(i_sum, 0)
     p, alpha, m_i, l_i, rescale = _tile_softmax(i_sum, r, row_vecs, ring, k_empty, m_i, l_i, 0, start_n, N_K, qk_scale,
                                                 q.dtype, MASK_N, LAZY)
@@ -347,9 +354,11 @@ def _key_loop(q, q8, ring, bars, row_vecs, visits, m_i, l_i, acc, rc, rc_group, 
     for i in range(1, n):
         start_n = next_n
         next_n = _tile_start(visits, 0, i + 1, n, BLOCK_N, SHIFT_BLOCK_N, FALLBACK, SPARSE)
+        wait_turn(turn, i, WG, PINGPONG)
         i_sum, r, rc, rc_group = _issue_codes(q, q8, ring, k_ready, i, start_n, i_zero, rc, rc_group, qk_scale,
                                               SHIFT_BLOCK_N, row_layout)
         acc = _issue_pv(p, acc, alpha, rescale, v_bufs, v_ready, i - 1, LAZY)
+        pass_turn(turn, WG, PINGPONG)
         i_sum = _wait_codes(i_sum, 1)
         p_prev = p
         p, alpha, m_i, l_i, rescale = _tile_softmax(i_sum, r, row_vecs, ring, k_empty, m_i, l_i, i, start_n, N_K,
@@ -402,12 +411,12 @@ def _stage_p8(p, p_buf):
 @gluon_jit
 def _key_loop_fp8(q, q8, ring, bars, row_vecs, visits, p_bufs, P_BASE: gl.constexpr, m_i, l_i, acc, rc, rc_group,
                   i_zero, N_K, qk_scale, SHIFT_BLOCK_N: gl.constexpr, MASK_N: gl.constexpr, FALLBACK: gl.constexpr,
-                  SPARSE: gl.constexpr):
+                  SPARSE: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr):
     """The coded tiles' loop with FP8 ``P V``, overlapped as :func:`_key_loop`: each key tile's ``P8 V8`` goes
     to a fresh fp32 tile ``t`` (the tensor cores keep about 22 bits inside one FP8 product), promoted after the
-    wait as ``acc = alpha acc + t``.  Returns ``(acc, m_i, l_i, rc, rc_group)`` (``acc`` without V's channel
+    wait as ``acc = alpha acc + t``; ``WG``, ``PINGPONG`` as there.  Returns ``(acc, m_i, l_i, rc, rc_group)`` (``acc`` without V's channel
     scales)."""
-    k_ready, k_empty, v_ready, v_empty, w_ready, w_empty = bars
+    k_ready, k_empty, v_ready, v_empty, w_ready, w_empty, turn = bars
     v_bufs = ring[1]
     n = visits[3]
     BLOCK_N: gl.constexpr = i_zero.shape[1]
@@ -419,8 +428,10 @@ def _key_loop_fp8(q, q8, ring, bars, row_vecs, visits, p_bufs, P_BASE: gl.conste
     t_zero = gl.zeros([acc.shape[0], DP], gl.float32, layout=t_layout)
     start_n = _tile_start(visits, 0, 0, n, BLOCK_N, SHIFT_BLOCK_N, FALLBACK, SPARSE)
     next_n = _tile_start(visits, 0, 1, n, BLOCK_N, SHIFT_BLOCK_N, FALLBACK, SPARSE)
+    wait_turn(turn, 0, WG, PINGPONG)
     i_sum, r, rc, rc_group = _issue_codes(q, q8, ring, k_ready, 0, start_n, i_zero, rc, rc_group, qk_scale,
                                           SHIFT_BLOCK_N, row_layout)
+    pass_turn(turn, WG, PINGPONG)
     i_sum = _wait_codes(i_sum, 0)
     p, alpha, m_i, l_i, rescale = _tile_softmax(i_sum, r, row_vecs, ring, k_empty, m_i, l_i, 0, start_n, N_K, qk_scale,
                                                 gl.float8e4nv, MASK_N, False)
@@ -428,9 +439,11 @@ def _key_loop_fp8(q, q8, ring, bars, row_vecs, visits, p_bufs, P_BASE: gl.conste
     for i in range(1, n):
         start_n = next_n
         next_n = _tile_start(visits, 0, i + 1, n, BLOCK_N, SHIFT_BLOCK_N, FALLBACK, SPARSE)
+        wait_turn(turn, i, WG, PINGPONG)
         i_sum, r, rc, rc_group = _issue_codes(q, q8, ring, k_ready, i, start_n, i_zero, rc, rc_group, qk_scale,
                                               SHIFT_BLOCK_N, row_layout)
         t = _issue_pv8(p_bufs.index(P_BASE + (i - 1) % 2), t_zero, v_bufs, v_ready, i - 1)
+        pass_turn(turn, WG, PINGPONG)
         i_sum = _wait_codes(i_sum, 1)
         alpha_prev = alpha
         p, alpha, m_i, l_i, rescale = _tile_softmax(i_sum, r, row_vecs, ring, k_empty, m_i, l_i, i, start_n, N_K,
@@ -454,7 +467,7 @@ def _sixteen_bit_loop(q, ring, bars, visits, p_buf, m_i, l_i, acc, rc, rc_group,
     ``z = qk_scale fp32(q . hi + q . lo)`` once ``w_ready``, its softmax and ``P V`` (``p`` from registers, or
     FP8 ``P8`` through ``p_buf``).  ``visits`` as :func:`_producer`'s; ring slots continue after the coded
     tiles'.  Returns ``(acc, m_i, l_i)``."""
-    k_ready, k_empty, v_ready, v_empty, w_ready, w_empty = bars
+    k_ready, k_empty, v_ready, v_empty, w_ready, w_empty, turn = bars
     k_bufs, v_bufs, c_bufs, hi_buf, lo_buf = ring[0], ring[1], ring[2], ring[3], ring[4]
     coded_blocks, n_coded, n = visits[2], visits[3], visits[4]
     NUM_STAGES: gl.constexpr = k_bufs.shape[0]
@@ -503,8 +516,8 @@ def _sixteen_bit_loop(q, ring, bars, visits, p_buf, m_i, l_i, acc, rc, rc_group,
 def _consumer(desc_o, q_tile, q8_tile, q_ready, ring, bars, row_ptrs, vs_ptr, visits, p_bufs, P_BASE: gl.constexpr,
               off_z, off_hq, start_row, N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N: gl.constexpr, MASK_N: gl.constexpr,
               FALLBACK: gl.constexpr, SPARSE: gl.constexpr, STORE_LSE: gl.constexpr, PV_FP8: gl.constexpr,
-              LAZY: gl.constexpr):
-    """One consumer warpgroup: query rows ``start_row ..`` of this (batch, head): the coded tiles' loop
+              LAZY: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """One consumer warpgroup, number ``WG`` of the program's (its turn under ``PINGPONG``): query rows ``start_row ..`` of this (batch, head): the coded tiles' loop
     (:func:`_key_loop` or, with ``PV_FP8``, :func:`_key_loop_fp8`), with ``FALLBACK`` then the 16-bit tiles'
     (:func:`_sixteen_bit_loop`), then ``out = acc / l_i`` (FP8: ``(acc / l_i) vs``) through the q tile and a
     TMA store, and with ``STORE_LSE`` the log-sum-exp (FP8: less ``P_SHIFT``).  ``row_ptrs = (q_scale, mu)``
@@ -544,11 +557,11 @@ def _consumer(desc_o, q_tile, q8_tile, q_ready, ring, bars, row_ptrs, vs_ptr, vi
         if PV_FP8:
             acc, m_i, l_i, rc, rc_group = _key_loop_fp8(q, q8, ring, bars, row_vecs, visits, p_bufs, P_BASE, m_i,
                                                         l_i, acc, rc, rc_group, i_zero, N_K, qk_scale, SHIFT_BLOCK_N,
-                                                        MASK_N, FALLBACK, SPARSE)
+                                                        MASK_N, FALLBACK, SPARSE, WG, PINGPONG)
         else:
             acc, m_i, l_i, rc, rc_group = _key_loop(q, q8, ring, bars, row_vecs, visits, m_i, l_i, acc, rc, rc_group,
                                                     i_zero, N_K, qk_scale, SHIFT_BLOCK_N, MASK_N, FALLBACK, SPARSE,
-                                                    LAZY)
+                                                    LAZY, WG, PINGPONG)
     if FALLBACK:
         acc, m_i, l_i = _sixteen_bit_loop(q, ring, bars, visits, p_bufs.index(P_BASE), m_i, l_i, acc, rc, rc_group,
                                           N_K, qk_scale, SHIFT_BLOCK_N, MASK_N, SPARSE, PV_FP8)
@@ -580,7 +593,8 @@ def int8_fwd_gluon_kernel(
     MASK_GROUP, MASK_BLOCK_Q,
     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr, SHIFT_BLOCK_N: gl.constexpr,
     MASK_N: gl.constexpr, FALLBACK: gl.constexpr, SPARSE: gl.constexpr, STORE_LSE: gl.constexpr,
-    PV_FP8: gl.constexpr, P8_LAYOUT: gl.constexpr, LAZY: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    PV_FP8: gl.constexpr, P8_LAYOUT: gl.constexpr, LAZY: gl.constexpr, PINGPONG: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
 ):
     """``out = softmax(scale q k^T) v`` from the 8-bit codes for ``64 NUM_CONSUMERS`` query rows of one
     (batch, head) (the module docstring states the math, tiles and partitions).
@@ -651,8 +665,10 @@ def int8_fwd_gluon_kernel(
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     w_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     w_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
     for w in gl.static_range(NUM_CONSUMERS):
         mbarrier.init(q_ready.index(w), count=1)
+        mbarrier.init(turn.index(w), count=1)
     for st in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(st), count=1)
         mbarrier.init(k_empty.index(st), count=NUM_CONSUMERS)
@@ -664,7 +680,7 @@ def int8_fwd_gluon_kernel(
     descs = (desc_q, desc_q8, desc_k, desc_v, desc_c, desc_hi, desc_lo, desc_ks, desc_sig, desc_a)
     ring = (k_bufs, v_bufs, c_bufs, hi_buf.index(0).reshape(wide), lo_buf.index(0).reshape(wide), ks_bufs, sig_bufs,
             a_bufs)
-    bars = (k_ready, k_empty, v_ready, v_empty, w_ready, w_empty)
+    bars = (k_ready, k_empty, v_ready, v_empty, w_ready, w_empty, turn)
     # The partition lists written out per consumer count (hopper.py says why: constexprs in a named tuple).
     gl.static_assert(NUM_CONSUMERS == 2 or NUM_CONSUMERS == 3, "partition lists are written for 2 and 3 consumers")
     if NUM_CONSUMERS == 2:
@@ -673,10 +689,10 @@ def int8_fwd_gluon_kernel(
                          a_row, SHIFT_BLOCK_N, FALLBACK, SPARSE, PV_FP8)),
             (_consumer, (desc_o, q_bufs.index(0), q8_bufs.index(0), q_ready.index(0), ring, bars, row_ptrs, vs_ptr,
                          visits, p8_bufs, 0, off_z, off_hq, start_m, N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N,
-                         MASK_N, FALLBACK, SPARSE, STORE_LSE, PV_FP8, LAZY)),
+                         MASK_N, FALLBACK, SPARSE, STORE_LSE, PV_FP8, LAZY, 0, PINGPONG)),
             (_consumer, (desc_o, q_bufs.index(1), q8_bufs.index(1), q_ready.index(1), ring, bars, row_ptrs, vs_ptr,
                          visits, p8_bufs, 2, off_z, off_hq, start_m + rows, N_Q, N_K, qk_scale, lse_ptr,
-                         SHIFT_BLOCK_N, MASK_N, FALLBACK, SPARSE, STORE_LSE, PV_FP8, LAZY)),
+                         SHIFT_BLOCK_N, MASK_N, FALLBACK, SPARSE, STORE_LSE, PV_FP8, LAZY, 1, PINGPONG)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
@@ -684,13 +700,13 @@ def int8_fwd_gluon_kernel(
                          a_row, SHIFT_BLOCK_N, FALLBACK, SPARSE, PV_FP8)),
             (_consumer, (desc_o, q_bufs.index(0), q8_bufs.index(0), q_ready.index(0), ring, bars, row_ptrs, vs_ptr,
                          visits, p8_bufs, 0, off_z, off_hq, start_m, N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N,
-                         MASK_N, FALLBACK, SPARSE, STORE_LSE, PV_FP8, LAZY)),
+                         MASK_N, FALLBACK, SPARSE, STORE_LSE, PV_FP8, LAZY, 0, PINGPONG)),
             (_consumer, (desc_o, q_bufs.index(1), q8_bufs.index(1), q_ready.index(1), ring, bars, row_ptrs, vs_ptr,
                          visits, p8_bufs, 2, off_z, off_hq, start_m + rows, N_Q, N_K, qk_scale, lse_ptr,
-                         SHIFT_BLOCK_N, MASK_N, FALLBACK, SPARSE, STORE_LSE, PV_FP8, LAZY)),
+                         SHIFT_BLOCK_N, MASK_N, FALLBACK, SPARSE, STORE_LSE, PV_FP8, LAZY, 1, PINGPONG)),
             (_consumer, (desc_o, q_bufs.index(2), q8_bufs.index(2), q_ready.index(2), ring, bars, row_ptrs, vs_ptr,
                          visits, p8_bufs, 4, off_z, off_hq, start_m + 2 * rows, N_Q, N_K, qk_scale, lse_ptr,
-                         SHIFT_BLOCK_N, MASK_N, FALLBACK, SPARSE, STORE_LSE, PV_FP8, LAZY)),
+                         SHIFT_BLOCK_N, MASK_N, FALLBACK, SPARSE, STORE_LSE, PV_FP8, LAZY, 2, PINGPONG)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -711,7 +727,7 @@ def shared_bytes(cfg: dict, dp: int, element_size: int, fallback: bool, pv_bits:
     ring = cfg["num_stages"] * dp * (cfg["BLOCK_N"] * (1 + v_size) + CENTRE_ROWS * element_size)
     q += cfg["consumers"] * 2 * ROWS_PER_CONSUMER * (cfg["BLOCK_N"] if pv_bits == 8 else 16)  # the P8 tiles
     wide = 2 * (cfg["BLOCK_N"] if fallback else CENTRE_ROWS) * dp * element_size
-    return q + ring + wide + 8 * (cfg["consumers"] + 4 * cfg["num_stages"] + 2)
+    return q + ring + wide + 8 * (2 * cfg["consumers"] + 4 * cfg["num_stages"] + 2)
 
 
 def unsuitable_reason(q: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, pv_bits: int) -> str | None:
@@ -751,6 +767,9 @@ def _config(config: dict | None, dp: int, n_k: int, element_size: int, fallback:
         raise ValueError(f"{fn}: config consumers={cfg['consumers']!r} must be 2 or 3 (consumer warpgroups)")
     if not isinstance(cfg["lazy"], bool):
         raise ValueError(f"{fn}: config lazy={cfg['lazy']!r} must be True or False (the lazy rescale)")
+    if not isinstance(cfg["pingpong"], bool):
+        raise ValueError(f"{fn}: config pingpong={cfg['pingpong']!r} must be True or False (the consumers' GEMMs "
+                         f"in turns)")
     if sparse and (cfg["BLOCK_N"], cfg["consumers"]) != (SHIFT_BLOCK, 2):
         raise ValueError(f"{fn}: with a block_mask the config needs BLOCK_N={SHIFT_BLOCK} and consumers=2 (one key "
                          f"tile per mask block, one program per query block), got BLOCK_N={cfg['BLOCK_N']}, "
@@ -847,7 +866,7 @@ def kernel_call(q: torch.Tensor, prep, out: torch.Tensor, *, scale: float, confi
                 SHIFT_BLOCK_N=SHIFT_BLOCK, MASK_N=n_k % block_n != 0, FALLBACK=fallback, SPARSE=sparse,
                 STORE_LSE=lse is not None,
                 PV_FP8=pv_bits == 8, P8_LAYOUT=_p8_layout(block_n if pv_bits == 8 else 16),
-                LAZY=cfg["lazy"] and pv_bits == 16,
+                LAZY=cfg["lazy"] and pv_bits == 16, PINGPONG=cfg["pingpong"],
                 CONSUMER_REGS=consumer_regs, num_warps=PRODUCER_WARPS, maxnreg=maxnreg)
     return grid, args, meta
 
@@ -859,7 +878,7 @@ def forward(q: torch.Tensor, prep, out: torch.Tensor, *, scale: float, config: d
 
     q: (B, Hq, Nq, D), out: (B, Hq, Nq, D), ``prep.v`` (B, Hk, Nk, D): fp16 or bf16 on an sm_90 GPU, head dim
     in ``gluon_common.HEAD_DIMS``, TMA-addressable (:func:`unsuitable_reason` returned ``None``); config:
-    ``BLOCK_N`` (64 / 128), ``num_stages``, ``consumers`` (2 / 3), missing keys from :func:`tuned_config`;
+    ``BLOCK_N`` (64 / 128), ``num_stages``, ``consumers`` (2 / 3), ``lazy``, ``pingpong``, missing keys from :func:`tuned_config`;
     lse: ``None`` or a contiguous fp32 (B, Hq, Nq) tensor for the natural-log log-sum-exp.
     block_mask: ``None``, or a ``block_sparse.BlockSparseMask`` fitting the call (``dispatch`` checks it), whose
         missing key blocks are skipped (neither loaded nor multiplied; the config's ``BLOCK_N`` 128 and two
