@@ -8,7 +8,8 @@ The 8-bit path (``kernels.dispatch.forward`` of ``precision="int8"``: its pre-pa
 codes by the Gluon Hopper kernel, ``hopper_int8.py``, or the portable one: ``--kernels``) with ``fallback=False`` (every key block
 from the codes) and ``fallback=True`` (the default: blocks an 8-bit code cannot hold in 16 bits,
 ``reference_int8`` step 4b); the Gluon kernel also under each config of ``--gluon-configs``
-(BLOCK_N,stages,consumers), with ``--prepass`` the pre-pass alone.  Beside them, in the same run: SDPA's
+(BLOCK_N,stages,consumers), with ``--prepass`` the pre-pass alone, with ``--kernel-alone`` the Gluon kernel
+alone on one pre-pass's outputs (its tuned config and each of ``--gluon-configs``).  Beside them, in the same run: SDPA's
 cuDNN, flash and efficient backends and the peers that import (FA3 bf16 and fp8, SageAttention).  Two
 inputs generated on the device: ``benign`` (q, k, v ~ N(0, 1): no block flagged) and ``two biases per
 block`` (q ~ N(2, 1), k ~ N(0, 1) plus a per-channel bias of +-(20..40) that jumps every 128 keys half a
@@ -27,7 +28,7 @@ import torch
 
 from pasa_diffusers.kernels import block_tally
 from pasa_diffusers.shift_matrix import DEFAULT_BETA
-from pasa_diffusers.kernels import dispatch, int8, quantize, tuning
+from pasa_diffusers.kernels import dispatch, hopper_int8, int8, quantize, tuning
 from pasa_diffusers.variants import PV_BITS, Variant
 from pasa_diffusers.metrics import records
 
@@ -67,6 +68,18 @@ def _int8_method(fallback: bool, kernel: str, config: dict | None = None, pv_bit
     tiles = "" if config is None else " " + _config_label(config)
     pv = "" if pv_bits == 16 else ", FP8 P V"
     return harness.Method(f"int8 {kernel}{tiles}{pv}, fallback {'on' if fallback else 'off'}", "ours", build)
+
+
+def _kernel_alone_method(config: dict | None, pv_bits: int) -> harness.Method:
+    """The Gluon kernel alone under ``config`` (``None``: the tuned one) on one pre-pass's outputs, built before the
+    timing: no pre-pass and no ranges in the time, so that a config's effect on the kernel is not diluted."""
+    def build(q, k, v):
+        out, scale = torch.empty_like(q), q.shape[-1] ** -0.5
+        prep = quantize.prepare(q, k, v, scale=scale, pv_bits=pv_bits, split=True)
+        return harness.Prepared(lambda: hopper_int8.forward(q, prep, out, scale=scale, config=config), "", {})
+    tiles = "tuned" if config is None else _config_label(config)
+    pv = "" if pv_bits == 16 else ", FP8 P V"
+    return harness.Method(f"int8 gluon kernel alone, {tiles}{pv}", "ours", build)
 
 
 def _prepass_method(split: bool) -> harness.Method:
@@ -161,6 +174,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="Gluon configs timed too, with the fallback on; lazy/eager: the accumulator's rescale, "
                         "pingpong: the consumers' GEMMs in turns (default: none)")
     p.add_argument("--prepass", action="store_true", help="also time the pre-pass alone")
+    p.add_argument("--kernel-alone", action="store_true",
+                   help="also time the Gluon kernel alone (no pre-pass, no ranges) in its tuned config and each of "
+                        "--gluon-configs")
     p.add_argument("--pv-bits", type=_pv_bits, default="16",
                    help=f"P V precisions, comma-separated, of {PV_BITS} (default: 16; 8 is FP8 e4m3)")
     p.add_argument("--inputs", type=_inputs, default=",".join(INPUTS),
@@ -184,7 +200,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     methods = [*(harness.sdpa_method(backend) for backend in ("cudnn", "flash", "efficient")), *peers,
                *(m for pair in pairs for m in pair),
                *(_int8_method(True, "gluon", cfg, bits) for bits in args.pv_bits for cfg in args.gluon_configs),
-               *([_prepass_method("gluon" in args.kernels)] if args.prepass else [])]
+               *([_prepass_method("gluon" in args.kernels)] if args.prepass else []),
+               *(_kernel_alone_method(cfg, bits) for bits in args.pv_bits
+                 for cfg in ([None, *args.gluon_configs] if args.kernel_alone else []))]
     rows: list[dict] = []
     with torch.no_grad():
         for shape in harness.progress(harness.shapes(args.shapes, args.frames), NAME):
