@@ -9,7 +9,8 @@ codes by the Gluon Hopper kernel, ``hopper_int8.py``, or the portable one: ``--k
 from the codes) and ``fallback=True`` (the default: blocks an 8-bit code cannot hold in 16 bits,
 ``reference_int8`` step 4b); the Gluon kernel also under each config of ``--gluon-configs``
 (BLOCK_N,stages,consumers), with ``--prepass`` the pre-pass alone, with ``--kernel-alone`` the Gluon kernel
-alone on one pre-pass's outputs (its tuned config and each of ``--gluon-configs``).  Beside them, in the same run: SDPA's
+alone on one pre-pass's outputs (its tuned config and each of ``--gluon-configs``), with ``--one-launch`` each
+kernel's path in one launch (the router's ranges, which hold the pre-pass's memory down, lifted).  Beside them, in the same run: SDPA's
 cuDNN, flash and efficient backends and the peers that import (FA3 bf16 and fp8, SageAttention).  Two
 inputs generated on the device: ``benign`` (q, k, v ~ N(0, 1): no block flagged) and ``two biases per
 block`` (q ~ N(2, 1), k ~ N(0, 1) plus a per-channel bias of +-(20..40) that jumps every 128 keys half a
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -54,20 +56,44 @@ def make_inputs(shape: harness.Shape, kind: str, gen: torch.Generator, dtype: to
     return (q + 2.0).to(dtype), (k.float() + bias[:, :, block, :]).to(dtype), v
 
 
-def _int8_method(fallback: bool, kernel: str, config: dict | None = None, pv_bits: int = 16) -> harness.Method:
+ONE_LAUNCH_SHARE = 1e9
+"""A ``PREPASS_SHARE`` no pre-pass reaches."""
+
+
+@contextlib.contextmanager
+def _one_launch():
+    """The router's ranges lifted (``dispatch.PREPASS_SHARE``): every call in one launch, whatever its pre-pass
+    writes."""
+    share, dispatch.PREPASS_SHARE = dispatch.PREPASS_SHARE, ONE_LAUNCH_SHARE
+    try:
+        yield
+    finally:
+        dispatch.PREPASS_SHARE = share
+
+
+def _int8_method(fallback: bool, kernel: str, config: dict | None = None, pv_bits: int = 16,
+                 one_launch: bool = False) -> harness.Method:
+    """The 8-bit path through the router; ``one_launch``: with its ranges lifted (:func:`_one_launch`)."""
     def build(q, k, v):
         out, scale = torch.empty_like(q), q.shape[-1] ** -0.5
         block_tally.reset()
 
-        def call():
+        def attend():
             return dispatch.forward(q, k, v, out, scale=scale, variant=Variant("exact", "int8"), beta=DEFAULT_BETA,
                                     fallback=fallback, kernel=KERNELS[kernel], config=config, pv_bits=pv_bits)
+
+        def call():
+            if not one_launch:
+                return attend()
+            with _one_launch():
+                return attend()
         call()
         share = block_tally.counts()["share"] if fallback else 0.0
         return harness.Prepared(call, f"{100 * share:.0f} % of blocks in 16 bits", {"share_16_bit": share})
     tiles = "" if config is None else " " + _config_label(config)
     pv = "" if pv_bits == 16 else ", FP8 P V"
-    return harness.Method(f"int8 {kernel}{tiles}{pv}, fallback {'on' if fallback else 'off'}", "ours", build)
+    whole = ", one launch" if one_launch else ""
+    return harness.Method(f"int8 {kernel}{tiles}{pv}, fallback {'on' if fallback else 'off'}{whole}", "ours", build)
 
 
 def _kernel_alone_method(config: dict | None, pv_bits: int) -> harness.Method:
@@ -177,6 +203,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--kernel-alone", action="store_true",
                    help="also time the Gluon kernel alone (no pre-pass, no ranges) in its tuned config and each of "
                         "--gluon-configs")
+    p.add_argument("--one-launch", action="store_true",
+                   help="also time each kernel's path with the fallback on in one launch (the pre-pass's ranges "
+                        "lifted: the ranges' cost is the difference)")
     p.add_argument("--pv-bits", type=_pv_bits, default="16",
                    help=f"P V precisions, comma-separated, of {PV_BITS} (default: 16; 8 is FP8 e4m3)")
     p.add_argument("--inputs", type=_inputs, default=",".join(INPUTS),
@@ -201,6 +230,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                *(m for pair in pairs for m in pair),
                *(_int8_method(True, "gluon", cfg, bits) for bits in args.pv_bits for cfg in args.gluon_configs),
                *([_prepass_method("gluon" in args.kernels)] if args.prepass else []),
+               *(_int8_method(True, kernel, pv_bits=bits, one_launch=True) for bits in args.pv_bits
+                 for kernel in (args.kernels if args.one_launch else [])),
                *(_kernel_alone_method(cfg, bits) for bits in args.pv_bits
                  for cfg in ([None, *args.gluon_configs] if args.kernel_alone else []))]
     rows: list[dict] = []

@@ -57,6 +57,20 @@ def test_int8_fallback_gluon_configs_take_words(capsys):
     assert stop.value.code == 2 and "'128,2,2,pingpang': expected BLOCK_N,STAGES,CONSUMERS" in capsys.readouterr().err
 
 
+def test_int8_fallback_one_launch_lifts_the_ranges_and_puts_them_back():
+    """``bench.int8_fallback --one-launch`` times the 8-bit path with the router's ranges lifted: inside, a call the
+    router splits at Wan 2.1's shape runs in one range; after, the share is the router's again."""
+    from bench import int8_fallback
+    from pasa_diffusers.kernels import dispatch, quantize
+
+    q = torch.empty(2, 12, 32760, 128, dtype=torch.bfloat16, device="meta")
+    written = quantize.written_bytes(q, q, q)
+    share = dispatch.PREPASS_SHARE
+    with int8_fallback._one_launch():
+        assert len(dispatch.key_chunks(q, q, written)) == 1
+    assert dispatch.PREPASS_SHARE == share and len(dispatch.key_chunks(q, q, written)) > 1
+
+
 def test_runs_as_module_from_the_root():
     run = subprocess.run([sys.executable, "-m", "bench.attention", "--help"], cwd=ROOT, capture_output=True,
                          text=True, timeout=300)
