@@ -414,8 +414,8 @@ def _key_loop_fp8(q, q8, ring, bars, row_vecs, visits, p_bufs, P_BASE: gl.conste
                   SPARSE: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr):
     """The coded tiles' loop with FP8 ``P V``, overlapped as :func:`_key_loop`: each key tile's ``P8 V8`` goes
     to a fresh fp32 tile ``t`` (the tensor cores keep about 22 bits inside one FP8 product), promoted after the
-    wait as ``acc = alpha acc + t``; ``WG``, ``PINGPONG`` as there.  Returns ``(acc, m_i, l_i, rc, rc_group)`` (``acc`` without V's channel
-    scales)."""
+    wait as ``acc = alpha acc + t``; ``WG``, ``PINGPONG`` as there.  Returns ``(acc, m_i, l_i, rc, rc_group)``
+    (``acc`` without V's channel scales)."""
     k_ready, k_empty, v_ready, v_empty, w_ready, w_empty, turn = bars
     v_bufs = ring[1]
     n = visits[3]
@@ -517,14 +517,14 @@ def _consumer(desc_o, q_tile, q8_tile, q_ready, ring, bars, row_ptrs, vs_ptr, vi
               off_z, off_hq, start_row, N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N: gl.constexpr, MASK_N: gl.constexpr,
               FALLBACK: gl.constexpr, SPARSE: gl.constexpr, STORE_LSE: gl.constexpr, PV_FP8: gl.constexpr,
               LAZY: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr):
-    """One consumer warpgroup, number ``WG`` of the program's (its turn under ``PINGPONG``): query rows ``start_row ..`` of this (batch, head): the coded tiles' loop
-    (:func:`_key_loop` or, with ``PV_FP8``, :func:`_key_loop_fp8`), with ``FALLBACK`` then the 16-bit tiles'
-    (:func:`_sixteen_bit_loop`), then ``out = acc / l_i`` (FP8: ``(acc / l_i) vs``) through the q tile and a
-    TMA store, and with ``STORE_LSE`` the log-sum-exp (FP8: less ``P_SHIFT``).  ``row_ptrs = (q_scale, mu)``
-    at this (batch, head)'s row 0; ``vs_ptr`` V's (DP,) channel scales; ``p_bufs.index(P_BASE)`` and ``P_BASE +
-    1``: this consumer's two ``P8`` tiles (FP8); ``ring``, ``bars``, ``visits`` as :func:`_producer`'s.  A row that
-    visits no key block (``SPARSE``, an empty mask row) keeps ``acc = 0``, ``l_i = 0``, ``m_i = -inf``: ``out =
-    0``, ``lse = -inf``."""
+    """One consumer warpgroup, number ``WG`` of the program's (its turn under ``PINGPONG``): query rows
+    ``start_row ..`` of this (batch, head): the coded tiles' loop (:func:`_key_loop` or, with ``PV_FP8``,
+    :func:`_key_loop_fp8`), with ``FALLBACK`` then the 16-bit tiles' (:func:`_sixteen_bit_loop`), then ``out =
+    acc / l_i`` (FP8: ``(acc / l_i) vs``) through the q tile and a TMA store, and with ``STORE_LSE`` the
+    log-sum-exp (FP8: less ``P_SHIFT``).  ``row_ptrs = (q_scale, mu)`` at this (batch, head)'s row 0; ``vs_ptr``
+    V's (DP,) channel scales; ``p_bufs.index(P_BASE)`` and ``P_BASE + 1``: this consumer's two ``P8`` tiles
+    (FP8); ``ring``, ``bars``, ``visits`` as :func:`_producer`'s.  A row that visits no key block (``SPARSE``, an
+    empty mask row) keeps ``acc = 0``, ``l_i = 0``, ``m_i = -inf``: ``out = 0``, ``lse = -inf``."""
     k_bufs = ring[0]
     c_bufs = ring[2]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
@@ -878,7 +878,8 @@ def forward(q: torch.Tensor, prep, out: torch.Tensor, *, scale: float, config: d
 
     q: (B, Hq, Nq, D), out: (B, Hq, Nq, D), ``prep.v`` (B, Hk, Nk, D): fp16 or bf16 on an sm_90 GPU, head dim
     in ``gluon_common.HEAD_DIMS``, TMA-addressable (:func:`unsuitable_reason` returned ``None``); config:
-    ``BLOCK_N`` (64 / 128), ``num_stages``, ``consumers`` (2 / 3), ``lazy``, ``pingpong``, missing keys from :func:`tuned_config`;
+    ``BLOCK_N`` (64 / 128), ``num_stages``, ``consumers`` (2 / 3), ``lazy``, ``pingpong``, missing keys from
+    :func:`tuned_config`;
     lse: ``None`` or a contiguous fp32 (B, Hq, Nq) tensor for the natural-log log-sum-exp.
     block_mask: ``None``, or a ``block_sparse.BlockSparseMask`` fitting the call (``dispatch`` checks it), whose
         missing key blocks are skipped (neither loaded nor multiplied; the config's ``BLOCK_N`` 128 and two
