@@ -4,26 +4,25 @@
     python -m bench.int8_fallback --shapes svd-spatial --dtype float16 --out DIR
     TRITON_INTERPRET=1 python -m bench.int8_fallback --shapes tiny --out DIR   # a CPU, under the interpreter
 
-The 8-bit path (``kernels.dispatch.forward`` of ``precision="int8"``: its pre-pass, then the attention on the
-codes by the Gluon Hopper kernel, ``hopper_int8.py``, or the portable one: ``--kernels``) with ``fallback=False`` (every key block
-from the codes) and ``fallback=True`` (the default: blocks an 8-bit code cannot hold in 16 bits,
+The 8-bit path (``kernels.dispatch.forward`` of ``precision="int8"``: its pre-pass, then the attention on the codes
+by the Gluon Hopper kernel, ``hopper_int8.py``, or the portable one: ``--kernels``) with ``fallback=False`` (every
+key block from the codes) and ``fallback=True`` (the default: blocks an 8-bit code cannot hold in 16 bits,
 ``reference_int8`` step 4b); the Gluon kernel also under each config of ``--gluon-configs``
-(BLOCK_N,stages,consumers), with ``--prepass`` the pre-pass alone, with ``--kernel-alone`` the Gluon kernel
-alone on one pre-pass's outputs (its tuned config and each of ``--gluon-configs``), with ``--one-launch`` each
-kernel's path in one launch (the router's ranges, which hold the pre-pass's memory down, lifted).  Beside them, in the same run: SDPA's
-cuDNN, flash and efficient backends and the peers that import (FA3 bf16 and fp8, SageAttention).  Two
-inputs generated on the device: ``benign`` (q, k, v ~ N(0, 1): no block flagged) and ``two biases per
-block`` (q ~ N(2, 1), k ~ N(0, 1) plus a per-channel bias of +-(20..40) that jumps every 128 keys half a
-block off the centre blocks, ``numerics.input_classes``' "jump misaligned": every block flagged).
-Columns: ms (the median of CUDA-event runs after warm-up, L2 flushed), the ratio to SDPA's fastest
-backend and to the same kernel's ``fallback=False`` time on the same input, and the share of blocks
-computed in 16 bits (``block_tally``, from the first call).
+(BLOCK_N,stages,consumers), with ``--prepass`` the pre-pass alone, with ``--kernel-alone`` the Gluon kernel alone
+on one pre-pass's outputs (its tuned config and each of ``--gluon-configs``), with ``--one-launch`` each kernel's
+path in one launch (the router's ranges, which hold the pre-pass's memory down, lifted).  Beside them, in the same
+run: SDPA's cuDNN, flash and efficient backends and the peers that import (FA3 bf16 and fp8, SageAttention).  Two
+inputs generated on the device: ``benign`` (q, k, v ~ N(0, 1): no block flagged) and ``two biases per block`` (q ~
+N(2, 1), k ~ N(0, 1) plus a per-channel bias of +-(20..40) that jumps every 128 keys half a block off the centre
+blocks, ``numerics.input_classes``' "jump misaligned": every block flagged).  Columns: ms (the median of CUDA-event
+runs after warm-up, L2 flushed), the ratio to SDPA's fastest backend and to the same kernel's ``fallback=False``
+time on the same input, and the share of blocks computed in 16 bits (``block_tally``, from the first call).
 """
 from __future__ import annotations
 
 import argparse
-import sys
 import contextlib
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -74,19 +73,17 @@ def _one_launch():
 def _int8_method(fallback: bool, kernel: str, config: dict | None = None, pv_bits: int = 16,
                  one_launch: bool = False) -> harness.Method:
     """The 8-bit path through the router; ``one_launch``: with its ranges lifted (:func:`_one_launch`)."""
+    ranges = _one_launch if one_launch else contextlib.nullcontext
+
     def build(q, k, v):
         out, scale = torch.empty_like(q), q.shape[-1] ** -0.5
         block_tally.reset()
 
-        def attend():
-            return dispatch.forward(q, k, v, out, scale=scale, variant=Variant("exact", "int8"), beta=DEFAULT_BETA,
-                                    fallback=fallback, kernel=KERNELS[kernel], config=config, pv_bits=pv_bits)
-
         def call():
-            if not one_launch:
-                return attend()
-            with _one_launch():
-                return attend()
+            with ranges():
+                return dispatch.forward(q, k, v, out, scale=scale, variant=Variant("exact", "int8"),
+                                        beta=DEFAULT_BETA, fallback=fallback, kernel=KERNELS[kernel], config=config,
+                                        pv_bits=pv_bits)
         call()
         share = block_tally.counts()["share"] if fallback else 0.0
         return harness.Prepared(call, f"{100 * share:.0f} % of blocks in 16 bits", {"share_16_bit": share})

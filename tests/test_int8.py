@@ -676,6 +676,21 @@ GLUON_CONFIGS = [{"BLOCK_N": 64, "num_stages": 3, "consumers": 3}, {"BLOCK_N": 6
 rescale."""
 
 
+GLUON_CASES = {**KERNEL_CASES, "three consumers,200 keys": (1, 4, 2, 300, 200, 64, torch.float16, 16)}
+"""The Gluon tests' shapes beside the mixed-block ones: the kernel cases, and 200 keys (the three-consumer
+short-keys config)."""
+
+
+def _gluon_case(case: str, gen: torch.Generator):
+    """``case``'s inputs: 16-bit tiles among coded ones ("jump misaligned" at head dim 128 in fp16, "sign change" at
+    64 in bf16: ``_mixed_blocks_case``), else :data:`GLUON_CASES`' shape."""
+    if case.startswith("jump"):
+        return _mixed_blocks_case("jump misaligned", 128, torch.float16, gen)
+    if case.startswith("sign"):
+        return _mixed_blocks_case("sign change in block", 64, torch.bfloat16, gen)
+    return _inputs(GLUON_CASES[case], gen)
+
+
 def _gluon_or_skip():
     from pasa_diffusers.kernels import hopper_int8
 
@@ -696,12 +711,7 @@ def test_gpu_gluon_kernel_matches_the_spec(case, config, pv_bits, gen):
     blocks among 8-bit ones), and its log-sum-exp within the fp32 scores' rounding of the portable kernel's on the
     same key tiles (``_lse_tolerance``)."""
     _gluon_or_skip()
-    if case.startswith("jump"):
-        q, k, v = _mixed_blocks_case("jump misaligned", 128, torch.float16, gen)
-    elif case.startswith("sign"):
-        q, k, v = _mixed_blocks_case("sign change in block", 64, torch.bfloat16, gen)
-    else:
-        q, k, v = _inputs(KERNEL_CASES[case], gen)
+    q, k, v = _gluon_case(case, gen)
     d = q.shape[-1]
     scale = d ** -0.5
     qc, kc, vc = (t.cuda() for t in (q, k, v))
@@ -730,12 +740,7 @@ def test_gpu_gluon_turns_keep_every_bit(case, pv_bits, gen):
     computes: output and log-sum-exp bit for bit those without turns, with 16-bit tiles among the coded ones,
     and in the three-consumer short-keys config."""
     _gluon_or_skip()
-    if case.startswith("jump"):
-        q, k, v = _mixed_blocks_case("jump misaligned", 128, torch.float16, gen)
-    elif case.startswith("sign"):
-        q, k, v = _mixed_blocks_case("sign change in block", 64, torch.bfloat16, gen)
-    else:
-        q, k, v = _inputs((1, 4, 2, 300, 200, 64, torch.float16, 16), gen)
+    q, k, v = _gluon_case(case, gen)
     qc, kc, vc = (t.cuda() for t in (q, k, v))
     config = hopper_int8.tuned_config(q.shape[-1], k.shape[2])
     results = []
