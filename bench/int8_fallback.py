@@ -56,18 +56,18 @@ def make_inputs(shape: harness.Shape, kind: str, gen: torch.Generator, dtype: to
 
 
 ONE_LAUNCH_SHARE = 1e9
-"""A ``PREPASS_SHARE`` no pre-pass reaches."""
+"""A ``QUANTIZE_SHARE`` the 8-bit pre-pass never reaches."""
 
 
 @contextlib.contextmanager
 def _one_launch():
-    """The router's ranges lifted (``dispatch.PREPASS_SHARE``): every call in one launch, whatever its pre-pass
-    writes."""
-    share, dispatch.PREPASS_SHARE = dispatch.PREPASS_SHARE, ONE_LAUNCH_SHARE
+    """The router's ranges of 8-bit calls lifted (``dispatch.QUANTIZE_SHARE``): every call in one launch, whatever
+    its pre-pass writes."""
+    share, dispatch.QUANTIZE_SHARE = dispatch.QUANTIZE_SHARE, ONE_LAUNCH_SHARE
     try:
         yield
     finally:
-        dispatch.PREPASS_SHARE = share
+        dispatch.QUANTIZE_SHARE = share
 
 
 def _int8_method(fallback: bool, kernel: str, config: dict | None = None, pv_bits: int = 16,
@@ -98,23 +98,24 @@ def _kernel_alone_method(config: dict | None, pv_bits: int) -> harness.Method:
     timing: no pre-pass and no ranges in the time, so that a config's effect on the kernel is not diluted."""
     def build(q, k, v):
         out, scale = torch.empty_like(q), q.shape[-1] ** -0.5
-        prep = quantize.prepare(q, k, v, scale=scale, pv_bits=pv_bits, split=True)
+        prep = quantize.prepare(q, k, v, scale=scale, pv_bits=pv_bits)
         return harness.Prepared(lambda: hopper_int8.forward(q, prep, out, scale=scale, config=config), "", {})
     tiles = "tuned" if config is None else _config_label(config)
     pv = "" if pv_bits == 16 else ", FP8 P V"
     return harness.Method(f"int8 gluon kernel alone, {tiles}{pv}", "ours", build)
 
 
-def _prepass_method(split: bool) -> harness.Method:
-    """The pre-pass alone (``quantize.prepare`` with the fallback's flags; ``split``: the Gluon kernel's hi/lo too),
-    so that a row's attention time is the kernel's minus this."""
+def _prepass_method() -> harness.Method:
+    """The pre-pass alone (``quantize.prepare`` with the fallback's flags), so that a row's attention time is the
+    kernel's minus this."""
     def build(q, k, v):
         scale = q.shape[-1] ** -0.5
-        return harness.Prepared(lambda: quantize.prepare(q, k, v, scale=scale, split=split).q_scale, "", {})
-    return harness.Method(f"int8 pre-pass alone{' (with hi/lo)' if split else ''}", "ours", build)
+        return harness.Prepared(lambda: quantize.prepare(q, k, v, scale=scale).q_scale, "", {})
+    return harness.Method("int8 pre-pass alone", "ours", build)
 
 
-GLUON_WORDS = {"lazy": {"lazy": True}, "eager": {"lazy": False}, "pingpong": {"pingpong": True}}
+GLUON_WORDS = {"lazy": {"lazy": True}, "eager": {"lazy": False}, "pingpong": {"pingpong": True},
+               "nopingpong": {"pingpong": False}}
 """The words a ``--gluon-configs`` entry may end with, and the config keys each sets."""
 
 
@@ -133,12 +134,13 @@ def _gluon_config(text: str) -> dict:
 
 
 def _config_label(config: dict) -> str:
-    """``128,2,2 eager pingpong``: the tile sizes, then the rescale and the turns where the config names them."""
+    """``128,2,2 eager pingpong``: the tile sizes, then the rescale and the turns (or ``nopingpong``) where the
+    config names them; what it leaves out is the tuned config's (``hopper_int8.tuned_config``)."""
     label = f"{config['BLOCK_N']},{config['num_stages']},{config['consumers']}"
     if "lazy" in config:
         label += " lazy" if config["lazy"] else " eager"
-    if config.get("pingpong"):
-        label += " pingpong"
+    if "pingpong" in config:
+        label += " pingpong" if config["pingpong"] else " nopingpong"
     return label
 
 
@@ -193,9 +195,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--kernels", type=_kernels, default="gluon,portable",
                    help=f"the attention kernels on the codes, of {tuple(KERNELS)} (default: gluon,portable)")
     p.add_argument("--gluon-configs", type=_gluon_config, nargs="*", default=[],
-                   metavar="BLOCK_N,STAGES,CONSUMERS[,lazy|eager][,pingpong]",
+                   metavar="BLOCK_N,STAGES,CONSUMERS[,lazy|eager][,pingpong|nopingpong]",
                    help="Gluon configs timed too, with the fallback on; lazy/eager: the accumulator's rescale, "
-                        "pingpong: the consumers' GEMMs in turns (default: none)")
+                        "pingpong|nopingpong: the consumers' GEMMs in turns or not; a word left out takes the tuned "
+                        "config's (default: none)")
     p.add_argument("--prepass", action="store_true", help="also time the pre-pass alone")
     p.add_argument("--kernel-alone", action="store_true",
                    help="also time the Gluon kernel alone (no pre-pass, no ranges) in its tuned config and each of "
@@ -226,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     methods = [*(harness.sdpa_method(backend) for backend in ("cudnn", "flash", "efficient")), *peers,
                *(m for pair in pairs for m in pair),
                *(_int8_method(True, "gluon", cfg, bits) for bits in args.pv_bits for cfg in args.gluon_configs),
-               *([_prepass_method("gluon" in args.kernels)] if args.prepass else []),
+               *([_prepass_method()] if args.prepass else []),
                *(_int8_method(True, kernel, pv_bits=bits, one_launch=True) for bits in args.pv_bits
                  for kernel in (args.kernels if args.one_launch else [])),
                *(_kernel_alone_method(cfg, bits) for bits in args.pv_bits

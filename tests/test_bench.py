@@ -52,6 +52,7 @@ def test_int8_fallback_gluon_configs_take_words(capsys):
     assert config == {"BLOCK_N": 128, "num_stages": 2, "consumers": 2, "lazy": False, "pingpong": True}
     assert int8_fallback._config_label(config) == "128,2,2 eager pingpong"
     assert int8_fallback._config_label(int8_fallback._gluon_config("64,3,3")) == "64,3,3"
+    assert int8_fallback._config_label(int8_fallback._gluon_config("128,2,2,nopingpong")) == "128,2,2 nopingpong"
     with pytest.raises(SystemExit) as stop:
         int8_fallback.main(["--gluon-configs", "128,2,2,pingpang"])
     assert stop.value.code == 2 and "'128,2,2,pingpang': expected BLOCK_N,STAGES,CONSUMERS" in capsys.readouterr().err
@@ -65,10 +66,10 @@ def test_int8_fallback_one_launch_lifts_the_ranges_and_puts_them_back():
 
     q = torch.empty(2, 12, 32760, 128, dtype=torch.bfloat16, device="meta")
     written = quantize.written_bytes(q, q, q)
-    share = dispatch.PREPASS_SHARE
+    share = dispatch.QUANTIZE_SHARE
     with int8_fallback._one_launch():
-        assert len(dispatch.key_chunks(q, q, written)) == 1
-    assert dispatch.PREPASS_SHARE == share and len(dispatch.key_chunks(q, q, written)) > 1
+        assert len(dispatch.key_chunks(q, q, written, share=dispatch.QUANTIZE_SHARE)) == 1
+    assert dispatch.QUANTIZE_SHARE == share and len(dispatch.key_chunks(q, q, written, share=share)) > 1
 
 
 def test_runs_as_module_from_the_root():

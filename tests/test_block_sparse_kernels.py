@@ -318,8 +318,9 @@ def test_a_sparse_call_runs_in_the_ranges_its_kept_work_fills(monkeypatch):
     ``MIN_RANGE_FLOP`` each (issue 46: twelve ranges of a 5 % call each waited on the host), where a mask whose
     share is not known (``from_checked``) counts every block."""
     q, k, v = (torch.empty(1, 12, 32760, 128, dtype=torch.float16, device="meta") for _ in range(3))
-    written = quantize.written_bytes(q, k, v, pv_bits=8, split=True)
-    assert [len(dispatch.key_chunks(k, q, written, kept)) for kept in (1.0, 0.25, 0.05)] == [12, 3, 1]
+    written = quantize.written_bytes(q, k, v, pv_bits=8)
+    chunks = [dispatch.key_chunks(k, q, written, kept, dispatch.QUANTIZE_SHARE) for kept in (1.0, 0.25, 0.05)]
+    assert [len(ranges) for ranges in chunks] == [6, 3, 1]
     shape = (1, 4, 2, 500, 600, 16)
     q, k, v = _inputs(shape, "biased", torch.Generator().manual_seed(0))
     blocks = torch.zeros(4, 5, dtype=torch.bool)
@@ -331,10 +332,9 @@ def test_a_sparse_call_runs_in_the_ranges_its_kept_work_fills(monkeypatch):
     dispatch.forget_plans()
     call = dispatch.Call(q, k, v, torch.empty_like(q), Variant("exact", "hybrid"), block_mask=mask)
     plan = dispatch.plan(q, k, v, torch.empty_like(q), variant=Variant("exact", "hybrid"), block_mask=mask)
-    entry = dispatch._BY_NAME[plan.kernel]
-    assert len(dispatch._key_ranges(call, plan, entry)) == 1
+    assert len(dispatch._key_ranges(call, plan)) == 1
     unknown = BlockSparseMask.from_checked(mask.kv_counts, mask.kv_indices, 500, 600, 128, 128)
-    assert len(dispatch._key_ranges(replace(call, block_mask=unknown), plan, entry)) > 1
+    assert len(dispatch._key_ranges(replace(call, block_mask=unknown), plan)) > 1
     dispatch.forget_plans()
 
 
@@ -461,7 +461,7 @@ def test_the_gluon_int8_visit_order_is_the_spec_order_per_query_block(mask_kind,
 
 def _eight_bit_launch(mask: BlockSparseMask | None, *, fallback: bool = True, config: dict | None = None):
     q, k, v = _qkv(hq=4, nk=700, d=64)
-    prep, _ = quantize.allocate(q, k, v, fallback=fallback, split=fallback)
+    prep, _ = quantize.allocate(q, k, v, fallback=fallback)
     if fallback:
         prep.flags.copy_(torch.arange(prep.flags.shape[-1]) % 2)
     return prep, hopper_int8.kernel_call(q, prep, torch.empty_like(q), scale=0.125, config=config, block_mask=mask)
@@ -476,12 +476,12 @@ def test_the_gluon_int8_launch_walks_the_mask_or_its_visit_order():
     assert not dense["SPARSE"] and dense["BLOCK_N"] == 64 and dense["NUM_CONSUMERS"] == 3
     _, (grid, args, meta) = _eight_bit_launch(mask, fallback=False)
     assert meta["SPARSE"] and meta["BLOCK_N"] == 128 and meta["NUM_CONSUMERS"] == 2 and grid == (2 * 4,)
-    assert args[24] is mask.kv_counts and args[25] is mask.kv_indices and args[-2:] == (2, 128)
+    assert args[23] is mask.kv_counts and args[24] is mask.kv_indices and args[-2:] == (2, 128)
     prep, (_, args, meta) = _eight_bit_launch(mask)
     lists, coded = hopper_int8.visit_order(mask, prep.flags)
     assert meta["SPARSE"] and meta["FALLBACK"]
-    assert torch.equal(args[16], coded) and torch.equal(args[24], lists.kv_counts)
-    assert torch.equal(args[25], lists.kv_indices) and args[15] is prep.order
+    assert torch.equal(args[15], coded) and torch.equal(args[23], lists.kv_counts)
+    assert torch.equal(args[24], lists.kv_indices) and args[14] is prep.order
     assert lists.kv_indices[0, 0, 0].tolist() == [0, 2, 4, 1, 3, 5] and coded.flatten().tolist() == [3] * 8
 
 

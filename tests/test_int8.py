@@ -340,32 +340,6 @@ def test_prepass_is_the_spec_bit_for_bit(case, gen):
         assert prep.v is v and prep.v_scale is None
 
 
-def _split_keys(k, centres):
-    """The spec's ``hi``, ``lo`` of ``k - c_b`` (``attention_from_codes``'s 16-bit blocks), (B, Hk, Nk, D)."""
-    g = k.dtype
-    c = centres.repeat_interleave(SHIFT_BLOCK, dim=2)[:, :, :k.shape[2]]
-    kc = k.float() - c
-    hi = kc.to(g)
-    return hi, (kc - hi.float()).to(g)
-
-
-@interpreted
-@pytest.mark.parametrize("case", ["gqa,ragged,fp16", "d80-padded,one-key-block", "bf16,d128"])
-def test_prepass_splits_the_keys_for_the_gluon_kernel(case, gen):
-    """``split=True``: each key's ``hi``, ``lo`` (the Gluon kernel's 16-bit blocks read them) are the spec's bit
-    for bit, zero in the padded columns."""
-    shape = KERNEL_CASES[case]
-    q, k, v = _inputs(shape, gen)
-    d = shape[5]
-    prep = quantize.prepare(q, k, v, scale=d ** -0.5, split=True)
-    kq = r8.quantize_keys(k, r8.quantize_queries(q).qbar)
-    hi, lo = _split_keys(k, kq.centres)
-    assert prep.k_split.dtype == k.dtype and prep.k_split.shape == (2, *k.shape[:3], prep.k_codes.shape[-1])
-    assert torch.equal(prep.k_split[0, ..., :d], hi) and torch.equal(prep.k_split[1, ..., :d], lo)
-    assert not prep.k_split[..., d:].any()
-    assert quantize.prepare(q, k, v, scale=d ** -0.5).k_split is None
-
-
 @interpreted
 @pytest.mark.parametrize("case", list(KERNEL_CASES), ids=list(KERNEL_CASES))
 def test_kernel_matches_the_spec(case, gen):
@@ -488,7 +462,7 @@ def test_strided_views_and_tiles(gen):
 @interpreted
 @pytest.mark.parametrize("pv_bits", PV_BITS)
 def test_ranges_one_after_the_other_give_the_whole_calls_bits(monkeypatch, pv_bits, gen):
-    """An 8-bit call whose pre-pass would write more than ``PREPASS_SHARE`` of the output runs in ranges of batch
+    """An 8-bit call whose pre-pass would write more than ``QUANTIZE_SHARE`` of the output runs in ranges of batch
     and kv head, each quantized and attended before the next: the output, the LSE and the count of 16-bit blocks
     keep their bits (GQA, (B, N, H, D) views, keys whose bias flags some blocks)."""
     from pasa_diffusers.kernels import block_tally
@@ -496,7 +470,8 @@ def test_ranges_one_after_the_other_give_the_whole_calls_bits(monkeypatch, pv_bi
     shape = (3, 4, 2, 70, 300, 64, torch.float16, pv_bits)
     q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in _inputs(shape, gen))
     monkeypatch.setattr(dispatch, "MIN_RANGE_FLOP", 1.0)
-    ranges = len(dispatch.key_chunks(k, q, quantize.written_bytes(q, k, v, pv_bits=pv_bits)))
+    ranges = len(dispatch.key_chunks(k, q, quantize.written_bytes(q, k, v, pv_bits=pv_bits),
+                                     share=dispatch.QUANTIZE_SHARE))
     assert ranges > 1
     prepare, prepared = quantize.prepare, []
     monkeypatch.setattr(quantize, "prepare", lambda *args, **options: prepared.append(1) or prepare(*args, **options))
@@ -509,19 +484,18 @@ def test_ranges_one_after_the_other_give_the_whole_calls_bits(monkeypatch, pv_bi
         return out, lse, block_tally.counts(), len(prepared)
 
     ranged = run()
-    monkeypatch.setattr(dispatch, "PREPASS_SHARE", 1e9)
+    monkeypatch.setattr(dispatch, "QUANTIZE_SHARE", 1e9)
     whole = run()
     assert (ranged[3], whole[3]) == (ranges, 1)
     assert torch.isfinite(whole[0]).all() and whole[2]["blocks"] == 3 * 4 * 3
     assert torch.equal(ranged[0], whole[0]) and torch.equal(ranged[1], whole[1]) and ranged[2] == whole[2]
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["portable", "gluon"])
 @pytest.mark.parametrize("pv_bits", PV_BITS)
 @pytest.mark.parametrize("shape", [(50, 5, 5, 9216, 9216, 64), (2, 12, 12, 32760, 32760, 128),
                                    (2, 48, 48, 17776, 17776, 64), (1, 24, 8, 45000, 45000, 128)],
                          ids=["svd-9216", "wan", "cogvideox", "gqa-long"])
-def test_ranged_calls_allocate_at_most_one_and_a_half_cudnn(shape, pv_bits, split):
+def test_ranged_calls_allocate_at_most_one_and_a_half_cudnn(shape, pv_bits):
     """At the shapes where the issue measured the 8-bit path's peak (SVD's 9216-token spatial attention: 4.2x
     cuDNN's in one launch) and the video transformers', the output plus the largest range's pre-pass writes
     (``quantize.written_bytes`` of that range, allocated on the meta device as ``prepare`` allocates) stay
@@ -529,10 +503,11 @@ def test_ranged_calls_allocate_at_most_one_and_a_half_cudnn(shape, pv_bits, spli
     batch, h_q, h_k, n_q, n_k, d = shape
     q, out = (torch.empty(batch, h_q, n_q, d, dtype=torch.float16, device="meta") for _ in range(2))
     k, v = (torch.empty(batch, h_k, n_k, d, dtype=torch.float16, device="meta") for _ in range(2))
-    ranges = dispatch.key_chunks(k, out, quantize.written_bytes(q, k, v, pv_bits=pv_bits, split=split))
+    ranges = dispatch.key_chunks(k, out, quantize.written_bytes(q, k, v, pv_bits=pv_bits),
+                                 share=dispatch.QUANTIZE_SHARE)
     group = h_q // h_k
     most = max(quantize.written_bytes(q[b0:b1, h0 * group:h1 * group], k[b0:b1, h0:h1], v[b0:b1, h0:h1],
-                                      pv_bits=pv_bits, split=split) for (b0, b1), (h0, h1) in ranges)
+                                      pv_bits=pv_bits) for (b0, b1), (h0, h1) in ranges)
     cudnn = out.numel() * out.element_size() + batch * h_q * n_q * 4
     assert out.numel() * out.element_size() + most <= 1.5 * cudnn, (len(ranges), most / cudnn)
 
@@ -695,7 +670,7 @@ def _gluon_or_skip():
     from pasa_diffusers.kernels import hopper_int8
 
     probe = torch.empty(1, 1, 64, 64, dtype=torch.float16, device="cuda")
-    reason = hopper_int8.unsuitable_reason(probe, probe, probe, pv_bits=16)
+    reason = hopper_int8.unsuitable_reason(probe, probe, probe, probe, pv_bits=16)
     if reason is not None:
         pytest.skip(f"the Gluon int8 kernel cannot run here: {reason}")
 
@@ -758,7 +733,7 @@ def test_gpu_gluon_turns_keep_every_bit(case, pv_bits, gen):
 @pytest.mark.gpu
 @pytest.mark.parametrize("pv_bits", PV_BITS)
 def test_gpu_ranged_call_keeps_its_bits_in_one_and_a_half_cudnns_memory(monkeypatch, pv_bits, gen):
-    """SVD's 9216-token spatial attention through the Gluon kernel runs in ranges (``dispatch.PREPASS_SHARE``):
+    """SVD's 9216-token spatial attention through the Gluon kernel runs in ranges (``dispatch.QUANTIZE_SHARE``):
     its peak memory above the inputs is at most 1.5x cuDNN's output and log-sum-exp (the issue measured 4.2x in
     one launch), and its output has the bits of the call in one launch."""
     _gluon_or_skip()
@@ -777,7 +752,7 @@ def test_gpu_ranged_call_keeps_its_bits_in_one_and_a_half_cudnns_memory(monkeypa
     ranged_mib = peak_mib(run)
     cudnn_mib = (q.numel() * q.element_size() + q[..., 0].numel() * 4) / 2 ** 20
     assert ranged_mib <= 1.5 * cudnn_mib, (ranged_mib, cudnn_mib)
-    monkeypatch.setattr(dispatch, "PREPASS_SHARE", 1e9)
+    monkeypatch.setattr(dispatch, "QUANTIZE_SHARE", 1e9)
     whole_mib = peak_mib(run)
     assert whole_mib > 2 * cudnn_mib  # the one launch holds every code, so the ranges are what kept the peak down
     assert torch.isfinite(outs[1]).all() and torch.equal(outs[0], outs[1])

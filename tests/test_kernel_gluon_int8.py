@@ -32,7 +32,7 @@ def test_unsuitable_reason_names_what_is_missing():
     q, _, v = _inputs()
     unavailable = gluon_common.unavailable_reason()
     expected = unavailable if unavailable is not None else "it runs on CUDA GPUs, got cpu"
-    assert hopper_int8.unsuitable_reason(q, v, q, pv_bits=16) == expected
+    assert hopper_int8.unsuitable_reason(q, v, v, q, pv_bits=16) == expected
     found = dispatch.plan(q, q, v, q, variant=INT8)
     why = "Triton's interpreter runs no Gluon" if INTERPRET else expected
     assert found.kernel == "portable-int8" and found.rejected["gluon-int8"] == why
@@ -53,16 +53,23 @@ def test_unsuitable_reason_names_what_is_missing():
 ])
 def test_bad_configs_are_refused_by_name(config, match):
     q, k, v = _inputs(d=128)
-    prep, _ = quantize.allocate(q, k, v, split=True)
+    prep, _ = quantize.allocate(q, k, v)
     with pytest.raises(ValueError, match=match):
         hopper_int8.kernel_call(q, prep, torch.empty_like(q), scale=0.125, config=config)
 
 
-def test_flags_without_the_split_keys_are_refused():
-    q, k, v = _inputs()
-    prep, _ = quantize.allocate(q, k, v)
-    with pytest.raises(ValueError, match=r"prep has flags but no k_split \(quantize.prepare\(\.\.\., split=True\)"):
-        hopper_int8.kernel_call(q, prep, torch.empty_like(q), scale=0.125)
+@pytest.mark.parametrize("fallback", [True, False])
+def test_flagged_tiles_read_the_input_keys(fallback):
+    """With the 16-bit blocks on, the launch copies the input keys in key tiles (the consumers split them into
+    ``hi`` and ``lo``; the pre-pass writes no split); without, a 16-row dummy of the centres stands in."""
+    q, k, v = _inputs(d=128)
+    prep, _ = quantize.allocate(q, k, v, fallback=fallback)
+    _, args, meta = hopper_int8.kernel_call(q, prep, torch.empty_like(q), scale=0.125)
+    keys = args[5]
+    if fallback:
+        assert keys.base is k and list(keys.block_shape) == [1, 1, meta["BLOCK_N"], 128]
+    else:
+        assert keys.base is not k and list(keys.block_shape) == [1, 1, 16, 128]
 
 
 @pytest.mark.parametrize("n_k", [200, 203, 4096])
@@ -129,14 +136,14 @@ def test_fp8_launch_reads_v8_transposed_in_tma_boxes(n_k, head_dim):
     (TMA strides), passes V's channel scales and runs the eager rescale; in 16 bits the tuned config's rescale."""
     q, k, v = _inputs(d=head_dim, n=n_k)
     dp = 64 if head_dim <= 64 else 128
-    prep, _ = quantize.allocate(q, k, v, pv_bits=8, split=True)
+    prep, _ = quantize.allocate(q, k, v, pv_bits=8)
     assert prep.v.shape[-2:] == (dp, n_k) and prep.v.stride(2) % 16 == 0 and prep.v.stride(2) >= n_k
     _, args, meta = hopper_int8.kernel_call(q, prep, torch.empty_like(q), scale=head_dim ** -0.5)
     block_n = hopper_int8.tuned_config(head_dim, n_k)["BLOCK_N"]
     assert meta["PV_FP8"] and not meta["LAZY"] and meta["BLOCK_N"] == block_n
     assert list(args[3].block_shape) == [1, 1, dp, block_n] and args[3].base is prep.v
     assert any(arg is prep.v_scale for arg in args)
-    prep16, _ = quantize.allocate(q, k, v, split=True)
+    prep16, _ = quantize.allocate(q, k, v)
     _, args16, meta16 = hopper_int8.kernel_call(q, prep16, torch.empty_like(q), scale=head_dim ** -0.5,
                                                 config={"lazy": True})
     assert not meta16["PV_FP8"] and meta16["LAZY"] and list(args16[3].block_shape) == [1, 1, block_n, dp]

@@ -117,7 +117,7 @@ def _launch(case: dict):
     if case["kernel"] == "gluon":
         from pasa_diffusers.kernels import hopper_int8
 
-        prep, _ = quantize.allocate(q, k, v, pv_bits=case["pv_bits"], fallback=case["fallback"], split=case["fallback"])
+        prep, _ = quantize.allocate(q, k, v, pv_bits=case["pv_bits"], fallback=case["fallback"])
         block_n, stages, consumers = case["config"]
         _, args, meta = hopper_int8.kernel_call(q, prep, bnhd(h), scale=d ** -0.5, config={
             "BLOCK_N": block_n, "num_stages": stages, "consumers": consumers, "pingpong": case.get("pingpong", False)},

@@ -131,7 +131,7 @@ class Kernel:
         prepass: the pre-pass it needs, one of :data:`PREPASSES` or ``None``, or a function of the call that
             says which.
         prepass_options: what the pre-pass writes for it: ``centres_in_keys_dtype`` (the centres in the keys'
-            dtype, not fp32), ``split`` (the 16-bit blocks' ``hi``/``lo`` keys of the quantizing pre-pass).
+            dtype, not fp32).
     """
 
     name: str

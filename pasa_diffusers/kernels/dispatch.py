@@ -30,11 +30,11 @@ and a request by name is refused.
 Its blocks must be those the kernels walk (:func:`_check_mask_blocks`).
 
 A call whose pre-pass would write more than a fifth of the output's bytes (:data:`PREPASS_SHARE`: the keys
-centred or shifted; the 8-bit codes with their statistics) runs in ranges of batch and kv head, one after the
-other (:func:`key_chunks`), so that its peak memory stays within 1.25x (16 bits) or 1.4x (8 bits) of cuDNN's,
-as long as each range keeps the GPU busy for much longer than the host takes to issue it
-(:data:`MIN_RANGE_FLOP`, of the work a block mask keeps: ``BlockSparseMask.kept_share``); shorter calls run in
-one launch and allocate the whole copy.
+centred or shifted), or two fifths (:data:`QUANTIZE_SHARE`: the 8-bit codes with their statistics), runs in ranges
+of batch and kv head, one after the other (:func:`key_chunks`), so that its peak memory stays within 1.25x (16
+bits) or 1.4x (8 bits) of cuDNN's, as long as each range keeps the GPU busy for much longer than the host takes
+to issue it (:data:`MIN_RANGE_FLOP`, of the work a block mask keeps: ``BlockSparseMask.kept_share``); shorter
+calls run in one launch and allocate the whole copy.
 
 ``kernel="auto"`` takes the first entry of :data:`TABLE` that runs the call's precision and shift and has no
 reason against it (``unsuitable``).  A kernel named explicitly runs the call or
@@ -58,8 +58,9 @@ from .common import cdiv
 from .prepass import centre_keys, shift_keys
 from .tuning import pow2_tile
 
-__all__ = ["TABLE", "KERNELS", "INT8_KERNELS", "PREPASS_SHARE", "MIN_RANGE_FLOP", "FP8_MIN_CAPABILITY",
-           "Plan", "plan", "forward", "key_chunks", "forget_plans", "fp8_problem", "kernel_names"]
+__all__ = ["TABLE", "KERNELS", "INT8_KERNELS", "PREPASS_SHARE", "QUANTIZE_SHARE", "MIN_RANGE_FLOP",
+           "FP8_MIN_CAPABILITY", "Plan", "plan", "forward", "key_chunks", "forget_plans", "fp8_problem",
+           "kernel_names"]
 
 TABLE: tuple[Kernel, ...] = (packed.ENTRY, hopper.ENTRY, portable.ENTRY, hopper_int8.ENTRY, int8.ENTRY)
 """Every kernel, one entry per kernel file, in ``kernel="auto"``'s preference: the specialised kernels first."""
@@ -87,9 +88,14 @@ PREPASS_SHARE = 0.2
 runs its (batch, kv head) ranges one after the other (:func:`key_chunks`), each range prepared and attended
 before the next's.  The centring and shifting pre-passes write a copy of the keys and their centres (1/64 of
 the keys, in fp32 for the portable kernel or in the inputs' dtype for the Gluon one), so such a call allocates at
-most 1.25x what cuDNN does (its output and log-sum-exp); the 8-bit pre-pass writes the codes of q and k, their
-statistics and, for the Gluon kernel's 16-bit blocks, each key's ``hi`` and ``lo`` (``quantize.written_bytes``:
-3.2x the output at SVD's (50, 5, 9216, 64) in one launch, in 10 ranges 0.32x)."""
+most 1.25x what cuDNN does (its output and log-sum-exp)."""
+
+QUANTIZE_SHARE = 0.4
+""":data:`PREPASS_SHARE` of the 8-bit pre-pass, which writes the codes of q and k and their statistics
+(``quantize.written_bytes``: 1.1-1.2x the output with ``P V`` in 16 bits, 1.6-1.7x with V8 for FP8): such a call
+allocates at most 1.4x what cuDNN does, issue 43's bound 1.5x.  Each range costs time (its pre-pass's launches
+and the tail of its kernel: 0.15-0.26 ms on an H100, docs/notes/int8_kernel.md), so the share is the bound's,
+not the copying pre-passes' fifth."""
 
 MIN_RANGE_FLOP = 5e11
 """The least attention work (``4 Nq Nk D`` per query head) of one range: about 1 ms of the H200 at cuDNN's
@@ -339,7 +345,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
     entry = _BY_NAME[chosen.kernel]
     if variant.shift == "pasa":
         call.constants = shift_constants(float(beta), k.shape[2], chosen.block_n, q.dtype, float(scale))
-    ranges = _key_ranges(call, chosen, entry) if chosen.prepass in COPYING_PREPASSES else ()
+    ranges = _key_ranges(call, chosen) if chosen.prepass in COPYING_PREPASSES else ()
     if len(ranges) <= 1:  # one launch over the whole call: the tensors as they are, no views
         _run(entry, call, chosen)
         return out
@@ -348,18 +354,19 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
     return out
 
 
-def key_chunks(k: torch.Tensor, out: torch.Tensor, written: int | None = None,
-               kept: float = 1.0) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+def key_chunks(k: torch.Tensor, out: torch.Tensor, written: int | None = None, kept: float = 1.0,
+               share: float | None = None) -> list[tuple[tuple[int, int], tuple[int, int]]]:
     """The ``((b0, b1), (h0, h1))`` ranges of batch and kv head that a call with a pre-pass writing ``written``
     bytes (default: a copy of ``k``) runs one after the other: the fewest that keep one range's share of those
-    bytes within :data:`PREPASS_SHARE` of ``out``'s bytes, but no more than the call's work (``kept`` of the dense
-    work: a block mask's share of the blocks) fills at :data:`MIN_RANGE_FLOP` each (one range of whole batches, or one of heads within a batch element, at
-    least one head; ranges of one kind have equal sizes but the last, and ranges of heads are counted per
-    batch element, which can add a range to each)."""
+    bytes within ``share`` (default :data:`PREPASS_SHARE`) of ``out``'s bytes, but no more than the call's work
+    (``kept`` of the dense work: a block mask's share of the blocks) fills at :data:`MIN_RANGE_FLOP` each (one
+    range of whole batches, or one of heads within a batch element, at least one head; ranges of one kind have
+    equal sizes but the last, and ranges of heads are counted per batch element, which can add a range to each)."""
     batch, h_k = k.shape[:2]
     heads = batch * h_k
     written = k.numel() * k.element_size() if written is None else written
-    fit = max(1, int(PREPASS_SHARE * out.numel() * out.element_size() * heads // max(written, 1)))
+    share = PREPASS_SHARE if share is None else share
+    fit = max(1, int(share * out.numel() * out.element_size() * heads // max(written, 1)))
     work = 4.0 * out.shape[2] * k.shape[2] * k.shape[3] * out.shape[1] * batch * kept
     ranges = max(1, min(cdiv(heads, fit), int(work // MIN_RANGE_FLOP)))
     if ranges == 1:
@@ -375,26 +382,26 @@ def key_chunks(k: torch.Tensor, out: torch.Tensor, written: int | None = None,
 _RANGES: dict[tuple, list] = {}
 
 
-def _key_ranges(call: Call, plan: Plan, entry: Kernel) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+def _key_ranges(call: Call, plan: Plan) -> list[tuple[tuple[int, int], tuple[int, int]]]:
     """:func:`key_chunks` of ``call`` under ``plan``'s pre-pass (the 8-bit one's bytes from
     ``quantize.written_bytes``) and of the share of blocks its block mask keeps where the mask knows it
     (``BlockSparseMask.kept_share``; not known: every block), kept per what it reads (the shapes and dtypes, the
-    pre-pass and its options, that share, and the two module constants it is ruled by, which a test or a script
+    pre-pass and its options, that share, and the module constants it is ruled by, which a test or a script
     may change)."""
     q, k, out = call.q, call.k, call.out
-    split = _splits(call, entry)
     mask = call.block_mask
     kept = 1.0 if mask is None or mask.kept_share is None else mask.kept_share
-    key = (q.shape, k.shape, k.dtype, out.shape, out.dtype, plan.prepass, plan.pv_bits, call.fallback, split, kept,
-           PREPASS_SHARE, MIN_RANGE_FLOP)
+    key = (q.shape, k.shape, k.dtype, out.shape, out.dtype, plan.prepass, plan.pv_bits, call.fallback, kept,
+           PREPASS_SHARE, QUANTIZE_SHARE, MIN_RANGE_FLOP)
     found = _RANGES.get(key)
     if found is None:
         if len(_RANGES) >= PLAN_CACHE_SIZE:
             _RANGES.clear()
-        written = None
+        written, share = None, PREPASS_SHARE
         if plan.prepass == "quantize":
-            written = quantize.written_bytes(q, k, call.v, pv_bits=plan.pv_bits, fallback=call.fallback, split=split)
-        found = _RANGES[key] = key_chunks(k, out, written, kept)
+            written = quantize.written_bytes(q, k, call.v, pv_bits=plan.pv_bits, fallback=call.fallback)
+            share = QUANTIZE_SHARE
+        found = _RANGES[key] = key_chunks(k, out, written, kept, share)
     return found
 
 
@@ -421,20 +428,14 @@ def _shift(call: Call, plan: Plan, entry: Kernel) -> bool:
 
 
 def _quantize(call: Call, plan: Plan, entry: Kernel) -> bool:
-    """The 8-bit pre-pass: ``call.prep`` (``quantize.prepare``; the 16-bit blocks' ``hi``/``lo`` keys where the entry
-    asks, ``split``, and the fallback is on); ``False`` (nothing to launch) for an empty output."""
+    """The 8-bit pre-pass: ``call.prep`` (``quantize.prepare``); ``False`` (nothing to launch) for an empty
+    output."""
     if call.out.numel() == 0:
         return False
     fallback = call.fallback
     call.prep = quantize.prepare(call.q, call.k, call.v, scale=call.scale, pv_bits=plan.pv_bits, fallback=fallback,
-                                 split=_splits(call, entry), tally=block_tally.counter(call.q.device) if fallback else None)
+                                 tally=block_tally.counter(call.q.device) if fallback else None)
     return True
-
-
-def _splits(call: Call, entry: Kernel) -> bool:
-    """Whether the 8-bit pre-pass writes each key's ``hi`` and ``lo`` for ``entry``: where it asks and the 16-bit
-    blocks are on."""
-    return entry.prepass_options.get("split", False) and call.fallback
 
 
 PREPASS_RUNS = {"centre": _centre, "shift": _shift, "quantize": _quantize}

@@ -3,17 +3,17 @@
 
 One Gluon kernel, :func:`int8_fwd_gluon_kernel`, its launch wrapper :func:`forward` and
 :func:`unsuitable_reason`.  It reads the pre-pass's outputs (``quantize.prepare``: the codes, their scales and
-corrections, the centres, V8^T with its channel scales for FP8 ``P V``, the flags of the 16-bit blocks and
-those blocks' ``hi``/``lo`` keys) and computes ``reference_int8.attention_from_codes`` as ``int8.int8_fwd_kernel``
-does, up to fp32 rounding (FMA contraction, ``ex2.approx``, the tensor cores' sums; under the lazy rescale the
-``p`` are rounded at another offset).  The tiles come in the spec's order (step 4c, the pre-pass's ``order`` and
-``coded``): the coded blocks' tiles first, in a loop with no branch on a flag, then the flagged blocks' tiles
-in a loop of their own.  With a block mask (``SPARSE``, ``block_sparse.BlockSparseMask``) a program visits only
-its query block's kept key blocks, one ``BLOCK_N = 128`` tile each, in the same order per query block
-(:func:`visit_order`: the kept coded blocks ascending, then the kept flagged ones); a query block that keeps
-none gets zeros and ``lse = -inf``.  Per key tile of ``BLOCK_N`` keys inside centre block ``b`` (``qk_scale = u``, the
-spec's ``fp32(scale) log2(e)`` in fp32, ``a_i = q_scale_i qk_scale / DP``, ``mu_u_i = mu_i qk_scale``, per key
-``ks_j``, ``sigma_j``, ``uA_j``):
+corrections, the centres, V8^T with its channel scales for FP8 ``P V``, the flags of the 16-bit blocks; those
+blocks read the input keys, which the consumers split into ``hi``/``lo`` themselves) and computes
+``reference_int8.attention_from_codes`` as ``int8.int8_fwd_kernel`` does, up to fp32 rounding (FMA contraction,
+``ex2.approx``, the tensor cores' sums; under the lazy rescale the ``p`` are rounded at another offset).  The tiles
+come in the spec's order (step 4c, the pre-pass's ``order`` and ``coded``): the coded blocks' tiles first, in a
+loop with no branch on a flag, then the flagged blocks' tiles in a loop of their own.  With a block mask
+(``SPARSE``, ``block_sparse.BlockSparseMask``) a program visits only its query block's kept key blocks, one
+``BLOCK_N = 128`` tile each, in the same order per query block (:func:`visit_order`: the kept coded blocks
+ascending, then the kept flagged ones); a query block that keeps none gets zeros and ``lse = -inf``.  Per key tile
+of ``BLOCK_N`` keys inside centre block ``b`` (``qk_scale = u``, the spec's ``fp32(scale) log2(e)`` in fp32, ``a_i
+= q_scale_i qk_scale / DP``, ``mu_u_i = mu_i qk_scale``, per key ``ks_j``, ``sigma_j``, ``uA_j``):
 
     r      = qk_scale fp32(q . c_b)                       (per row: column b mod 16 of a (64, 16) wgmma over the
                                                            centres of b's group of 16 blocks, redone when the
@@ -41,7 +41,7 @@ Partitions (``gl.warp_specialize``; one program = ``64 NUM_CONSUMERS`` query row
   (``g``, for ``q . c_b`` and the 16-bit blocks; its buffer takes the output at the end); per key tile
   ``i`` in visiting order into stage ``i % NUM_STAGES``: for a coded tile the key codes with the 16 centre
   rows of its block's group and the tile's ``ks``, ``sigma``, ``uA`` (1-d copies; ``k_ready``); for a flagged
-  tile the centre rows alone, and its ``hi`` and ``lo`` (``g``) into the one-stage wide ring (``w_ready`` /
+  tile the centre rows alone, and its keys (``g``) into the one-stage wide ring (``w_ready`` /
   ``w_empty``, phase = the count of flagged tiles before it); then v (``g``, or V8^T's (DP, BLOCK_N) e4m3 box;
   ``v_ready``).
 - ``NUM_CONSUMERS`` consumer warpgroups of 64 rows, FA3's overlapped loop (:func:`_key_loop`,
@@ -57,7 +57,8 @@ Partitions (``gl.warp_specialize``; one program = ``64 NUM_CONSUMERS`` query row
 Shared memory per program: q codes (64, DP) int8 and q (64, DP) ``g`` per consumer, and two ``P8`` tiles per
 consumer with FP8 (16-column dummies without); the rings k codes (NUM_STAGES, BLOCK_N, DP) int8, centres
 (NUM_STAGES, 16, DP) ``g``, v (NUM_STAGES, BLOCK_N, DP) ``g`` or V8^T (NUM_STAGES, DP, BLOCK_N) e4m3, ks, sigma,
-uA (NUM_STAGES, BLOCK_N) fp32; hi, lo (BLOCK_N, DP) ``g`` with ``FALLBACK`` (16-row dummies without).  Registers
+uA (NUM_STAGES, BLOCK_N) fp32; hi (the keys as copied, split in place), lo (BLOCK_N, DP) ``g`` with ``FALLBACK``
+(16-row dummies without).  Registers
 per consumer (NVMMA v3, 64 rows): I (64, BLOCK_N) int32, z the same in fp32, p in ``g`` (the A operand of ``P V``
 from registers) or e4m3, acc (64, DP) fp32 (and FP8's per-tile product, the same), rc (64, 16) fp32; ks, sigma,
 uA (BLOCK_N,) fp32 read from shared memory per tile; a_i, mu_u (64,) fp32 loaded once.
@@ -67,13 +68,13 @@ codes (and zero V8 columns) and get ``z = -inf`` (``MASK_N``); rows past ``N_Q``
 the store.
 
 Barriers as ``hopper.py``'s (its module docstring states the protocol); ``w_ready`` / ``w_empty`` follow it
-with the count of flagged tiles in place of the tile index; ``turn`` (one per consumer) carries the ping-pong's
+with the count of flagged tiles in place of the tile index, and ``w_split`` (count: the consumers) holds each
+consumer until all have split their rows of the tile; ``turn`` (one per consumer) carries the ping-pong's
 turns (``gluon_common.wait_turn``).
 """
 from __future__ import annotations
 
 import functools
-from types import MappingProxyType
 
 import torch
 import triton.language as tl
@@ -93,12 +94,16 @@ __all__ = ["int8_fwd_gluon_kernel", "forward", "kernel_call", "unsuitable_reason
 LAZY_RESCALE = tl.constexpr(8.0)
 """The growth of a row's maximum (log2 units) past which the lazy rescale moves it: ``p <= 2^8``, far inside
 fp16's and bf16's range (FlashAttention-4's threshold)."""
-CONFIGS = {64: {"BLOCK_N": 128, "num_stages": 2, "consumers": 2, "lazy": False, "pingpong": False},
+CONFIGS = {64: {"BLOCK_N": 128, "num_stages": 2, "consumers": 2, "lazy": False, "pingpong": True},
            128: {"BLOCK_N": 128, "num_stages": 2, "consumers": 2, "lazy": False, "pingpong": False}}
 """The config per DP for more than :data:`SHORT_KEYS` keys: 128-key tiles, two consumers, the eager rescale
-(the fastest on the H200; the measurements: docs/notes/int8_kernel.md)."""
+(the fastest on the H200); the consumers' GEMMs in turns at DP 64, where they gain 6-11 % at SVD's 2304 and 9216
+keys and break even at CogVideoX's 17776 (H100), not at DP 128, where the instruction count sets the time (the
+measurements: docs/notes/int8_kernel.md)."""
 SHORT_KEYS_CONFIG = {"BLOCK_N": 64, "num_stages": 3, "consumers": 3, "lazy": False, "pingpong": False}
 """The config at DP 64 for at most :data:`SHORT_KEYS` keys: 64-key tiles, three consumers (docs/notes/int8_kernel.md)."""
+SPLIT_ROWS = tl.constexpr(16)
+"""Rows of a flagged tile's keys one consumer splits into ``hi`` and ``lo`` at a time (:func:`_split_keys`)."""
 
 
 @gluon_jit
@@ -138,15 +143,15 @@ def _tile_start(visits, first, j, n, BLOCK_N: gl.constexpr, SHIFT_BLOCK_N: gl.co
 @gluon_jit
 def _producer(descs, q_bufs, q8_bufs, q_ready, ring, bars, visits, off_z, off_hq, off_hk, start_m, key_row, a_row,
               SHIFT_BLOCK_N: gl.constexpr, FALLBACK: gl.constexpr, SPARSE: gl.constexpr, PV_FP8: gl.constexpr):
-    """TMA copies only (module docstring).  ``descs = (q, q codes, k codes, v, centres, hi, lo, ks, sigma, A)``,
+    """TMA copies only (module docstring).  ``descs = (q, q codes, k codes, v, centres, keys, ks, sigma, A)``,
     ``ring = (k codes, v, centres, hi, lo, ks, sigma, A)``, ``bars = (k_ready, k_empty, v_ready, v_empty,
-    w_ready, w_empty, turn)``; ``visits = (order, stride, coded blocks, coded tiles, 16-bit tiles)`` (the kernel's
-    prologue: :func:`int8_fwd_gluon_kernel`); ``key_row``,
+    w_ready, w_empty, w_split, turn)``; ``visits = (order, stride, coded blocks, coded tiles, 16-bit tiles)``
+    (the kernel's prologue: :func:`int8_fwd_gluon_kernel`); ``key_row``,
     ``a_row``: the element of key 0 of this key head in the flat (1-d) ``ks``, ``sigma`` and of this query head
     in ``A``.  Ring slot ``i`` counts the coded tiles, then the 16-bit ones."""
-    desc_q, desc_q8, desc_k, desc_v, desc_c, desc_hi, desc_lo, desc_ks, desc_sig, desc_a = descs
+    desc_q, desc_q8, desc_k, desc_v, desc_c, desc_kw, desc_ks, desc_sig, desc_a = descs
     k_bufs, v_bufs, c_bufs, hi_buf, lo_buf, ks_bufs, sig_bufs, a_bufs = ring
-    k_ready, k_empty, v_ready, v_empty, w_ready, w_empty, turn = bars
+    k_ready, k_empty, v_ready, v_empty, w_ready, w_empty, w_split, turn = bars
     coded_blocks, n_coded, n_16 = visits[2], visits[3], visits[4]
     NUM_CONSUMERS: gl.constexpr = q_bufs.shape[0]
     NUM_STAGES: gl.constexpr = k_bufs.shape[0]
@@ -162,7 +167,7 @@ def _producer(descs, q_bufs, q8_bufs, q_ready, ring, bars, visits, off_z, off_hq
                                         q8_bufs.index(w))
     kc_bytes: gl.constexpr = (desc_k.block_type.nbytes + desc_c.block_type.nbytes + 2 * desc_ks.block_type.nbytes
                               + desc_a.block_type.nbytes)
-    w_bytes: gl.constexpr = desc_hi.block_type.nbytes + desc_lo.block_type.nbytes
+    w_bytes: gl.constexpr = desc_kw.block_type.nbytes
     for i in range(n_coded):
         stage = i % NUM_STAGES
         phase = (i // NUM_STAGES) & 1
@@ -177,7 +182,7 @@ def _producer(descs, q_bufs, q8_bufs, q_ready, ring, bars, visits, off_z, off_hq
         tma.async_copy_global_to_shared(desc_sig, [key_row + start_n], k_ready.index(stage), sig_bufs.index(stage))
         tma.async_copy_global_to_shared(desc_a, [a_row + start_n], k_ready.index(stage), a_bufs.index(stage))
         _copy_v(desc_v, v_bufs, v_ready, v_empty, off_z, off_hk, start_n, i, PV_FP8)
-    if FALLBACK:  # the 16-bit tiles: their centres in the ring, their hi and lo in the one-stage wide ring
+    if FALLBACK:  # the 16-bit tiles: their centres in the ring, their keys in the one-stage wide ring
         for j in range(n_16):
             i = n_coded + j
             stage = i % NUM_STAGES
@@ -188,8 +193,7 @@ def _producer(descs, q_bufs, q8_bufs, q_ready, ring, bars, visits, off_z, off_hq
                                             k_ready.index(stage), c_bufs.index(stage))
             mbarrier.wait(w_empty.index(0), (j & 1) ^ 1)
             mbarrier.expect(w_ready.index(0), w_bytes)
-            tma.async_copy_global_to_shared(desc_hi, [off_z, off_hk, start_n, 0], w_ready.index(0), hi_buf)
-            tma.async_copy_global_to_shared(desc_lo, [off_z, off_hk, start_n, 0], w_ready.index(0), lo_buf)
+            tma.async_copy_global_to_shared(desc_kw, [off_z, off_hk, start_n, 0], w_ready.index(0), hi_buf)
             _copy_v(desc_v, v_bufs, v_ready, v_empty, off_z, off_hk, start_n, i, PV_FP8)
 
 
@@ -220,6 +224,31 @@ def _coded_logits(i_sum, key_vecs, a_i, mu_u, s_layout: gl.constexpr):
     ua_j = au_buf.load(col_layout)
     i_f = gl.convert_layout(i_sum.to(gl.float32), s_layout)
     return (i_f * ks[None, :]) * a_i[:, None] + (mu_u[:, None] * sig[None, :] + ua_j[None, :])
+
+
+@gluon_jit
+def _split_keys(hi_buf, lo_buf, c_tile, start_n, SHIFT_BLOCK_N: gl.constexpr, WG: gl.constexpr,
+                NUM_CONSUMERS: gl.constexpr):
+    """Consumer ``WG``'s share of a flagged tile's split (``reference_int8`` step 4b): the raw keys ``k`` (``g``,
+    as copied into ``hi_buf``) become ``kc = fp32(k) - fp32(c_b)``, ``hi = round_g(kc)`` (in place) and ``lo =
+    round_g(kc - hi)`` (into ``lo_buf``), the pre-pass's roundings.  ``c_b`` is row ``b mod 16`` of the centre
+    tile (``b`` the tile's block; picked by a masked sum, exact).  The rows go in chunks of :data:`SPLIT_ROWS`,
+    chunk ``c`` to consumer ``c mod NUM_CONSUMERS``; the stores are fenced for the tensor cores.  (Padded columns
+    and keys past ``N_K`` arrive as zeros: their ``kc`` is 0, or ``-c_b`` in keys that ``MASK_N`` drops.)"""
+    BLOCK_N: gl.constexpr = hi_buf.shape[0]
+    C_ROWS: gl.constexpr = c_tile.shape[0]
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    rows = gl.arange(0, C_ROWS, layout=gl.SliceLayout(1, layout))
+    own = (rows == (start_n // SHIFT_BLOCK_N) % C_ROWS)[:, None]
+    c_b = gl.sum(gl.where(own, c_tile.load(layout).to(gl.float32), 0.0), axis=0)
+    for c in gl.static_range(BLOCK_N // SPLIT_ROWS):
+        if c % NUM_CONSUMERS == WG:
+            k = hi_buf.slice(c * SPLIT_ROWS, SPLIT_ROWS).load(layout)
+            kc = k.to(gl.float32) - c_b[None, :]
+            hi = kc.to(k.dtype)
+            hi_buf.slice(c * SPLIT_ROWS, SPLIT_ROWS).store(hi)
+            lo_buf.slice(c * SPLIT_ROWS, SPLIT_ROWS).store((kc - hi.to(gl.float32)).to(k.dtype))
+    fence_async_shared()
 
 
 @gluon_jit
@@ -335,7 +364,7 @@ def _key_loop(q, q8, ring, bars, row_vecs, visits, m_i, l_i, acc, rc, rc_group, 
     Under ``PINGPONG`` consumer ``WG`` issues its GEMMs (``I_i`` with ``P_{i-1} V_{i-1}``) in turns with the
     other consumers (``gluon_common.wait_turn``), so that one's softmax runs under another's GEMMs.
     Returns ``(acc, m_i, l_i, rc, rc_group)``."""
-    k_ready, k_empty, v_ready, v_empty, w_ready, w_empty, turn = bars
+    k_ready, k_empty, v_ready, v_empty, w_ready, w_empty, w_split, turn = bars
     v_bufs = ring[1]
     n = visits[3]
     BLOCK_N: gl.constexpr = i_zero.shape[1]
@@ -416,7 +445,7 @@ def _key_loop_fp8(q, q8, ring, bars, row_vecs, visits, p_bufs, P_BASE: gl.conste
     to a fresh fp32 tile ``t`` (the tensor cores keep about 22 bits inside one FP8 product), promoted after the
     wait as ``acc = alpha acc + t``; ``WG``, ``PINGPONG`` as there.  Returns ``(acc, m_i, l_i, rc, rc_group)``
     (``acc`` without V's channel scales)."""
-    k_ready, k_empty, v_ready, v_empty, w_ready, w_empty, turn = bars
+    k_ready, k_empty, v_ready, v_empty, w_ready, w_empty, w_split, turn = bars
     v_bufs = ring[1]
     n = visits[3]
     BLOCK_N: gl.constexpr = i_zero.shape[1]
@@ -461,13 +490,15 @@ def _key_loop_fp8(q, q8, ring, bars, row_vecs, visits, p_bufs, P_BASE: gl.conste
 
 @gluon_jit
 def _sixteen_bit_loop(q, ring, bars, visits, p_buf, m_i, l_i, acc, rc, rc_group, N_K, qk_scale,
-                      SHIFT_BLOCK_N: gl.constexpr, MASK_N: gl.constexpr, SPARSE: gl.constexpr, PV_FP8: gl.constexpr):
+                      SHIFT_BLOCK_N: gl.constexpr, MASK_N: gl.constexpr, SPARSE: gl.constexpr, PV_FP8: gl.constexpr,
+                      WG: gl.constexpr):
     """The flagged tiles after the coded ones (``reference_int8`` step 4c), on the same running state and
-    synchronous (no product in flight, no overlap: they are the rare case).  Per tile: ``r``, the 16-bit pair
-    ``z = qk_scale fp32(q . hi + q . lo)`` once ``w_ready``, its softmax and ``P V`` (``p`` from registers, or
-    FP8 ``P8`` through ``p_buf``).  ``visits`` as :func:`_producer`'s; ring slots continue after the coded
-    tiles'.  Returns ``(acc, m_i, l_i)``."""
-    k_ready, k_empty, v_ready, v_empty, w_ready, w_empty, turn = bars
+    synchronous (no product in flight, no overlap: they are the rare case).  Per tile: ``r``; once ``w_ready`` this
+    consumer's share of the keys' split (:func:`_split_keys`), then, once every consumer's share is in
+    (``w_split``), the 16-bit pair ``z = qk_scale fp32(q . hi + q . lo)``; its softmax and ``P V`` (``p`` from
+    registers, or FP8 ``P8`` through ``p_buf``).  ``visits`` as :func:`_producer`'s; ring slots continue after the
+    coded tiles'.  Returns ``(acc, m_i, l_i)``."""
+    k_ready, k_empty, v_ready, v_empty, w_ready, w_empty, w_split, turn = bars
     k_bufs, v_bufs, c_bufs, hi_buf, lo_buf = ring[0], ring[1], ring[2], ring[3], ring[4]
     coded_blocks, n_coded, n = visits[2], visits[3], visits[4]
     NUM_STAGES: gl.constexpr = k_bufs.shape[0]
@@ -490,6 +521,10 @@ def _sixteen_bit_loop(q, ring, bars, visits, p_buf, m_i, l_i, acc, rc, rc_group,
         r, rc, rc_group = _centre_logits(q, c_bufs.index(stage).reshape([C_ROWS, DP]), rc, rc_group, start_n,
                                          qk_scale, SHIFT_BLOCK_N, row_layout)
         mbarrier.wait(w_ready.index(0), j & 1)
+        _split_keys(hi_buf, lo_buf, c_bufs.index(stage).reshape([C_ROWS, DP]), start_n, SHIFT_BLOCK_N, WG,
+                    turn.shape[0])
+        mbarrier.arrive(w_split.index(0))
+        mbarrier.wait(w_split.index(0), j & 1)
         z = _logits_16(q, hi_buf, lo_buf, qk_scale, s_layout)
         mbarrier.arrive(w_empty.index(0))
         release(k_empty, i)
@@ -564,7 +599,7 @@ def _consumer(desc_o, q_tile, q8_tile, q_ready, ring, bars, row_ptrs, vs_ptr, vi
                                                     LAZY, WG, PINGPONG)
     if FALLBACK:
         acc, m_i, l_i = _sixteen_bit_loop(q, ring, bars, visits, p_bufs.index(P_BASE), m_i, l_i, acc, rc, rc_group,
-                                          N_K, qk_scale, SHIFT_BLOCK_N, MASK_N, SPARSE, PV_FP8)
+                                          N_K, qk_scale, SHIFT_BLOCK_N, MASK_N, SPARSE, PV_FP8, WG)
     if STORE_LSE:
         lse = m_i + gl.log2(l_i)
         if PV_FP8:
@@ -586,7 +621,7 @@ def _consumer(desc_o, q_tile, q8_tile, q_ready, ring, bars, row_ptrs, vs_ptr, vi
 
 @gluon_jit(do_not_specialize=["N_Q", "N_K"])
 def int8_fwd_gluon_kernel(
-    desc_q, desc_q8, desc_k, desc_v, desc_c, desc_hi, desc_lo, desc_ks, desc_sig, desc_a, desc_o,
+    desc_q, desc_q8, desc_k, desc_v, desc_c, desc_kw, desc_ks, desc_sig, desc_a, desc_o,
     qs_ptr, mu_ptr, vs_ptr, flag_ptr, order_ptr, coded_ptr, lse_ptr,
     H_Q, KV_GROUP, N_Q, N_K, N_ROW, qk_scale,
     mc_ptr, mi_ptr, stride_mcz, stride_mch, stride_mcq, stride_miz, stride_mih, stride_miq, stride_mij,
@@ -601,8 +636,8 @@ def int8_fwd_gluon_kernel(
 
     Descriptors (host, 4-d (B, H, N, DP) boxes (1, 1, rows, DP)): q and out (``g``, 64 rows), q codes (int8,
     64 rows), k codes (int8, BLOCK_N rows), v (``g``, BLOCK_N rows; with ``PV_FP8`` V8^T (B, Hk, DP, Nk) e4m3,
-    boxes (1, 1, DP, BLOCK_N)), centres (B, Hk, blocks, DP) in ``g`` (16 rows), hi and lo (``g``, BLOCK_N
-    rows; read only with ``FALLBACK``).  Pointers (contiguous fp32): ``q_scale``, ``mu`` (B, Hq, Nq),
+    boxes (1, 1, DP, BLOCK_N)), centres (B, Hk, blocks, DP) in ``g`` (16 rows), the keys (``g``,
+    BLOCK_N rows; read only with ``FALLBACK``).  Pointers (contiguous fp32): ``q_scale``, ``mu`` (B, Hq, Nq),
     ``k_scale``, ``sigma`` (B, Hk, Nk), ``A`` (B, Hq, Nk), ``vs`` (B, Hk, DP) (read with ``PV_FP8``); ``flag``
     (B, Hq, blocks) int8, ``order`` (B, Hq, blocks) and ``coded`` (B, Hq) int32 (the visiting order, read with
     ``FALLBACK``); ``lse`` (B, Hq, Nq) fp32, written with ``STORE_LSE``.  With ``SPARSE`` the program visits the
@@ -650,9 +685,9 @@ def int8_fwd_gluon_kernel(
     k_bufs = gl.allocate_shared_memory(desc_k.dtype, [NUM_STAGES] + desc_k.block_type.shape, desc_k.layout)
     v_bufs = gl.allocate_shared_memory(desc_v.dtype, [NUM_STAGES] + desc_v.block_type.shape, desc_v.layout)
     c_bufs = gl.allocate_shared_memory(desc_c.dtype, [NUM_STAGES] + desc_c.block_type.shape, desc_c.layout)
-    wide: gl.constexpr = [desc_hi.block_type.shape[2], desc_hi.block_type.shape[3]]  # (BLOCK_N or 16, DP)
-    hi_buf = gl.allocate_shared_memory(desc_hi.dtype, [1, 1, 1] + wide, desc_hi.layout)
-    lo_buf = gl.allocate_shared_memory(desc_lo.dtype, [1, 1, 1] + wide, desc_lo.layout)
+    wide: gl.constexpr = [desc_kw.block_type.shape[2], desc_kw.block_type.shape[3]]  # (BLOCK_N or 16, DP)
+    hi_buf = gl.allocate_shared_memory(desc_kw.dtype, [1, 1, 1] + wide, desc_kw.layout)
+    lo_buf = gl.allocate_shared_memory(desc_kw.dtype, [1, 1, 1] + wide, desc_kw.layout)
     ks_bufs = gl.allocate_shared_memory(desc_ks.dtype, [NUM_STAGES] + desc_ks.block_type.shape, desc_ks.layout)
     sig_bufs = gl.allocate_shared_memory(desc_sig.dtype, [NUM_STAGES] + desc_sig.block_type.shape, desc_sig.layout)
     a_bufs = gl.allocate_shared_memory(desc_a.dtype, [NUM_STAGES] + desc_a.block_type.shape, desc_a.layout)
@@ -665,6 +700,7 @@ def int8_fwd_gluon_kernel(
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     w_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     w_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    w_split = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
     for w in gl.static_range(NUM_CONSUMERS):
         mbarrier.init(q_ready.index(w), count=1)
@@ -676,11 +712,12 @@ def int8_fwd_gluon_kernel(
         mbarrier.init(v_empty.index(st), count=NUM_CONSUMERS)
     mbarrier.init(w_ready.index(0), count=1)
     mbarrier.init(w_empty.index(0), count=NUM_CONSUMERS)
+    mbarrier.init(w_split.index(0), count=NUM_CONSUMERS)
 
-    descs = (desc_q, desc_q8, desc_k, desc_v, desc_c, desc_hi, desc_lo, desc_ks, desc_sig, desc_a)
+    descs = (desc_q, desc_q8, desc_k, desc_v, desc_c, desc_kw, desc_ks, desc_sig, desc_a)
     ring = (k_bufs, v_bufs, c_bufs, hi_buf.index(0).reshape(wide), lo_buf.index(0).reshape(wide), ks_bufs, sig_bufs,
             a_bufs)
-    bars = (k_ready, k_empty, v_ready, v_empty, w_ready, w_empty, turn)
+    bars = (k_ready, k_empty, v_ready, v_empty, w_ready, w_empty, w_split, turn)
     # The partition lists written out per consumer count (hopper.py says why: constexprs in a named tuple).
     gl.static_assert(NUM_CONSUMERS == 2 or NUM_CONSUMERS == 3, "partition lists are written for 2 and 3 consumers")
     if NUM_CONSUMERS == 2:
@@ -727,12 +764,13 @@ def shared_bytes(cfg: dict, dp: int, element_size: int, fallback: bool, pv_bits:
     ring = cfg["num_stages"] * dp * (cfg["BLOCK_N"] * (1 + v_size) + CENTRE_ROWS * element_size)
     q += cfg["consumers"] * 2 * ROWS_PER_CONSUMER * (cfg["BLOCK_N"] if pv_bits == 8 else 16)  # the P8 tiles
     wide = 2 * (cfg["BLOCK_N"] if fallback else CENTRE_ROWS) * dp * element_size
-    return q + ring + wide + 8 * (2 * cfg["consumers"] + 4 * cfg["num_stages"] + 2)
+    return q + ring + wide + 8 * (2 * cfg["consumers"] + 4 * cfg["num_stages"] + 3)
 
 
-def unsuitable_reason(q: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, pv_bits: int) -> str | None:
+def unsuitable_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *,
+                      pv_bits: int) -> str | None:
     """Why this kernel cannot take an 8-bit call, in words, or ``None``: it needs an sm_90 GPU with Gluon 3.6,
-    fp16 or bf16, a head dim of ``gluon_common.HEAD_DIMS``, and TMA-addressable q, v, out (``P V`` in 16 bits
+    fp16 or bf16, a head dim of ``gluon_common.HEAD_DIMS``, and TMA-addressable q, k, v, out (``P V`` in 16 bits
     or FP8: the pre-pass lays V8 out for it)."""
     reason = sm90_problem(q.device)
     if reason is not None:
@@ -740,7 +778,7 @@ def unsuitable_reason(q: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *, pv
     reason = operand_problem(q)
     if reason is not None:
         return reason
-    return descriptor_layout_problem((("q", q), ("v", v), ("out", out)))
+    return descriptor_layout_problem((("q", q), ("k", k), ("v", v), ("out", out)))
 
 
 _CONFIGS: dict[tuple, dict] = {}
@@ -828,17 +866,15 @@ def visit_order(mask: BlockSparseMask, flags: torch.Tensor) -> tuple[BlockSparse
 def kernel_call(q: torch.Tensor, prep, out: torch.Tensor, *, scale: float, config: dict | None = None,
                 lse: torch.Tensor | None = None,
                 block_mask: BlockSparseMask | None = None) -> tuple[tuple[int], tuple, dict]:
-    """``(grid, args, meta)`` of ``int8_fwd_gluon_kernel[grid](*args, **meta)`` on ``prep`` (``quantize.Prepared``,
-    with ``k_split`` where it has flags), with ``block_mask`` (checked against the call by ``dispatch``) the
+    """``(grid, args, meta)`` of ``int8_fwd_gluon_kernel[grid](*args, **meta)`` on ``prep`` (``quantize.Prepared``;
+    its keys ``prep.k`` are read in the flagged tiles), with ``block_mask`` (checked against the call by
+    ``dispatch``) the
     kept blocks' walk (:func:`visit_order` where ``prep`` has flags); split from :func:`forward` so that a
     compile check builds exactly this launch from meta tensors."""
     batch, h_q, n_q, _ = q.shape
     h_k, n_k, dp = prep.k_codes.shape[1:]
     fallback = prep.flags is not None
     pv_bits = 16 if prep.v_scale is None else 8
-    if fallback and prep.k_split is None:
-        raise ValueError("hopper_int8.forward: prep has flags but no k_split (quantize.prepare(..., split=True) writes "
-                         "the 16-bit blocks' hi and lo)")
     element_size = q.element_size()
     sparse = block_mask is not None
     cfg = kept_config(_CONFIGS, config, (dp, n_k <= SHORT_KEYS, element_size, fallback, pv_bits, sparse),
@@ -846,8 +882,7 @@ def kernel_call(q: torch.Tensor, prep, out: torch.Tensor, *, scale: float, confi
     block_n = cfg["BLOCK_N"]
     maxnreg, consumer_regs = registers(cfg["consumers"])
     c_g = prep.centres.to(q.dtype)  # exact: the centres are values of the inputs' dtype
-    hi, lo = (prep.k_split[0], prep.k_split[1]) if fallback else (c_g, c_g)
-    wide_rows = block_n if fallback else CENTRE_ROWS
+    wide = (prep.k, block_n) if fallback else (c_g, CENTRE_ROWS)  # a 16-row dummy without the 16-bit tiles
     coded = prep.coded
     if sparse and fallback:
         block_mask, coded = visit_order(block_mask, prep.flags)
@@ -856,7 +891,7 @@ def kernel_call(q: torch.Tensor, prep, out: torch.Tensor, *, scale: float, confi
     args = (descriptor(q, ROWS_PER_CONSUMER, dp), descriptor(prep.q_codes, ROWS_PER_CONSUMER, dp),
             descriptor(prep.k_codes, block_n, dp),
             descriptor(prep.v, dp, block_n) if pv_bits == 8 else descriptor(prep.v, block_n, dp),
-            descriptor(c_g, CENTRE_ROWS, dp), descriptor(hi, wide_rows, dp), descriptor(lo, wide_rows, dp),
+            descriptor(c_g, CENTRE_ROWS, dp), descriptor(*wide, dp),
             _row_descriptor(prep.k_scale, block_n), _row_descriptor(prep.sigma, block_n),
             _row_descriptor(prep.au, block_n), descriptor(out, ROWS_PER_CONSUMER, dp),
             prep.q_scale, prep.mu, prep.q_scale if pv_bits == 16 else prep.v_scale, *tiles,
@@ -874,10 +909,10 @@ def kernel_call(q: torch.Tensor, prep, out: torch.Tensor, *, scale: float, confi
 def forward(q: torch.Tensor, prep, out: torch.Tensor, *, scale: float, config: dict | None = None,
             lse: torch.Tensor | None = None, block_mask: BlockSparseMask | None = None) -> torch.Tensor:
     """Write ``softmax(scale q k^T) v`` of the 8-bit exact shift into ``out`` from ``quantize.prepare``'s outputs
-    (with ``split=True`` where the 16-bit blocks are on) and return it.
+    and return it; the flagged tiles' keys are split into ``hi`` and ``lo`` from ``prep.k`` in the kernel.
 
-    q: (B, Hq, Nq, D), out: (B, Hq, Nq, D), ``prep.v`` (B, Hk, Nk, D): fp16 or bf16 on an sm_90 GPU, head dim
-    in ``gluon_common.HEAD_DIMS``, TMA-addressable (:func:`unsuitable_reason` returned ``None``); config:
+    q: (B, Hq, Nq, D), ``prep.k``, ``prep.v`` (B, Hk, Nk, D), out: (B, Hq, Nq, D): fp16 or bf16 on an sm_90 GPU,
+    head dim in ``gluon_common.HEAD_DIMS``, TMA-addressable (:func:`unsuitable_reason` returned ``None``); config:
     ``BLOCK_N`` (64 / 128), ``num_stages``, ``consumers`` (2 / 3), ``lazy``, ``pingpong``, missing keys from
     :func:`tuned_config`;
     lse: ``None`` or a contiguous fp32 (B, Hq, Nq) tensor for the natural-log log-sum-exp.
@@ -902,7 +937,7 @@ def unsuitable(call: Call) -> str | None:
     took 10.8 / 4.91 / 2.92 and 31.6 ms."""
     if INTERPRET:
         return "Triton's interpreter runs no Gluon"
-    reason = unsuitable_reason(call.q, call.v, call.out, pv_bits=call.bits)
+    reason = unsuitable_reason(call.q, call.k, call.v, call.out, pv_bits=call.bits)
     if reason is None and call.kernel == "auto":
         if call.config is not None:
             return "a config tunes the portable-int8 kernel"
@@ -913,10 +948,9 @@ def unsuitable(call: Call) -> str | None:
 
 
 def launch(call: Call, plan: Plan) -> None:
-    """:func:`forward` on the quantizing pre-pass's outputs (``call.prep``, with the split keys)."""
+    """:func:`forward` on the quantizing pre-pass's outputs (``call.prep``) and the call's keys."""
     forward(call.q, call.prep, call.out, scale=call.scale, config=call.config, lse=call.lse,
             block_mask=call.block_mask)
 
 
-ENTRY = Kernel("gluon-int8", ("int8", "fp8"), ("exact",), launch, unsuitable, prepass="quantize",
-               prepass_options=MappingProxyType({"split": True}))
+ENTRY = Kernel("gluon-int8", ("int8", "fp8"), ("exact",), launch, unsuitable, prepass="quantize")

@@ -213,23 +213,21 @@ def _quantize_queries(q_ptr, qbar_ptr, qc_ptr, qs_ptr, mu_ptr, qstat_ptr, task,
 
 @triton.jit
 def _quantize_keys(k_ptr, v_ptr, qbar_ptr, v_inv_ptr, kc_ptr, ks_ptr, sig_ptr, au_ptr, c_ptr, v8_ptr, kstat_ptr,
-                   split_ptr, task, u,
+                   task, u,
                    stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
                    stride_cz, stride_ch, stride_cn, stride_sz, stride_sh, stride_az, stride_ah,
-                   stride_oz, stride_oh, stride_oj, stride_v8z, stride_v8h, stride_v8d, split_half,
+                   stride_oz, stride_oh, stride_oj, stride_v8z, stride_v8h, stride_v8d,
                    H_K, KV_GROUP, N_K, n_blocks,
                    HEAD_DIM: tl.constexpr, DP: tl.constexpr, LOG2_DP: tl.constexpr, BLOCK_R: tl.constexpr,
-                   PV_FP8: tl.constexpr, SPLIT: tl.constexpr, INTERPRET_BF16: tl.constexpr,
-                   INTERPRET_FP8: tl.constexpr):
+                   PV_FP8: tl.constexpr, INTERPRET_BF16: tl.constexpr, INTERPRET_FP8: tl.constexpr):
     """One block ``b`` of ``BLOCK_R`` (= the centre block) keys: ``c_b = round_g(round_fp32(colsum_fp64 /
     n_b))``, ``kc = k - c_b`` (fp32, 0 past ``N_K`` and ``HEAD_DIM``), ``w = fwht(kc)``, ``sigma = w[:, 0]``,
     ``w[:, 0] = 0``, :func:`_codes`; ``u A_h`` with ``A_h = fp32(sum_d fp64(fp32(qbar_h kc)))`` and ``u`` the fp32
     ``common.log2_units(scale)`` (as the portable attention kernel forms it from its argument) for each of the
     ``KV_GROUP`` query heads reading this key head (the bias term both attention kernels add as is); the block's means of ``s_k^2`` and ``|w|^2`` (fp64, the
     fallback's statistics, (B, Hk, blocks, 2)); with ``PV_FP8`` the block's V as ``e4m3(v (448 / amax))``,
-    stored transposed (B, Hk, DP, Nk) for the ``P V`` dot; with ``SPLIT`` the 16-bit blocks' keys ``hi =
-    round_g(kc)``, ``lo = round_g(kc - hi)`` (``g``; (2, B, Hk, Nk, DP) contiguous, ``split_half`` elements
-    apart) for the Gluon kernel, which reads its operands from memory (the portable one splits in place)."""
+    stored transposed (B, Hk, DP, Nk) for the ``P V`` dot.  (A flagged block's keys are split into ``hi`` and
+    ``lo`` by the attention kernels themselves.)"""
     pid_bh = task // n_blocks
     blk = task % n_blocks
     start = blk * BLOCK_R
@@ -247,7 +245,7 @@ def _quantize_keys(k_ptr, v_ptr, qbar_ptr, v_inv_ptr, kc_ptr, ks_ptr, sig_ptr, a
     mean = (tl.sum(k32.to(tl.float64), axis=0) / n_b).to(tl.float32)
     c = round_to(mean, k_blk.dtype, INTERPRET_BF16).to(tl.float32)
     kc = tl.where(mask, k32 - c[None, :], 0.0)
-    # A before the transform: kc need not outlive it (unless SPLIT), ~70 fewer registers at DP 128
+    # A before the transform: kc need not outlive it, ~70 fewer registers at DP 128
     h_q0 = pid_bh * KV_GROUP  # (batch, first query head of the group) flattened: batch * H_Q + head
     for g in range(0, KV_GROUP):
         qbar = tl.load(qbar_ptr + (h_q0 + g).to(tl.int64) * DP + offs_c)
@@ -255,11 +253,6 @@ def _quantize_keys(k_ptr, v_ptr, qbar_ptr, v_inv_ptr, kc_ptr, ks_ptr, sig_ptr, a
         tl.store(au_ptr + off_z * stride_az + (off_h * KV_GROUP + g) * stride_ah + offs_r, a * u,
                  mask=r_valid)
     w = _fwht(kc, BLOCK_R, DP, LOG2_DP)
-    if SPLIT:
-        hi, lo = _split(kc, k_blk.dtype, INTERPRET_BF16)
-        split = split_ptr + (pid_bh.to(tl.int64) * N_K + offs_r[:, None]) * DP + offs_c[None, :]
-        tl.store(split, hi, mask=r_valid[:, None])
-        tl.store(split + split_half, lo, mask=r_valid[:, None])
     sigma, w = _column0(w, offs_c)
     codes, scale = _codes(w)
     tl.store(kc_ptr + off_z * stride_cz + off_h * stride_ch + offs_r[:, None] * stride_cn + offs_c[None, :], codes,
@@ -283,15 +276,14 @@ def _quantize_keys(k_ptr, v_ptr, qbar_ptr, v_inv_ptr, kc_ptr, ks_ptr, sig_ptr, a
 @triton.jit(do_not_specialize=["N_Q", "N_K"])
 def quantize_kernel(q_ptr, k_ptr, v_ptr, qbar_ptr, v_inv_ptr,
                     qc_ptr, qs_ptr, mu_ptr, qstat_ptr, kc_ptr, ks_ptr, sig_ptr, au_ptr, c_ptr, v8_ptr, kstat_ptr,
-                    split_ptr, u,
+                    u,
                     stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
                     stride_qcz, stride_qch, stride_qcm, stride_qsz, stride_qsh,
                     stride_kcz, stride_kch, stride_kcn, stride_ksz, stride_ksh, stride_az, stride_ah,
-                    stride_oz, stride_oh, stride_oj, stride_v8z, stride_v8h, stride_v8d, split_half,
+                    stride_oz, stride_oh, stride_oj, stride_v8z, stride_v8h, stride_v8d,
                     H_Q, H_K, N_Q, N_K, q_blocks, k_blocks, q_tasks,
                     HEAD_DIM: tl.constexpr, DP: tl.constexpr, LOG2_DP: tl.constexpr, BLOCK_R: tl.constexpr,
-                    PV_FP8: tl.constexpr, SPLIT: tl.constexpr, INTERPRET_BF16: tl.constexpr,
-                    INTERPRET_FP8: tl.constexpr):
+                    PV_FP8: tl.constexpr, INTERPRET_BF16: tl.constexpr, INTERPRET_FP8: tl.constexpr):
     """The fused pre-pass: programs ``[0, q_tasks)`` quantize one block of ``BLOCK_R`` queries each
     (:func:`_quantize_queries`), the rest one block of keys (and V) each (:func:`_quantize_keys`).  Grid:
     (B Hq ceil(Nq / BLOCK_R) + B Hk ceil(Nk / BLOCK_R),)."""
@@ -302,11 +294,11 @@ def quantize_kernel(q_ptr, k_ptr, v_ptr, qbar_ptr, v_inv_ptr,
                           H_Q, N_Q, q_blocks, HEAD_DIM, DP, LOG2_DP, BLOCK_R)
     else:
         _quantize_keys(k_ptr, v_ptr, qbar_ptr, v_inv_ptr, kc_ptr, ks_ptr, sig_ptr, au_ptr, c_ptr, v8_ptr, kstat_ptr,
-                       split_ptr, pid - q_tasks, u,
+                       pid - q_tasks, u,
                        stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
                        stride_kcz, stride_kch, stride_kcn, stride_ksz, stride_ksh, stride_az, stride_ah,
-                       stride_oz, stride_oh, stride_oj, stride_v8z, stride_v8h, stride_v8d, split_half,
-                       H_K, H_Q // H_K, N_K, k_blocks, HEAD_DIM, DP, LOG2_DP, BLOCK_R, PV_FP8, SPLIT,
+                       stride_oz, stride_oh, stride_oj, stride_v8z, stride_v8h, stride_v8d,
+                       H_K, H_Q // H_K, N_K, k_blocks, HEAD_DIM, DP, LOG2_DP, BLOCK_R, PV_FP8,
                        INTERPRET_BF16, INTERPRET_FP8)
 
 
@@ -379,8 +371,7 @@ class Prepared(NamedTuple):
     the input keys (a flagged block reads them), ``q_stats`` (B, Hq, 2) and ``k_stats`` (B, Hk, blocks, 2)
     fp64 (``reference_int8``'s ``stats``), ``flags`` (B, Hq, blocks) int8 (1: in 16 bits; None: every block
     from the codes) with ``order`` (B, Hq, blocks) int32 and ``coded`` (B, Hq) int32 (``reference_int8.block_order``:
-    the coded blocks ascending, then the flagged ones; None with ``flags``); ``k_split`` (2, B, Hk, Nk, DP) in the inputs' dtype: each key's ``hi`` and ``lo`` of
-    ``k - c_b`` for the Gluon kernel's 16-bit blocks (None unless ``prepare(..., split=True)``)."""
+    the coded blocks ascending, then the flagged ones; None with ``flags``)."""
 
     q_codes: torch.Tensor
     q_scale: torch.Tensor
@@ -399,7 +390,6 @@ class Prepared(NamedTuple):
     flags: torch.Tensor | None
     order: torch.Tensor | None
     coded: torch.Tensor | None
-    k_split: torch.Tensor | None = None
 
 
 def _prepass_warps(dp: int) -> int:
@@ -420,8 +410,8 @@ class Scratch(NamedTuple):
     v_inv: torch.Tensor | None
 
 
-def allocate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, pv_bits: int = 16, fallback: bool = True,
-             split: bool = False) -> tuple[Prepared, Scratch]:
+def allocate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, pv_bits: int = 16,
+             fallback: bool = True) -> tuple[Prepared, Scratch]:
     """Empty pre-pass outputs and statistics for these inputs, on their device (``meta`` too)."""
     batch, h_q, n_q, d = q.shape
     h_k, n_k = k.shape[1], k.shape[2]
@@ -446,20 +436,19 @@ def allocate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, pv_bits: int 
         k_stats=empty(batch, h_k, k_blocks, 2, dtype=torch.float64),
         flags=empty(batch, h_q, k_blocks, dtype=torch.int8) if fallback else None,
         order=empty(batch, h_q, k_blocks, dtype=torch.int32) if fallback else None,
-        coded=empty(batch, h_q, dtype=torch.int32) if fallback else None,
-        k_split=empty(2, batch, h_k, n_k, dp, dtype=k.dtype) if split else None)
+        coded=empty(batch, h_q, dtype=torch.int32) if fallback else None)
     scratch = Scratch(empty(batch * h_q, q_blocks, dp, dtype=torch.float64),
                       empty(batch * h_q, q_blocks, 2, dtype=torch.float64),
                       empty(batch * h_k, k_blocks, dp) if fp8 else None, empty(batch, h_k, dp) if fp8 else None)
     return prep, scratch
 
 
-def written_bytes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, pv_bits: int = 16, fallback: bool = True,
-                  split: bool = False) -> int:
+def written_bytes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, pv_bits: int = 16,
+                  fallback: bool = True) -> int:
     """The bytes :func:`prepare` allocates for these inputs (the storage of :func:`allocate`'s tensors, the inputs it
     passes through not counted), read from an allocation on the ``meta`` device."""
     meta = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in (q, k, v)]
-    prep, scratch = allocate(*meta, pv_bits=pv_bits, fallback=fallback, split=split)
+    prep, scratch = allocate(*meta, pv_bits=pv_bits, fallback=fallback)
     written = (t for t in (*prep, *scratch) if t is not None and all(t is not given for given in meta))
     return sum(t.untyped_storage().nbytes() for t in written)
 
@@ -474,15 +463,14 @@ def quantize_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prep: Prepa
     q_blocks, k_blocks = cdiv(n_q, SHIFT_BLOCK), cdiv(n_k, SHIFT_BLOCK)
     v8 = prep.v if fp8 else prep.k_codes  # unread in 16 bits
     v_inv = scratch.v_inv if fp8 else prep.qbar
-    split = prep.k_split is not None
     q_tasks = batch * h_q * q_blocks
     args = (q, k, v, prep.qbar, v_inv, prep.q_codes, prep.q_scale, prep.mu, scratch.q_stat_part, prep.k_codes,
             prep.k_scale, prep.sigma, prep.au, prep.centres, v8, prep.k_stats,
-            prep.k_split if split else k, log2_units(scale),
+            log2_units(scale),
             *strides3(q), *strides3(k), *strides3(v), *strides3(prep.q_codes), *prep.q_scale.stride()[:2],
             *strides3(prep.k_codes), *prep.k_scale.stride()[:2], *prep.au.stride()[:2], *strides3(prep.centres),
-            *strides3(v8), prep.k_split[0].numel() if split else 0, h_q, h_k, n_q, n_k, q_blocks, k_blocks, q_tasks)
-    meta = dict(HEAD_DIM=d, DP=dp, LOG2_DP=dp.bit_length() - 1, BLOCK_R=SHIFT_BLOCK, PV_FP8=fp8, SPLIT=split,
+            *strides3(v8), h_q, h_k, n_q, n_k, q_blocks, k_blocks, q_tasks)
+    meta = dict(HEAD_DIM=d, DP=dp, LOG2_DP=dp.bit_length() - 1, BLOCK_R=SHIFT_BLOCK, PV_FP8=fp8,
                 INTERPRET_BF16=INTERPRET and q.dtype == torch.bfloat16, INTERPRET_FP8=INTERPRET,
                 num_warps=_prepass_warps(dp))
     return (q_tasks + batch * h_k * k_blocks,), args, meta
@@ -500,15 +488,14 @@ def flags_call(prep: Prepared, scratch: Scratch, *, scale: float, tally: torch.T
 
 
 def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, pv_bits: int = 16,
-            fallback: bool = True, split: bool = False, tally: torch.Tensor | None = None) -> Prepared:
+            fallback: bool = True, tally: torch.Tensor | None = None) -> Prepared:
     """The pre-pass (launches 1-4 of the module docstring) for (B, H, N, D) q, k, v with unit stride in D;
     ``fallback``: which key blocks go to 16 bits at this ``scale`` (launch 4), their count added to ``tally``
     (an int64 ``[blocks, blocks in 16 bits]`` tensor on q's device: the caller's, ``dispatch.forward`` passes
-    ``block_tally``'s; ``None``: a counter of this call alone); ``split``: also every key's ``hi`` and ``lo``
-    (``Prepared.k_split``, for the Gluon kernel)."""
+    ``block_tally``'s; ``None``: a counter of this call alone)."""
     batch, h_q, n_q, d = q.shape
     h_k, n_k = k.shape[1], k.shape[2]
-    prep, scratch = allocate(q, k, v, pv_bits=pv_bits, fallback=fallback, split=split)
+    prep, scratch = allocate(q, k, v, pv_bits=pv_bits, fallback=fallback)
     dp = prep.k_codes.shape[-1]
     bf16 = q.dtype == torch.bfloat16
     warps = _prepass_warps(dp)
