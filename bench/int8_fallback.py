@@ -86,11 +86,12 @@ def _int8_method(fallback: bool, kernel: str, config: dict | None = None, pv_bit
                                         pv_bits=pv_bits)
         call()
         share = block_tally.counts()["share"] if fallback else 0.0
-        return harness.Prepared(call, f"{100 * share:.0f} % of blocks in 16 bits", {"share_16_bit": share})
+        ran = "" if config is None else f"; ran {_ran_label(config, q, k)}"
+        return harness.Prepared(call, f"{100 * share:.0f} % of blocks in 16 bits{ran}", {"share_16_bit": share})
     tiles = "" if config is None else " " + _config_label(config)
-    pv = "" if pv_bits == 16 else ", FP8 P V"
     whole = ", one launch" if one_launch else ""
-    return harness.Method(f"int8 {kernel}{tiles}{pv}, fallback {'on' if fallback else 'off'}{whole}", "ours", build)
+    return harness.Method(f"int8 {kernel}{tiles}{_pv_label(pv_bits)}, fallback {'on' if fallback else 'off'}{whole}",
+                          "ours", build)
 
 
 def _kernel_alone_method(config: dict | None, pv_bits: int) -> harness.Method:
@@ -99,10 +100,15 @@ def _kernel_alone_method(config: dict | None, pv_bits: int) -> harness.Method:
     def build(q, k, v):
         out, scale = torch.empty_like(q), q.shape[-1] ** -0.5
         prep = quantize.prepare(q, k, v, scale=scale, pv_bits=pv_bits)
-        return harness.Prepared(lambda: hopper_int8.forward(q, prep, out, scale=scale, config=config), "", {})
+        return harness.Prepared(lambda: hopper_int8.forward(q, prep, out, scale=scale, config=config),
+                                f"ran {_ran_label(config or {}, q, k)}", {})
     tiles = "tuned" if config is None else _config_label(config)
-    pv = "" if pv_bits == 16 else ", FP8 P V"
-    return harness.Method(f"int8 gluon kernel alone, {tiles}{pv}", "ours", build)
+    return harness.Method(f"int8 gluon kernel alone, {tiles}{_pv_label(pv_bits)}", "ours", build)
+
+
+def _pv_label(pv_bits: int) -> str:
+    """A row name's ``P V`` precision: nothing for 16 bits, ``, FP8 P V`` for 8."""
+    return "" if pv_bits == 16 else ", FP8 P V"
 
 
 def _prepass_method() -> harness.Method:
@@ -142,6 +148,12 @@ def _config_label(config: dict) -> str:
     if "pingpong" in config:
         label += " pingpong" if config["pingpong"] else " nopingpong"
     return label
+
+
+def _ran_label(config: dict, q: torch.Tensor, k: torch.Tensor) -> str:
+    """The config the Gluon kernel runs for ``config`` at these inputs: its keys over the tuned config of the head
+    dim and key count (``hopper_int8.tuned_config``), so that a row says every word, the tuned ones included."""
+    return _config_label({**hopper_int8.tuned_config(q.shape[-1], k.shape[2]), **config})
 
 
 def _pv_bits(text: str) -> list[int]:

@@ -58,6 +58,20 @@ def test_int8_fallback_gluon_configs_take_words(capsys):
     assert stop.value.code == 2 and "'128,2,2,pingpang': expected BLOCK_N,STAGES,CONSUMERS" in capsys.readouterr().err
 
 
+def test_int8_fallback_rows_say_the_config_that_ran():
+    """A ``--gluon-configs`` entry leaves out what the tuned config fills in (the turns are on at head dim 64, off
+    at 128): the row's note names the config the kernel ran, every word."""
+    from bench import int8_fallback
+
+    config = int8_fallback._gluon_config("128,2,2")
+    for d, turns in ((64, "pingpong"), (128, "nopingpong")):
+        q = torch.empty(1, 2, 4096, d, device="meta")
+        assert int8_fallback._ran_label(config, q, q) == f"128,2,2 eager {turns}"
+    q = torch.empty(1, 2, 4096, 64, device="meta")
+    no_turns = int8_fallback._gluon_config("128,2,2,nopingpong")
+    assert int8_fallback._ran_label(no_turns, q, q) == "128,2,2 eager nopingpong"
+
+
 def test_int8_fallback_one_launch_lifts_the_ranges_and_puts_them_back():
     """``bench.int8_fallback --one-launch`` times the 8-bit path with the router's ranges lifted: inside, a call the
     router splits at Wan 2.1's shape runs in one range; after, the share is the router's again."""
