@@ -386,8 +386,8 @@ def _key_ranges(call: Call, plan: Plan) -> list[tuple[tuple[int, int], tuple[int
     """:func:`key_chunks` of ``call`` under ``plan``'s pre-pass (the 8-bit one's bytes from
     ``quantize.written_bytes``) and of the share of blocks its block mask keeps where the mask knows it
     (``BlockSparseMask.kept_share``; not known: every block), kept per what it reads (the shapes and dtypes, the
-    pre-pass and its options, that share, and the module constants it is ruled by, which a test or a script
-    may change)."""
+    pre-pass, ``P V``'s bits and the fallback, that share, and the module constants it is ruled by, which a test
+    or a script may change)."""
     q, k, out = call.q, call.k, call.out
     mask = call.block_mask
     kept = 1.0 if mask is None or mask.kept_share is None else mask.kept_share

@@ -58,10 +58,10 @@ Shared memory per program: q codes (64, DP) int8 and q (64, DP) ``g`` per consum
 consumer with FP8 (16-column dummies without); the rings k codes (NUM_STAGES, BLOCK_N, DP) int8, centres
 (NUM_STAGES, 16, DP) ``g``, v (NUM_STAGES, BLOCK_N, DP) ``g`` or V8^T (NUM_STAGES, DP, BLOCK_N) e4m3, ks, sigma,
 uA (NUM_STAGES, BLOCK_N) fp32; hi (the keys as copied, split in place), lo (BLOCK_N, DP) ``g`` with ``FALLBACK``
-(16-row dummies without).  Registers
-per consumer (NVMMA v3, 64 rows): I (64, BLOCK_N) int32, z the same in fp32, p in ``g`` (the A operand of ``P V``
-from registers) or e4m3, acc (64, DP) fp32 (and FP8's per-tile product, the same), rc (64, 16) fp32; ks, sigma,
-uA (BLOCK_N,) fp32 read from shared memory per tile; a_i, mu_u (64,) fp32 loaded once.
+(16-row dummies without).  Registers per consumer (NVMMA v3, 64 rows): I (64, BLOCK_N) int32, z the same in
+fp32, p in ``g`` (the A operand of ``P V`` from registers) or e4m3, acc (64, DP) fp32 (and FP8's per-tile product,
+the same), rc (64, 16) fp32; ks, sigma, uA (BLOCK_N,) fp32 read from shared memory per tile; a_i, mu_u (64,) fp32
+loaded once.
 ``DP`` = 64 (head dim 64) or 128 (80 .. 128): the pre-pass pads its codes to ``DP`` columns, and the copy
 engine pads q, v and the output tile past ``D`` (zeros in, clipped out).  Keys past ``N_K`` arrive as zero
 codes (and zero V8 columns) and get ``z = -inf`` (``MASK_N``); rows past ``N_Q`` are computed and dropped by
@@ -97,9 +97,9 @@ fp16's and bf16's range (FlashAttention-4's threshold)."""
 CONFIGS = {64: {"BLOCK_N": 128, "num_stages": 2, "consumers": 2, "lazy": False, "pingpong": True},
            128: {"BLOCK_N": 128, "num_stages": 2, "consumers": 2, "lazy": False, "pingpong": False}}
 """The config per DP for more than :data:`SHORT_KEYS` keys: 128-key tiles, two consumers, the eager rescale
-(the fastest on the H200); the consumers' GEMMs in turns at DP 64, where they gain 6-11 % at SVD's 2304 and 9216
-keys and break even at CogVideoX's 17776 (H100), not at DP 128, where the instruction count sets the time (the
-measurements: docs/notes/int8_kernel.md)."""
+(the fastest on the H200); the consumers' GEMMs in turns at DP 64, where they gain 5-11 % at SVD's 2304 and 9216
+keys and break even at CogVideoX's 17776 (H100, kernel alone), not at DP 128, where the instruction count sets the
+time (the measurements: docs/notes/int8_kernel.md)."""
 SHORT_KEYS_CONFIG = {"BLOCK_N": 64, "num_stages": 3, "consumers": 3, "lazy": False, "pingpong": False}
 """The config at DP 64 for at most :data:`SHORT_KEYS` keys: 64-key tiles, three consumers (docs/notes/int8_kernel.md)."""
 SPLIT_ROWS = tl.constexpr(16)
