@@ -355,6 +355,39 @@ def test_no_module_imports_itself_back():
     assert not found, f"{len(found)} import cycle(s):\n" + cycle_report(found, EDGES)
 
 
+def rebound_imports(source: str) -> list[str]:
+    """Each name ``source`` imports (at any depth) and then binds again at its top level with a ``def``, a
+    ``class`` or an assignment: ``"line N: name (imported on line M)"``.  Such a module-level name replaces the
+    imported one for every function of the module, and where the code calling it runs only on a GPU (a Gluon
+    launch) nothing on a CPU notices."""
+    tree = ast.parse(source)
+    imported: dict[str, int] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                imported.setdefault((alias.asname or alias.name).split(".")[0], node.lineno)
+    found = []
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names = [node.name]
+        elif isinstance(node, ast.Assign):
+            names = [target.id for target in node.targets if isinstance(target, ast.Name)]
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names = [node.target.id]
+        else:
+            names = []
+        found += [f"line {node.lineno}: {name} (imported on line {imported[name]})" for name in names
+                  if name in imported]
+    return found
+
+
+@pytest.mark.parametrize("folder", [PACKAGE, "bench", "tools", "scripts"])
+def test_no_module_rebinds_a_name_it_imports(folder):
+    found = {str(path.relative_to(ROOT)): rebound for path in sorted((ROOT / folder).rglob("*.py"))
+             if (rebound := rebound_imports(path.read_text()))}
+    assert not found, f"module-level names that replace an imported one: {found}"
+
+
 # ---------------------------------------------------------------------------------- the rules can fail
 
 
@@ -376,6 +409,12 @@ def test_the_rules_catch_an_upward_a_sideways_import_and_a_cycle():
     assert layer_violations(circle, layers) == []  # inside one unit: only the cycle search sees it
     assert cycles(circle) == [["lib.a.x", "lib.a.y", "lib.a.z"]]
     assert "lib.a.z imports lib.a.x" in cycle_report(cycles(circle), circle)
+
+
+def test_a_rebound_import_is_found():
+    source = ("from .launch import launch\nfrom . import rules\n\ndef run():\n    import os\n\n\n"
+              "def launch(call, plan):\n    return run()\n\nos = None\nfine = rules\n")
+    assert rebound_imports(source) == ["line 8: launch (imported on line 1)", "line 11: os (imported on line 5)"]
 
 
 SYNTHETIC = '''\
