@@ -44,6 +44,31 @@ def test_forward_only_with_grad(gen):
         assert torch.isfinite(pasa_attention(q, k, v)).all()
 
 
+def test_a_call_signature_is_checked_once(gen, monkeypatch):
+    """A repeated call signature (options, shapes, strides, dtypes, devices) skips the checks it already passed;
+    a change of any of them is checked again, an option's type included (``scale=True`` after ``scale=1``), and
+    the gradient every call."""
+    from pasa_diffusers import ops
+
+    checked = []
+    check = ops._check_signature
+    monkeypatch.setattr(ops, "_check_signature", lambda *args: checked.append(args[1].shape) or check(*args))
+    monkeypatch.setattr(ops, "_CHECKED", set())
+    q, k, v = _qkv(gen)
+    pasa_attention(q, k, v)
+    pasa_attention(q.clone(), k.clone(), v.clone())
+    assert len(checked) == 1
+    pasa_attention(q, k, v, scale=1)
+    pasa_attention(q[:, :1], k[:, :1], v[:, :1])
+    pasa_attention(q.transpose(1, 2).contiguous().transpose(1, 2), k, v)
+    assert len(checked) == 4
+    with pytest.raises(ValueError, match=r"^pasa_attention: scale must be a positive finite number, got scale=True"):
+        pasa_attention(q, k, v, scale=True)
+    q.requires_grad_(True)
+    with pytest.raises(RuntimeError, match=r"^pasa_attention: the op has no backward"):
+        pasa_attention(q, k, v)
+
+
 def test_half_needs_float16(gen):
     with pytest.raises(ValueError, match=r"dtype torch.bfloat16 is not supported for precision='half'"):
         pasa_attention(*_qkv(gen, torch.bfloat16), precision="half")
