@@ -154,19 +154,28 @@ def _worker(argv: list[str]) -> None:
 
 # ---- the tests ----------------------------------------------------------------------------------
 
+GLOO_ABORT = "terminate called without an active exception"
+"""What a gloo worker prints when it aborts in its own threads (SIGABRT): seen only while the other pytest worker
+loads both CPU cores (2 of the last 4 full suites on the 2-core machine; none alone, 20 of 20 then)."""
+
+
 def _launch(nproc: int, names: list[str], seed: int, out_dir: Path) -> dict[str, Any]:
-    """Run the worker on ``names`` in ``nproc`` gloo processes (torchrun, standalone); its results."""
+    """Run the worker on ``names`` in ``nproc`` gloo processes (torchrun, standalone); its results.  A run whose
+    worker aborted in gloo (:data:`GLOO_ABORT`) is launched once more; any other failure, or a second abort, fails."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                str(Path(__file__).resolve()), str(out_dir), str(seed), *names]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and the workers it started
-        log, _ = proc.communicate()
-        pytest.fail(f"torchrun --nproc-per-node {nproc} ran past {LAUNCH_TIMEOUT} s:\n{log[-4000:]}")
+    for attempt in range(2):
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                start_new_session=True)
+        try:
+            log, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and the workers it started
+            log, _ = proc.communicate()
+            pytest.fail(f"torchrun --nproc-per-node {nproc} ran past {LAUNCH_TIMEOUT} s:\n{log[-4000:]}")
+        if proc.returncode == 0 or GLOO_ABORT not in log:
+            break
     assert proc.returncode == 0, log[-4000:]
     return torch.load(out_dir / "results.pt", weights_only=False)
 
