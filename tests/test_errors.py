@@ -517,6 +517,28 @@ def test_ctrl_c_is_one_line_and_status_130_in_every_command(args, tmp_path):
         assert last == f"pasa {args[0]}: interrupted (Ctrl-C)", err
 
 
+def test_ctrl_c_with_a_progress_bar_open_is_a_line_of_its_own(monkeypatch, capsys, tmp_path):
+    """A SIGINT that lands after a bar is drawn but before its loop starts (so no iterator closes it: seen once in
+    the subprocess test above, under load, as ``... 0/32 [00:00<?, ?cell/s]pasa numerics: interrupted``): the open
+    bar is closed first, and the interrupt's line is a line of its own."""
+    from tqdm.auto import tqdm
+
+    from pasa_diffusers import cli
+    from pasa_diffusers.cli import numerics
+
+    bars = []
+
+    def interrupted(args):
+        bars.append(tqdm(range(32), desc="numerics", file=sys.stderr))  # drawn, never iterated, still referenced
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(numerics, "run", interrupted)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert cli.main(["numerics", "--quick", "--out", str(tmp_path)]) == 130
+    err = capsys.readouterr().err
+    assert err.replace("\r", "\n").splitlines()[-1] == "pasa numerics: interrupted (Ctrl-C)", err
+
+
 INTERRUPT_AT_IMPORT = """\
 import importlib.abc, os, pathlib, signal, sys
 

@@ -182,6 +182,15 @@ def main(argv: list[str] | None = None) -> int:
         return _main(argv)
 
 
+def _close_progress_bars() -> None:
+    """Close the progress bars an interrupt left open (a bar over a loop's items is closed only when its iterator
+    is collected), so that the interrupt's line starts on a line of its own."""
+    std = sys.modules.get("tqdm.std")
+    if std is not None:
+        for bar in list(std.tqdm._instances):
+            bar.close()
+
+
 def _main(argv: list[str]) -> int:
     prog = "pasa"
     try:
@@ -209,6 +218,7 @@ def _main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         if _debug(argv):
             raise
+        _close_progress_bars()
         print(f"{prog}: interrupted (Ctrl-C)", file=sys.stderr)
         return compare.INTERRUPTED
     except _ArgumentError as exc:
