@@ -15,6 +15,7 @@ pytest.importorskip("triton")
 from pasa_diffusers.block_sparse import BlockSparseMask  # noqa: E402
 from pasa_diffusers.kernels import gluon_common, hopper  # noqa: E402
 from pasa_diffusers.kernels.tuning import SMEM_LIMIT  # noqa: E402
+from tests.launches import LaunchRecorder  # noqa: E402
 
 
 def _inputs():
@@ -106,3 +107,19 @@ def test_descriptors_are_checked_once_per_signature_and_keep_no_tensor():
     with pytest.raises(AssertionError, match="16-byte aligned"):
         gluon_common.descriptor(misaligned, 64, 64)
     assert len(gluon_common._DESCRIPTORS) == 2
+
+
+def test_the_host_wrapper_reaches_its_launch(monkeypatch):
+    """``hopper.forward`` on meta tensors, the kernel replaced by a recorder: one launch, of what ``kernel_call``
+    builds (the only way a CPU runs the wrapper's own lines: a Gluon kernel never runs here)."""
+    recorder = LaunchRecorder()
+    monkeypatch.setattr(hopper, "exact_fwd_gluon_kernel", recorder)
+    q, k_c, v = (torch.empty(2, 4, 600, 64, dtype=torch.float16, device="meta") for _ in range(3))
+    centres = torch.empty(2, 4, 5, 64, dtype=torch.float16, device="meta")
+    out = torch.empty_like(q)
+    assert hopper.forward(q, k_c, v, centres, out, scale=0.125) is out
+    grid, args, meta = hopper.kernel_call(q, k_c, v, centres, out, scale=0.125)
+    assert len(recorder.launches) == 1
+    launched_grid, launched_args, launched_meta = recorder.launches[0]
+    assert (launched_grid, launched_meta) == (grid, meta)
+    assert [type(a) for a in launched_args] == [type(a) for a in args]

@@ -19,6 +19,7 @@ from pasa_diffusers.kernels import dispatch, gluon_common, hopper_int8, quantize
 from pasa_diffusers.kernels.common import INTERPRET  # noqa: E402
 from pasa_diffusers.kernels.tuning import SMEM_LIMIT  # noqa: E402
 from pasa_diffusers.variants import PV_BITS, Variant  # noqa: E402
+from tests.launches import LaunchRecorder  # noqa: E402
 
 INT8 = Variant("exact", "int8")
 
@@ -147,3 +148,20 @@ def test_fp8_launch_reads_v8_transposed_in_tma_boxes(n_k, head_dim):
     _, args16, meta16 = hopper_int8.kernel_call(q, prep16, torch.empty_like(q), scale=head_dim ** -0.5,
                                                 config={"lazy": True})
     assert not meta16["PV_FP8"] and meta16["LAZY"] and list(args16[3].block_shape) == [1, 1, block_n, dp]
+
+
+def test_the_host_wrapper_reaches_its_launch(monkeypatch):
+    """``hopper_int8.forward`` on the pre-pass's outputs as meta tensors, the kernel replaced by a recorder
+    (``tests.launches.LaunchRecorder``): one launch, of what ``kernel_call`` builds."""
+    recorder = LaunchRecorder()
+    monkeypatch.setattr(hopper_int8, "int8_fwd_gluon_kernel", recorder)
+    q, k, v = (torch.empty(2, 4, 600, 64, dtype=torch.bfloat16, device="meta") for _ in range(3))
+    for pv_bits in PV_BITS:
+        prep, _ = quantize.allocate(q, k, v, pv_bits=pv_bits, fallback=True)
+        out = torch.empty_like(q)
+        assert hopper_int8.forward(q, prep, out, scale=0.125) is out
+        grid, args, meta = hopper_int8.kernel_call(q, prep, out, scale=0.125)
+        launched_grid, launched_args, launched_meta = recorder.launches[-1]
+        assert (launched_grid, launched_meta) == (grid, meta)
+        assert [type(a) for a in launched_args] == [type(a) for a in args]
+    assert len(recorder.launches) == len(PV_BITS)
