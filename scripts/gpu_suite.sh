@@ -5,6 +5,10 @@
 #
 #     OUT=out/gpu_suite SHARDS=4 bash scripts/gpu_suite.sh [extra pytest arguments, e.g. -k temporal]
 #     SUITE_SECONDS=420 bash scripts/gpu_suite.sh      # under a time limit: no test starts after 420 s
+#     SHARDS=14 SHARD_RANGE=0-6 bash scripts/gpu_suite.sh   # shards 0..6 of 14 only; SHARD_RANGE=7-13 the rest
+#
+# SHARD_RANGE (first-last, default all) runs part of the split, so that a suite longer than one call's time limit
+# runs whole in two calls of half the shards each, the same SHARDS in both (the split depends on it alone).
 #
 # SHARDS unset: one shard per 10 GiB of the first GPU's memory, at most one per CPU (14 on an H200, 7 on an H100:
 # a shard's tests peak near 10-16 GiB; 10 shards ran an H100's 80 GiB out of memory in 48 tests, 7 in 2 of 678,
@@ -42,14 +46,24 @@ if [[ -z "${SHARDS:-}" ]]; then
     SHARDS=4
   fi
 fi
+first=0
+last=$(( SHARDS - 1 ))
+if [[ -n "${SHARD_RANGE:-}" ]]; then
+  if [[ ! "$SHARD_RANGE" =~ ^([0-9]+)-([0-9]+)$ ]] || (( BASH_REMATCH[1] > BASH_REMATCH[2] || BASH_REMATCH[2] >= SHARDS )); then
+    echo "$0: SHARD_RANGE=$SHARD_RANGE must be FIRST-LAST with 0 <= FIRST <= LAST < SHARDS=$SHARDS" >&2
+    exit 2
+  fi
+  first=${BASH_REMATCH[1]}
+  last=${BASH_REMATCH[2]}
+fi
 mkdir -p "$OUT"
 ids="$OUT/test_ids.txt"
 python -m pytest tests -m gpu --collect-only -q -p no:cacheprovider "$@" \
   | grep '::' > "$ids"
-echo "$(wc -l < "$ids") tests in $SHARDS shards"
+echo "$(wc -l < "$ids") tests in $SHARDS shards$( (( first > 0 || last < SHARDS - 1 )) && echo ", running shards $first-$last")"
 
 pids=()
-for ((i = 0; i < SHARDS; i++)); do
+for ((i = first; i <= last; i++)); do
   # round-robin, then shard i starts i/SHARDS of the way into its list (wrapping round)
   awk -v n="$SHARDS" -v i="$i" 'NR % n == i { a[c++] = $0 }
       END { s = int(c * i / n); for (j = 0; j < c; j++) print a[(j + s) % c] }' "$ids" > "$OUT/shard_$i.txt"
@@ -64,7 +78,7 @@ status=0
 for pid in "${pids[@]}"; do
   wait "$pid" || status=1
 done
-for ((i = 0; i < SHARDS; i++)); do
+for ((i = first; i <= last; i++)); do
   [[ -f "$OUT/gpu_suite_$i.log" ]] && echo "shard $i: $(tail -1 "$OUT/gpu_suite_$i.log")"
 done
 if (( status != 0 )); then

@@ -112,3 +112,20 @@ def test_the_gpu_suite_starts_each_shard_at_its_own_offset(tmp_path):
         dealt = ids[(i - 1) % 3::3]  # the ids on lines i, i + 3, .. counted from 1
         start = len(dealt) * i // 3
         assert (tmp_path / "suite" / f"shard_{i}.txt").read_text().splitlines() == dealt[start:] + dealt[:start]
+
+
+@pytest.mark.slow
+def test_the_gpu_suite_runs_a_range_of_its_shards(tmp_path):
+    """``SHARD_RANGE=FIRST-LAST`` runs those shards of the same split alone (a suite in two calls: the two halves
+    hold every id once); a range outside the shards is refused in one line."""
+    if any((ROOT / ".whl").glob("*.whl")):
+        pytest.skip("this checkout carries wheels in .whl/: the suite would install them")
+    done = _suite(tmp_path, "-k", "test_gpu_gluon_kernel_matches_the_spec", SHARDS="3", SHARD_RANGE="1-2")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.splitlines()[0].endswith(" tests in 3 shards, running shards 1-2")
+    suite = tmp_path / "suite"
+    assert [path.name for path in sorted(suite.glob("shard_*.txt"))] == ["shard_1.txt", "shard_2.txt"]
+    assert [line.split(":")[0] for line in done.stdout.splitlines()[1:3]] == ["shard 1", "shard 2"]
+    refused = _suite(tmp_path, SHARDS="3", SHARD_RANGE="2-3")
+    assert (refused.returncode, refused.stdout) == (2, "")
+    assert refused.stderr.endswith("SHARD_RANGE=2-3 must be FIRST-LAST with 0 <= FIRST <= LAST < SHARDS=3\n")
