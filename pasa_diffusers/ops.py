@@ -2,8 +2,7 @@
 
 ``pasa_attention`` reads like ``torch.nn.functional.scaled_dot_product_attention``.  It checks its
 inputs once (``rules``; what a call signature fixes, its options and the tensors' shapes, strides, dtypes and
-devices, once per signature: about 26 -> 12 us of host time per call on a 2-core CPU), converts ``shift`` to its
-name once (``variants.shift_mode``), and then:
+devices, once per signature), converts ``shift`` to its name once (``variants.shift_mode``), and then:
 
 - CUDA tensors go to ``kernels.dispatch.forward``, which picks the kernel (``dispatch.plan`` says which
   and why);
@@ -137,11 +136,11 @@ def _wide(precision: str) -> torch.dtype:
 
 
 def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, precision: str, shift: str, beta: float,
-         layout: str, return_lse: bool, block_mask: BlockSparseMask | None = None, interpreting: bool | None = None
+         layout: str, return_lse: bool, block_mask: BlockSparseMask | None, interpreting: bool
          ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The op on checked arguments (``shift`` a name of ``variants.SHIFT_MODES``): the output in ``q``'s
     layout, contiguous, and with ``return_lse`` the (B, Hq, Nq) LSE (else ``None``); ``interpreting``: the caller's
-    reading of ``TRITON_INTERPRET`` (``None``: read here)."""
+    reading of ``TRITON_INTERPRET`` (:func:`_interpreting`)."""
     variant = VARIANTS[shift, precision]  # checked at the op's entry (_validate): a lookup, not a new check
     out = torch.empty(q.shape, dtype=torch.float64 if precision == "fp64" else q.dtype, device=q.device)
     lse = torch.empty(_lse_shape(q, layout), dtype=_wide(precision), device=q.device) if return_lse else None
@@ -151,7 +150,7 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, precis
         q, k, v, out_bhnd = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), out.transpose(1, 2)
     else:
         out_bhnd = out
-    if _use_kernel(q.device, precision, _interpreting() if interpreting is None else interpreting):
+    if _use_kernel(q.device, precision, interpreting):
         from .kernels import dispatch
 
         dispatch.forward(q, k, v, out_bhnd, scale=scale, variant=variant, beta=beta, lse=lse, block_mask=block_mask)
@@ -188,7 +187,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, 
                kv_indices: torch.Tensor | None = None, block_q: int = 0, block_k: int = 0) -> torch.Tensor:
     """The op's output on checked arguments (``_run`` without the LSE; the block mask as its fields)."""
     mask = _mask_of(q, k, layout, kv_counts, kv_indices, block_q, block_k)
-    return _run(q, k, v, scale, precision, shift, beta, layout, False, mask)[0]
+    return _run(q, k, v, scale, precision, shift, beta, layout, False, mask, _interpreting())[0]
 
 
 def _attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, precision: str, shift: str,
@@ -197,7 +196,7 @@ def _attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
                    block_k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The op's output and LSE on checked arguments (``_run`` with the LSE; the block mask as its fields)."""
     mask = _mask_of(q, k, layout, kv_counts, kv_indices, block_q, block_k)
-    return _run(q, k, v, scale, precision, shift, beta, layout, True, mask)
+    return _run(q, k, v, scale, precision, shift, beta, layout, True, mask, _interpreting())
 
 
 _attention_op = torch.library.custom_op("pasa::attention", _attention, mutates_args=())
