@@ -99,7 +99,7 @@ def _kernel_alone_method(config: dict | None, pv_bits: int) -> harness.Method:
     timing: no pre-pass and no ranges in the time, so that a config's effect on the kernel is not diluted."""
     def build(q, k, v):
         out, scale = torch.empty_like(q), q.shape[-1] ** -0.5
-        prep = quantize.prepare(q, k, v, scale=scale, pv_bits=pv_bits)
+        prep = quantize.prepare(q, k, v, scale=scale, pv_bits=pv_bits, bias=True)
         return harness.Prepared(lambda: hopper_int8.forward(q, prep, out, scale=scale, config=config),
                                 f"ran {_ran_label(config or {}, q, k)}", {})
     tiles = "tuned" if config is None else _config_label(config)
@@ -112,11 +112,11 @@ def _pv_label(pv_bits: int) -> str:
 
 
 def _prepass_method() -> harness.Method:
-    """The pre-pass alone (``quantize.prepare`` with the fallback's flags), so that a row's attention time is the
-    kernel's minus this."""
+    """The pre-pass alone (``quantize.prepare`` with the fallback's flags and the Gluon kernel's bias rows), so
+    that a row's attention time is the kernel's minus this."""
     def build(q, k, v):
         scale = q.shape[-1] ** -0.5
-        return harness.Prepared(lambda: quantize.prepare(q, k, v, scale=scale).q_scale, "", {})
+        return harness.Prepared(lambda: quantize.prepare(q, k, v, scale=scale, bias=True).q_scale, "", {})
     return harness.Method("int8 pre-pass alone", "ours", build)
 
 

@@ -461,7 +461,7 @@ def test_the_gluon_int8_visit_order_is_the_spec_order_per_query_block(mask_kind,
 
 def _eight_bit_launch(mask: BlockSparseMask | None, *, fallback: bool = True, config: dict | None = None):
     q, k, v = _qkv(hq=4, nk=700, d=64)
-    prep, _ = quantize.allocate(q, k, v, fallback=fallback)
+    prep, _ = quantize.allocate(q, k, v, fallback=fallback, bias=True)
     if fallback:
         prep.flags.copy_(torch.arange(prep.flags.shape[-1]) % 2)
     return prep, hopper_int8.kernel_call(q, prep, torch.empty_like(q), scale=0.125, config=config, block_mask=mask)
@@ -474,14 +474,17 @@ def test_the_gluon_int8_launch_walks_the_mask_or_its_visit_order():
     mask = BlockSparseMask.full(200, 700, heads=2)
     _, (_, _, dense) = _eight_bit_launch(None)
     assert not dense["SPARSE"] and dense["BLOCK_N"] == 64 and dense["NUM_CONSUMERS"] == 3
+    names = hopper_int8.int8_fwd_gluon_kernel.arg_names
     _, (grid, args, meta) = _eight_bit_launch(mask, fallback=False)
+    named = dict(zip(names, args))
     assert meta["SPARSE"] and meta["BLOCK_N"] == 128 and meta["NUM_CONSUMERS"] == 2 and grid == (2 * 4,)
-    assert args[23] is mask.kv_counts and args[24] is mask.kv_indices and args[-2:] == (2, 128)
+    assert named["mc_ptr"] is mask.kv_counts and named["mi_ptr"] is mask.kv_indices and args[-2:] == (2, 128)
     prep, (_, args, meta) = _eight_bit_launch(mask)
+    named = dict(zip(names, args))
     lists, coded = hopper_int8.visit_order(mask, prep.flags)
     assert meta["SPARSE"] and meta["FALLBACK"]
-    assert torch.equal(args[15], coded) and torch.equal(args[23], lists.kv_counts)
-    assert torch.equal(args[24], lists.kv_indices) and args[14] is prep.order
+    assert torch.equal(named["coded_ptr"], coded) and torch.equal(named["mc_ptr"], lists.kv_counts)
+    assert torch.equal(named["mi_ptr"], lists.kv_indices) and named["order_ptr"] is prep.order
     assert lists.kv_indices[0, 0, 0].tolist() == [0, 2, 4, 1, 3, 5] and coded.flatten().tolist() == [3] * 8
 
 

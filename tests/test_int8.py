@@ -304,6 +304,25 @@ def _inputs(shape, gen, bias=3.0):
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
+def _assert_bias_rows(prep):
+    """The Gluon kernel's bias rows (``Prepared.bias``): per key the bf16 parts of ``sigma`` and ``uA`` in the
+    columns ``(s1, s2, s3, s1, s2, s1, u1, u2, u3, u1, u2, u1, 0, 0, 0, 0)``, each part the bf16 of what the ones
+    before leave (RNE on a GPU; the interpreter truncates), so that the three sum to the fp32 value within 2^-21
+    of it (2^-24 with RNE)."""
+    rne = prep.bias.is_cuda
+    rows = prep.bias.float().cpu()
+    h_k = prep.sigma.shape[1]
+    sigma = prep.sigma.cpu().repeat_interleave(prep.au.shape[1] // h_k, dim=1)
+    for parts, value in ((rows[..., 0:3], sigma), (rows[..., 6:9], prep.au.cpu())):
+        if rne:
+            assert torch.equal(parts[..., 0], value.bfloat16().float())
+        error = (parts.double().sum(-1) - value.double()).abs()
+        assert (error <= 2.0 ** (-24 if rne else -21) * value.double().abs()).all(), error.max()
+        assert (parts[..., 1].abs() <= 2.0 ** -7 * parts[..., 0].abs()).all()
+    for col, twin in ((3, 0), (4, 1), (5, 0), (9, 6), (10, 7), (11, 6)):
+        assert torch.equal(rows[..., col], rows[..., twin])
+    assert not rows[..., 12:].any()
+
 
 def _assert_fallback_statistics(prep, qq, kq, scale):
     """The fallback's statistics are fp64 sums in another order than the spec's (1e-16 relative apart), so
@@ -322,11 +341,12 @@ def test_prepass_is_the_spec_bit_for_bit(case, gen):
     shape = KERNEL_CASES[case]
     q, k, v = _inputs(shape, gen)
     d, pv_bits = shape[5], shape[7]
-    prep = quantize.prepare(q, k, v, scale=d ** -0.5, pv_bits=pv_bits)
+    prep = quantize.prepare(q, k, v, scale=d ** -0.5, pv_bits=pv_bits, bias=True)
     qq = r8.quantize_queries(q)
     kq = r8.quantize_keys(k, qq.qbar)
     vq = r8.quantize_values(v, pv_bits)
     _assert_fallback_statistics(prep, qq, kq, d ** -0.5)
+    _assert_bias_rows(prep)
     assert torch.equal(prep.qbar[..., :d], qq.qbar[:, :, 0]) and not prep.qbar[..., d:].any()
     for got, want in ((prep.q_codes, qq.codes), (prep.q_scale, qq.scale), (prep.mu, qq.mu),
                       (prep.k_codes, kq.codes), (prep.k_scale, kq.scale), (prep.sigma, kq.sigma),
@@ -498,16 +518,16 @@ def test_ranges_one_after_the_other_give_the_whole_calls_bits(monkeypatch, pv_bi
 def test_ranged_calls_allocate_at_most_one_and_a_half_cudnn(shape, pv_bits):
     """At the shapes where the issue measured the 8-bit path's peak (SVD's 9216-token spatial attention: 4.2x
     cuDNN's in one launch) and the video transformers', the output plus the largest range's pre-pass writes
-    (``quantize.written_bytes`` of that range, allocated on the meta device as ``prepare`` allocates) stay
-    within 1.5x of cuDNN's output and log-sum-exp."""
+    (``quantize.written_bytes`` of that range, allocated on the meta device as ``prepare`` allocates, with the
+    Gluon kernel's bias rows) stay within 1.5x of cuDNN's output and log-sum-exp."""
     batch, h_q, h_k, n_q, n_k, d = shape
     q, out = (torch.empty(batch, h_q, n_q, d, dtype=torch.float16, device="meta") for _ in range(2))
     k, v = (torch.empty(batch, h_k, n_k, d, dtype=torch.float16, device="meta") for _ in range(2))
-    ranges = dispatch.key_chunks(k, out, quantize.written_bytes(q, k, v, pv_bits=pv_bits),
+    ranges = dispatch.key_chunks(k, out, quantize.written_bytes(q, k, v, pv_bits=pv_bits, bias=True),
                                  share=dispatch.QUANTIZE_SHARE)
     group = h_q // h_k
     most = max(quantize.written_bytes(q[b0:b1, h0 * group:h1 * group], k[b0:b1, h0:h1], v[b0:b1, h0:h1],
-                                      pv_bits=pv_bits) for (b0, b1), (h0, h1) in ranges)
+                                      pv_bits=pv_bits, bias=True) for (b0, b1), (h0, h1) in ranges)
     cudnn = out.numel() * out.element_size() + batch * h_q * n_q * 4
     assert out.numel() * out.element_size() + most <= 1.5 * cudnn, (len(ranges), most / cudnn)
 
@@ -576,10 +596,11 @@ def test_gpu_kernels_match_the_spec(case, gen):
     q, k, v = _inputs(shape, gen)
     d, pv_bits = shape[5], shape[7]
     qc, kc, vc = (t.cuda() for t in (q, k, v))
-    prep = quantize.prepare(qc, kc, vc, scale=d ** -0.5, pv_bits=pv_bits)
+    prep = quantize.prepare(qc, kc, vc, scale=d ** -0.5, pv_bits=pv_bits, bias=True)
     qq = r8.quantize_queries(q)
     kq = r8.quantize_keys(k, qq.qbar)
     _assert_fallback_statistics(prep, qq, kq, d ** -0.5)
+    _assert_bias_rows(prep)
     for got, want in ((prep.qbar[..., :d], qq.qbar[:, :, 0]), (prep.q_codes, qq.codes), (prep.q_scale, qq.scale),
                       (prep.mu, qq.mu), (prep.k_codes, kq.codes), (prep.k_scale, kq.scale), (prep.sigma, kq.sigma),
                       (prep.au, kq.a * r8.log2_units(d ** -0.5)), (prep.centres[..., :d], kq.centres)):

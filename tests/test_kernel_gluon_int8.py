@@ -54,7 +54,7 @@ def test_unsuitable_reason_names_what_is_missing():
 ])
 def test_bad_configs_are_refused_by_name(config, match):
     q, k, v = _inputs(d=128)
-    prep, _ = quantize.allocate(q, k, v)
+    prep, _ = quantize.allocate(q, k, v, bias=True)
     with pytest.raises(ValueError, match=match):
         hopper_int8.kernel_call(q, prep, torch.empty_like(q), scale=0.125, config=config)
 
@@ -64,7 +64,7 @@ def test_flagged_tiles_read_the_input_keys(fallback):
     """With the 16-bit blocks on, the launch copies the input keys in key tiles (the consumers split them into
     ``hi`` and ``lo``; the pre-pass writes no split); without, a 16-row dummy of the centres stands in."""
     q, k, v = _inputs(d=128)
-    prep, _ = quantize.allocate(q, k, v, fallback=fallback)
+    prep, _ = quantize.allocate(q, k, v, fallback=fallback, bias=True)
     _, args, meta = hopper_int8.kernel_call(q, prep, torch.empty_like(q), scale=0.125)
     keys = args[5]
     if fallback:
@@ -77,11 +77,23 @@ def test_flagged_tiles_read_the_input_keys(fallback):
 def test_per_key_vectors_are_padded_rows_for_tma(n_k):
     """The pre-pass's per-key vectors are views of rows padded to 16 bytes: what the 1-d TMA copies need."""
     q, k, v = _inputs(n=n_k)
-    prep, _ = quantize.allocate(q, k, v)
+    prep, _ = quantize.allocate(q, k, v, bias=True)
     for t in (prep.k_scale, prep.sigma, prep.au):
         assert t.shape[-1] == n_k and t.stride(1) % 4 == 0 and t.stride(1) >= n_k and t.stride(2) == 1
+    assert prep.bias.shape == (1, 2, n_k, 16) and prep.bias.dtype == torch.bfloat16
+    assert prep.bias.stride() == (2 * prep.au.stride(1) * 16, prep.au.stride(1) * 16, 16, 1)
     with pytest.raises(ValueError, match="per-key vectors must be rows padded to 16 bytes"):
         hopper_int8._row_descriptor(torch.empty(1, 2, 203), 64)
+
+
+def test_a_pre_pass_without_bias_rows_is_refused():
+    """The kernel adds its logits' bias from the pre-pass's bias rows: outputs without them (``quantize.prepare``
+    without ``bias=True``, as the portable kernel reads them) are refused by name before anything is built."""
+    q, k, v = _inputs(d=128)
+    prep, _ = quantize.allocate(q, k, v)
+    assert prep.bias is None
+    with pytest.raises(ValueError, match=r"prep has no bias rows \(prep.bias is None\)"):
+        hopper_int8.kernel_call(q, prep, torch.empty_like(q), scale=0.125)
 
 
 @pytest.mark.parametrize("head_dim", gluon_common.HEAD_DIMS)
@@ -137,14 +149,14 @@ def test_fp8_launch_reads_v8_transposed_in_tma_boxes(n_k, head_dim):
     (TMA strides), passes V's channel scales and runs the eager rescale; in 16 bits the tuned config's rescale."""
     q, k, v = _inputs(d=head_dim, n=n_k)
     dp = 64 if head_dim <= 64 else 128
-    prep, _ = quantize.allocate(q, k, v, pv_bits=8)
+    prep, _ = quantize.allocate(q, k, v, pv_bits=8, bias=True)
     assert prep.v.shape[-2:] == (dp, n_k) and prep.v.stride(2) % 16 == 0 and prep.v.stride(2) >= n_k
     _, args, meta = hopper_int8.kernel_call(q, prep, torch.empty_like(q), scale=head_dim ** -0.5)
     block_n = hopper_int8.tuned_config(head_dim, n_k)["BLOCK_N"]
     assert meta["PV_FP8"] and not meta["LAZY"] and meta["BLOCK_N"] == block_n
     assert list(args[3].block_shape) == [1, 1, dp, block_n] and args[3].base is prep.v
     assert any(arg is prep.v_scale for arg in args)
-    prep16, _ = quantize.allocate(q, k, v)
+    prep16, _ = quantize.allocate(q, k, v, bias=True)
     _, args16, meta16 = hopper_int8.kernel_call(q, prep16, torch.empty_like(q), scale=head_dim ** -0.5,
                                                 config={"lazy": True})
     assert not meta16["PV_FP8"] and meta16["LAZY"] and list(args16[3].block_shape) == [1, 1, block_n, dp]
@@ -157,7 +169,7 @@ def test_the_host_wrapper_reaches_its_launch(monkeypatch):
     monkeypatch.setattr(hopper_int8, "int8_fwd_gluon_kernel", recorder)
     q, k, v = (torch.empty(2, 4, 600, 64, dtype=torch.bfloat16, device="meta") for _ in range(3))
     for pv_bits in PV_BITS:
-        prep, _ = quantize.allocate(q, k, v, pv_bits=pv_bits, fallback=True)
+        prep, _ = quantize.allocate(q, k, v, pv_bits=pv_bits, fallback=True, bias=True)
         out = torch.empty_like(q)
         assert hopper_int8.forward(q, prep, out, scale=0.125) is out
         assert launch_signature(*recorder.launches[-1]) == launch_signature(

@@ -43,7 +43,8 @@ KV_HEADS = 4
 def cases() -> list[dict]:
     """The compile matrix: the attention kernel over its pool at head dims 64 and 128, P V in 16 and 8 bits
     (fp16 inputs; bf16 once per head dim), each also with a block mask (``sparse``: the walk over the kept key
-    blocks), and every pre-pass kernel at both head dims."""
+    blocks), and every pre-pass kernel at both head dims (the quantizing one with and without the Gluon kernel's
+    bias rows)."""
     from pasa_diffusers.kernels import int8
 
     found = []
@@ -53,10 +54,11 @@ def cases() -> list[dict]:
                 for sparse in (False, True):
                     found.append({"kernel": "attention", "d": d, "pv_bits": pv_bits, "dtype": "float16",
                                   "config": cfg, "sparse": sparse})
-            found.append({"kernel": "quantize", "d": d, "pv_bits": pv_bits, "dtype": "float16"})
+            for bias in (False, True):
+                found.append({"kernel": "quantize", "d": d, "pv_bits": pv_bits, "dtype": "float16", "bias": bias})
         found.append({"kernel": "attention", "d": d, "pv_bits": 16, "dtype": "bfloat16",
                       "config": int8.CONFIG_POOL[0]})
-        found.append({"kernel": "quantize", "d": d, "pv_bits": 16, "dtype": "bfloat16"})
+        found.append({"kernel": "quantize", "d": d, "pv_bits": 16, "dtype": "bfloat16", "bias": True})
         found.append({"kernel": "flags", "d": d, "dtype": "float16"})
         for amax in (False, True):
             found.append({"kernel": "colstats", "d": d, "amax": amax, "dtype": "float16"})
@@ -117,14 +119,15 @@ def _launch(case: dict):
     if case["kernel"] == "gluon":
         from pasa_diffusers.kernels import hopper_int8
 
-        prep, _ = quantize.allocate(q, k, v, pv_bits=case["pv_bits"], fallback=case["fallback"])
+        prep, _ = quantize.allocate(q, k, v, pv_bits=case["pv_bits"], fallback=case["fallback"], bias=True)
         block_n, stages, consumers = case["config"]
         _, args, meta = hopper_int8.kernel_call(q, prep, bnhd(h), scale=d ** -0.5, config={
             "BLOCK_N": block_n, "num_stages": stages, "consumers": consumers, "pingpong": case.get("pingpong", False)},
             block_mask=_key_head_mask(n, b) if case.get("sparse") else None)
         options = {name: meta.pop(name) for name in ("num_warps", "maxnreg")}
         return hopper_int8.int8_fwd_gluon_kernel, args, meta, options
-    prep, scratch = quantize.allocate(q, k, v, pv_bits=case.get("pv_bits", 8 if case.get("amax") else 16))
+    prep, scratch = quantize.allocate(q, k, v, pv_bits=case.get("pv_bits", 8 if case.get("amax") else 16),
+                                      bias=case.get("bias", False))
     dp = prep.k_codes.shape[-1]
     if case["kernel"] == "attention":
         out = bnhd(h)
@@ -218,7 +221,8 @@ def _what(row: dict) -> str:
         return (f"Gluon attention BLOCK_N {bn}, {s} stages, {c} consumers, "
                 f"{'with' if row['fallback'] else 'without'} 16-bit blocks, P V {row['pv_bits']}-bit{mask}")
     if row["kernel"] == "quantize":
-        return f"quantize (pre-pass), V {'e4m3' if row['pv_bits'] == 8 else 'as is'}"
+        bias = ", the Gluon kernel's bias rows" if row.get("bias") else ""
+        return f"quantize (pre-pass), V {'e4m3' if row['pv_bits'] == 8 else 'as is'}{bias}"
     if row["kernel"] == "flags":
         return "flags (16-bit blocks)"
     return f"{row['kernel']} ({'amax of v' if row['amax'] else 'sums of q'})"

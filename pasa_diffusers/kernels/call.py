@@ -131,7 +131,7 @@ class Kernel:
         prepass: the pre-pass it needs, one of :data:`PREPASSES` or ``None``, or a function of the call that
             says which.
         prepass_options: what the pre-pass writes for it: ``centres_in_keys_dtype`` (the centres in the keys'
-            dtype, not fp32).
+            dtype, not fp32), ``bias`` (the 8-bit pre-pass's bias rows, ``quantize.Prepared.bias``).
     """
 
     name: str

@@ -391,7 +391,8 @@ def _key_ranges(call: Call, plan: Plan) -> list[tuple[tuple[int, int], tuple[int
     q, k, out = call.q, call.k, call.out
     mask = call.block_mask
     kept = 1.0 if mask is None or mask.kept_share is None else mask.kept_share
-    key = (q.shape, k.shape, k.dtype, out.shape, out.dtype, plan.prepass, plan.pv_bits, call.fallback, kept,
+    bias = _BY_NAME[plan.kernel].prepass_options.get("bias", False)
+    key = (q.shape, k.shape, k.dtype, out.shape, out.dtype, plan.prepass, plan.pv_bits, call.fallback, bias, kept,
            PREPASS_SHARE, QUANTIZE_SHARE, MIN_RANGE_FLOP)
     found = _RANGES.get(key)
     if found is None:
@@ -399,7 +400,7 @@ def _key_ranges(call: Call, plan: Plan) -> list[tuple[tuple[int, int], tuple[int
             _RANGES.clear()
         written, share = None, PREPASS_SHARE
         if plan.prepass == "quantize":
-            written = quantize.written_bytes(q, k, call.v, pv_bits=plan.pv_bits, fallback=call.fallback)
+            written = quantize.written_bytes(q, k, call.v, pv_bits=plan.pv_bits, fallback=call.fallback, bias=bias)
             share = QUANTIZE_SHARE
         found = _RANGES[key] = key_chunks(k, out, written, kept, share)
     return found
@@ -428,12 +429,13 @@ def _shift(call: Call, plan: Plan, entry: Kernel) -> bool:
 
 
 def _quantize(call: Call, plan: Plan, entry: Kernel) -> bool:
-    """The 8-bit pre-pass: ``call.prep`` (``quantize.prepare``); ``False`` (nothing to launch) for an empty
-    output."""
+    """The 8-bit pre-pass: ``call.prep`` (``quantize.prepare``; the bias rows where the entry asks: ``bias``);
+    ``False`` (nothing to launch) for an empty output."""
     if call.out.numel() == 0:
         return False
     fallback = call.fallback
     call.prep = quantize.prepare(call.q, call.k, call.v, scale=call.scale, pv_bits=plan.pv_bits, fallback=fallback,
+                                 bias=entry.prepass_options.get("bias", False),
                                  tally=block_tally.counter(call.q.device) if fallback else None)
     return True
 

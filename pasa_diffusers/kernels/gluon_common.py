@@ -32,8 +32,8 @@ __all__ = ["gl", "gluon_jit", "fence_async_shared", "mbarrier", "tma", "warpgrou
            "TensorDescriptor", "GLUON_IMPORT_ERROR", "GLUON_VERSION", "HEAD_DIMS", "ROWS_PER_CONSUMER", "CENTRE_ROWS",
            "PRODUCER_WARPS", "REGISTERS_PER_SM", "PRODUCER_REGS", "SHORT_KEYS", "unavailable_reason", "sm90_problem",
            "operand_problem", "descriptor_layout_problem", "head_dim_tile", "registers", "descriptor", "kept_descriptor",
-           "kept_config", "row_shift", "round_p", "widen_p", "release", "wait_turn", "pass_turn", "kept_row",
-           "tile_start"]
+           "kept_config", "row_shift", "round_p", "widen_p", "release", "wait_turn", "pass_turn", "ring_barriers", "program_rows",
+           "kept_row", "tile_start"]
 
 GLUON_VERSION = "3.6"
 """The Triton release whose Gluon API the kernels are written for (``warp_specialize``'s signature changed in 3.6)."""
@@ -236,6 +236,43 @@ def pass_turn(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
     """Under ``PINGPONG``, hand the turn to the next consumer (one arrival on its ``turn`` barrier)."""
     if PINGPONG:
         mbarrier.arrive(turn.index((WG + 1) % turn.shape[0]))
+
+
+@gluon_jit
+def ring_barriers(NUM_STAGES: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
+    """The Hopper kernels' mbarriers, allocated and initialised: ``(q_ready, k_ready, k_empty, v_ready, v_empty,
+    turn)``.  Per consumer ``q_ready`` (its q tiles landed; count 1: the producer's expect) and ``turn`` (the
+    ping-pong's turns, :func:`wait_turn`); per ring stage ``k_ready`` / ``v_ready`` (count 1: the producer's
+    expect) and ``k_empty`` / ``v_empty`` (count ``NUM_CONSUMERS``: every consumer's :func:`release`)."""
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    for w in gl.static_range(NUM_CONSUMERS):
+        mbarrier.init(q_ready.index(w), count=1)
+        mbarrier.init(turn.index(w), count=1)
+    for st in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_ready.index(st), count=1)
+        mbarrier.init(k_empty.index(st), count=NUM_CONSUMERS)
+        mbarrier.init(v_ready.index(st), count=1)
+        mbarrier.init(v_empty.index(st), count=NUM_CONSUMERS)
+    return q_ready, k_ready, k_empty, v_ready, v_empty, turn
+
+
+@gluon_jit
+def program_rows(H_Q, KV_GROUP, N_Q, ROWS: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
+    """The Hopper kernels' program grid, ``(cdiv(N_Q, ROWS NUM_CONSUMERS) B H_Q,)`` with the query blocks of one
+    (batch, head) adjacent: this program's ``(pid_bh, off_z, off_hq, off_hk, start_m)``, its flat (batch, query
+    head), the batch, the query head and its kv head (``KV_GROUP`` query heads per kv head), and its first row."""
+    pid = gl.program_id(0)
+    num_m_blocks = gl.cdiv(N_Q, ROWS * NUM_CONSUMERS)
+    pid_m = pid % num_m_blocks
+    pid_bh = pid // num_m_blocks
+    off_z = pid_bh // H_Q
+    off_hq = pid_bh % H_Q
+    return pid_bh, off_z, off_hq, off_hq // KV_GROUP, pid_m * (ROWS * NUM_CONSUMERS)
 
 
 @gluon_jit

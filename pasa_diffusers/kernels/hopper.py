@@ -71,9 +71,9 @@ from .call import BlockSparseMask, Call, Kernel, Plan
 from .common import INTERPRET, LN2, cdiv, lse_arg, mask_args
 from .gluon_common import (CENTRE_ROWS, PRODUCER_WARPS, ROWS_PER_CONSUMER, SHORT_KEYS, descriptor,
                            descriptor_layout_problem, fence_async_shared, gl, gluon_jit, head_dim_tile, kept_config,
-                           kept_row, mbarrier, operand_problem, pass_turn, registers, release, round_p, row_shift,
-                           sm90_problem, tile_start, tma, unavailable_reason, wait_turn, warpgroup_mma,
-                           warpgroup_mma_wait, widen_p)
+                           kept_row, mbarrier, operand_problem, pass_turn, program_rows, registers, release,
+                           ring_barriers, round_p, row_shift, sm90_problem, tile_start, tma, unavailable_reason,
+                           wait_turn, warpgroup_mma, warpgroup_mma_wait, widen_p)
 from .tuning import SMEM_LIMIT
 
 __all__ = ["exact_fwd_gluon_kernel", "forward", "kernel_call", "unsuitable_reason", "tuned_config", "DEFAULT_CONFIG",
@@ -363,14 +363,7 @@ def exact_fwd_gluon_kernel(
     barriers and forks into the producer and the consumers.
     """
     rows: gl.constexpr = desc_q.block_type.shape[2]
-    pid = gl.program_id(0)
-    num_m_blocks = gl.cdiv(N_Q, rows * NUM_CONSUMERS)
-    pid_m = pid % num_m_blocks
-    pid_bh = pid // num_m_blocks
-    off_z = pid_bh // H_Q
-    off_hq = pid_bh % H_Q
-    off_hk = off_hq // KV_GROUP
-    start_m = pid_m * (rows * NUM_CONSUMERS)
+    pid_bh, off_z, off_hq, off_hk, start_m = program_rows(H_Q, KV_GROUP, N_Q, rows, NUM_CONSUMERS)
     lse_ptr += pid_bh.to(gl.int64) * N_Q
     if SPARSE:
         gl.static_assert(BLOCK_N == SHIFT_BLOCK_N, "a block mask's key tile is one centre block")
@@ -386,20 +379,7 @@ def exact_fwd_gluon_kernel(
     k_bufs = gl.allocate_shared_memory(desc_k.dtype, [NUM_STAGES] + desc_k.block_type.shape, desc_k.layout)
     v_bufs = gl.allocate_shared_memory(desc_v.dtype, [NUM_STAGES] + desc_v.block_type.shape, desc_v.layout)
     c_bufs = gl.allocate_shared_memory(desc_c.dtype, [NUM_STAGES] + desc_c.block_type.shape, desc_c.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
-    for w in gl.static_range(NUM_CONSUMERS):
-        mbarrier.init(q_ready.index(w), count=1)
-        mbarrier.init(turn.index(w), count=1)
-    for st in gl.static_range(NUM_STAGES):
-        mbarrier.init(k_ready.index(st), count=1)
-        mbarrier.init(k_empty.index(st), count=NUM_CONSUMERS)
-        mbarrier.init(v_ready.index(st), count=1)
-        mbarrier.init(v_empty.index(st), count=NUM_CONSUMERS)
+    q_ready, k_ready, k_empty, v_ready, v_empty, turn = ring_barriers(NUM_STAGES, NUM_CONSUMERS)
 
     descs = (desc_q, desc_k, desc_v, desc_c)
     ring = (k_bufs, v_bufs, c_bufs)

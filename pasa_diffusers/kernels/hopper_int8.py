@@ -20,10 +20,14 @@ of ``BLOCK_N`` keys inside centre block ``b`` (``qk_scale = u``, the spec's ``fp
                                                            group changes)
     I      = q_codes k_codes^T                            (INT8 wgmma, exact int32; to fp32 exactly:
                                                            |I| <= 128 127^2 < 2^24)
-    z      = (I ks_j) a_i + (mu_u_i sigma_j + uA_j)       (uA_j = qk_scale A_j from the pre-pass)
+    d      = fp32(I) ks_j + (mu_u_i / a_i) sigma_j + (1 / a_i) uA_j
+                                                          (the bias on the tensor cores: one bf16 wgmma, K = 16,
+                                                           of the row factors' and the pre-pass's bias rows'
+                                                           bf16 parts onto fp32(I) ks_j; uA_j = qk_scale A_j)
+    z      = a_i d  = (I ks_j) a_i + (mu_u_i sigma_j + uA_j)
              or, in a flagged block, qk_scale fp32(q . hi + q . lo)       (two 16-bit wgmmas)
-    m_s    = rowmax z,  m_blk = m_s + r,  m_new = max(m_i, m_blk)
-    x      = z - (m_s - (m_blk - m_new)),  alpha = exp2(m_i - m_new)
+    m_s    = rowmax z  (a_i rowmax d),  m_blk = m_s + r,  m_new = max(m_i, m_blk)
+    x      = z - (m_s - (m_blk - m_new))  (one FMA from d),  alpha = exp2(m_i - m_new)
     16 bits: p = round_g(exp2(x)),               acc = alpha acc + p v_blk
     FP8:     p = e4m3(exp2(x + P_SHIFT)),        acc = alpha acc + fp32(p V8_blk)   (a fresh accumulator per tile)
     l_i    = alpha l_i + rowsum(exp2(x) [+ P_SHIFT]) in fp32 before the rounding,  m_i = m_new
@@ -40,28 +44,30 @@ Partitions (``gl.warp_specialize``; one program = ``64 NUM_CONSUMERS`` query row
 - producer (the default partition, one warpgroup): TMA copies.  Each consumer's q codes (int8) and q
   (``g``, for ``q . c_b`` and the 16-bit blocks; its buffer takes the output at the end); per key tile
   ``i`` in visiting order into stage ``i % NUM_STAGES``: for a coded tile the key codes with the 16 centre
-  rows of its block's group and the tile's ``ks``, ``sigma``, ``uA`` (1-d copies; ``k_ready``); for a flagged
+  rows of its block's group, the tile's ``ks`` (a 1-d copy) and its bias rows (``k_ready``); for a flagged
   tile the centre rows alone, and its keys (``g``) into the one-stage wide ring (``w_ready`` /
   ``w_empty``, phase = the count of flagged tiles before it); then v (``g``, or V8^T's (DP, BLOCK_N) e4m3 box;
   ``v_ready``).
 - ``NUM_CONSUMERS`` consumer warpgroups of 64 rows, FA3's overlapped loop (:func:`_key_loop`,
-  :func:`_key_loop_fp8`): per tile ``i`` the INT8 wgmma of ``I_i`` is issued, then tile ``i - 1``'s ``P V``,
-  both async; tile ``i``'s dequantisation and softmax run while ``P V`` is on the tensor cores.  Then the
+  :func:`_key_loop_fp8`): per tile ``i`` the INT8 wgmma of ``I_i`` is issued and waited for, then its bias
+  product and tile ``i - 1``'s ``P V``, both async; tile ``i``'s softmax runs while ``P V`` is on the tensor
+  cores.  Then the
   flagged tiles (:func:`_sixteen_bit_loop`), synchronous: nothing is in flight while their 16-bit wgmmas run
   (the overlapped loop holds no branch around a wgmma: docs/notes/int8_kernel.md says why).  With ``PINGPONG``
   (config ``pingpong``, FA3's ping-pong) the consumers issue each coded tile's GEMMs in turns, so that one
   warpgroup's softmax runs while another's GEMMs hold the tensor cores.  FP8 ``P`` goes
-  through shared memory (two (64, BLOCK_N) e4m3 tiles per consumer, alternating), since Triton 3.6's wgmma wait
-  takes no 8-bit register operand as a dependency.
+  through shared memory (one (64, BLOCK_N) e4m3 tile per consumer, written once the ``P V`` reading it is
+  done), since Triton 3.6's wgmma wait takes no 8-bit register operand as a dependency.
 
-Shared memory per program: q codes (64, DP) int8 and q (64, DP) ``g`` per consumer, and two ``P8`` tiles per
-consumer with FP8 (16-column dummies without); the rings k codes (NUM_STAGES, BLOCK_N, DP) int8, centres
-(NUM_STAGES, 16, DP) ``g``, v (NUM_STAGES, BLOCK_N, DP) ``g`` or V8^T (NUM_STAGES, DP, BLOCK_N) e4m3, ks, sigma,
-uA (NUM_STAGES, BLOCK_N) fp32; hi (the keys as copied, split in place), lo (BLOCK_N, DP) ``g`` with ``FALLBACK``
-(16-row dummies without).  Registers per consumer (NVMMA v3, 64 rows): I (64, BLOCK_N) int32, z the same in
-fp32, p in ``g`` (the A operand of ``P V`` from registers) or e4m3, acc (64, DP) fp32 (and FP8's per-tile product,
-the same), rc (64, 16) fp32; ks, sigma, uA (BLOCK_N,) fp32 read from shared memory per tile; a_i, mu_u (64,) fp32
-loaded once.
+Shared memory per program: q codes (64, DP) int8 and q (64, DP) ``g`` per consumer, and one ``P8`` tile per
+consumer with FP8 (one 16-column dummy without); the rings k codes (NUM_STAGES, BLOCK_N, DP) int8, centres
+(NUM_STAGES, 16, DP) ``g``, v (NUM_STAGES, BLOCK_N, DP) ``g`` or V8^T (NUM_STAGES, DP, BLOCK_N) e4m3, ks
+(NUM_STAGES, BLOCK_N) fp32, the bias rows (NUM_STAGES, BLOCK_N, 16) bf16; hi (the keys as copied, split in
+place), lo (BLOCK_N, DP) ``g`` with ``FALLBACK`` (16-row dummies without).  Registers per consumer (NVMMA v3, 64
+rows): I (64, BLOCK_N) int32, d the same in fp32 (its accumulator), p in ``g`` (the A operand of ``P V`` from
+registers) or e4m3, acc (64, DP) fp32 (and FP8's per-tile product, the same), rc (64, 16) fp32, the bias
+product's A side (64, 16) bf16 and a_i (64,) fp32, built once; ks (BLOCK_N,) fp32 read from shared memory per
+tile.
 ``DP`` = 64 (head dim 64) or 128 (80 .. 128): the pre-pass pads its codes to ``DP`` columns, and the copy
 engine pads q, v and the output tile past ``D`` (zeros in, clipped out).  Keys past ``N_K`` arrive as zero
 codes (and zero V8 columns) and get ``z = -inf`` (``MASK_N``); rows past ``N_Q`` are computed and dropped by
@@ -75,6 +81,7 @@ turns (``gluon_common.wait_turn``).
 from __future__ import annotations
 
 import functools
+from types import MappingProxyType
 
 import torch
 import triton.language as tl
@@ -84,8 +91,9 @@ from .call import BlockSparseMask, Call, Kernel, Plan
 from .common import INTERPRET, LN2, P_SHIFT, cdiv, log2_units, mask_args
 from .gluon_common import (CENTRE_ROWS, PRODUCER_WARPS, ROWS_PER_CONSUMER, SHORT_KEYS, TensorDescriptor,
                            descriptor, descriptor_layout_problem, fence_async_shared, gl, gluon_jit, kept_config,
-                           kept_descriptor, kept_row, mbarrier, operand_problem, pass_turn, registers, release,
-                           round_p, row_shift, sm90_problem, tma, wait_turn, warpgroup_mma, warpgroup_mma_wait)
+                           kept_descriptor, kept_row, mbarrier, operand_problem, pass_turn, program_rows, registers,
+                           release, ring_barriers, round_p, row_shift, sm90_problem, tma, wait_turn, warpgroup_mma,
+                           warpgroup_mma_wait)
 from .tuning import SMEM_LIMIT
 
 __all__ = ["int8_fwd_gluon_kernel", "forward", "kernel_call", "unsuitable_reason", "tuned_config", "shared_bytes",
@@ -102,6 +110,12 @@ keys and break even at CogVideoX's 17776 (H100, kernel alone), not at DP 128, wh
 time (the measurements: docs/notes/int8_kernel.md)."""
 SHORT_KEYS_CONFIG = {"BLOCK_N": 64, "num_stages": 3, "consumers": 3, "lazy": False, "pingpong": False}
 """The config at DP 64 for at most :data:`SHORT_KEYS` keys: 64-key tiles, three consumers (docs/notes/int8_kernel.md)."""
+BIAS_K = tl.constexpr(16)
+"""Columns of the bias rows (``quantize.BIAS_K``): the K of the bias product's bf16 wgmma."""
+A_FLOOR = tl.constexpr(2.0 ** -60)
+"""The least row scale ``a_i`` the kernel divides by (a zero row, or a row past ``N_Q``, has ``a_i = 0``): the
+logits ``a_i d`` then differ from ``a_i I ks_j + bias`` by at most ``2^-60 |I ks_j|``, and ``bias / a`` stays
+finite for any ``|bias| < 2^68``."""
 SPLIT_ROWS = tl.constexpr(16)
 """Rows of a flagged tile's keys one consumer splits into ``hi`` and ``lo`` at a time (:func:`_split_keys`)."""
 
@@ -141,16 +155,15 @@ def _tile_start(visits, first, j, n, BLOCK_N: gl.constexpr, SHIFT_BLOCK_N: gl.co
 
 
 @gluon_jit
-def _producer(descs, q_bufs, q8_bufs, q_ready, ring, bars, visits, off_z, off_hq, off_hk, start_m, key_row, a_row,
+def _producer(descs, q_bufs, q8_bufs, q_ready, ring, bars, visits, off_z, off_hq, off_hk, start_m, key_row,
               SHIFT_BLOCK_N: gl.constexpr, FALLBACK: gl.constexpr, SPARSE: gl.constexpr, PV_FP8: gl.constexpr):
-    """TMA copies only (module docstring).  ``descs = (q, q codes, k codes, v, centres, keys, ks, sigma, A)``,
-    ``ring = (k codes, v, centres, hi, lo, ks, sigma, A)``, ``bars = (k_ready, k_empty, v_ready, v_empty,
+    """TMA copies only (module docstring).  ``descs = (q, q codes, k codes, v, centres, keys, ks, bias rows)``,
+    ``ring = (k codes, v, centres, hi, lo, ks, bias rows)``, ``bars = (k_ready, k_empty, v_ready, v_empty,
     w_ready, w_empty, w_split, turn)``; ``visits = (order, stride, coded blocks, coded tiles, 16-bit tiles)``
-    (the kernel's prologue: :func:`int8_fwd_gluon_kernel`); ``key_row``,
-    ``a_row``: the element of key 0 of this key head in the flat (1-d) ``ks``, ``sigma`` and of this query head
-    in ``A``.  Ring slot ``i`` counts the coded tiles, then the 16-bit ones."""
-    desc_q, desc_q8, desc_k, desc_v, desc_c, desc_kw, desc_ks, desc_sig, desc_a = descs
-    k_bufs, v_bufs, c_bufs, hi_buf, lo_buf, ks_bufs, sig_bufs, a_bufs = ring
+    (the kernel's prologue: :func:`int8_fwd_gluon_kernel`); ``key_row``: the element of key 0 of this key head
+    in the flat (1-d) ``ks``.  Ring slot ``i`` counts the coded tiles, then the 16-bit ones."""
+    desc_q, desc_q8, desc_k, desc_v, desc_c, desc_kw, desc_ks, desc_b = descs
+    k_bufs, v_bufs, c_bufs, hi_buf, lo_buf, ks_bufs, b_bufs = ring
     k_ready, k_empty, v_ready, v_empty, w_ready, w_empty, w_split, turn = bars
     coded_blocks, n_coded, n_16 = visits[2], visits[3], visits[4]
     NUM_CONSUMERS: gl.constexpr = q_bufs.shape[0]
@@ -165,8 +178,8 @@ def _producer(descs, q_bufs, q8_bufs, q_ready, ring, bars, visits, off_z, off_hq
                                         q_bufs.index(w))
         tma.async_copy_global_to_shared(desc_q8, [off_z, off_hq, start_m + w * rows, 0], q_ready.index(w),
                                         q8_bufs.index(w))
-    kc_bytes: gl.constexpr = (desc_k.block_type.nbytes + desc_c.block_type.nbytes + 2 * desc_ks.block_type.nbytes
-                              + desc_a.block_type.nbytes)
+    kc_bytes: gl.constexpr = (desc_k.block_type.nbytes + desc_c.block_type.nbytes + desc_ks.block_type.nbytes
+                              + desc_b.block_type.nbytes)
     w_bytes: gl.constexpr = desc_kw.block_type.nbytes
     for i in range(n_coded):
         stage = i % NUM_STAGES
@@ -179,8 +192,7 @@ def _producer(descs, q_bufs, q8_bufs, q_ready, ring, bars, visits, off_z, off_hq
         tma.async_copy_global_to_shared(desc_c, [off_z, off_hk, centre_row, 0], k_ready.index(stage),
                                         c_bufs.index(stage))
         tma.async_copy_global_to_shared(desc_ks, [key_row + start_n], k_ready.index(stage), ks_bufs.index(stage))
-        tma.async_copy_global_to_shared(desc_sig, [key_row + start_n], k_ready.index(stage), sig_bufs.index(stage))
-        tma.async_copy_global_to_shared(desc_a, [a_row + start_n], k_ready.index(stage), a_bufs.index(stage))
+        tma.async_copy_global_to_shared(desc_b, [off_z, off_hq, start_n, 0], k_ready.index(stage), b_bufs.index(stage))
         _copy_v(desc_v, v_bufs, v_ready, v_empty, off_z, off_hk, start_n, i, PV_FP8)
     if FALLBACK:  # the 16-bit tiles: their centres in the ring, their keys in the one-stage wide ring
         for j in range(n_16):
@@ -212,18 +224,48 @@ def _copy_v(desc_v, v_bufs, v_ready, v_empty, off_z, off_hk, start_n, i, PV_FP8:
 
 
 @gluon_jit
-def _coded_logits(i_sum, key_vecs, a_i, mu_u, s_layout: gl.constexpr):
-    """``z = (I ks_j) a_i + (mu_u_i sigma_j + uA_j)`` (64, BLOCK_N) fp32 in ``s_layout`` from the finished INT8
-    product ``I`` (int32), converted exactly (``|I| <= 128 127^2 < 2^24``; one I2FP per score); ``key_vecs = (ks,
-    sigma, uA)`` the tile's (BLOCK_N,) fp32 rows in shared memory (copied with the codes; ``uA_j = qk_scale A_j``
-    from the pre-pass)."""
-    ks_buf, sig_buf, au_buf = key_vecs
-    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-    ks = ks_buf.load(col_layout)
-    sig = sig_buf.load(col_layout)
-    ua_j = au_buf.load(col_layout)
-    i_f = gl.convert_layout(i_sum.to(gl.float32), s_layout)
-    return (i_f * ks[None, :]) * a_i[:, None] + (mu_u[:, None] * sig[None, :] + ua_j[None, :])
+def _issue_bias(i_sum, ks_buf, b_buf, bias_a, s_layout: gl.constexpr):
+    """Once ``I`` (int32) is done: ``d = fp32(I) ks_j`` (exact conversion, ``|I| <= 128 127^2 < 2^24``), then
+    ``d += bias_a . b^T`` issued (async bf16 wgmma, ``bias_a`` from registers, ``b`` the tile's (BLOCK_N,
+    BIAS_K) bias rows): ``d = I ks_j + (mu_u_i / a_i) sigma_j + (1 / a_i) uA_j``, the tile's logits over
+    ``a_i``.  Returns its token."""
+    i_sum = warpgroup_mma_wait(0, deps=(i_sum, ))
+    ks = ks_buf.load(gl.SliceLayout(0, s_layout))
+    d = gl.convert_layout(i_sum.to(gl.float32), s_layout) * ks[None, :]
+    return warpgroup_mma(bias_a, b_buf.reshape([b_buf.shape[2], b_buf.shape[3]]).permute((1, 0)), d, is_async=True)
+
+
+@gluon_jit
+def _bias_operand(a_i, mu_u, s_layout: gl.constexpr):
+    """The A side of the bias product, built once per consumer: (64, BIAS_K) bf16 in the wgmma's register
+    layout, the row factors ``m = mu_u / a`` and ``t = 1 / a`` in bf16 parts (``x = x1 + x2 + x3``) as the
+    columns ``(m1, m1, m1, m2, m2, m3, t1, t1, t1, t2, t2, t3, 0, 0, 0, 0)``, against ``quantize._bias_rows``'
+    ``(s1, s2, s3, s1, s2, s1, u1, u2, u3, u1, u2, u1, 0, ...)``: the six largest of each term's nine cross
+    products (those left out are below fp32's last bit of the term)."""
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+    rows: gl.constexpr = a_i.shape[0]
+    row_layout: gl.constexpr = gl.SliceLayout(1, op_layout)
+    inv = 1.0 / gl.convert_layout(a_i, row_layout)
+    m1, m2, m3 = _bf16_parts(gl.convert_layout(mu_u, row_layout) * inv)
+    t1, t2, t3 = _bf16_parts(inv)
+    col = gl.arange(0, BIAS_K, layout=gl.SliceLayout(0, op_layout))[None, :]
+    zero = gl.zeros([rows, BIAS_K], gl.float32, layout=op_layout)
+    x = gl.where((col == 0) | (col == 1) | (col == 2), m1[:, None] + zero, zero)
+    x = gl.where((col == 3) | (col == 4), m2[:, None] + zero, x)
+    x = gl.where(col == 5, m3[:, None] + zero, x)
+    x = gl.where((col == 6) | (col == 7) | (col == 8), t1[:, None] + zero, x)
+    x = gl.where((col == 9) | (col == 10), t2[:, None] + zero, x)
+    x = gl.where(col == 11, t3[:, None] + zero, x)
+    return x.to(gl.bfloat16)
+
+
+@gluon_jit
+def _bf16_parts(x):
+    """``x`` (fp32) as three bf16 parts in fp32, ``x = x1 + x2 + x3`` to fp32's last bit (the differences are
+    exact)."""
+    x1 = x.to(gl.bfloat16).to(gl.float32)
+    x2 = (x - x1).to(gl.bfloat16).to(gl.float32)
+    return x1, x2, ((x - x1) - x2).to(gl.bfloat16).to(gl.float32)
 
 
 @gluon_jit
@@ -237,7 +279,10 @@ def _split_keys(hi_buf, lo_buf, c_tile, start_n, SHIFT_BLOCK_N: gl.constexpr, WG
     and keys past ``N_K`` arrive as zeros: their ``kc`` is 0, or ``-c_b`` in keys that ``MASK_N`` drops.)"""
     BLOCK_N: gl.constexpr = hi_buf.shape[0]
     C_ROWS: gl.constexpr = c_tile.shape[0]
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    DP: gl.constexpr = c_tile.shape[1]
+    gl.static_assert(C_ROWS == 16 and SPLIT_ROWS == 16, "the layout holds 16 rows in one warp")
+    # 16 rows in one warp (2 per thread, 8 lanes): the sum over them needs no shared memory
+    layout: gl.constexpr = gl.BlockedLayout([2, DP // 16], [8, 4], [1, 4], [1, 0])
     rows = gl.arange(0, C_ROWS, layout=gl.SliceLayout(1, layout))
     own = (rows == (start_n // SHIFT_BLOCK_N) % C_ROWS)[:, None]
     c_b = gl.sum(gl.where(own, c_tile.load(layout).to(gl.float32), 0.0), axis=0)
@@ -262,10 +307,13 @@ def _logits_16(q, hi, lo, qk_scale, s_layout: gl.constexpr):
 
 
 @gluon_jit
-def _softmax_step(z, r, m_i, l_i, start_n, N_K, p_dtype: gl.constexpr, MASK_N: gl.constexpr, LAZY: gl.constexpr):
-    """One tile's online softmax from its logits ``z`` (log2 units, fp32) and ``r``: ``(p, alpha, m_new, l_new,
-    rescale)``.  ``p_dtype`` the inputs' ``g``: ``p = round_g(exp2(x))``; ``gl.float8e4nv``: ``p = e4m3(exp2(x +
-    P_SHIFT))`` (<= 256); ``l`` sums the fp32 ``exp2`` before their rounding.
+def _softmax_step(z, a, r, m_i, l_i, start_n, N_K, p_dtype: gl.constexpr, MASK_N: gl.constexpr, LAZY: gl.constexpr,
+                  SCALED: gl.constexpr):
+    """One tile's online softmax from its logits (log2 units, fp32) and ``r``: ``(p, alpha, m_new, l_new,
+    rescale)``.  The logits are ``z``, or with ``SCALED`` ``a_i z`` (``a`` (64,) > 0: the row maximum is
+    ``a_i max z``, and ``a_i z - offset`` is one FMA into ``exp2``).  ``p_dtype`` the inputs' ``g``: ``p =
+    round_g(exp2(x))``; ``gl.float8e4nv``: ``p = e4m3(exp2(x + P_SHIFT))`` (<= 256); ``l`` sums the fp32 ``exp2``
+    before their rounding.
 
     ``LAZY`` (FlashAttention-4's lazy rescale, exact): the running maximum moves, and the accumulator with it,
     only on a tile where some row of the warpgroup grows by more than ``LAZY_RESCALE`` (``rescale``, a scalar
@@ -276,6 +324,8 @@ def _softmax_step(z, r, m_i, l_i, start_n, N_K, p_dtype: gl.constexpr, MASK_N: g
             cols = start_n + gl.arange(0, z.shape[1], layout=gl.SliceLayout(0, z.type.layout))
             z = gl.where((cols < N_K)[None, :], z, float("-inf"))
     m_s = gl.max(z, axis=1)
+    if SCALED:
+        m_s = m_s * a
     m_blk = m_s + r
     m_new = gl.maximum(m_i, m_blk)
     if LAZY:
@@ -286,10 +336,14 @@ def _softmax_step(z, r, m_i, l_i, start_n, N_K, p_dtype: gl.constexpr, MASK_N: g
     offset = m_s - (m_blk - m_new)
     alpha = gl.exp2(m_i - m_new)
     if p_dtype == gl.float8e4nv:
-        p32 = gl.exp2(z - (offset - P_SHIFT)[:, None])
-        p = p32.to(p_dtype)
+        offset = offset - P_SHIFT
+    if SCALED:
+        p32 = gl.exp2(z * a[:, None] - offset[:, None])
     else:
         p32 = gl.exp2(z - offset[:, None])
+    if p_dtype == gl.float8e4nv:
+        p = p32.to(p_dtype)
+    else:
         p = round_p(p32, p_dtype)
     l_new = alpha * l_i + gl.sum(p32, axis=1)
     return p, alpha, m_new, l_new, rescale
@@ -329,69 +383,60 @@ def _issue_codes(q, q8, ring, k_ready, i, start_n, i_zero, rc, rc_group, qk_scal
 
 
 @gluon_jit
-def _tile_softmax(i_sum, r, row_vecs, ring, k_empty, m_i, l_i, i, start_n, N_K, qk_scale, p_dtype: gl.constexpr,
-                  MASK_N: gl.constexpr, LAZY: gl.constexpr):
-    """A coded tile (ring slot ``i``, key ``start_n``): its logits from the finished ``I``, the release of its
-    codes, its softmax (:func:`_softmax_step`).  Returns ``(p, alpha, m_i, l_i, rescale)``; ``row_vecs = (a_i,
-    mu_u)``."""
-    ks_bufs, sig_bufs, a_bufs = ring[5], ring[6], ring[7]
-    NUM_STAGES: gl.constexpr = ks_bufs.shape[0]
-    BLOCK_N: gl.constexpr = i_sum.shape[1]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    a_i, mu_u = row_vecs
-    stage = i % NUM_STAGES
-    z = _coded_logits(i_sum, (ks_bufs.index(stage), sig_bufs.index(stage), a_bufs.index(stage)), a_i, mu_u,
-                      s_layout)
+def _tile_softmax(d, r, a_i, k_empty, m_i, l_i, i, start_n, N_K, p_dtype: gl.constexpr, MASK_N: gl.constexpr,
+                  LAZY: gl.constexpr):
+    """A coded tile (ring slot ``i``, key ``start_n``) once its bias product ``d`` is done: the release of its
+    codes, its softmax on the logits ``a_i d`` (:func:`_softmax_step`).  Returns ``(p, alpha, m_i, l_i,
+    rescale)``."""
     release(k_empty, i)
-    return _softmax_step(z, r, m_i, l_i, start_n, N_K, p_dtype, MASK_N, LAZY)
-
-
-@gluon_jit
-def _wait_codes(i_sum, in_flight: gl.constexpr):
-    """The finished ``I`` once at most ``in_flight`` wgmma groups (the ``P V`` issued after it) are left."""
-    return warpgroup_mma_wait(in_flight, deps=(i_sum, ))
+    return _softmax_step(d, a_i, r, m_i, l_i, start_n, N_K, p_dtype, MASK_N, LAZY, True)
 
 
 @gluon_jit
 def _key_loop(q, q8, ring, bars, row_vecs, visits, m_i, l_i, acc, rc, rc_group, i_zero, N_K, qk_scale,
               SHIFT_BLOCK_N: gl.constexpr, MASK_N: gl.constexpr, FALLBACK: gl.constexpr, SPARSE: gl.constexpr,
               LAZY: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr):
-    """The coded tiles' loop with ``P V`` in 16 bits, FA3's overlap: per tile ``i >= 1`` issue ``I_i``, then
-    ``acc = alpha acc + P_{i-1} V_{i-1}`` (``p`` from registers); wait until one group is left (``I_i`` done:
-    groups finish in order); dequantise and softmax tile ``i`` while ``P V`` runs; wait for it.  No branch on a
-    flag: the coded tiles of ``visits`` (:func:`_producer`; their order read a tile ahead, their count >= 1).
-    Under ``PINGPONG`` consumer ``WG`` issues its GEMMs (``I_i`` with ``P_{i-1} V_{i-1}``) in turns with the
-    other consumers (``gluon_common.wait_turn``), so that one's softmax runs under another's GEMMs.
-    Returns ``(acc, m_i, l_i, rc, rc_group)``."""
+    """The coded tiles' loop with ``P V`` in 16 bits, FA3's overlap: per tile ``i >= 1`` issue ``I_i``; once it
+    is done, its bias product ``d_i`` (:func:`_issue_bias`), then ``acc = alpha acc + P_{i-1} V_{i-1}`` (``p``
+    from registers); wait until one group is left (``d_i`` done: groups finish in order); softmax tile ``i``
+    while ``P V`` runs; wait for it.  No branch on a flag: the coded tiles of ``visits`` (:func:`_producer`;
+    their order read a tile ahead, their count >= 1).  Under ``PINGPONG`` consumer ``WG`` issues its GEMMs in
+    turns with the other consumers (``gluon_common.wait_turn``), so that one's softmax runs under another's
+    GEMMs.  ``row_vecs = (a_i, the bias product's A side)``.  Returns ``(acc, m_i, l_i, rc, rc_group)``."""
     k_ready, k_empty, v_ready, v_empty, w_ready, w_empty, w_split, turn = bars
-    v_bufs = ring[1]
+    v_bufs, ks_bufs, b_bufs = ring[1], ring[5], ring[6]
+    NUM_STAGES: gl.constexpr = ks_bufs.shape[0]
     n = visits[3]
     BLOCK_N: gl.constexpr = i_zero.shape[1]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
     row_layout: gl.constexpr = m_i.type.layout
+    a_i, bias_a = row_vecs
     start_n = _tile_start(visits, 0, 0, n, BLOCK_N, SHIFT_BLOCK_N, FALLBACK, SPARSE)
     next_n = _tile_start(visits, 0, 1, n, BLOCK_N, SHIFT_BLOCK_N, FALLBACK, SPARSE)
     wait_turn(turn, 0, WG, PINGPONG)
     i_sum, r, rc, rc_group = _issue_codes(q, q8, ring, k_ready, 0, start_n, i_zero, rc, rc_group, qk_scale,
                                           SHIFT_BLOCK_N, row_layout)
+    d = _issue_bias(i_sum, ks_bufs.index(0), b_bufs.index(0), bias_a, s_layout)
     pass_turn(turn, WG, PINGPONG)
-    i_sum = _wait_codes(i_sum, 0)
-    p, alpha, m_i, l_i, rescale = _tile_softmax(i_sum, r, row_vecs, ring, k_empty, m_i, l_i, 0, start_n, N_K, qk_scale,
-                                                q.dtype, MASK_N, LAZY)
+    d = warpgroup_mma_wait(0, deps=(d, ))
+    p, alpha, m_i, l_i, rescale = _tile_softmax(d, r, a_i, k_empty, m_i, l_i, 0, start_n, N_K, q.dtype, MASK_N, LAZY)
     p = gl.convert_layout(p, p_layout)
     for i in range(1, n):
         start_n = next_n
         next_n = _tile_start(visits, 0, i + 1, n, BLOCK_N, SHIFT_BLOCK_N, FALLBACK, SPARSE)
+        stage = i % NUM_STAGES
         wait_turn(turn, i, WG, PINGPONG)
         i_sum, r, rc, rc_group = _issue_codes(q, q8, ring, k_ready, i, start_n, i_zero, rc, rc_group, qk_scale,
                                               SHIFT_BLOCK_N, row_layout)
+        d = _issue_bias(i_sum, ks_bufs.index(stage), b_bufs.index(stage), bias_a, s_layout)
         acc = _issue_pv(p, acc, alpha, rescale, v_bufs, v_ready, i - 1, LAZY)
         pass_turn(turn, WG, PINGPONG)
-        i_sum = _wait_codes(i_sum, 1)
+        d = warpgroup_mma_wait(1, deps=(d, ))
         p_prev = p
-        p, alpha, m_i, l_i, rescale = _tile_softmax(i_sum, r, row_vecs, ring, k_empty, m_i, l_i, i, start_n, N_K,
-                                                    qk_scale, q.dtype, MASK_N, LAZY)
+        p, alpha, m_i, l_i, rescale = _tile_softmax(d, r, a_i, k_empty, m_i, l_i, i, start_n, N_K, q.dtype, MASK_N,
+                                                    LAZY)
         p = gl.convert_layout(p, p_layout)
         acc, p_prev = warpgroup_mma_wait(0, deps=(acc, p_prev))
         release(v_empty, i - 1)
@@ -438,18 +483,24 @@ def _stage_p8(p, p_buf):
 
 
 @gluon_jit
-def _key_loop_fp8(q, q8, ring, bars, row_vecs, visits, p_bufs, P_BASE: gl.constexpr, m_i, l_i, acc, rc, rc_group,
+def _key_loop_fp8(q, q8, ring, bars, row_vecs, visits, p_buf, m_i, l_i, acc, rc, rc_group,
                   i_zero, N_K, qk_scale, SHIFT_BLOCK_N: gl.constexpr, MASK_N: gl.constexpr, FALLBACK: gl.constexpr,
                   SPARSE: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr):
-    """The coded tiles' loop with FP8 ``P V``, overlapped as :func:`_key_loop`: each key tile's ``P8 V8`` goes
+    """The coded tiles' loop with FP8 ``P V``, overlapped as :func:`_key_loop` (``I_i``, its bias product, then
+    ``P8 V8`` of tile ``i - 1``): each key tile's ``P8 V8`` goes
     to a fresh fp32 tile ``t`` (the tensor cores keep about 22 bits inside one FP8 product), promoted after the
-    wait as ``acc = alpha acc + t``; ``WG``, ``PINGPONG`` as there.  Returns ``(acc, m_i, l_i, rc, rc_group)``
+    wait as ``acc = alpha acc + t``; ``P8`` goes through the consumer's one tile ``p_buf``, written once the
+    ``P V`` that reads it is done; ``WG``, ``PINGPONG`` as there.  Returns ``(acc, m_i, l_i, rc, rc_group)``
     (``acc`` without V's channel scales)."""
     k_ready, k_empty, v_ready, v_empty, w_ready, w_empty, w_split, turn = bars
-    v_bufs = ring[1]
+    v_bufs, ks_bufs, b_bufs = ring[1], ring[5], ring[6]
+    NUM_STAGES: gl.constexpr = ks_bufs.shape[0]
     n = visits[3]
     BLOCK_N: gl.constexpr = i_zero.shape[1]
     DP: gl.constexpr = acc.shape[1]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    a_i, bias_a = row_vecs
     o_layout: gl.constexpr = acc.type.layout
     row_layout: gl.constexpr = m_i.type.layout
     t_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -460,28 +511,31 @@ def _key_loop_fp8(q, q8, ring, bars, row_vecs, visits, p_bufs, P_BASE: gl.conste
     wait_turn(turn, 0, WG, PINGPONG)
     i_sum, r, rc, rc_group = _issue_codes(q, q8, ring, k_ready, 0, start_n, i_zero, rc, rc_group, qk_scale,
                                           SHIFT_BLOCK_N, row_layout)
+    d = _issue_bias(i_sum, ks_bufs.index(0), b_bufs.index(0), bias_a, s_layout)
     pass_turn(turn, WG, PINGPONG)
-    i_sum = _wait_codes(i_sum, 0)
-    p, alpha, m_i, l_i, rescale = _tile_softmax(i_sum, r, row_vecs, ring, k_empty, m_i, l_i, 0, start_n, N_K, qk_scale,
-                                                gl.float8e4nv, MASK_N, False)
-    _stage_p8(p, p_bufs.index(P_BASE))
+    d = warpgroup_mma_wait(0, deps=(d, ))
+    p, alpha, m_i, l_i, rescale = _tile_softmax(d, r, a_i, k_empty, m_i, l_i, 0, start_n, N_K, gl.float8e4nv, MASK_N,
+                                                False)
+    _stage_p8(p, p_buf)
     for i in range(1, n):
         start_n = next_n
         next_n = _tile_start(visits, 0, i + 1, n, BLOCK_N, SHIFT_BLOCK_N, FALLBACK, SPARSE)
+        stage = i % NUM_STAGES
         wait_turn(turn, i, WG, PINGPONG)
         i_sum, r, rc, rc_group = _issue_codes(q, q8, ring, k_ready, i, start_n, i_zero, rc, rc_group, qk_scale,
                                               SHIFT_BLOCK_N, row_layout)
-        t = _issue_pv8(p_bufs.index(P_BASE + (i - 1) % 2), t_zero, v_bufs, v_ready, i - 1)
+        d = _issue_bias(i_sum, ks_bufs.index(stage), b_bufs.index(stage), bias_a, s_layout)
+        t = _issue_pv8(p_buf, t_zero, v_bufs, v_ready, i - 1)
         pass_turn(turn, WG, PINGPONG)
-        i_sum = _wait_codes(i_sum, 1)
+        d = warpgroup_mma_wait(1, deps=(d, ))
         alpha_prev = alpha
-        p, alpha, m_i, l_i, rescale = _tile_softmax(i_sum, r, row_vecs, ring, k_empty, m_i, l_i, i, start_n, N_K,
-                                                    qk_scale, gl.float8e4nv, MASK_N, False)
-        _stage_p8(p, p_bufs.index(P_BASE + i % 2))
+        p, alpha, m_i, l_i, rescale = _tile_softmax(d, r, a_i, k_empty, m_i, l_i, i, start_n, N_K, gl.float8e4nv,
+                                                    MASK_N, False)
         t = warpgroup_mma_wait(0, deps=(t, ))
+        _stage_p8(p, p_buf)
         acc = acc * gl.convert_layout(alpha_prev, gl.SliceLayout(1, o_layout))[:, None] + gl.convert_layout(t, o_layout)
         release(v_empty, i - 1)
-    t = _issue_pv8(p_bufs.index(P_BASE + (n - 1) % 2), t_zero, v_bufs, v_ready, n - 1)
+    t = _issue_pv8(p_buf, t_zero, v_bufs, v_ready, n - 1)
     t = warpgroup_mma_wait(0, deps=(t, ))
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None] + gl.convert_layout(t, o_layout)
     release(v_empty, n - 1)
@@ -529,7 +583,8 @@ def _sixteen_bit_loop(q, ring, bars, visits, p_buf, m_i, l_i, acc, rc, rc_group,
         mbarrier.arrive(w_empty.index(0))
         release(k_empty, i)
         if PV_FP8:
-            p, alpha, m_i, l_i, rescale = _softmax_step(z, r, m_i, l_i, start_n, N_K, gl.float8e4nv, MASK_N, False)
+            p, alpha, m_i, l_i, rescale = _softmax_step(z, m_i, r, m_i, l_i, start_n, N_K, gl.float8e4nv, MASK_N,
+                                                        False, False)
             _stage_p8(p, p_buf)
             vt = v_bufs.index(stage).reshape([v_bufs.shape[3], v_bufs.shape[4]])
             mbarrier.wait(v_ready.index(stage), (i // NUM_STAGES) & 1)
@@ -537,7 +592,8 @@ def _sixteen_bit_loop(q, ring, bars, visits, p_buf, m_i, l_i, acc, rc, rc_group,
                               use_acc=False)
             acc = acc * gl.convert_layout(alpha, alpha_layout)[:, None] + gl.convert_layout(t, o_layout)
         else:
-            p, alpha, m_i, l_i, rescale = _softmax_step(z, r, m_i, l_i, start_n, N_K, q.dtype, MASK_N, False)
+            p, alpha, m_i, l_i, rescale = _softmax_step(z, m_i, r, m_i, l_i, start_n, N_K, q.dtype, MASK_N, False,
+                                                        False)
             p = gl.convert_layout(p, p_layout)
             v_blk = v_bufs.index(stage).reshape([v_bufs.shape[3], v_bufs.shape[4]])
             acc = acc * gl.convert_layout(alpha, alpha_layout)[:, None]
@@ -548,7 +604,7 @@ def _sixteen_bit_loop(q, ring, bars, visits, p_buf, m_i, l_i, acc, rc, rc_group,
 
 
 @gluon_jit
-def _consumer(desc_o, q_tile, q8_tile, q_ready, ring, bars, row_ptrs, vs_ptr, visits, p_bufs, P_BASE: gl.constexpr,
+def _consumer(desc_o, q_tile, q8_tile, q_ready, ring, bars, row_ptrs, vs_ptr, visits, p_bufs,
               off_z, off_hq, start_row, N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N: gl.constexpr, MASK_N: gl.constexpr,
               FALLBACK: gl.constexpr, SPARSE: gl.constexpr, STORE_LSE: gl.constexpr, PV_FP8: gl.constexpr,
               LAZY: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr):
@@ -557,14 +613,15 @@ def _consumer(desc_o, q_tile, q8_tile, q_ready, ring, bars, row_ptrs, vs_ptr, vi
     :func:`_key_loop_fp8`), with ``FALLBACK`` then the 16-bit tiles' (:func:`_sixteen_bit_loop`), then ``out =
     acc / l_i`` (FP8: ``(acc / l_i) vs``) through the q tile and a TMA store, and with ``STORE_LSE`` the
     log-sum-exp (FP8: less ``P_SHIFT``).  ``row_ptrs = (q_scale, mu)`` at this (batch, head)'s row 0; ``vs_ptr``
-    V's (DP,) channel scales; ``p_bufs.index(P_BASE)`` and ``P_BASE + 1``: this consumer's two ``P8`` tiles
-    (FP8); ``ring``, ``bars``, ``visits`` as :func:`_producer`'s.  A row that visits no key block (``SPARSE``, an
+    V's (DP,) channel scales; ``p_bufs.index(WG)``: this consumer's ``P8`` tile (FP8; one unread dummy
+    without); ``ring``, ``bars``, ``visits`` as :func:`_producer`'s.  A row that visits no key block (``SPARSE``, an
     empty mask row) keeps ``acc = 0``, ``l_i = 0``, ``m_i = -inf``: ``out = 0``, ``lse = -inf``."""
     k_bufs = ring[0]
     c_bufs = ring[2]
     BLOCK_N: gl.constexpr = k_bufs.shape[3]
     DP: gl.constexpr = k_bufs.shape[4]
     rows: gl.constexpr = q_tile.shape[2]
+    p_buf = p_bufs.index(WG if PV_FP8 else 0)
     C_ROWS: gl.constexpr = c_bufs.shape[3]
     i_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 32])
@@ -579,8 +636,9 @@ def _consumer(desc_o, q_tile, q8_tile, q_ready, ring, bars, row_ptrs, vs_ptr, vi
     q8 = q8_tile.reshape([rows, DP])
     qs_ptr, mu_ptr = row_ptrs
     offs_m = start_row + gl.arange(0, rows, layout=row_layout)
-    row_vecs = (gl.load(qs_ptr + offs_m, mask=offs_m < N_Q, other=0.0) * (qk_scale / DP),
-                gl.load(mu_ptr + offs_m, mask=offs_m < N_Q, other=0.0) * qk_scale)
+    a_i = gl.maximum(gl.load(qs_ptr + offs_m, mask=offs_m < N_Q, other=0.0) * (qk_scale / DP), A_FLOOR)
+    mu_u = gl.load(mu_ptr + offs_m, mask=offs_m < N_Q, other=0.0) * qk_scale
+    row_vecs = (a_i, _bias_operand(a_i, mu_u, s_layout))
     m_i = gl.full([rows], float("-inf"), gl.float32, layout=row_layout)
     l_i = gl.zeros([rows], gl.float32, layout=row_layout)
     acc = gl.zeros([rows, DP], gl.float32, layout=o_layout)
@@ -590,7 +648,7 @@ def _consumer(desc_o, q_tile, q8_tile, q_ready, ring, bars, row_ptrs, vs_ptr, vi
     mbarrier.wait(q_ready, 0)
     if visits[3] > 0:
         if PV_FP8:
-            acc, m_i, l_i, rc, rc_group = _key_loop_fp8(q, q8, ring, bars, row_vecs, visits, p_bufs, P_BASE, m_i,
+            acc, m_i, l_i, rc, rc_group = _key_loop_fp8(q, q8, ring, bars, row_vecs, visits, p_buf, m_i,
                                                         l_i, acc, rc, rc_group, i_zero, N_K, qk_scale, SHIFT_BLOCK_N,
                                                         MASK_N, FALLBACK, SPARSE, WG, PINGPONG)
         else:
@@ -598,7 +656,7 @@ def _consumer(desc_o, q_tile, q8_tile, q_ready, ring, bars, row_ptrs, vs_ptr, vi
                                                     i_zero, N_K, qk_scale, SHIFT_BLOCK_N, MASK_N, FALLBACK, SPARSE,
                                                     LAZY, WG, PINGPONG)
     if FALLBACK:
-        acc, m_i, l_i = _sixteen_bit_loop(q, ring, bars, visits, p_bufs.index(P_BASE), m_i, l_i, acc, rc, rc_group,
+        acc, m_i, l_i = _sixteen_bit_loop(q, ring, bars, visits, p_buf, m_i, l_i, acc, rc, rc_group,
                                           N_K, qk_scale, SHIFT_BLOCK_N, MASK_N, SPARSE, PV_FP8, WG)
     if STORE_LSE:
         lse = m_i + gl.log2(l_i)
@@ -621,7 +679,7 @@ def _consumer(desc_o, q_tile, q8_tile, q_ready, ring, bars, row_ptrs, vs_ptr, vi
 
 @gluon_jit(do_not_specialize=["N_Q", "N_K"])
 def int8_fwd_gluon_kernel(
-    desc_q, desc_q8, desc_k, desc_v, desc_c, desc_kw, desc_ks, desc_sig, desc_a, desc_o,
+    desc_q, desc_q8, desc_k, desc_v, desc_c, desc_kw, desc_ks, desc_b, desc_o,
     qs_ptr, mu_ptr, vs_ptr, flag_ptr, order_ptr, coded_ptr, lse_ptr,
     H_Q, KV_GROUP, N_Q, N_K, N_ROW, qk_scale,
     mc_ptr, mi_ptr, stride_mcz, stride_mch, stride_mcq, stride_miz, stride_mih, stride_miq, stride_mij,
@@ -637,8 +695,9 @@ def int8_fwd_gluon_kernel(
     Descriptors (host, 4-d (B, H, N, DP) boxes (1, 1, rows, DP)): q and out (``g``, 64 rows), q codes (int8,
     64 rows), k codes (int8, BLOCK_N rows), v (``g``, BLOCK_N rows; with ``PV_FP8`` V8^T (B, Hk, DP, Nk) e4m3,
     boxes (1, 1, DP, BLOCK_N)), centres (B, Hk, blocks, DP) in ``g`` (16 rows), the keys (``g``,
-    BLOCK_N rows; read only with ``FALLBACK``).  Pointers (contiguous fp32): ``q_scale``, ``mu`` (B, Hq, Nq),
-    ``k_scale``, ``sigma`` (B, Hk, Nk), ``A`` (B, Hq, Nk), ``vs`` (B, Hk, DP) (read with ``PV_FP8``); ``flag``
+    BLOCK_N rows; read only with ``FALLBACK``), the bias rows (B, Hq, Nk, 16) bf16 (BLOCK_N rows), and ``k_scale``
+    (B, Hk, Nk) fp32 as 1-d rows (boxes of BLOCK_N, row ``N_ROW``).  Pointers (contiguous fp32): ``q_scale``,
+    ``mu`` (B, Hq, Nq), ``vs`` (B, Hk, DP) (read with ``PV_FP8``); ``flag``
     (B, Hq, blocks) int8, ``order`` (B, Hq, blocks) and ``coded`` (B, Hq) int32 (the visiting order, read with
     ``FALLBACK``); ``lse`` (B, Hq, Nq) fp32, written with ``STORE_LSE``.  With ``SPARSE`` the program visits the
     key blocks its query block keeps (``mc_ptr``, ``mi_ptr``, their strides, ``MASK_GROUP``, ``MASK_BLOCK_Q``:
@@ -649,20 +708,12 @@ def int8_fwd_gluon_kernel(
     the producer and the consumers.
     """
     rows: gl.constexpr = desc_q.block_type.shape[2]
-    pid = gl.program_id(0)
-    num_m_blocks = gl.cdiv(N_Q, rows * NUM_CONSUMERS)
-    pid_m = pid % num_m_blocks
-    pid_bh = pid // num_m_blocks
-    off_z = pid_bh // H_Q
-    off_hq = pid_bh % H_Q
-    off_hk = off_hq // KV_GROUP
-    start_m = pid_m * (rows * NUM_CONSUMERS)
+    pid_bh, off_z, off_hq, off_hk, start_m = program_rows(H_Q, KV_GROUP, N_Q, rows, NUM_CONSUMERS)
     bh_q = pid_bh.to(gl.int64)
     bh_k = (off_z * (H_Q // KV_GROUP) + off_hk).to(gl.int64)
     row_ptrs = (qs_ptr + bh_q * N_Q, mu_ptr + bh_q * N_Q)
     vs_ptr += bh_k * desc_q.block_type.shape[3]
     key_row = bh_k.to(gl.int32) * N_ROW
-    a_row = bh_q.to(gl.int32) * N_ROW
     lse_ptr += bh_q * N_Q
     if SPARSE:
         gl.static_assert(BLOCK_N == SHIFT_BLOCK_N, "a block mask's key tile is one centre block")
@@ -689,60 +740,46 @@ def int8_fwd_gluon_kernel(
     hi_buf = gl.allocate_shared_memory(desc_kw.dtype, [1, 1, 1] + wide, desc_kw.layout)
     lo_buf = gl.allocate_shared_memory(desc_kw.dtype, [1, 1, 1] + wide, desc_kw.layout)
     ks_bufs = gl.allocate_shared_memory(desc_ks.dtype, [NUM_STAGES] + desc_ks.block_type.shape, desc_ks.layout)
-    sig_bufs = gl.allocate_shared_memory(desc_sig.dtype, [NUM_STAGES] + desc_sig.block_type.shape, desc_sig.layout)
-    a_bufs = gl.allocate_shared_memory(desc_a.dtype, [NUM_STAGES] + desc_a.block_type.shape, desc_a.layout)
-    p8_cols: gl.constexpr = BLOCK_N if PV_FP8 else 16  # a 16-column dummy without FP8
-    p8_bufs = gl.allocate_shared_memory(gl.float8e4nv, [2 * NUM_CONSUMERS, rows, p8_cols], P8_LAYOUT)
-    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    b_bufs = gl.allocate_shared_memory(desc_b.dtype, [NUM_STAGES] + desc_b.block_type.shape, desc_b.layout)
+    p8_cols: gl.constexpr = BLOCK_N if PV_FP8 else 16  # one 16-column dummy without FP8
+    p8_tiles: gl.constexpr = NUM_CONSUMERS if PV_FP8 else 1
+    p8_bufs = gl.allocate_shared_memory(gl.float8e4nv, [p8_tiles, rows, p8_cols], P8_LAYOUT)
+    q_ready, k_ready, k_empty, v_ready, v_empty, turn = ring_barriers(NUM_STAGES, NUM_CONSUMERS)
     w_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     w_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     w_split = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
-    for w in gl.static_range(NUM_CONSUMERS):
-        mbarrier.init(q_ready.index(w), count=1)
-        mbarrier.init(turn.index(w), count=1)
-    for st in gl.static_range(NUM_STAGES):
-        mbarrier.init(k_ready.index(st), count=1)
-        mbarrier.init(k_empty.index(st), count=NUM_CONSUMERS)
-        mbarrier.init(v_ready.index(st), count=1)
-        mbarrier.init(v_empty.index(st), count=NUM_CONSUMERS)
     mbarrier.init(w_ready.index(0), count=1)
     mbarrier.init(w_empty.index(0), count=NUM_CONSUMERS)
     mbarrier.init(w_split.index(0), count=NUM_CONSUMERS)
 
-    descs = (desc_q, desc_q8, desc_k, desc_v, desc_c, desc_kw, desc_ks, desc_sig, desc_a)
-    ring = (k_bufs, v_bufs, c_bufs, hi_buf.index(0).reshape(wide), lo_buf.index(0).reshape(wide), ks_bufs, sig_bufs,
-            a_bufs)
+    descs = (desc_q, desc_q8, desc_k, desc_v, desc_c, desc_kw, desc_ks, desc_b)
+    ring = (k_bufs, v_bufs, c_bufs, hi_buf.index(0).reshape(wide), lo_buf.index(0).reshape(wide), ks_bufs, b_bufs)
     bars = (k_ready, k_empty, v_ready, v_empty, w_ready, w_empty, w_split, turn)
     # The partition lists written out per consumer count (hopper.py says why: constexprs in a named tuple).
     gl.static_assert(NUM_CONSUMERS == 2 or NUM_CONSUMERS == 3, "partition lists are written for 2 and 3 consumers")
     if NUM_CONSUMERS == 2:
         gl.warp_specialize([
             (_producer, (descs, q_bufs, q8_bufs, q_ready, ring, bars, visits, off_z, off_hq, off_hk, start_m, key_row,
-                         a_row, SHIFT_BLOCK_N, FALLBACK, SPARSE, PV_FP8)),
+                         SHIFT_BLOCK_N, FALLBACK, SPARSE, PV_FP8)),
             (_consumer, (desc_o, q_bufs.index(0), q8_bufs.index(0), q_ready.index(0), ring, bars, row_ptrs, vs_ptr,
-                         visits, p8_bufs, 0, off_z, off_hq, start_m, N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N,
+                         visits, p8_bufs, off_z, off_hq, start_m, N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N,
                          MASK_N, FALLBACK, SPARSE, STORE_LSE, PV_FP8, LAZY, 0, PINGPONG)),
             (_consumer, (desc_o, q_bufs.index(1), q8_bufs.index(1), q_ready.index(1), ring, bars, row_ptrs, vs_ptr,
-                         visits, p8_bufs, 2, off_z, off_hq, start_m + rows, N_Q, N_K, qk_scale, lse_ptr,
+                         visits, p8_bufs, off_z, off_hq, start_m + rows, N_Q, N_K, qk_scale, lse_ptr,
                          SHIFT_BLOCK_N, MASK_N, FALLBACK, SPARSE, STORE_LSE, PV_FP8, LAZY, 1, PINGPONG)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
             (_producer, (descs, q_bufs, q8_bufs, q_ready, ring, bars, visits, off_z, off_hq, off_hk, start_m, key_row,
-                         a_row, SHIFT_BLOCK_N, FALLBACK, SPARSE, PV_FP8)),
+                         SHIFT_BLOCK_N, FALLBACK, SPARSE, PV_FP8)),
             (_consumer, (desc_o, q_bufs.index(0), q8_bufs.index(0), q_ready.index(0), ring, bars, row_ptrs, vs_ptr,
-                         visits, p8_bufs, 0, off_z, off_hq, start_m, N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N,
+                         visits, p8_bufs, off_z, off_hq, start_m, N_Q, N_K, qk_scale, lse_ptr, SHIFT_BLOCK_N,
                          MASK_N, FALLBACK, SPARSE, STORE_LSE, PV_FP8, LAZY, 0, PINGPONG)),
             (_consumer, (desc_o, q_bufs.index(1), q8_bufs.index(1), q_ready.index(1), ring, bars, row_ptrs, vs_ptr,
-                         visits, p8_bufs, 2, off_z, off_hq, start_m + rows, N_Q, N_K, qk_scale, lse_ptr,
+                         visits, p8_bufs, off_z, off_hq, start_m + rows, N_Q, N_K, qk_scale, lse_ptr,
                          SHIFT_BLOCK_N, MASK_N, FALLBACK, SPARSE, STORE_LSE, PV_FP8, LAZY, 1, PINGPONG)),
             (_consumer, (desc_o, q_bufs.index(2), q8_bufs.index(2), q_ready.index(2), ring, bars, row_ptrs, vs_ptr,
-                         visits, p8_bufs, 4, off_z, off_hq, start_m + 2 * rows, N_Q, N_K, qk_scale, lse_ptr,
+                         visits, p8_bufs, off_z, off_hq, start_m + 2 * rows, N_Q, N_K, qk_scale, lse_ptr,
                          SHIFT_BLOCK_N, MASK_N, FALLBACK, SPARSE, STORE_LSE, PV_FP8, LAZY, 2, PINGPONG)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
 
@@ -758,11 +795,12 @@ def tuned_config(head_dim: int, n_k: int = SHORT_KEYS + 1, sparse: bool = False)
 
 def shared_bytes(cfg: dict, dp: int, element_size: int, fallback: bool, pv_bits: int = 16) -> int:
     """Shared memory of one program: q (``g``) and its codes per consumer, the rings (codes, v in ``g`` or
-    e4m3, centres), the wide buffers of the 16-bit blocks, the barriers."""
+    e4m3, centres, ``ks`` and the bias rows), the wide buffers of the 16-bit blocks, the barriers."""
     q = cfg["consumers"] * ROWS_PER_CONSUMER * dp * (element_size + 1)
     v_size = 1 if pv_bits == 8 else element_size
-    ring = cfg["num_stages"] * dp * (cfg["BLOCK_N"] * (1 + v_size) + CENTRE_ROWS * element_size)
-    q += cfg["consumers"] * 2 * ROWS_PER_CONSUMER * (cfg["BLOCK_N"] if pv_bits == 8 else 16)  # the P8 tiles
+    ring = cfg["num_stages"] * (dp * (cfg["BLOCK_N"] * (1 + v_size) + CENTRE_ROWS * element_size)
+                                + cfg["BLOCK_N"] * (4 + 2 * BIAS_K.value))
+    q += ROWS_PER_CONSUMER * (cfg["consumers"] * cfg["BLOCK_N"] if pv_bits == 8 else 16)  # the P8 tiles
     wide = 2 * (cfg["BLOCK_N"] if fallback else CENTRE_ROWS) * dp * element_size
     return q + ring + wide + 8 * (2 * cfg["consumers"] + 4 * cfg["num_stages"] + 3)
 
@@ -873,6 +911,9 @@ def kernel_call(q: torch.Tensor, prep, out: torch.Tensor, *, scale: float, confi
     compile check builds exactly this launch from meta tensors."""
     batch, h_q, n_q, _ = q.shape
     h_k, n_k, dp = prep.k_codes.shape[1:]
+    if prep.bias is None:
+        raise ValueError("hopper_int8: prep has no bias rows (prep.bias is None); the kernel reads them: "
+                         "quantize.prepare(..., bias=True)")
     fallback = prep.flags is not None
     pv_bits = 16 if prep.v_scale is None else 8
     element_size = q.element_size()
@@ -892,8 +933,8 @@ def kernel_call(q: torch.Tensor, prep, out: torch.Tensor, *, scale: float, confi
             descriptor(prep.k_codes, block_n, dp),
             descriptor(prep.v, dp, block_n) if pv_bits == 8 else descriptor(prep.v, block_n, dp),
             descriptor(c_g, CENTRE_ROWS, dp), descriptor(*wide, dp),
-            _row_descriptor(prep.k_scale, block_n), _row_descriptor(prep.sigma, block_n),
-            _row_descriptor(prep.au, block_n), descriptor(out, ROWS_PER_CONSUMER, dp),
+            _row_descriptor(prep.k_scale, block_n), descriptor(prep.bias, block_n, BIAS_K.value),
+            descriptor(out, ROWS_PER_CONSUMER, dp),
             prep.q_scale, prep.mu, prep.q_scale if pv_bits == 16 else prep.v_scale, *tiles,
             prep.q_scale if lse is None else lse,
             h_q, h_q // h_k, n_q, n_k, prep.k_scale.stride(1), log2_units(scale), *mask_args(block_mask, q))
@@ -953,4 +994,5 @@ def launch(call: Call, plan: Plan) -> None:
             block_mask=call.block_mask)
 
 
-ENTRY = Kernel("gluon-int8", ("int8", "fp8"), ("exact",), launch, unsuitable, prepass="quantize")
+ENTRY = Kernel("gluon-int8", ("int8", "fp8"), ("exact",), launch, unsuitable, prepass="quantize",
+               prepass_options=MappingProxyType({"bias": True}))

@@ -11,7 +11,7 @@ launches (:func:`prepare`):
    ``448 / amax``;
 3. :func:`quantize_kernel`, the fused pre-pass: one program per block of 128 queries (smoothing,
    rotation, INT8 codes) or 128 keys (centre, rotation, codes, the exact corrections ``sigma``, ``A``;
-   V to e4m3 for FP8 ``P V``);
+   V to e4m3 for FP8 ``P V``; for the Gluon kernel their bias rows, :func:`_bias_rows`);
 4. :func:`fallback_flags_kernel`: the query statistics reduced, and per (batch, query head) which key
    blocks go to 16 bits (``reference_int8`` step 4b), counted into the caller's counter (left out with
    ``fallback=False``).
@@ -45,6 +45,8 @@ QMAX = tl.constexpr(rules.QMAX)
 FP8_MAX = tl.constexpr(rules.FP8_MAX)
 """``rules.FP8_MAX`` (e4m3's largest finite value) as the kernels' constexpr."""
 RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23
+BIAS_K = tl.constexpr(16)
+"""Columns of a bias row (``Prepared.bias``): the K of one bf16 wgmma."""
 
 
 # ---- helpers ----------------------------------------------------------------------------------------
@@ -74,6 +76,34 @@ def _fwht(x, ROWS: tl.constexpr, DP: tl.constexpr, LOG2_DP: tl.constexpr):
         partner = (tl.sum(bits, axis=2, keep_dims=True) - bits).to(tl.float32, bitcast=True)
         x = tl.reshape(partner + sign * y, (ROWS, DP))
     return x
+
+
+@triton.jit
+def _bf16_parts(x, INTERPRET_BF16: tl.constexpr):
+    """``x`` (fp32) as three bf16 parts, ``x = x1 + x2 + x3`` to within fp32's last bit: each part the
+    nearest bf16 of what the ones before leave (the differences are exact in fp32)."""
+    x1 = round_to(x, tl.bfloat16, INTERPRET_BF16).to(tl.float32)
+    x2 = round_to(x - x1, tl.bfloat16, INTERPRET_BF16).to(tl.float32)
+    x3 = round_to((x - x1) - x2, tl.bfloat16, INTERPRET_BF16).to(tl.float32)
+    return x1, x2, x3
+
+
+@triton.jit
+def _bias_rows(sigma, au, BLOCK_R: tl.constexpr, INTERPRET_BF16: tl.constexpr):
+    """The (BLOCK_R, :data:`BIAS_K`) bf16 bias rows of the Gluon kernel (``Prepared.bias``): with ``sigma =
+    s1 + s2 + s3`` and ``uA = u1 + u2 + u3`` in bf16 parts, the columns ``(s1, s2, s3, s1, s2, s1, u1, u2, u3,
+    u1, u2, u1, 0, 0, 0, 0)``, the B side of one bf16 product whose A side pairs the row factors' parts with them
+    so that the six largest cross products of each term are summed (those left out are below fp32's last bit)."""
+    s1, s2, s3 = _bf16_parts(sigma, INTERPRET_BF16)
+    u1, u2, u3 = _bf16_parts(au, INTERPRET_BF16)
+    col = tl.arange(0, BIAS_K)[None, :]
+    rows = tl.where((col == 0) | (col == 3) | (col == 5), s1[:, None], 0.0)
+    rows = tl.where((col == 1) | (col == 4), s2[:, None], rows)
+    rows = tl.where(col == 2, s3[:, None], rows)
+    rows = tl.where((col == 6) | (col == 9) | (col == 11), u1[:, None], rows)
+    rows = tl.where((col == 7) | (col == 10), u2[:, None], rows)
+    rows = tl.where(col == 8, u3[:, None], rows)
+    return rows.to(tl.bfloat16)
 
 
 @triton.jit
@@ -213,21 +243,23 @@ def _quantize_queries(q_ptr, qbar_ptr, qc_ptr, qs_ptr, mu_ptr, qstat_ptr, task,
 
 @triton.jit
 def _quantize_keys(k_ptr, v_ptr, qbar_ptr, v_inv_ptr, kc_ptr, ks_ptr, sig_ptr, au_ptr, c_ptr, v8_ptr, kstat_ptr,
-                   task, u,
+                   bias_ptr, task, u,
                    stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
                    stride_cz, stride_ch, stride_cn, stride_sz, stride_sh, stride_az, stride_ah,
-                   stride_oz, stride_oh, stride_oj, stride_v8z, stride_v8h, stride_v8d,
+                   stride_oz, stride_oh, stride_oj, stride_v8z, stride_v8h, stride_v8d, stride_bz, stride_bh,
                    H_K, KV_GROUP, N_K, n_blocks,
                    HEAD_DIM: tl.constexpr, DP: tl.constexpr, LOG2_DP: tl.constexpr, BLOCK_R: tl.constexpr,
-                   PV_FP8: tl.constexpr, INTERPRET_BF16: tl.constexpr, INTERPRET_FP8: tl.constexpr):
+                   PV_FP8: tl.constexpr, BIAS: tl.constexpr, INTERPRET_BF16: tl.constexpr,
+                   INTERPRET_FP8: tl.constexpr):
     """One block ``b`` of ``BLOCK_R`` (= the centre block) keys: ``c_b = round_g(round_fp32(colsum_fp64 /
     n_b))``, ``kc = k - c_b`` (fp32, 0 past ``N_K`` and ``HEAD_DIM``), ``w = fwht(kc)``, ``sigma = w[:, 0]``,
     ``w[:, 0] = 0``, :func:`_codes`; ``u A_h`` with ``A_h = fp32(sum_d fp64(fp32(qbar_h kc)))`` and ``u`` the fp32
     ``common.log2_units(scale)`` (as the portable attention kernel forms it from its argument) for each of the
-    ``KV_GROUP`` query heads reading this key head (the bias term both attention kernels add as is); the block's means of ``s_k^2`` and ``|w|^2`` (fp64, the
-    fallback's statistics, (B, Hk, blocks, 2)); with ``PV_FP8`` the block's V as ``e4m3(v (448 / amax))``,
-    stored transposed (B, Hk, DP, Nk) for the ``P V`` dot.  (A flagged block's keys are split into ``hi`` and
-    ``lo`` by the attention kernels themselves.)"""
+    ``KV_GROUP`` query heads reading this key head (the bias term both attention kernels add); the block's means
+    of ``s_k^2`` and ``|w|^2`` (fp64, the fallback's statistics, (B, Hk, blocks, 2)); with ``PV_FP8`` the block's
+    V as ``e4m3(v (448 / amax))``, stored transposed (B, Hk, DP, Nk) for the ``P V`` dot; with ``BIAS`` each query
+    head's bias rows of ``sigma`` and ``uA`` (:func:`_bias_rows`; ``uA`` read back after a barrier).  (A flagged
+    block's keys are split into ``hi`` and ``lo`` by the attention kernels themselves.)"""
     pid_bh = task // n_blocks
     blk = task % n_blocks
     start = blk * BLOCK_R
@@ -260,6 +292,14 @@ def _quantize_keys(k_ptr, v_ptr, qbar_ptr, v_inv_ptr, kc_ptr, ks_ptr, sig_ptr, a
     row = off_z * stride_sz + off_h * stride_sh + offs_r
     tl.store(ks_ptr + row, scale, mask=r_valid)
     tl.store(sig_ptr + row, sigma, mask=r_valid)
+    if BIAS:
+        tl.debug_barrier()  # the uA rows above, stored by other threads, are read back
+        for g in range(0, KV_GROUP):
+            h_q = off_h * KV_GROUP + g
+            au = tl.load(au_ptr + off_z * stride_az + h_q * stride_ah + offs_r, mask=r_valid, other=0.0)
+            tl.store(bias_ptr + off_z * stride_bz + h_q * stride_bh + offs_r[:, None] * BIAS_K
+                     + tl.arange(0, BIAS_K)[None, :], _bias_rows(sigma, au, BLOCK_R, INTERPRET_BF16),
+                     mask=r_valid[:, None])
     tl.store(c_ptr + off_z * stride_oz + off_h * stride_oh + blk * stride_oj + offs_c, c)
     s2, w2 = _row_stats(scale, w)
     tl.store(kstat_ptr + task.to(tl.int64) * 2, s2 / n_b)
@@ -276,17 +316,18 @@ def _quantize_keys(k_ptr, v_ptr, qbar_ptr, v_inv_ptr, kc_ptr, ks_ptr, sig_ptr, a
 @triton.jit(do_not_specialize=["N_Q", "N_K"])
 def quantize_kernel(q_ptr, k_ptr, v_ptr, qbar_ptr, v_inv_ptr,
                     qc_ptr, qs_ptr, mu_ptr, qstat_ptr, kc_ptr, ks_ptr, sig_ptr, au_ptr, c_ptr, v8_ptr, kstat_ptr,
-                    u,
+                    bias_ptr, u,
                     stride_qz, stride_qh, stride_qm, stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
                     stride_qcz, stride_qch, stride_qcm, stride_qsz, stride_qsh,
                     stride_kcz, stride_kch, stride_kcn, stride_ksz, stride_ksh, stride_az, stride_ah,
-                    stride_oz, stride_oh, stride_oj, stride_v8z, stride_v8h, stride_v8d,
+                    stride_oz, stride_oh, stride_oj, stride_v8z, stride_v8h, stride_v8d, stride_bz, stride_bh,
                     H_Q, H_K, N_Q, N_K, q_blocks, k_blocks, q_tasks,
                     HEAD_DIM: tl.constexpr, DP: tl.constexpr, LOG2_DP: tl.constexpr, BLOCK_R: tl.constexpr,
-                    PV_FP8: tl.constexpr, INTERPRET_BF16: tl.constexpr, INTERPRET_FP8: tl.constexpr):
+                    PV_FP8: tl.constexpr, BIAS: tl.constexpr, INTERPRET_BF16: tl.constexpr,
+                    INTERPRET_FP8: tl.constexpr):
     """The fused pre-pass: programs ``[0, q_tasks)`` quantize one block of ``BLOCK_R`` queries each
-    (:func:`_quantize_queries`), the rest one block of keys (and V) each (:func:`_quantize_keys`).  Grid:
-    (B Hq ceil(Nq / BLOCK_R) + B Hk ceil(Nk / BLOCK_R),)."""
+    (:func:`_quantize_queries`), the rest one block of keys (and V, and with ``BIAS`` the bias rows) each
+    (:func:`_quantize_keys`).  Grid: (B Hq ceil(Nq / BLOCK_R) + B Hk ceil(Nk / BLOCK_R),)."""
     pid = tl.program_id(0)
     if pid < q_tasks:
         _quantize_queries(q_ptr, qbar_ptr, qc_ptr, qs_ptr, mu_ptr, qstat_ptr, pid,
@@ -294,11 +335,11 @@ def quantize_kernel(q_ptr, k_ptr, v_ptr, qbar_ptr, v_inv_ptr,
                           H_Q, N_Q, q_blocks, HEAD_DIM, DP, LOG2_DP, BLOCK_R)
     else:
         _quantize_keys(k_ptr, v_ptr, qbar_ptr, v_inv_ptr, kc_ptr, ks_ptr, sig_ptr, au_ptr, c_ptr, v8_ptr, kstat_ptr,
-                       pid - q_tasks, u,
+                       bias_ptr, pid - q_tasks, u,
                        stride_kz, stride_kh, stride_kn, stride_vz, stride_vh, stride_vn,
                        stride_kcz, stride_kch, stride_kcn, stride_ksz, stride_ksh, stride_az, stride_ah,
-                       stride_oz, stride_oh, stride_oj, stride_v8z, stride_v8h, stride_v8d,
-                       H_K, H_Q // H_K, N_K, k_blocks, HEAD_DIM, DP, LOG2_DP, BLOCK_R, PV_FP8,
+                       stride_oz, stride_oh, stride_oj, stride_v8z, stride_v8h, stride_v8d, stride_bz, stride_bh,
+                       H_K, H_Q // H_K, N_K, k_blocks, HEAD_DIM, DP, LOG2_DP, BLOCK_R, PV_FP8, BIAS,
                        INTERPRET_BF16, INTERPRET_FP8)
 
 
@@ -371,7 +412,9 @@ class Prepared(NamedTuple):
     the input keys (a flagged block reads them), ``q_stats`` (B, Hq, 2) and ``k_stats`` (B, Hk, blocks, 2)
     fp64 (``reference_int8``'s ``stats``), ``flags`` (B, Hq, blocks) int8 (1: in 16 bits; None: every block
     from the codes) with ``order`` (B, Hq, blocks) int32 and ``coded`` (B, Hq) int32 (``reference_int8.block_order``:
-    the coded blocks ascending, then the flagged ones; None with ``flags``)."""
+    the coded blocks ascending, then the flagged ones; None with ``flags``).  ``bias`` (B, Hq, Nk, 16) bf16 (rows
+    padded as ``au``'s), written where asked (``bias=True``; else None): per key the bf16 parts of ``sigma`` and
+    ``uA`` that the Gluon kernel adds to its logits in one tensor-core product (``quantize._bias_rows``)."""
 
     q_codes: torch.Tensor
     q_scale: torch.Tensor
@@ -390,6 +433,7 @@ class Prepared(NamedTuple):
     flags: torch.Tensor | None
     order: torch.Tensor | None
     coded: torch.Tensor | None
+    bias: torch.Tensor | None
 
 
 def _prepass_warps(dp: int) -> int:
@@ -411,8 +455,9 @@ class Scratch(NamedTuple):
 
 
 def allocate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, pv_bits: int = 16,
-             fallback: bool = True) -> tuple[Prepared, Scratch]:
-    """Empty pre-pass outputs and statistics for these inputs, on their device (``meta`` too)."""
+             fallback: bool = True, bias: bool = False) -> tuple[Prepared, Scratch]:
+    """Empty pre-pass outputs and statistics for these inputs, on their device (``meta`` too); ``bias``: the
+    Gluon kernel's bias rows too."""
     batch, h_q, n_q, d = q.shape
     h_k, n_k = k.shape[1], k.shape[2]
     dp = max(32, pow2_tile(d))  # reference_int8.rotation_size: an INT8 MMA reduces over 32
@@ -423,8 +468,10 @@ def allocate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, pv_bits: int 
     def empty(*shape, dtype=f32):
         return torch.empty(shape, dtype=dtype, device=dev)
 
-    def per_key(heads):  # rows padded to 16 bytes: the Gluon kernel copies tiles of them by TMA
-        return empty(batch, heads, -(-n_k // 4) * 4)[..., :n_k]
+    n_row = -(-n_k // 4) * 4  # rows padded to 16 bytes: the Gluon kernel copies tiles of them by TMA
+
+    def per_key(heads):
+        return empty(batch, heads, n_row)[..., :n_k]
 
     prep = Prepared(
         q_codes=empty(batch, h_q, n_q, dp, dtype=torch.int8), q_scale=empty(batch, h_q, n_q), mu=empty(batch, h_q, n_q),
@@ -436,7 +483,8 @@ def allocate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, pv_bits: int 
         k_stats=empty(batch, h_k, k_blocks, 2, dtype=torch.float64),
         flags=empty(batch, h_q, k_blocks, dtype=torch.int8) if fallback else None,
         order=empty(batch, h_q, k_blocks, dtype=torch.int32) if fallback else None,
-        coded=empty(batch, h_q, dtype=torch.int32) if fallback else None)
+        coded=empty(batch, h_q, dtype=torch.int32) if fallback else None,
+        bias=empty(batch, h_q, n_row, BIAS_K.value, dtype=torch.bfloat16)[:, :, :n_k] if bias else None)
     scratch = Scratch(empty(batch * h_q, q_blocks, dp, dtype=torch.float64),
                       empty(batch * h_q, q_blocks, 2, dtype=torch.float64),
                       empty(batch * h_k, k_blocks, dp) if fp8 else None, empty(batch, h_k, dp) if fp8 else None)
@@ -444,11 +492,11 @@ def allocate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, pv_bits: int 
 
 
 def written_bytes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, pv_bits: int = 16,
-                  fallback: bool = True) -> int:
+                  fallback: bool = True, bias: bool = False) -> int:
     """The bytes :func:`prepare` allocates for these inputs (the storage of :func:`allocate`'s tensors, the inputs it
     passes through not counted), read from an allocation on the ``meta`` device."""
     meta = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in (q, k, v)]
-    prep, scratch = allocate(*meta, pv_bits=pv_bits, fallback=fallback)
+    prep, scratch = allocate(*meta, pv_bits=pv_bits, fallback=fallback, bias=bias)
     written = (t for t in (*prep, *scratch) if t is not None and all(t is not given for given in meta))
     return sum(t.untyped_storage().nbytes() for t in written)
 
@@ -463,14 +511,16 @@ def quantize_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prep: Prepa
     q_blocks, k_blocks = cdiv(n_q, SHIFT_BLOCK), cdiv(n_k, SHIFT_BLOCK)
     v8 = prep.v if fp8 else prep.k_codes  # unread in 16 bits
     v_inv = scratch.v_inv if fp8 else prep.qbar
+    bias = prep.bias if prep.bias is not None else prep.au  # unread without
     q_tasks = batch * h_q * q_blocks
     args = (q, k, v, prep.qbar, v_inv, prep.q_codes, prep.q_scale, prep.mu, scratch.q_stat_part, prep.k_codes,
-            prep.k_scale, prep.sigma, prep.au, prep.centres, v8, prep.k_stats,
+            prep.k_scale, prep.sigma, prep.au, prep.centres, v8, prep.k_stats, bias,
             log2_units(scale),
             *strides3(q), *strides3(k), *strides3(v), *strides3(prep.q_codes), *prep.q_scale.stride()[:2],
             *strides3(prep.k_codes), *prep.k_scale.stride()[:2], *prep.au.stride()[:2], *strides3(prep.centres),
-            *strides3(v8), h_q, h_k, n_q, n_k, q_blocks, k_blocks, q_tasks)
+            *strides3(v8), *bias.stride()[:2], h_q, h_k, n_q, n_k, q_blocks, k_blocks, q_tasks)
     meta = dict(HEAD_DIM=d, DP=dp, LOG2_DP=dp.bit_length() - 1, BLOCK_R=SHIFT_BLOCK, PV_FP8=fp8,
+                BIAS=prep.bias is not None,
                 INTERPRET_BF16=INTERPRET and q.dtype == torch.bfloat16, INTERPRET_FP8=INTERPRET,
                 num_warps=_prepass_warps(dp))
     return (q_tasks + batch * h_k * k_blocks,), args, meta
@@ -488,14 +538,15 @@ def flags_call(prep: Prepared, scratch: Scratch, *, scale: float, tally: torch.T
 
 
 def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, pv_bits: int = 16,
-            fallback: bool = True, tally: torch.Tensor | None = None) -> Prepared:
+            fallback: bool = True, bias: bool = False, tally: torch.Tensor | None = None) -> Prepared:
     """The pre-pass (launches 1-4 of the module docstring) for (B, H, N, D) q, k, v with unit stride in D;
     ``fallback``: which key blocks go to 16 bits at this ``scale`` (launch 4), their count added to ``tally``
     (an int64 ``[blocks, blocks in 16 bits]`` tensor on q's device: the caller's, ``dispatch.forward`` passes
-    ``block_tally``'s; ``None``: a counter of this call alone)."""
+    ``block_tally``'s; ``None``: a counter of this call alone); ``bias``: the Gluon kernel's bias rows
+    (``Prepared.bias``) too."""
     batch, h_q, n_q, d = q.shape
     h_k, n_k = k.shape[1], k.shape[2]
-    prep, scratch = allocate(q, k, v, pv_bits=pv_bits, fallback=fallback)
+    prep, scratch = allocate(q, k, v, pv_bits=pv_bits, fallback=fallback, bias=bias)
     dp = prep.k_codes.shape[-1]
     bf16 = q.dtype == torch.bfloat16
     warps = _prepass_warps(dp)
