@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -283,6 +283,33 @@ def specialization(fn: Any, args: list, meta: dict) -> tuple[dict, dict, dict]:
             if spec == "D":
                 attrs[(p.num,)] = [["tt.divisibility", 16]]
     return signature, constexprs, attrs
+
+
+def current_cuda_device() -> int:
+    """The device a Triton launch goes to now (``driver.active.get_current_device``: torch's current device)."""
+    from triton.runtime import driver
+
+    return driver.active.get_current_device()
+
+
+def launch_values(fn: Any, args: Sequence, meta: dict) -> tuple:
+    """Every parameter's value of the jitted ``fn`` in signature order, as its launcher takes them: ``args`` (the
+    positional ones), then each later parameter's constexpr from ``meta`` or its default (``meta``'s launch
+    options, ``num_warps`` and the like, are not parameters; ``fn.params``, ``triton/runtime/jit.py``)."""
+    return (*args, *(meta[p.name] if p.name in meta else p.default for p in fn.params[len(args):]))
+
+
+def launch_compiled(compiled: Any, grid: Sequence[int], values: Sequence, device: int) -> None:
+    """Launch ``compiled`` (what ``fn[grid](...)`` returns) on ``grid`` with ``values`` (:func:`launch_values`) on
+    ``device``'s current stream, with Triton's launch hooks: the launch ``JITFunction.run`` makes once it has
+    bound and specialized the arguments (``CompiledKernel.run``, ``launch_metadata``, ``knobs.runtime``)."""
+    from triton import knobs
+    from triton.runtime import driver
+
+    stream = driver.active.get_current_stream(device)
+    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
+                 compiled.function, compiled.packed_metadata, compiled.launch_metadata(grid, stream, *values),
+                 knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *values)
 
 
 def compile_for_cuda(fn: Any, signature: dict, constexprs: dict, attrs: dict, options: dict, *, capability: int = 90,

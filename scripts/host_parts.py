@@ -3,7 +3,7 @@
     PYTHONPATH=$PWD python scripts/host_parts.py
 
 Each part (the op through ``layout="bnhd"``, ``dispatch.forward``, the plan, the pre-pass, the Gluon kernel's
-descriptors and launch, and torch's own small steps for scale) is issued 200 times while the GPU sleeps
+descriptors and launch, binding its arguments or through the kept compiled kernel, and torch's own small steps for scale) is issued 200 times while the GPU sleeps
 (``torch.cuda._sleep``), so nothing waits on the GPU and the wall time per call is the host's alone.  Two
 shapes: SVD's 576-token spatial attention (fp16, head dim 64) and one sample of Mochi's joint attention
 (bf16, head dim 128).  The host's time shows wherever the GPU waits for it: short calls, and every call
@@ -19,6 +19,7 @@ import torch
 from bench.overhead import host_us
 from pasa_diffusers.shift_matrix import DEFAULT_BETA
 from pasa_diffusers.kernels import dispatch, gluon_common, hopper
+from pasa_diffusers.kernels.launch import kept_launch
 from pasa_diffusers.kernels.prepass import centre_keys
 from pasa_diffusers.ops import pasa_attention
 from pasa_diffusers.variants import DEFAULT
@@ -49,7 +50,8 @@ def main() -> int:
             "kernel_call": lambda: hopper.kernel_call(q, k_c, v, centres, out, scale=scale),
             "descriptor x1": lambda: gluon_common.descriptor(q, 64, 64 if d == 64 else 128),
             "centres fp32 -> g (no longer run)": lambda: centres32.to(q.dtype),
-            "gluon launch": lambda: hopper.exact_fwd_gluon_kernel[grid](*args, **meta),
+            "gluon launch (binding)": lambda: hopper.exact_fwd_gluon_kernel[grid](*args, **meta),
+            "gluon launch (kept)": lambda: kept_launch(hopper.exact_fwd_gluon_kernel, grid, args, meta, keep=dtype),
             "torch.empty_like": lambda: torch.empty_like(q),
             "slice q[0:1]": lambda: q[0:1],
         }

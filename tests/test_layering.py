@@ -79,7 +79,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     (f"{KERNELS}.call",),
     (f"{KERNELS}.gluon_common",),
     (f"{KERNELS}.tuning",),
-    (f"{KERNELS}.common",),
+    (f"{KERNELS}.common", f"{KERNELS}.launch"),
     # the spec: constants, names and the few helpers every layer may read
     (f"{PACKAGE}.shift_matrix", f"{PACKAGE}.backends", f"{PACKAGE}.attention_modules", f"{PACKAGE}.files",
      f"{PACKAGE}.block_sparse"),

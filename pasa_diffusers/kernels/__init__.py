@@ -14,7 +14,8 @@
 - shared helpers: ``common.py`` (rounding, products, the exact centre, host grid and stride helpers,
   ``INTERPRET``), ``gluon_common.py`` (what both Gluon kernels share: Gluon's names, warpgroup geometry,
   registers, TMA descriptors, the jitted softmax and ring pieces), ``tuning.py`` (tile extents, buckets,
-  the shared-memory limit, the autotuner with its shipped tables and on-disk cache).
+  the shared-memory limit, the autotuner with its shipped tables and on-disk cache), ``launch.py`` (launches that
+  call the compiled kernel kept per launch key, skipping Triton's argument binding on repeats).
 
 Kernel files import only the layers below them (pre-passes, ``call``, helpers) and the spec constants
 (``pasa_diffusers.rules``); never each other,

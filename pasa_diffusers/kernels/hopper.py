@@ -74,6 +74,7 @@ from .gluon_common import (CENTRE_ROWS, PRODUCER_WARPS, ROWS_PER_CONSUMER, SHORT
                            kept_row, mbarrier, operand_problem, pass_turn, program_rows, registers, release,
                            ring_barriers, round_p, row_shift, sm90_problem, tile_start, tma, unavailable_reason,
                            wait_turn, warpgroup_mma, warpgroup_mma_wait, widen_p)
+from .launch import kept_launch
 from .tuning import SMEM_LIMIT
 
 __all__ = ["exact_fwd_gluon_kernel", "forward", "kernel_call", "unsuitable_reason", "tuned_config", "DEFAULT_CONFIG",
@@ -566,7 +567,7 @@ def forward(q: torch.Tensor, k_c: torch.Tensor, v: torch.Tensor, centres: torch.
     """
     grid, args, meta = kernel_call(q, k_c, v, centres, out, scale=scale, config=config, lse=lse,
                                    block_mask=block_mask)
-    exact_fwd_gluon_kernel[grid](*args, **meta)
+    kept_launch(exact_fwd_gluon_kernel, grid, args, meta, keep=q.dtype)  # the five descriptors: q's dtype, meta's boxes
     return out
 
 

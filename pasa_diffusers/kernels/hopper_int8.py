@@ -94,6 +94,7 @@ from .gluon_common import (CENTRE_ROWS, PRODUCER_WARPS, ROWS_PER_CONSUMER, SHORT
                            kept_descriptor, kept_row, mbarrier, operand_problem, pass_turn, program_rows, registers,
                            release, ring_barriers, round_p, row_shift, sm90_problem, tma, wait_turn, warpgroup_mma,
                            warpgroup_mma_wait)
+from .launch import kept_launch
 from .tuning import SMEM_LIMIT
 
 __all__ = ["int8_fwd_gluon_kernel", "forward", "kernel_call", "unsuitable_reason", "tuned_config", "shared_bytes",
@@ -961,7 +962,9 @@ def forward(q: torch.Tensor, prep, out: torch.Tensor, *, scale: float, config: d
         missing key blocks are skipped (neither loaded nor multiplied; the config's ``BLOCK_N`` 128 and two
         consumers); a query block that keeps none gets zeros and ``lse = -inf``."""
     grid, args, meta = kernel_call(q, prep, out, scale=scale, config=config, lse=lse, block_mask=block_mask)
-    int8_fwd_gluon_kernel[grid](*args, **meta)
+    # the descriptors: their dtypes and the head dim's tile (the boxes' other sides follow from meta)
+    kept_launch(int8_fwd_gluon_kernel, grid, args, meta,
+           keep=(q.dtype, prep.q_codes.dtype, prep.k_codes.dtype, prep.v.dtype, prep.k_codes.shape[-1]))
     return out
 
 

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from .common import INTERPRET, cdiv, centre_tile, round_to, strides3
+from .launch import kept_launch
 from .tuning import pow2_tile
 
 __all__ = ["centre_k_kernel", "shift_k_kernel", "centre_keys", "shift_keys"]
@@ -136,10 +137,10 @@ def centre_keys(k: torch.Tensor, *, block_n: int, exact: bool,
     n_blocks = cdiv(n_k, block_n)
     k_c = torch.empty((batch, h_k, n_k, head_dim), dtype=k.dtype, device=k.device)
     centres = torch.empty((batch, h_k, n_blocks, head_dim), dtype=centres_dtype, device=k.device)
-    centre_k_kernel[(batch * h_k, n_blocks)](
-        k, k_c, centres, *strides3(k), *strides3(k_c), *strides3(centres), h_k, n_k,
-        _ulp(k.dtype), HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
-        EXACT_CENTRE=exact, INTERPRET_BF16=INTERPRET and k.dtype == torch.bfloat16, num_warps=warps)
+    kept_launch(centre_k_kernel, (batch * h_k, n_blocks),
+                (k, k_c, centres, *strides3(k), *strides3(k_c), *strides3(centres), h_k, n_k, _ulp(k.dtype)),
+                dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, EXACT_CENTRE=exact,
+                     INTERPRET_BF16=INTERPRET and k.dtype == torch.bfloat16, num_warps=warps), keep=())
     return k_c, centres
 
 

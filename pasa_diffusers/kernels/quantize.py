@@ -35,6 +35,7 @@ import triton.language as tl
 from .. import rules
 from ..rules import INT8_FALLBACK_TAU, SHIFT_BLOCK
 from .common import INTERPRET, binade, cdiv, log2_units, round_to, strides3
+from .launch import kept_launch
 from .tuning import pow2_tile
 
 __all__ = ["colstats_kernel", "colstats_reduce_kernel", "quantize_kernel", "fallback_flags_kernel", "Prepared",
@@ -551,20 +552,19 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, 
     bf16 = q.dtype == torch.bfloat16
     warps = _prepass_warps(dp)
     q_blocks, k_blocks = scratch.q_part.shape[1], prep.centres.shape[2]
-    colstats_kernel[(batch * h_q, q_blocks)](q, scratch.q_part, *strides3(q), h_q, n_q, q_blocks, HEAD_DIM=d, DP=dp,
-                                             BLOCK_R=SHIFT_BLOCK, AMAX=False, num_warps=warps)
-    colstats_reduce_kernel[(batch * h_q,)](scratch.q_part, prep.qbar, prep.qbar, n_q, q_blocks, DP=dp, AMAX=False,
-                                           G_BF16=bf16, INTERPRET_BF16=INTERPRET and bf16)
+    kept_launch(colstats_kernel, (batch * h_q, q_blocks), (q, scratch.q_part, *strides3(q), h_q, n_q, q_blocks),
+                dict(HEAD_DIM=d, DP=dp, BLOCK_R=SHIFT_BLOCK, AMAX=False, num_warps=warps), keep=())
+    kept_launch(colstats_reduce_kernel, (batch * h_q,), (scratch.q_part, prep.qbar, prep.qbar, n_q, q_blocks),
+                dict(DP=dp, AMAX=False, G_BF16=bf16, INTERPRET_BF16=INTERPRET and bf16), keep=())
     if prep.v_scale is not None:
-        colstats_kernel[(batch * h_k, k_blocks)](v, scratch.v_part, *strides3(v), h_k, n_k, k_blocks, HEAD_DIM=d,
-                                                 DP=dp, BLOCK_R=SHIFT_BLOCK, AMAX=True, num_warps=warps)
-        colstats_reduce_kernel[(batch * h_k,)](scratch.v_part, prep.v_scale, scratch.v_inv, n_k, k_blocks, DP=dp,
-                                               AMAX=True, G_BF16=bf16, INTERPRET_BF16=INTERPRET and bf16)
-    grid, args, meta = quantize_call(q, k, v, prep, scratch, scale=scale)
-    quantize_kernel[grid](*args, **meta)
+        kept_launch(colstats_kernel, (batch * h_k, k_blocks), (v, scratch.v_part, *strides3(v), h_k, n_k, k_blocks),
+                    dict(HEAD_DIM=d, DP=dp, BLOCK_R=SHIFT_BLOCK, AMAX=True, num_warps=warps), keep=())
+        kept_launch(colstats_reduce_kernel, (batch * h_k,),
+                    (scratch.v_part, prep.v_scale, scratch.v_inv, n_k, k_blocks),
+                    dict(DP=dp, AMAX=True, G_BF16=bf16, INTERPRET_BF16=INTERPRET and bf16), keep=())
+    kept_launch(quantize_kernel, *quantize_call(q, k, v, prep, scratch, scale=scale), keep=())
     if fallback:
         if tally is None:
             tally = torch.zeros(2, dtype=torch.int64, device=q.device)
-        grid, args, meta = flags_call(prep, scratch, scale=scale, tally=tally)
-        fallback_flags_kernel[grid](*args, **meta)
+        kept_launch(fallback_flags_kernel, *flags_call(prep, scratch, scale=scale, tally=tally), keep=())
     return prep
