@@ -128,7 +128,9 @@ def test_golden_all_kept_is_bit_identical():
 @pytest.mark.parametrize("name", ["flash-hybrid", "pasa-half", "pasa-hybrid", "exact-half", "int8"])
 def test_skipping_blocks_equals_attending_the_kept_keys_only(name):
     """A query block that keeps blocks {0, 2, 3} of four full ones computes, bit for bit, what the variant computes
-    on those keys alone: PASA's block count is the visited blocks' (j = 1, 2, 3), not the block index."""
+    on those keys alone: PASA's block count is the visited blocks' (j = 1, 2, 3), not the block index.  The 8-bit
+    spec within one ulp of the output: its fp32 state is not the same in the two calls (their LSEs are 1.9e-6
+    apart), so equal output bits would be the fp16 rounding's luck, not a property."""
     gen = torch.Generator().manual_seed(11)
     q = torch.randn(1, 1, BLK, 16, generator=gen).half()
     k = (torch.randn(1, 1, 4 * BLK, 16, generator=gen) + torch.linspace(0, 20, 4 * BLK)[:, None]).half()
@@ -137,7 +139,11 @@ def test_skipping_blocks_equals_attending_the_kept_keys_only(name):
     mask = BlockSparseMask.from_dense(keep, BLK, 4 * BLK, block_q=BLK, block_k=BLK)
     idx = torch.cat([torch.arange(b * BLK, (b + 1) * BLK) for b in (0, 2, 3)])
     f = VARIANTS[name]
-    assert torch.equal(f(q, k, v, mask, False), f(q, k[:, :, idx], v[:, :, idx], None, False))
+    got, want = f(q, k, v, mask, False), f(q, k[:, :, idx], v[:, :, idx], None, False)
+    if name == "int8":
+        torch.testing.assert_close(got, want, rtol=2.0 ** -10, atol=2.0 ** -24)
+    else:
+        assert torch.equal(got, want)
 
 
 def test_mask_that_covers_the_mass_gives_a_small_error_and_one_that_misses_it_a_large_one():
