@@ -49,7 +49,8 @@ fi
 first=0
 last=$(( SHARDS - 1 ))
 if [[ -n "${SHARD_RANGE:-}" ]]; then
-  if [[ ! "$SHARD_RANGE" =~ ^([0-9]+)-([0-9]+)$ ]] || (( BASH_REMATCH[1] > BASH_REMATCH[2] || BASH_REMATCH[2] >= SHARDS )); then
+  if [[ ! "$SHARD_RANGE" =~ ^([0-9]+)-([0-9]+)$ ]] \
+     || (( BASH_REMATCH[1] > BASH_REMATCH[2] || BASH_REMATCH[2] >= SHARDS )); then
     echo "$0: SHARD_RANGE=$SHARD_RANGE must be FIRST-LAST with 0 <= FIRST <= LAST < SHARDS=$SHARDS" >&2
     exit 2
   fi
@@ -60,7 +61,9 @@ mkdir -p "$OUT"
 ids="$OUT/test_ids.txt"
 python -m pytest tests -m gpu --collect-only -q -p no:cacheprovider "$@" \
   | grep '::' > "$ids"
-echo "$(wc -l < "$ids") tests in $SHARDS shards$( (( first > 0 || last < SHARDS - 1 )) && echo ", running shards $first-$last")"
+running=""
+(( first > 0 || last < SHARDS - 1 )) && running=", running shards $first-$last"
+echo "$(wc -l < "$ids") tests in $SHARDS shards$running"
 
 pids=()
 for ((i = first; i <= last; i++)); do

@@ -3,8 +3,9 @@
     PYTHONPATH=$PWD python scripts/host_parts.py
 
 Each part (the op through ``layout="bnhd"``, ``dispatch.forward``, the plan, the pre-pass, the Gluon kernel's
-descriptors and launch, binding its arguments or through the kept compiled kernel, and torch's own small steps for scale) is issued 200 times while the GPU sleeps
-(``torch.cuda._sleep``), so nothing waits on the GPU and the wall time per call is the host's alone.  Two
+descriptors and launch, binding its arguments or through the kept compiled kernel, and torch's own small steps for
+scale) is issued 200 times while the GPU sleeps (``torch.cuda._sleep``), so nothing waits on the GPU and the wall
+time per call is the host's alone.  Two
 shapes: SVD's 576-token spatial attention (fp16, head dim 64) and one sample of Mochi's joint attention
 (bf16, head dim 128).  The host's time shows wherever the GPU waits for it: short calls, and every call
 right after the model itself waits for the GPU.

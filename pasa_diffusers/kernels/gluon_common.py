@@ -32,8 +32,8 @@ __all__ = ["gl", "gluon_jit", "fence_async_shared", "mbarrier", "tma", "warpgrou
            "TensorDescriptor", "GLUON_IMPORT_ERROR", "GLUON_VERSION", "HEAD_DIMS", "ROWS_PER_CONSUMER", "CENTRE_ROWS",
            "PRODUCER_WARPS", "REGISTERS_PER_SM", "PRODUCER_REGS", "SHORT_KEYS", "unavailable_reason", "sm90_problem",
            "operand_problem", "descriptor_layout_problem", "head_dim_tile", "registers", "descriptor", "kept_descriptor",
-           "kept_config", "row_shift", "round_p", "widen_p", "release", "wait_turn", "pass_turn", "ring_barriers", "program_rows",
-           "kept_row", "tile_start"]
+           "kept_config", "row_shift", "round_p", "widen_p", "release", "wait_turn", "pass_turn", "ring_barriers",
+           "program_rows", "kept_row", "tile_start"]
 
 GLUON_VERSION = "3.6"
 """The Triton release whose Gluon API the kernels are written for (``warp_specialize``'s signature changed in 3.6)."""

@@ -964,7 +964,7 @@ def forward(q: torch.Tensor, prep, out: torch.Tensor, *, scale: float, config: d
     grid, args, meta = kernel_call(q, prep, out, scale=scale, config=config, lse=lse, block_mask=block_mask)
     # the descriptors: their dtypes and the head dim's tile (the boxes' other sides follow from meta)
     kept_launch(int8_fwd_gluon_kernel, grid, args, meta,
-           keep=(q.dtype, prep.q_codes.dtype, prep.k_codes.dtype, prep.v.dtype, prep.k_codes.shape[-1]))
+                keep=(q.dtype, prep.q_codes.dtype, prep.k_codes.dtype, prep.v.dtype, prep.k_codes.shape[-1]))
     return out
 
 
