@@ -42,7 +42,6 @@ def main() -> int:
         plan = dispatch.plan(q, k, v, out, variant=DEFAULT)
         k_c, centres = centre_keys(k, block_n=plan.block_n, exact=True, centres_dtype=dtype)  # as dispatch asks
         grid, args, meta = hopper.kernel_call(q, k_c, v, centres, out, scale=scale)
-        centres32 = centres.float()
         parts = {
             "op (bnhd)": lambda: pasa_attention(*base, layout="bnhd"),
             "dispatch.forward": lambda: dispatch.forward(q, k, v, out, scale=scale, variant=DEFAULT, beta=DEFAULT_BETA),
@@ -50,7 +49,6 @@ def main() -> int:
             "centre_keys": lambda: centre_keys(k, block_n=plan.block_n, exact=True, centres_dtype=dtype),
             "kernel_call": lambda: hopper.kernel_call(q, k_c, v, centres, out, scale=scale),
             "descriptor x1": lambda: gluon_common.descriptor(q, 64, 64 if d == 64 else 128),
-            "centres fp32 -> g (no longer run)": lambda: centres32.to(q.dtype),
             "gluon launch (binding)": lambda: hopper.exact_fwd_gluon_kernel[grid](*args, **meta),
             "gluon launch (kept)": lambda: kept_launch(hopper.exact_fwd_gluon_kernel, grid, args, meta, keep=dtype),
             "torch.empty_like": lambda: torch.empty_like(q),
