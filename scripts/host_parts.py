@@ -50,7 +50,7 @@ def main() -> int:
             "kernel_call": lambda: hopper.kernel_call(q, k_c, v, centres, out, scale=scale),
             "descriptor x1": lambda: gluon_common.descriptor(q, 64, 64 if d == 64 else 128),
             "gluon launch (binding)": lambda: hopper.exact_fwd_gluon_kernel[grid](*args, **meta),
-            "gluon launch (kept)": lambda: kept_launch(hopper.exact_fwd_gluon_kernel, grid, args, meta, keep=dtype),
+            "gluon launch (kept)": lambda: kept_launch(hopper.exact_fwd_gluon_kernel, grid, args, meta),
             "torch.empty_like": lambda: torch.empty_like(q),
             "slice q[0:1]": lambda: q[0:1],
         }

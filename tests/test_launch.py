@@ -14,9 +14,26 @@ from pasa_diffusers.ops import pasa_attention  # noqa: E402
 
 def test_the_arguments_key_holds_dtypes_alignments_ints_and_the_types_of_the_rest():
     flat = torch.empty(64, dtype=torch.float16)
-    key = launch.arguments_key((flat, flat[1:], flat[8:], flat.float(), 1, 16, 17, 2**31, 0.5, None))
+    key = launch.arguments_key((flat, flat[1:], flat[8:], flat.float(), 1, 16, 17, 2**31, True, 0.5, None))
     assert key == ((torch.float16, 0), (torch.float16, 2), (torch.float16, 0), (torch.float32, 0), 1, 16, 17, 2**31,
-                   float, type(None))
+                   (bool, True), float, type(None))
+
+
+def test_the_arguments_key_holds_what_a_descriptor_specializes_on_and_not_its_address():
+    """A TMA descriptor's dtype, box and shared layout enter the key (Triton specializes on them); its base address,
+    shape and strides do not (they are encoded at each launch)."""
+    gluon_common = pytest.importorskip("pasa_diffusers.kernels.gluon_common")
+    if gluon_common.GLUON_IMPORT_ERROR is not None:
+        pytest.skip(f"no Gluon: {gluon_common.GLUON_IMPORT_ERROR}")
+    t = torch.empty(2, 3, 256, 64, dtype=torch.float16)
+
+    def key(x, rows, tile):
+        return launch.arguments_key((gluon_common.descriptor(x, rows, tile),))
+
+    assert key(t, 64, 64) == key(torch.empty_like(t), 64, 64) == key(t[:, :, :128], 64, 64)
+    assert key(t, 64, 64) != key(t.bfloat16(), 64, 64)
+    assert key(t, 64, 64) != key(t, 128, 64)
+    assert len({key(t, 64, 64), key(t, 128, 64)}) == 2  # hashable: the key indexes the kept kernels
 
 
 def test_launch_values_are_every_parameter_in_signature_order():

@@ -567,7 +567,7 @@ def forward(q: torch.Tensor, k_c: torch.Tensor, v: torch.Tensor, centres: torch.
     """
     grid, args, meta = kernel_call(q, k_c, v, centres, out, scale=scale, config=config, lse=lse,
                                    block_mask=block_mask)
-    kept_launch(exact_fwd_gluon_kernel, grid, args, meta, keep=q.dtype)  # the five descriptors: q's dtype, meta's boxes
+    kept_launch(exact_fwd_gluon_kernel, grid, args, meta)
     return out
 
 

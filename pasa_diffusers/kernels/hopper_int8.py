@@ -962,9 +962,7 @@ def forward(q: torch.Tensor, prep, out: torch.Tensor, *, scale: float, config: d
         missing key blocks are skipped (neither loaded nor multiplied; the config's ``BLOCK_N`` 128 and two
         consumers); a query block that keeps none gets zeros and ``lse = -inf``."""
     grid, args, meta = kernel_call(q, prep, out, scale=scale, config=config, lse=lse, block_mask=block_mask)
-    # the descriptors: their dtypes and the head dim's tile (the boxes' other sides follow from meta)
-    kept_launch(int8_fwd_gluon_kernel, grid, args, meta,
-                keep=(q.dtype, prep.q_codes.dtype, prep.k_codes.dtype, prep.v.dtype, prep.k_codes.shape[-1]))
+    kept_launch(int8_fwd_gluon_kernel, grid, args, meta)
     return out
 
 

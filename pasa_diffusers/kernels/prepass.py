@@ -140,7 +140,7 @@ def centre_keys(k: torch.Tensor, *, block_n: int, exact: bool,
     kept_launch(centre_k_kernel, (batch * h_k, n_blocks),
                 (k, k_c, centres, *strides3(k), *strides3(k_c), *strides3(centres), h_k, n_k, _ulp(k.dtype)),
                 dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, EXACT_CENTRE=exact,
-                     INTERPRET_BF16=INTERPRET and k.dtype == torch.bfloat16, num_warps=warps), keep=())
+                     INTERPRET_BF16=INTERPRET and k.dtype == torch.bfloat16, num_warps=warps))
     return k_c, centres
 
 

@@ -553,18 +553,18 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, 
     warps = _prepass_warps(dp)
     q_blocks, k_blocks = scratch.q_part.shape[1], prep.centres.shape[2]
     kept_launch(colstats_kernel, (batch * h_q, q_blocks), (q, scratch.q_part, *strides3(q), h_q, n_q, q_blocks),
-                dict(HEAD_DIM=d, DP=dp, BLOCK_R=SHIFT_BLOCK, AMAX=False, num_warps=warps), keep=())
+                dict(HEAD_DIM=d, DP=dp, BLOCK_R=SHIFT_BLOCK, AMAX=False, num_warps=warps))
     kept_launch(colstats_reduce_kernel, (batch * h_q,), (scratch.q_part, prep.qbar, prep.qbar, n_q, q_blocks),
-                dict(DP=dp, AMAX=False, G_BF16=bf16, INTERPRET_BF16=INTERPRET and bf16), keep=())
+                dict(DP=dp, AMAX=False, G_BF16=bf16, INTERPRET_BF16=INTERPRET and bf16))
     if prep.v_scale is not None:
         kept_launch(colstats_kernel, (batch * h_k, k_blocks), (v, scratch.v_part, *strides3(v), h_k, n_k, k_blocks),
-                    dict(HEAD_DIM=d, DP=dp, BLOCK_R=SHIFT_BLOCK, AMAX=True, num_warps=warps), keep=())
+                    dict(HEAD_DIM=d, DP=dp, BLOCK_R=SHIFT_BLOCK, AMAX=True, num_warps=warps))
         kept_launch(colstats_reduce_kernel, (batch * h_k,),
                     (scratch.v_part, prep.v_scale, scratch.v_inv, n_k, k_blocks),
-                    dict(DP=dp, AMAX=True, G_BF16=bf16, INTERPRET_BF16=INTERPRET and bf16), keep=())
-    kept_launch(quantize_kernel, *quantize_call(q, k, v, prep, scratch, scale=scale), keep=())
+                    dict(DP=dp, AMAX=True, G_BF16=bf16, INTERPRET_BF16=INTERPRET and bf16))
+    kept_launch(quantize_kernel, *quantize_call(q, k, v, prep, scratch, scale=scale))
     if fallback:
         if tally is None:
             tally = torch.zeros(2, dtype=torch.int64, device=q.device)
-        kept_launch(fallback_flags_kernel, *flags_call(prep, scratch, scale=scale, tally=tally), keep=())
+        kept_launch(fallback_flags_kernel, *flags_call(prep, scratch, scale=scale, tally=tally))
     return prep
