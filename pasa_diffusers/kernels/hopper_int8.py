@@ -95,6 +95,7 @@ from .gluon_common import (CENTRE_ROWS, PRODUCER_WARPS, ROWS_PER_CONSUMER, SHORT
                            release, ring_barriers, round_p, row_shift, sm90_problem, tma, wait_turn, warpgroup_mma,
                            warpgroup_mma_wait)
 from .launch import kept_launch
+from .quantize import BIAS_K
 from .tuning import SMEM_LIMIT
 
 __all__ = ["int8_fwd_gluon_kernel", "forward", "kernel_call", "unsuitable_reason", "tuned_config", "shared_bytes",
@@ -111,8 +112,6 @@ keys and break even at CogVideoX's 17776 (H100, kernel alone), not at DP 128, wh
 time (the measurements: docs/notes/int8_kernel.md)."""
 SHORT_KEYS_CONFIG = {"BLOCK_N": 64, "num_stages": 3, "consumers": 3, "lazy": False, "pingpong": False}
 """The config at DP 64 for at most :data:`SHORT_KEYS` keys: 64-key tiles, three consumers (docs/notes/int8_kernel.md)."""
-BIAS_K = tl.constexpr(16)
-"""Columns of the bias rows (``quantize.BIAS_K``): the K of the bias product's bf16 wgmma."""
 A_FLOOR = tl.constexpr(2.0 ** -60)
 """The least row scale ``a_i`` the kernel divides by (a zero row, or a row past ``N_Q``, has ``a_i = 0``): the
 logits ``a_i d`` then differ from ``a_i I ks_j + bias`` by at most ``2^-60 |I ks_j|``, and ``bias / a`` stays
