@@ -1,19 +1,22 @@
-"""CPU math that gives the same bits on every x86-64 machine with AVX2: ``pin()``.
+"""CPU math that gives the same bits on every x86-64 machine with AVX2, Intel's and AMD's: ``pin()``.
 
 On the CPU, torch's results depend on the machine as well as on the thread count. MKL picks its GEMM code
-path by instruction set, ATen vectorises its reductions 8 or 16 floats wide (AVX2 or AVX-512), and oneDNN
-picks its convolution kernels and their blocking by instruction set and cache size. Each choice changes the
-summation order, so the last bits move, and a few denoising steps amplify them: on an AVX-512 machine with
+path by instruction set and vendor, ATen vectorises its reductions 8 or 16 floats wide (AVX2 or AVX-512), and
+oneDNN picks its convolution kernels and their blocking by instruction set and cache size. Each choice changes
+the summation order, so the last bits move, and a few denoising steps amplify them: on an AVX-512 machine with
 AMX, the exact-hybrid uniform(30,0.5) cell of docs/NUMERICS.md's LSE table read 4.99e-4 where the machine
 that wrote the table printed 2.4e-4, and the records of samples/compare moved (between that machine and the
 pinned math, by up to 1.06 dB of a sample's PSNR).
 
-``pin()`` asks each library for its AVX2 path (MKL's conditional numerical reproducibility, ``MKL_CBWR``;
-ATen's ``ATEN_CPU_CAPABILITY``) and turns oneDNN off, so convolutions run as im2col and an MKL GEMM. It must
-run before torch's first CPU op: each library reads its setting once. ``pasa compare`` pins on the CPU and
-the test suite pins for its whole session, so a committed number is what any such machine computes. MKL
-promises its AVX2 branch's bits on Intel processors and compatible ones; its ``COMPATIBLE`` branch (SSE2)
-would hold them wider still, at 1.34x the time of a one-sample ``pasa compare`` (50.9 s against 37.9 s here).
+``pin()`` asks MKL for its ``COMPATIBLE`` branch (conditional numerical reproducibility, ``MKL_CBWR``: SSE2
+without the approximate reciprocals, the one branch MKL runs alike on Intel and other vendors' processors),
+ATen for its AVX2 kernels (``ATEN_CPU_CAPABILITY``: plain code, the same on any AVX2 machine), and turns
+oneDNN off, so convolutions run as im2col and an MKL GEMM. It must run before torch's first CPU op: each
+library reads its setting once. ``pasa compare`` pins on the CPU and the test suite pins for its whole session,
+so a committed number is what any such machine computes. MKL's ``AVX2`` branch, pinned until 2026-12-07, holds
+its bits on Intel processors only: on others MKL runs its automatic branch instead (an AMD EPYC printed 2.44e-4
+in that LSE cell where Intel machines printed 3.2e-4), so a committed number held on one vendor's machines.
+``COMPATIBLE`` costs a one-sample ``pasa compare`` about 1.3x the time of ``AVX2`` (50.9 s against 37.9 s, 2026-12-06).
 """
 from __future__ import annotations
 
@@ -22,8 +25,8 @@ import platform
 
 __all__ = ["PORTABLE_ENV", "PORTABLE_CAPABILITY", "NotPinnedError", "portable_host", "pin"]
 
-PORTABLE_ENV = {"MKL_CBWR": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
-"""The environment that selects MKL's and ATen's AVX2 code paths."""
+PORTABLE_ENV = {"MKL_CBWR": "COMPATIBLE", "ATEN_CPU_CAPABILITY": "avx2"}
+"""The environment that selects MKL's vendor-independent branch and ATen's AVX2 kernels."""
 PORTABLE_CAPABILITY = "AVX2"
 """What ``torch.backends.cpu.get_cpu_capability()`` says once ATen runs its AVX2 kernels."""
 
@@ -38,7 +41,8 @@ class NotPinnedError(RuntimeError):
 
 
 def pin() -> bool:
-    """Select the AVX2 paths of MKL and ATen and turn oneDNN off, for this process; whether it did.
+    """Select MKL's ``COMPATIBLE`` branch and ATen's AVX2 kernels and turn oneDNN off, for this process; whether it
+    did.
 
     On a machine that is not x86-64 nothing changes and the answer is False: these paths do not exist there.
     Raises ``NotPinnedError`` when ATen already runs another path (torch ran a CPU op first, or the machine has

@@ -11,9 +11,10 @@
   variable per call); a test that wants the op to take the interpreted kernel sets it with
   ``monkeypatch.setenv``.  (Triton < 3.4 has no knobs: the variable then stays set.)  Setting
   ``TRITON_INTERPRET`` yourself is respected as it is.
-- On an x86-64 host the suite runs torch's AVX2 CPU math (``pasa_diffusers.cpu_math.pin``, before any op), so
-  the tests that check committed numbers (docs/NUMERICS.md's LSE table, samples/compare) see what any such
-  machine computes, not what this machine's AVX-512 or AMX paths round to.
+- On an x86-64 host the suite runs the pinned CPU math (``pasa_diffusers.cpu_math.pin``, before any op: MKL's
+  COMPATIBLE branch, ATen's AVX2 kernels), so the tests that check committed numbers (docs/NUMERICS.md's LSE
+  table, samples/compare) see what any such machine computes, Intel's or AMD's, not what this machine's
+  AVX-512 or AMX paths round to.
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""cpu_math.pin: torch's AVX2 CPU math, or a clear refusal once torch has chosen another path."""
+"""cpu_math.pin: MKL's vendor-independent branch and ATen's AVX2 kernels, or a clear refusal once torch has chosen
+another path."""
 from __future__ import annotations
 
 import os
@@ -11,7 +12,7 @@ import torch
 
 from pasa_diffusers import cpu_math
 
-x86_64 = pytest.mark.skipif(not cpu_math.portable_host(), reason="the AVX2 paths are x86-64's")
+x86_64 = pytest.mark.skipif(not cpu_math.portable_host(), reason="the pinned paths are x86-64's")
 
 
 def _python(code: str, **env: str) -> subprocess.CompletedProcess:
@@ -32,6 +33,23 @@ def test_a_fresh_process_pins_before_its_first_op():
                    "print(cpu_math.pin(), torch.backends.cpu.get_cpu_capability(), torch.backends.mkldnn.enabled)")
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["True", "AVX2", "False"]
+
+
+PINNED_GEMM_SHA256 = "8f31cf94f801e9434006fea25a82b2b7a0c1caed8b47c376f8d546cb22b625b7"
+"""The bits of one fp32 MKL GEMM under the pin on one thread (written on an AMD EPYC, 2026-12-07): MKL's AVX2 branch
+gave other bits on AMD processors than on Intel ones, its COMPATIBLE branch gives these on both."""
+
+
+@x86_64
+def test_a_pinned_gemm_gives_the_committed_bits():
+    """The pin's promise at its root: an MKL GEMM of logits in the thousands, the summation order behind the LSE
+    table and samples/compare, gives the bits committed from another vendor's machine."""
+    done = _python("from pasa_diffusers import cpu_math\ncpu_math.pin()\nimport hashlib, torch\n"
+                   "g = torch.Generator().manual_seed(0)\n"
+                   "a, b = torch.randn(333, 256, generator=g) * 30, torch.randn(256, 517, generator=g) * 30\n"
+                   "print(hashlib.sha256((a @ b).numpy().tobytes()).hexdigest())", OMP_NUM_THREADS="1")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == PINNED_GEMM_SHA256, "this machine's pinned MKL GEMM rounds otherwise"
 
 
 @x86_64

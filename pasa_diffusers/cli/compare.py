@@ -155,7 +155,7 @@ def validate(args: argparse.Namespace) -> None:
     LPIPS weights, device, torchrun, backends that cannot run on the device, whether a video of this size fits
     in memory (``check_memory``; a loaded video pipeline's own size, not known yet, is at least SVD's default),
     output folder (checked, not created; refused while another run holds it). Then, on the CPU, it pins torch's
-    AVX2 math (``cpu_math``) before the first torch op, so that a run gives the same bits on every x86-64
+    CPU math (``cpu_math``) before the first torch op, so that a run gives the same bits on every x86-64
     machine."""
     check_model(args.model)
     for image in args.images:
