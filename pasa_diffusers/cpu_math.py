@@ -13,10 +13,9 @@ without the approximate reciprocals, the one branch MKL runs alike on Intel and 
 ATen for its AVX2 kernels (``ATEN_CPU_CAPABILITY``: plain code, the same on any AVX2 machine), and turns
 oneDNN off, so convolutions run as im2col and an MKL GEMM. It must run before torch's first CPU op: each
 library reads its setting once. ``pasa compare`` pins on the CPU and the test suite pins for its whole session,
-so a committed number is what any such machine computes. MKL's ``AVX2`` branch, pinned until 2026-12-07, holds
-its bits on Intel processors only: on others MKL runs its automatic branch instead (an AMD EPYC printed 2.44e-4
-in that LSE cell where Intel machines printed 3.2e-4), so a committed number held on one vendor's machines.
-``COMPATIBLE`` costs a one-sample ``pasa compare`` about 1.3x the time of ``AVX2`` (50.9 s against 37.9 s, 2026-12-06).
+so a committed number is what any such machine computes. MKL's ``AVX2`` branch would hold its bits on Intel
+processors only (on others MKL runs its automatic branch: docs/NUMERICS.md's LSE section has the cell that
+moved); ``COMPATIBLE`` costs a one-sample ``pasa compare`` about 1.3x its time (50.9 s against 37.9 s).
 """
 from __future__ import annotations
 
