@@ -3,10 +3,18 @@ the interpreter's ``bin/``), found through ``sys.executable`` and not through PA
 ``pasa`` may come first and run another checkout's code (or none be found, in a venv used without activating)."""
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
 PASA = str(Path(sys.executable).with_name("pasa"))
+
+
+def default_sigint() -> None:
+    """In a child before exec (``preexec_fn``): SIGINT to its default, so that Python installs its Ctrl-C handler
+    there, as in a user's terminal.  A suite started as a background job of a non-interactive shell (``pytest &``)
+    inherits SIGINT ignored, and Python leaves an ignored SIGINT ignored: a command sent Ctrl-C would run on."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 _BATCH = r'''

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.console import PASA
+from tests.console import PASA, default_sigint
 
 from pasa_diffusers.pipelines import runlog
 
@@ -30,16 +30,9 @@ def pasa(args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run([PASA, *args], env=ENV, capture_output=True, text=True, timeout=300)
 
 
-def _default_sigint() -> None:
-    """In the child before exec: SIGINT to its default, so that Python installs its Ctrl-C handler there.  A
-    suite started as a background job of a non-interactive shell (``pytest &``) inherits SIGINT ignored,
-    and Python leaves an ignored SIGINT ignored: the run would finish instead of stopping."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def start(args: list[str]) -> subprocess.Popen:
     return subprocess.Popen([PASA, *args], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, preexec_fn=_default_sigint)
+                            text=True, preexec_fn=default_sigint)
 
 
 def logged(out: Path) -> int:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.console import PASA, run_batch
+from tests.console import PASA, default_sigint, run_batch
 
 
 FAST_S = 2.0
@@ -503,7 +503,7 @@ def test_ctrl_c_is_one_line_and_status_130_in_every_command(args, tmp_path):
     env = {**{key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"},
            "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen([PASA, *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+                               stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     assert process.stderr.readline().startswith("pasa: warning: TRITON_INTERPRET=1 is set")
     process.send_signal(signal.SIGINT)
     out, err = process.communicate(timeout=120)
@@ -574,7 +574,7 @@ def test_ctrl_c_while_the_libraries_import_is_one_line_and_status_130(args, tmp_
     script.write_text(INTERRUPT_AT_IMPORT)
     env = {**{key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, str(script), module, str(marker), *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, preexec_fn=default_sigint)
     assert marker.read_text() == module  # the interrupt came inside that import
     assert (done.returncode, done.stderr, done.stdout) == (130, f"pasa {args[0]}: interrupted (Ctrl-C)\n", "")
 
