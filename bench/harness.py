@@ -452,8 +452,9 @@ class Timer:
     fill ``rep_ms`` (at least ``min_runs``, at most ``max_runs``) after the calls that fill
     ``warmup_ms``, both counted from a first estimate.  A run is ``batch`` back-to-back calls (its time
     divided by ``batch``): with ``batch > 1`` and no flush, the host's work per call shows whenever it
-    exceeds the GPU's.  On a CPU the same with ``time.perf_counter``.  Call ``fn`` once before timing
-    it (compilation and autotuning are not timed).
+    exceeds the GPU's.  On a CPU the same with ``time.perf_counter``, where the estimating run is the first
+    timed one when no warm-up run is due (an interpreted kernel's run takes seconds).  Call ``fn`` once before
+    timing it (compilation and autotuning are not timed).
     """
 
     warmup_ms: float = 25.0
@@ -510,8 +511,8 @@ class Timer:
         warm, runs = self._counts(estimate, 1)
         for _ in range(warm):
             self._run(fn)
-        times = []
-        for _ in range(runs):
+        times = [] if warm else [estimate / self.batch]
+        for _ in range(runs - len(times)):
             t0 = time.perf_counter()
             self._run(fn)
             times.append((time.perf_counter() - t0) * 1e3 / self.batch)

@@ -100,6 +100,19 @@ def test_methods_are_checked():
         harness.parse_methods("sdpa,exact-fp64")
 
 
+@pytest.mark.parametrize("warmup_ms, rep_ms, batch, calls", [(0, 0, 1, 1), (0, 0, 3, 3), (0, 1e9, 1, 1000),
+                                                              (1e9, 0, 1, 1 + 1000 + 1)],
+                         ids=["no-warm-up", "batched", "repetitions", "warm-up"])
+def test_the_cpu_timer_times_its_estimating_run_when_no_warm_up_is_due(warmup_ms, rep_ms, batch, calls, monkeypatch):
+    """On a CPU the run that estimates the counts is the first timed one unless a warm-up run is due: with
+    neither warm-up nor repetitions asked, an interpreted kernel runs once per timing, not twice."""
+    monkeypatch.setattr(harness.torch.cuda, "is_available", lambda: False)
+    count = []
+    timer = harness.Timer(warmup_ms=warmup_ms, rep_ms=rep_ms, batch=batch, max_runs=1000)
+    assert timer(lambda: count.append(1)) >= 0
+    assert len(count) == calls
+
+
 def test_failures_are_rows(gen):
     shape = harness.Shape("test", "small", 1, 2, 2, 16, 16, 16)
     q, k, v = harness.make_inputs(shape, gen)
