@@ -6,6 +6,7 @@
 #     OUT=out/gpu_suite SHARDS=4 bash scripts/gpu_suite.sh [extra pytest arguments, e.g. -k temporal]
 #     SUITE_SECONDS=420 bash scripts/gpu_suite.sh      # under a time limit: no test starts after 420 s
 #     SHARDS=14 SHARD_RANGE=0-6 bash scripts/gpu_suite.sh   # shards 0..6 of 14 only; SHARD_RANGE=7-13 the rest
+#     TESTS=tests/test_int8.py bash scripts/gpu_suite.sh     # the gpu tests of these files or folders only
 #
 # SHARD_RANGE (first-last, default all) runs part of the split, so that a suite longer than one call's time limit
 # runs whole in two calls of half the shards each, the same SHARDS in both (the split depends on it alone).
@@ -17,6 +18,8 @@
 # Runs on a GPU machine after `pip install -e .` (docs/DEVELOPING.md); where that cannot fetch, carried wheels
 # (WHEELS, default .whl: diffusers, optionally the peers, whose tests skip without them) are installed first
 # (device_env.sh, which also stops with one line if the package or what it needs does not import).
+# TESTS (default tests) names the files or folders whose gpu-marked tests are collected: collecting all of tests/
+# imports every test module (about 20 s on a 2-core machine), one file a few seconds.
 # The test ids are split round-robin, so every shard gets a mix of shapes and variants, and shard i starts
 # i/SHARDS of the way into its list: at any time the shards run different test files, so the memory-heavy
 # parametrisations of one test (SVD's 9216 keys, float64 goldens) no longer all run at once in every shard, as they
@@ -30,7 +33,6 @@
 # other shards then rerun alone in one process (scripts/gpu_memory_retry.py, log $OUT/gpu_suite_memory.log, one
 # line printed); the exit status is non-zero if any other test failed or a rerun one failed again.
 set -uo pipefail
-. "$(dirname "$0")/device_env.sh"
 
 OUT=${OUT:-$PWD/out/gpu_suite}
 if [[ -n "${SUITE_SECONDS:-}" ]]; then  # shards start no test past this; they write their summaries and stop
@@ -57,10 +59,17 @@ if [[ -n "${SHARD_RANGE:-}" ]]; then
   first=${BASH_REMATCH[1]}
   last=${BASH_REMATCH[2]}
 fi
+read -ra paths <<< "${TESTS:-tests}"
+for path in "${paths[@]}"; do
+  if [[ ! -e "$path" ]]; then
+    echo "$0: TESTS names $path, which is not a file or folder here (run from the repository root)" >&2
+    exit 2
+  fi
+done
+. "$(dirname "$0")/device_env.sh"  # after the arguments' checks: a refusal costs no import
 mkdir -p "$OUT"
 ids="$OUT/test_ids.txt"
-python -m pytest tests -m gpu --collect-only -q -p no:cacheprovider "$@" \
-  | grep '::' > "$ids"
+python -m pytest "${paths[@]}" -m gpu --collect-only -q -p no:cacheprovider "$@" | grep '::' > "$ids"
 running=""
 (( first > 0 || last < SHARDS - 1 )) && running=", running shards $first-$last"
 echo "$(wc -l < "$ids") tests in $SHARDS shards$running"

@@ -39,7 +39,7 @@ def test_a_gpu_script_without_a_gpu_is_one_line(script, args, message, tmp_path)
 def _suite(tmp_path: Path, *pytest_args: str, path: str | None = None, **extra: str) -> subprocess.CompletedProcess:
     """``bash scripts/gpu_suite.sh`` from the checkout in one shard, this interpreter's folder first on PATH (as
     ``python`` after ``pip install -e .``), ``WHEELS`` unset; ``extra`` sets more variables (or other ``SHARDS``)."""
-    env = {key: value for key, value in os.environ.items() if key not in ("WHEELS", "TRITON_INTERPRET")}
+    env = {key: value for key, value in os.environ.items() if key not in ("WHEELS", "TRITON_INTERPRET", "TESTS")}
     env.update({"PATH": path or f"{Path(sys.executable).parent}:{env.get('PATH', '')}", "SHARDS": "1",
                 "OUT": str(tmp_path / "suite"), **extra})
     return subprocess.run(["bash", str(ROOT / "scripts" / "gpu_suite.sh"), *pytest_args], cwd=ROOT, env=env,
@@ -58,8 +58,9 @@ def test_the_gpu_suite_takes_a_shard_per_ten_gib(tmp_path, total_mib, shards):
     (fake / "nvidia-smi").write_text(f"#!/bin/sh\necho {total_mib}\n")
     (fake / "nvidia-smi").chmod(0o755)
     env = {key: value for key, value in os.environ.items()
-           if key not in ("WHEELS", "TRITON_INTERPRET", "SHARDS", "OMP_NUM_THREADS")}
-    env.update(PATH=f"{fake}:{Path(sys.executable).parent}:{env.get('PATH', '')}", OUT=str(tmp_path / "suite"))
+           if key not in ("WHEELS", "TRITON_INTERPRET", "SHARDS", "OMP_NUM_THREADS", "TESTS")}
+    env.update(PATH=f"{fake}:{Path(sys.executable).parent}:{env.get('PATH', '')}", OUT=str(tmp_path / "suite"),
+               TESTS="tests/test_lse.py")
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_suite.sh"), "-k", "test_gpu_ring_merge_of_the_default"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -70,7 +71,8 @@ def test_the_gpu_suite_takes_a_shard_per_ten_gib(tmp_path, total_mib, shards):
 @pytest.mark.slow
 def test_the_gpu_suite_needs_no_wheel_folder(tmp_path):
     """docs/DEVELOPING.md: after ``pip install -e .``, ``bash scripts/gpu_suite.sh`` (it stopped asking for a
-    ``.whl/`` folder the page never mentions).  Here the selected GPU tests skip (no CUDA); on a GPU they run."""
+    ``.whl/`` folder the page never mentions).  Here the selected GPU tests skip (no CUDA); on a GPU they run.
+    The only run here that collects all of tests/ (the others name one file in ``TESTS``)."""
     if any((ROOT / ".whl").glob("*.whl")):
         pytest.skip("this checkout carries wheels in .whl/: the suite would install them")
     done = _suite(tmp_path, "-k", "test_gpu_ring_merge_of_the_default")
@@ -104,7 +106,7 @@ def test_the_gpu_suite_starts_each_shard_at_its_own_offset(tmp_path):
     shards do not run the same test's parametrisations at the same time: together they hold every id once."""
     if any((ROOT / ".whl").glob("*.whl")):
         pytest.skip("this checkout carries wheels in .whl/: the suite would install them")
-    done = _suite(tmp_path, "-k", "test_gpu_gluon_kernel_matches_the_spec", SHARDS="3")
+    done = _suite(tmp_path, "-k", "test_gpu_gluon_kernel_matches_the_spec", SHARDS="3", TESTS="tests/test_int8.py")
     assert done.returncode == 0, done.stdout + done.stderr
     ids = (tmp_path / "suite" / "test_ids.txt").read_text().splitlines()
     assert len(ids) >= 6
@@ -120,12 +122,27 @@ def test_the_gpu_suite_runs_a_range_of_its_shards(tmp_path):
     hold every id once); a range outside the shards is refused in one line."""
     if any((ROOT / ".whl").glob("*.whl")):
         pytest.skip("this checkout carries wheels in .whl/: the suite would install them")
-    done = _suite(tmp_path, "-k", "test_gpu_gluon_kernel_matches_the_spec", SHARDS="3", SHARD_RANGE="1-2")
+    done = _suite(tmp_path, "-k", "test_gpu_gluon_kernel_matches_the_spec", SHARDS="3", SHARD_RANGE="1-2",
+                  TESTS="tests/test_int8.py")
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.splitlines()[0].endswith(" tests in 3 shards, running shards 1-2")
     suite = tmp_path / "suite"
     assert [path.name for path in sorted(suite.glob("shard_*.txt"))] == ["shard_1.txt", "shard_2.txt"]
     assert [line.split(":")[0] for line in done.stdout.splitlines()[1:3]] == ["shard 1", "shard 2"]
-    refused = _suite(tmp_path, SHARDS="3", SHARD_RANGE="2-3")
-    assert (refused.returncode, refused.stdout) == (2, "")
-    assert refused.stderr.endswith("SHARD_RANGE=2-3 must be FIRST-LAST with 0 <= FIRST <= LAST < SHARDS=3\n")
+
+
+@pytest.mark.parametrize("extra,message", [
+    ({"SHARDS": "3", "SHARD_RANGE": "2-3"}, "SHARD_RANGE=2-3 must be FIRST-LAST with 0 <= FIRST <= LAST < SHARDS=3"),
+    ({"TESTS": "tests/test_int8.py tests/nope.py"}, "TESTS names tests/nope.py, which is not a file or folder here"),
+], ids=["shard-range", "tests"])
+def test_the_gpu_suite_refuses_bad_settings_in_one_line_before_any_import(tmp_path, extra, message):
+    """A shard range outside the shards, or a test path that is not there: one line naming the setting, exit 2,
+    before the wheels or the package are looked at (a python that fails on start is never run)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").write_text("#!/bin/sh\necho ran >&2\nexit 1\n")
+    (bin_dir / "python").chmod(0o755)
+    done = _suite(tmp_path, path=f"{bin_dir}:/usr/bin:/bin", **extra)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.splitlines() == [f"{ROOT / 'scripts' / 'gpu_suite.sh'}: {message}" + (
+        " (run from the repository root)" if "TESTS" in extra else "")]
