@@ -480,6 +480,7 @@ def test_strided_views_and_tiles(gen):
 
 
 @interpreted
+@pytest.mark.slow
 @pytest.mark.parametrize("pv_bits", PV_BITS)
 def test_ranges_one_after_the_other_give_the_whole_calls_bits(monkeypatch, pv_bits, gen):
     """An 8-bit call whose pre-pass would write more than ``QUANTIZE_SHARE`` of the output runs in ranges of batch
