@@ -86,6 +86,7 @@ def test_int8_fallback_one_launch_lifts_the_ranges_and_puts_them_back():
     assert dispatch.QUANTIZE_SHARE == share and len(dispatch.key_chunks(q, q, written, share=share)) > 1
 
 
+@pytest.mark.slow
 def test_runs_as_module_from_the_root():
     run = subprocess.run([sys.executable, "-m", "bench.attention", "--help"], cwd=ROOT, capture_output=True,
                          text=True, timeout=300)

@@ -296,6 +296,7 @@ def test_skipped_blocks_give_the_kept_keys_alone(shift, precision, gen):
     assert torch.equal(masked[0], alone[0]) and torch.equal(masked[1], alone[1])
 
 
+@pytest.mark.slow
 @interpreted
 def test_key_ranges_with_a_mask_give_the_whole_calls_bits(monkeypatch, gen):
     """A call run in ranges of batch and kv head (the key pre-pass's copy) hands each range its rows of a

@@ -60,6 +60,7 @@ def test_generate_prints_a_few_lines_and_writes_its_summary_beside_the_video(tmp
     assert summary["settings"] == {"num_frames": 2, "num_inference_steps": 2, "height": 32, "width": 32, "seed": 0}
 
 
+@pytest.mark.slow
 def test_generate_in_bf16_runs_pasa_in_bf16_not_by_fallback(tmp_path, capsys):
     """In a bf16 model every "pasa" call runs the op in bf16: none falls back to SDPA but the single keys."""
     assert main(["generate", *SMALL, "--dtype", "bf16", "--attention", "pasa", "--out", str(tmp_path)]) == 0

@@ -112,6 +112,7 @@ def test_a_rerun_resumes_from_what_is_logged(finished, tmp_path):
     assert again["paired"] == first["paired"] and again["per_frame"] == first["per_frame"]
 
 
+@pytest.mark.slow
 def test_sizes_are_the_model_s_own_unless_given_and_a_size_it_would_round_is_an_error(finished, tmp_path):
     source, _ = finished
     status, err = main_in_process([*ARGS, "--seeds", "0-2", "--out", str(source)])

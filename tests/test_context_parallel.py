@@ -234,6 +234,7 @@ def test_every_call_is_the_backends_own(name, results):
         assert result["schedules"] == SCHEDULES[name]
 
 
+@pytest.mark.slow
 def test_order_restore_control_and_grad(results, single):
     one, fp32 = single["wan", "pasa"], single["wan", "fp32"]
     for result in results["wan-ring"]["ranks"]:

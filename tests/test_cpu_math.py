@@ -52,6 +52,7 @@ def test_a_pinned_gemm_gives_the_committed_bits():
     assert done.stdout.strip() == PINNED_GEMM_SHA256, "this machine's pinned MKL GEMM rounds otherwise"
 
 
+@pytest.mark.slow
 @x86_64
 def test_pinning_after_an_op_is_refused_by_name():
     """ATen reads ATEN_CPU_CAPABILITY at its first dispatch: a later pin would change nothing, so it says so.

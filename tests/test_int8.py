@@ -463,6 +463,7 @@ def test_kernel_on_input_classes(name, gen):
     _assert_model_bound(out, q, k, v, 16, name)
 
 
+@pytest.mark.slow
 @interpreted
 def test_strided_views_and_tiles(gen):
     """(B, N, H, D) views as diffusers holds them give the contiguous inputs' bits; BLOCK_N 32 and 128 give

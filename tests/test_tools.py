@@ -26,6 +26,7 @@ def test_help(name, capsys):
     assert "--out DIR" in out
 
 
+@pytest.mark.slow
 def test_runs_as_module_from_the_root():
     run = subprocess.run([sys.executable, "-m", "tools.tune_table", "--help"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)

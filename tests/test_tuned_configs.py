@@ -108,6 +108,7 @@ def test_table_is_written_with_every_kernel_picked(tuned):
         assert any(s.startswith(f"tiny {name} ") for s in entry["shapes"])
 
 
+@pytest.mark.slow
 def test_table_is_used_without_benchmarking_and_gives_the_same_bits(tuned, monkeypatch):
     out, picks, outputs = tuned
     monkeypatch.setenv(tuning.ENV, str(out / TABLE))
@@ -121,6 +122,7 @@ def test_table_is_used_without_benchmarking_and_gives_the_same_bits(tuned, monke
     assert _bench_calls() == 0
 
 
+@pytest.mark.slow
 def test_a_folder_setting_and_the_shipped_folder_find_the_gpus_table(tuned, monkeypatch):
     out, _, _ = tuned
     monkeypatch.setenv(tuning.ENV, str(out))
@@ -134,6 +136,7 @@ def test_a_folder_setting_and_the_shipped_folder_find_the_gpus_table(tuned, monk
     assert _bench_calls() == 0
 
 
+@pytest.mark.slow
 def test_pasa_tuned_0_turns_the_tables_off(tuned, monkeypatch):
     out, _, _ = tuned
     monkeypatch.setattr(tuning, "TABLE_DIR", out)
@@ -144,6 +147,7 @@ def test_pasa_tuned_0_turns_the_tables_off(tuned, monkeypatch):
     assert packed.bench_calls == 4  # every config the prune keeps (1 warp, 1 or 2 sequences, CENTRE_IN_G)
 
 
+@pytest.mark.slow
 def test_a_key_missing_from_the_table_autotunes(tuned, monkeypatch, tmp_path):
     out, picks, _ = tuned
     table = tuning.load_table(out / TABLE)
@@ -156,6 +160,7 @@ def test_a_key_missing_from_the_table_autotunes(tuned, monkeypatch, tmp_path):
     assert shift.sources[_only_key("portable.shift")] == "table" and shift.bench_calls == 0
 
 
+@pytest.mark.slow
 def test_the_key_is_the_autotuners_own(tuned):
     """The key the table is looked up by is the one Triton's autotuner caches its choice under."""
     with pytest.MonkeyPatch.context() as mp:
@@ -246,6 +251,7 @@ def test_a_bad_entry_warns_once_and_is_ignored(tuned, monkeypatch, tmp_path, cas
     assert tuning.autotuners()["packed"].sources[key] == "benchmarked"
 
 
+@pytest.mark.slow
 def test_a_table_for_another_gpu_is_ignored_with_a_warning(tuned, monkeypatch, tmp_path):
     out, _, _ = tuned
     table = {**tuning.load_table(out / TABLE), "gpu": "NVIDIA H200"}
