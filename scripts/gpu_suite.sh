@@ -19,7 +19,7 @@
 # (WHEELS, default .whl: diffusers, optionally the peers, whose tests skip without them) are installed first
 # (device_env.sh, which also stops with one line if the package or what it needs does not import).
 # TESTS (default tests) names the files or folders whose gpu-marked tests are collected: collecting all of tests/
-# imports every test module (about 20 s on a 2-core machine), one file a few seconds.
+# imports every test module (23 s on a 2-core machine), one file about 5 s.
 # The test ids are split round-robin, so every shard gets a mix of shapes and variants, and shard i starts
 # i/SHARDS of the way into its list: at any time the shards run different test files, so the memory-heavy
 # parametrisations of one test (SVD's 9216 keys, float64 goldens) no longer all run at once in every shard, as they

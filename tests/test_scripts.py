@@ -14,6 +14,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+SUITE_SETTINGS = ("WHEELS", "TRITON_INTERPRET", "TESTS", "SHARDS", "SHARD_RANGE", "SUITE_SECONDS")
+"""What ``gpu_suite.sh`` (or pytest under it) reads from the environment: a test sets its own, none leaks in."""
+
+
+def _suite_env(**settings: str) -> dict[str, str]:
+    return {**{key: value for key, value in os.environ.items() if key not in SUITE_SETTINGS}, **settings}
 
 
 @pytest.mark.parametrize("script, args, message", [
@@ -39,9 +45,8 @@ def test_a_gpu_script_without_a_gpu_is_one_line(script, args, message, tmp_path)
 def _suite(tmp_path: Path, *pytest_args: str, path: str | None = None, **extra: str) -> subprocess.CompletedProcess:
     """``bash scripts/gpu_suite.sh`` from the checkout in one shard, this interpreter's folder first on PATH (as
     ``python`` after ``pip install -e .``), ``WHEELS`` unset; ``extra`` sets more variables (or other ``SHARDS``)."""
-    env = {key: value for key, value in os.environ.items() if key not in ("WHEELS", "TRITON_INTERPRET", "TESTS")}
-    env.update({"PATH": path or f"{Path(sys.executable).parent}:{env.get('PATH', '')}", "SHARDS": "1",
-                "OUT": str(tmp_path / "suite"), **extra})
+    env = _suite_env(**{"PATH": path or f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}", "SHARDS": "1",
+                        "OUT": str(tmp_path / "suite"), **extra})
     return subprocess.run(["bash", str(ROOT / "scripts" / "gpu_suite.sh"), *pytest_args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
 
@@ -57,10 +62,9 @@ def test_the_gpu_suite_takes_a_shard_per_ten_gib(tmp_path, total_mib, shards):
     fake.mkdir()
     (fake / "nvidia-smi").write_text(f"#!/bin/sh\necho {total_mib}\n")
     (fake / "nvidia-smi").chmod(0o755)
-    env = {key: value for key, value in os.environ.items()
-           if key not in ("WHEELS", "TRITON_INTERPRET", "SHARDS", "OMP_NUM_THREADS", "TESTS")}
-    env.update(PATH=f"{fake}:{Path(sys.executable).parent}:{env.get('PATH', '')}", OUT=str(tmp_path / "suite"),
-               TESTS="tests/test_lse.py")
+    env = _suite_env(PATH=f"{fake}:{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+                     OUT=str(tmp_path / "suite"), TESTS="tests/test_lse.py")
+    env.pop("OMP_NUM_THREADS", None)  # nproc reads it
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_suite.sh"), "-k", "test_gpu_ring_merge_of_the_default"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
