@@ -7,6 +7,7 @@ import argparse
 import importlib
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import attention, harness, sparse
+from bench import ab, attention, harness, sparse
 
-ENTRY_POINTS = ("attention", "accuracy", "unet", "dit", "overhead", "temporal", "hopper", "cold_start",
+ENTRY_POINTS = ("ab", "attention", "accuracy", "unet", "dit", "overhead", "temporal", "hopper", "cold_start",
                 "video", "accumulation", "context_parallel", "int8_accuracy", "int8_fallback", "int8_spread", "sparse")
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -189,6 +190,50 @@ def test_sparse_tiny(tmp_path, monkeypatch):
     assert masked["vs_own_dense"] == pytest.approx(rows[0]["ms"] / masked["ms"])
     assert masked["vs_flex"] == pytest.approx(rows[4]["ms"] / masked["ms"])
     assert rows[2]["effective_tflops"] is None and "| random 0.5 | 0.500 | pasa |" in (tmp_path / "sparse.md").read_text()
+
+
+@pytest.mark.slow
+def test_ab_times_an_exported_copy_beside_this_checkout(tmp_path):
+    """``bench.ab`` as its docstring runs it on a CPU: ``--export`` of this checkout's folder writes a renamed copy
+    (its imports and its op's library name its own), and the run, after two processes have run every call once,
+    times both on the same inputs: each tiny shape a row from the copy's files, equal bits (the same code), equal
+    errors, a median per copy."""
+    assert ab.main(["--export", str(ROOT), str(tmp_path / "base")]) == 0
+    copy = tmp_path / "base" / "pasa_base"
+    sources = "".join(p.read_text() for p in copy.rglob("*.py"))
+    assert "pasa_diffusers" not in sources and '"pasa::' not in sources and '"pasa_base::attention"' in sources
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-m", "bench.ab", "--base", str(tmp_path / "base"), "--shapes", "tiny",
+                           "--precisions", "int8", "--inputs", "normal", "--rounds", "1", "--warmup", "0",
+                           "--compile-jobs", "2", "--out", str(tmp_path / "out")], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "ab.json").read_text())
+    assert report["base"] == str(copy / "__init__.py")
+    assert [r["shape"] for r in report["rows"]] == [s.label for s in harness.TINY]
+    for row in report["rows"]:
+        assert row["same_bits"] is True and row["base_rmse"] == row["this_rmse"] < 2e-2
+        assert row["base_ms"] > 0 and row["this_ms"] > 0 and row["ratio"] == row["this_ms"] / row["base_ms"]
+
+
+def test_ab_says_what_is_missing_in_one_line(tmp_path, capsys, monkeypatch):
+    """A ``--base`` folder without the copy, an ``--export`` over an existing copy or of an unknown revision, and a
+    run without ``--base``: each one line naming what to do, exit status 2, nothing written."""
+    (tmp_path / "base" / "pasa_base").mkdir(parents=True)
+    assert ab.main(["--export", str(ROOT), str(tmp_path / "base")]) == 2
+    assert "base/pasa_base exists; remove it or name another DIR" in capsys.readouterr().err
+    assert ab.main(["--export", "no-such-revision", str(tmp_path / "other")]) == 2
+    assert "rev='no-such-revision' is neither a folder holding pasa_diffusers/ nor a git revision" in (
+        capsys.readouterr().err)
+    with pytest.raises(SystemExit) as stop:
+        ab.main(["--shapes", "tiny"])
+    assert stop.value.code == 2 and "one of --base DIR (a run) or --export REV DIR is required" in (
+        capsys.readouterr().err)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # past the CPU's check, to the folder's
+    assert ab.main(["--base", str(tmp_path / "empty"), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "empty holds no pasa_base/ package; make one with `python -m bench.ab" in err
+    assert not (tmp_path / "other").exists() and not (tmp_path / "out").exists()
 
 
 def test_dit_runs_a_tiny_transformer_per_backend(tmp_path):
