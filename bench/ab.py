@@ -187,21 +187,6 @@ def table(rows: Sequence[Row]) -> str:
         f"{'yes' if r.same_bits else 'no'} |\n" for r in rows)
 
 
-def _precisions(text: str) -> list[str]:
-    found = [p.strip() for p in text.split(",") if p.strip()]
-    unknown = [p for p in found if p not in KERNEL_PRECISIONS]
-    if not found or unknown:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected precisions of {KERNEL_PRECISIONS}, comma-separated")
-    return found
-
-
-def _inputs(text: str) -> list[str]:
-    found = [p.strip() for p in text.split(",") if p.strip()]
-    if not found or any(p not in INPUTS for p in found):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected inputs of {tuple(INPUTS)}, comma-separated")
-    return found
-
-
 def _compile_first(args: argparse.Namespace, argv: Sequence[str]) -> None:
     """``args.compile_jobs`` processes, each running the calls of some (copy, precision) once (``--warm-only``)."""
     jobs = [(copy, precision) for copy in ("base", "this") for precision in args.precisions]
@@ -236,9 +221,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--base", metavar="DIR", help="the folder --export wrote: the copy to time against")
     harness.add_shape_arguments(p, default="dit")
     harness.add_dtype_argument(p)
-    p.add_argument("--precisions", type=_precisions, default="int8,fp8",
+    p.add_argument("--precisions", type=harness.name_list(KERNEL_PRECISIONS), default="int8,fp8",
                    help=f"the op's precisions, comma-separated, of {KERNEL_PRECISIONS} (default: int8,fp8)")
-    p.add_argument("--inputs", type=_inputs, default="normal,wide",
+    p.add_argument("--inputs", type=harness.name_list(tuple(INPUTS)), default="normal,wide",
                    help=f"the inputs, comma-separated, of {tuple(INPUTS)} (default: both)")
     p.add_argument("--rounds", type=int, default=15, help="timed rounds of one call per copy (default: 15)")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls per copy after the first (default: 3)")

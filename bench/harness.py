@@ -872,6 +872,17 @@ def add_shape_arguments(p: argparse.ArgumentParser, default: str, choices: Seque
 INPUT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def name_list(known: Sequence[str]) -> Callable[[str], list[str]]:
+    """An argparse ``type``: a comma-separated list of names of ``known`` (argparse names the flag when it refuses
+    one)."""
+    def parse(text: str) -> list[str]:
+        names = [name.strip() for name in text.split(",") if name.strip()]
+        if not names or any(name not in known for name in names):
+            raise argparse.ArgumentTypeError(f"{text!r}: expected a comma-separated list of {tuple(known)}")
+        return names
+    return parse
+
+
 def add_dtype_argument(p: argparse.ArgumentParser) -> None:
     """``--dtype``: the inputs' dtype (``float16``, SVD's; ``bfloat16``, the video transformers')."""
     p.add_argument("--dtype", choices=list(INPUT_DTYPES), default="float16",

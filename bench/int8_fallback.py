@@ -166,22 +166,6 @@ def _pv_bits(text: str) -> list[int]:
     return found
 
 
-def _inputs(text: str) -> list[str]:
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    if not names or any(name not in INPUTS for name in names):
-        raise argparse.ArgumentTypeError(f"--inputs {text!r}: expected a comma-separated list of {INPUTS}")
-    return names
-
-
-def _kernels(text: str) -> list[str]:
-    names = [name for name in text.split(",") if name]
-    unknown = [name for name in names if name not in KERNELS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"--kernels {text!r}: expected a comma-separated list of "
-                                         f"{tuple(KERNELS)}")
-    return names
-
-
 def table(rows: Sequence[dict]) -> str:
     f = harness.fmt
     return records.markdown_table(
@@ -204,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     harness.add_dtype_argument(p)
     harness.add_timer_arguments(p)
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default: 0)")
-    p.add_argument("--kernels", type=_kernels, default="gluon,portable",
+    p.add_argument("--kernels", type=harness.name_list(tuple(KERNELS)), default="gluon,portable",
                    help=f"the attention kernels on the codes, of {tuple(KERNELS)} (default: gluon,portable)")
     p.add_argument("--gluon-configs", type=_gluon_config, nargs="*", default=[],
                    metavar="BLOCK_N,STAGES,CONSUMERS[,lazy|eager][,pingpong|nopingpong]",
@@ -220,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "lifted: the ranges' cost is the difference)")
     p.add_argument("--pv-bits", type=_pv_bits, default="16",
                    help=f"P V precisions, comma-separated, of {PV_BITS} (default: 16; 8 is FP8 e4m3)")
-    p.add_argument("--inputs", type=_inputs, default=",".join(INPUTS),
+    p.add_argument("--inputs", type=harness.name_list(INPUTS), default=",".join(INPUTS),
                    help=f"the inputs, comma-separated, of {INPUTS} (default: both)")
     args = p.parse_args(argv)
     problem = harness.cpu_problem(NAME)

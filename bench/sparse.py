@@ -166,15 +166,6 @@ def methods_at(label: str, mask: BlockSparseMask, chosen: Sequence[str]) -> list
     return found
 
 
-def _names(text: str, known: Sequence[str], what: str) -> list[str]:
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in known]
-    if unknown or not names:
-        raise SystemExit(f"bench.sparse: error: --{what} {text!r}: expected a comma-separated list of "
-                         f"{', '.join(known)}")
-    return names
-
-
 def _densities(text: str) -> list[float]:
     try:
         values = [float(part) for part in text.split(",")]
@@ -217,16 +208,17 @@ def table(rows: list[dict]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     p = harness.parser(NAME, __doc__)
     p.add_argument("--shapes", choices=list(SHAPES), default="dit", help="dit (default) or tiny (a CPU)")
-    p.add_argument("--masks", default=",".join(MASKS), help=f"comma-separated of {', '.join(MASKS)} (default all)")
+    p.add_argument("--masks", type=harness.name_list(MASKS), default=",".join(MASKS),
+                   help=f"comma-separated of {', '.join(MASKS)} (default all)")
     p.add_argument("--densities", default=",".join(f"{d:g}" for d in DEFAULT_DENSITIES),
                    help="the random masks' densities, comma-separated, in (0, 1] (default 0.25,0.1,0.05)")
-    p.add_argument("--methods", default=",".join(METHODS),
+    p.add_argument("--methods", type=harness.name_list(METHODS), default=",".join(METHODS),
                    help=f"comma-separated of {', '.join(METHODS)} (default all)")
     harness.add_dtype_argument(p)
     harness.add_timer_arguments(p)
     p.add_argument("--seed", type=int, default=0, help="seed of the inputs and the random masks (default: 0)")
     args = p.parse_args(argv)
-    kinds, chosen = _names(args.masks, MASKS, "masks"), _names(args.methods, METHODS, "methods")
+    kinds, chosen = args.masks, args.methods
     densities = _densities(args.densities)
     problem = harness.cpu_problem(NAME) if {"pasa", "pasa-fp8", "portable-fp8"} & set(chosen) else None
     if problem:

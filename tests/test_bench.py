@@ -44,6 +44,24 @@ def test_accuracy_takes_the_eight_bit_shapes(capsys):
     assert stop.value.code == 2 and "invalid choice: 'eight-bits'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("name, flag, known", [
+    ("ab", "--precisions", "('hybrid', 'half', 'int8', 'fp8')"), ("ab", "--inputs", "('normal', 'wide')"),
+    ("int8_fallback", "--kernels", "('auto', 'gluon', 'portable')"),
+    ("int8_fallback", "--inputs", "('benign', 'two biases per block')"),
+    ("sparse", "--masks", "('random', 'radial', 'dense')"), ("sparse", "--methods", "('pasa', "),
+])
+def test_name_lists_are_refused_by_the_parser(name, flag, known, capsys):
+    """Every comma-separated list of names takes ``harness.name_list``: an unknown or empty entry is the parser's
+    one-line refusal naming the flag and what it takes; spaces around the names are dropped."""
+    module = importlib.import_module(f"bench.{name}")
+    for text in ("bogus", ","):
+        with pytest.raises(SystemExit) as stop:
+            module.main([flag, text])
+        err = capsys.readouterr().err.splitlines()[-1]
+        assert stop.value.code == 2 and f"argument {flag}: {text!r}: expected a comma-separated list of {known}" in err
+    assert harness.name_list(("a", "b"))(" b, a ") == ["b", "a"]
+
+
 def test_int8_fallback_gluon_configs_take_words(capsys):
     """``bench.int8_fallback --gluon-configs``: tile sizes, then any of the rescale's and the turns' words, each
     setting its config key; the rows are labelled by what the config names; an unknown word is refused."""
