@@ -9,7 +9,10 @@ Two measurements (the evidence behind the tolerance rule of tests/test_kernel_gp
    accumulators), cuBLAS with fp32 output (torch.mm(..., out_dtype=torch.float32)), cuBLAS fp16 and
    IEEE fp32 (fp32 copies, no tensor cores), against the exact float64 product: mean and RMS of the
    signed error in units of the result's ulp.  Round-to-nearest gives a mean near 0; truncation a
-   mean near -0.5 per rounding.
+   mean near -0.5 per rounding.  FP8: positive e4m3 operands, K = 128 to 8192, the tensor cores accumulating
+   in place over the whole K (FA3's ``P V``), or each 128-long chunk's product in a fresh tile added to an fp32
+   accumulator (``pasa-fp8``'s promotion of each key tile's ``P8 V8``), in units of the fp32 result's ulp: what
+   the in-place accumulation would cost the 8-bit kernel over a long sequence (docs/notes/int8_kernel.md).
 2. Attention error (relative RMSE against the float64 golden) at the paper's mean-30 cells
    (numerics.paper_inputs, (1, 28/4, 1407, 128)), with the paper's V and with zero-mean V: the
    FlashAttention-2 reference (reference.flash_reference, IEEE fp32 GEMMs), the same algorithm with
@@ -54,6 +57,31 @@ def _gemm_kernel(a_ptr, b_ptr, c_ptr, K: tl.constexpr, OUT_F16: tl.constexpr):
     tl.store(c_ptr + rows[:, None] * 64 + rows[None, :], c)
 
 
+FP8_INNER_DIMS = (128, 1024, 8192)
+FP8_CHUNK = 128
+"""The FP8 products' inner dimensions, and the chunk the promoted accumulation adds in fp32 (the 8-bit kernel's
+key tile)."""
+
+
+@triton.jit
+def _fp8_gemm_kernel(a_ptr, b_ptr, c_ptr, one, K: tl.constexpr, CHUNK: tl.constexpr, PROMOTE: tl.constexpr):
+    """One 64 x 64 tile ``C = A B`` of e4m3 operands (row-major, contiguous) over ``K`` in chunks of ``CHUNK``: the
+    tensor cores accumulate in place, or with ``PROMOTE`` each chunk's product goes to a fresh fp32 tile that is
+    added to the accumulator as ``acc + one * t`` (``one`` = 1.0 at run time: an addition of the product itself
+    would be folded into it)."""
+    rows = tl.arange(0, 64)
+    inner = tl.arange(0, CHUNK)
+    acc = tl.zeros((64, 64), dtype=tl.float32)
+    for start in range(0, K, CHUNK):
+        a = tl.load(a_ptr + rows[:, None] * K + start + inner[None, :])
+        b = tl.load(b_ptr + (start + inner)[:, None] * 64 + rows[None, :])
+        if PROMOTE:
+            acc = acc + one * tl.dot(a, b)
+        else:
+            acc = tl.dot(a, b, acc)
+    tl.store(c_ptr + rows[:, None] * 64 + rows[None, :], acc)
+
+
 def _ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The ulp of each value of ``x`` in ``dtype`` (normal range)."""
     exponent = torch.frexp(x.double()).exponent - 1
@@ -88,6 +116,28 @@ def rounding_rows(trials: int = 20) -> list[dict]:
         for name, errs in errors.items():
             e = torch.cat(errs)
             rows.append({"gemm": name, "k": k, "accumulator": "fp16" if "fp16" in name else "fp32",
+                         "mean_ulp": e.mean().item(), "rms_ulp": e.pow(2).mean().sqrt().item()})
+    return rows
+
+
+def fp8_rows(trials: int = 20) -> list[dict]:
+    """Per FP8 accumulation (in place, promoted per :data:`FP8_CHUNK`) and inner dimension: the mean and RMS signed
+    error of the fp32 result in ulps over ``trials`` draws of positive e4m3 operands."""
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for k in FP8_INNER_DIMS:
+        errors: dict[str, list[torch.Tensor]] = {}
+        for _ in range(trials):
+            a = (torch.rand(64, k, generator=gen) * 4 + 0.01).to(torch.float8_e4m3fn).cuda()
+            b = (torch.rand(k, 64, generator=gen) * 4 + 0.01).to(torch.float8_e4m3fn).cuda()
+            exact = a.double() @ b.double()
+            for promote, name in ((False, "in place"), (True, f"promoted per {FP8_CHUNK}")):
+                c = torch.empty(64, 64, dtype=torch.float32, device="cuda")
+                _fp8_gemm_kernel[(1,)](a, b, c, 1.0, K=k, CHUNK=FP8_CHUNK, PROMOTE=promote, num_warps=4)
+                errors.setdefault(name, []).append(((c.double() - exact) / _ulp(exact, c.dtype)).flatten().cpu())
+        for name, errs in errors.items():
+            e = torch.cat(errs)
+            rows.append({"gemm": f"Triton tl.dot, e4m3, fp32 {name}", "k": k, "k_steps": k // 32,
                          "mean_ulp": e.mean().item(), "rms_ulp": e.pow(2).mean().sqrt().item()})
     return rows
 
@@ -143,19 +193,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     cmd, env = harness.command(NAME, argv), harness.environment()
     with torch.no_grad():
-        rounding, attention = rounding_rows(args.trials), attention_rows()
+        rounding, fp8, attention = rounding_rows(args.trials), fp8_rows(args.trials), attention_rows()
     names = list(attention[0]["rel_rmse"])
     text = harness.header("bench.accumulation: GEMM accumulator rounding and attention error", env, cmd)
     text += "\n## GEMM rounding against the exact product\n\n" + records.markdown_table(
         ["GEMM", "K", "accumulator", "mean error (ulp)", "RMS error (ulp)"],
         [[r["gemm"], r["k"], r["accumulator"], f"{r['mean_ulp']:+.3f}", f"{r['rms_ulp']:.3f}"] for r in rounding],
         align="lrlrr")
+    text += "\n\n## FP8 products: the tensor cores in place, or promoted to fp32 per chunk\n\n"
+    text += records.markdown_table(
+        ["GEMM", "K", "k-steps of 32", "mean error (ulp)", "RMS error (ulp)"],
+        [[r["gemm"], r["k"], r["k_steps"], f"{r['mean_ulp']:+.3f}", f"{r['rms_ulp']:.3f}"] for r in fp8],
+        align="lrrrr")
     text += "\n\n## Attention: relative RMSE against the float64 golden\n\n" + records.markdown_table(
         ["cell", "V", *names],
         [[r["cell"], r["v"], *(e if isinstance(e, str) else f"{e:.3e}" for e in r["rel_rmse"].values())]
          for r in attention]) + "\n"
     harness.write_report(args.out, NAME, text, {"bench": NAME, "command": cmd, "environment": env,
-                                                "rounding": rounding, "attention": attention})
+                                                "rounding": rounding, "fp8": fp8, "attention": attention})
     print(text)
     return 0
 
