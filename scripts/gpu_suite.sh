@@ -6,10 +6,14 @@
 #     OUT=out/gpu_suite SHARDS=4 bash scripts/gpu_suite.sh [extra pytest arguments, e.g. -k temporal]
 #     SUITE_SECONDS=420 bash scripts/gpu_suite.sh      # under a time limit: no test starts after 420 s
 #     SHARDS=14 SHARD_RANGE=0-6 bash scripts/gpu_suite.sh   # shards 0..6 of 14 only; SHARD_RANGE=7-13 the rest
+#     SHARDS=14 AT_ONCE=7 bash scripts/gpu_suite.sh          # 14 shards, at most 7 running at a time
 #     TESTS=tests/test_int8.py bash scripts/gpu_suite.sh     # the gpu tests of these files or folders only
 #
 # SHARD_RANGE (first-last, default all) runs part of the split, so that a suite longer than one call's time limit
 # runs whole in two calls of half the shards each, the same SHARDS in both (the split depends on it alone).
+# AT_ONCE (default: all) caps the shards running at a time: the next one starts when one ends, so a split made for
+# a larger GPU's memory (14 shards of an H200) runs whole in one call on a smaller one (7 at a time on an H100),
+# under one SUITE_SECONDS.
 #
 # SHARDS unset: one shard per 10 GiB of the first GPU's memory, at most one per CPU (14 on an H200, 7 on an H100:
 # a shard's tests peak near 10-16 GiB; 10 shards ran an H100's 80 GiB out of memory in 48 tests, 7 in 2 of 678,
@@ -48,6 +52,10 @@ if [[ -z "${SHARDS:-}" ]]; then
     SHARDS=4
   fi
 fi
+if [[ -n "${AT_ONCE:-}" && ! "${AT_ONCE}" =~ ^[1-9][0-9]*$ ]]; then
+  echo "$0: AT_ONCE=$AT_ONCE must be a whole number of shards, at least 1" >&2
+  exit 2
+fi
 first=0
 last=$(( SHARDS - 1 ))
 if [[ -n "${SHARD_RANGE:-}" ]]; then
@@ -72,10 +80,14 @@ ids="$OUT/test_ids.txt"
 python -m pytest "${paths[@]}" -m gpu --collect-only -q -p no:cacheprovider "$@" | grep '::' > "$ids"
 running=""
 (( first > 0 || last < SHARDS - 1 )) && running=", running shards $first-$last"
+[[ -n "${AT_ONCE:-}" ]] && running+=", at most $AT_ONCE at once"
 echo "$(wc -l < "$ids") tests in $SHARDS shards$running"
 
 pids=()
 for ((i = first; i <= last; i++)); do
+  while [[ -n "${AT_ONCE:-}" ]] && (( $(jobs -rp | wc -l) >= AT_ONCE )); do
+    sleep 1
+  done
   # round-robin, then shard i starts i/SHARDS of the way into its list (wrapping round)
   awk -v n="$SHARDS" -v i="$i" 'NR % n == i { a[c++] = $0 }
       END { s = int(c * i / n); for (j = 0; j < c; j++) print a[(j + s) % c] }' "$ids" > "$OUT/shard_$i.txt"

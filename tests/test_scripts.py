@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SUITE_SETTINGS = ("WHEELS", "TRITON_INTERPRET", "TESTS", "SHARDS", "SHARD_RANGE", "SUITE_SECONDS")
+SUITE_SETTINGS = ("WHEELS", "TRITON_INTERPRET", "TESTS", "SHARDS", "SHARD_RANGE", "SUITE_SECONDS", "AT_ONCE")
 """What ``gpu_suite.sh`` (or pytest under it) reads from the environment: a test sets its own, none leaks in."""
 
 
@@ -135,11 +135,28 @@ def test_the_gpu_suite_runs_a_range_of_its_shards(tmp_path):
     assert [line.split(":")[0] for line in done.stdout.splitlines()[1:3]] == ["shard 1", "shard 2"]
 
 
+@pytest.mark.slow
+def test_the_gpu_suite_runs_its_shards_a_few_at_once(tmp_path):
+    """``AT_ONCE=1`` runs the split one shard at a time: every shard runs and says its summary, and each starts
+    (its id list written) after the one before has ended (its log's last write)."""
+    if any((ROOT / ".whl").glob("*.whl")):
+        pytest.skip("this checkout carries wheels in .whl/: the suite would install them")
+    done = _suite(tmp_path, "-k", "test_gpu_gluon_kernel_matches_the_spec", SHARDS="3", AT_ONCE="1",
+                  TESTS="tests/test_int8.py")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.splitlines()[0].endswith(" tests in 3 shards, at most 1 at once")
+    assert [line.split(":")[0] for line in done.stdout.splitlines()[1:4]] == ["shard 0", "shard 1", "shard 2"]
+    suite = tmp_path / "suite"
+    for i in (1, 2):
+        assert (suite / f"shard_{i}.txt").stat().st_mtime_ns >= (suite / f"gpu_suite_{i - 1}.log").stat().st_mtime_ns
+
+
 @pytest.mark.parametrize("extra,message", [
     ({"SHARDS": "3", "SHARD_RANGE": "2-3"}, "SHARD_RANGE=2-3 must be FIRST-LAST with 0 <= FIRST <= LAST < SHARDS=3"),
     ({"TESTS": "tests/test_int8.py tests/nope.py"},
      "TESTS names tests/nope.py, which is not a file or folder here (run from the repository root)"),
-], ids=["shard-range", "tests"])
+    ({"AT_ONCE": "0"}, "AT_ONCE=0 must be a whole number of shards, at least 1"),
+], ids=["shard-range", "tests", "at-once"])
 def test_the_gpu_suite_refuses_bad_settings_in_one_line_before_any_import(tmp_path, extra, message):
     """A shard range outside the shards, or a test path that is not there: one line naming the setting, exit 2,
     before the wheels or the package are looked at (a python that fails on start is never run)."""
