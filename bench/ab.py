@@ -100,6 +100,10 @@ def import_base(folder: str | Path):
 
 @dataclass
 class Row:
+    """One (shape, inputs, precision): each copy's median ms, ``ratio`` = this / base (< 1: this checkout is
+    faster), this checkout's TFLOP/s, each copy's relative RMSE against the float64 golden rows, and whether the two
+    outputs are equal bit for bit."""
+
     shape: str
     bhnd: str
     inputs: str
