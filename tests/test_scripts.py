@@ -104,14 +104,22 @@ def test_the_gpu_suite_says_what_it_lacks_in_one_line(tmp_path):
                            "(docs/DEVELOPING.md), or put the wheels it lacks in .whl/ (scripts/README.md)\n")
 
 
+def _three_shards(tmp_path: Path, **extra: str) -> subprocess.CompletedProcess:
+    """The suite over one gpu test's parametrisations of ``tests/test_int8.py`` in 3 shards (``extra``: more
+    settings), which must exit 0; skipped where the checkout carries wheels (the suite would install them)."""
+    if any((ROOT / ".whl").glob("*.whl")):
+        pytest.skip("this checkout carries wheels in .whl/: the suite would install them")
+    done = _suite(tmp_path, "-k", "test_gpu_gluon_kernel_matches_the_spec", SHARDS="3", TESTS="tests/test_int8.py",
+                  **extra)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
 @pytest.mark.slow
 def test_the_gpu_suite_starts_each_shard_at_its_own_offset(tmp_path):
     """The shards split the ids round-robin, and shard i starts i/SHARDS of the way into its list, so that the
     shards do not run the same test's parametrisations at the same time: together they hold every id once."""
-    if any((ROOT / ".whl").glob("*.whl")):
-        pytest.skip("this checkout carries wheels in .whl/: the suite would install them")
-    done = _suite(tmp_path, "-k", "test_gpu_gluon_kernel_matches_the_spec", SHARDS="3", TESTS="tests/test_int8.py")
-    assert done.returncode == 0, done.stdout + done.stderr
+    done = _three_shards(tmp_path)
     ids = (tmp_path / "suite" / "test_ids.txt").read_text().splitlines()
     assert len(ids) >= 6
     for i in range(3):
@@ -124,11 +132,7 @@ def test_the_gpu_suite_starts_each_shard_at_its_own_offset(tmp_path):
 def test_the_gpu_suite_runs_a_range_of_its_shards(tmp_path):
     """``SHARD_RANGE=FIRST-LAST`` runs those shards of the same split alone (a suite in two calls: the two halves
     hold every id once)."""
-    if any((ROOT / ".whl").glob("*.whl")):
-        pytest.skip("this checkout carries wheels in .whl/: the suite would install them")
-    done = _suite(tmp_path, "-k", "test_gpu_gluon_kernel_matches_the_spec", SHARDS="3", SHARD_RANGE="1-2",
-                  TESTS="tests/test_int8.py")
-    assert done.returncode == 0, done.stdout + done.stderr
+    done = _three_shards(tmp_path, SHARD_RANGE="1-2")
     assert done.stdout.splitlines()[0].endswith(" tests in 3 shards, running shards 1-2")
     suite = tmp_path / "suite"
     assert [path.name for path in sorted(suite.glob("shard_*.txt"))] == ["shard_1.txt", "shard_2.txt"]
@@ -139,11 +143,7 @@ def test_the_gpu_suite_runs_a_range_of_its_shards(tmp_path):
 def test_the_gpu_suite_runs_its_shards_a_few_at_once(tmp_path):
     """``AT_ONCE=1`` runs the split one shard at a time: every shard runs and says its summary, and each starts
     (its id list written) after the one before has ended (its log's last write)."""
-    if any((ROOT / ".whl").glob("*.whl")):
-        pytest.skip("this checkout carries wheels in .whl/: the suite would install them")
-    done = _suite(tmp_path, "-k", "test_gpu_gluon_kernel_matches_the_spec", SHARDS="3", AT_ONCE="1",
-                  TESTS="tests/test_int8.py")
-    assert done.returncode == 0, done.stdout + done.stderr
+    done = _three_shards(tmp_path, AT_ONCE="1")
     assert done.stdout.splitlines()[0].endswith(" tests in 3 shards, at most 1 at once")
     assert [line.split(":")[0] for line in done.stdout.splitlines()[1:4]] == ["shard 0", "shard 1", "shard 2"]
     suite = tmp_path / "suite"
